@@ -1,0 +1,43 @@
+import json
+
+import pytest
+
+from branchreplay.cli import main
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
+def test_verify_json_passes_for_each_tiny_arch(arch, capsys):
+    assert main(["verify", "--arch", arch, "--json", "--random-trees", "1"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["arch"] == arch and out["dtype"] == "float64" and out["passed"] is True
+    assert 0 <= out["max_rel_grad_err"] <= 1e-6 and out["max_abs_logprob_err"] <= 1e-9
+
+
+def test_verify_fails_with_exit_1_when_the_engine_is_wrong(monkeypatch, capsys):
+    """Break the engine (drop the first-token transition of every child) and check verify notices."""
+    import branchreplay.engine as engine
+
+    original = engine._Run.node_loss
+
+    def broken(self, node, hidden, parent_h):
+        return original(self, node, hidden, None if parent_h is None else parent_h.detach() * 0)
+
+    monkeypatch.setattr(engine._Run, "node_loss", broken)
+    assert main(["verify", "--arch", "llama", "--json", "--random-trees", "0"]) == 1
+    assert json.loads(capsys.readouterr().out)["passed"] is False
+
+
+def test_verify_lists_supported_families(capsys):
+    assert main(["verify", "--list"]) == 0
+    assert "llama" in capsys.readouterr().out
+
+
+def test_bench_json_keys(capsys):
+    assert main(["bench", "--scenario", "shared-prompt", "--prompt-tokens", "64", "--generations", "2",
+                 "--response-tokens", "8", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("logical_tokens", "physical_tokens", "token_ratio", "naive_s", "replay_s", "speedup",
+                "naive_peak_bytes", "replay_peak_bytes", "max_rel_grad_err"):
+        assert key in out
+    assert out["logical_tokens"] == 2 * 72 and out["physical_tokens"] == 64 + 16
+    assert out["max_rel_grad_err"] <= 1e-4
