@@ -10,7 +10,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from branchreplay.engine import replay_backward, replay_logprobs
+from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import TINY_ARCHS, tiny_model
 from branchreplay.numerics import keep_float64
@@ -34,11 +34,12 @@ def _grads(model):
 
 def compare(model, rollouts, loss, temperature=1.0, **engine_kw):
     """Run naive and replay on the same model; return (grad err, max logprob err, loss err, grad norm)."""
+    engine = EngineConfig(**engine_kw)
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, loss, temperature=temperature)
     g_naive = _grads(model)
     model.zero_grad(set_to_none=True)
-    replay = replay_backward(model, RolloutTree(rollouts), loss, temperature=temperature, **engine_kw)
+    replay = replay_backward(model, RolloutTree(rollouts), loss, temperature=temperature, engine=engine)
     g_replay = _grads(model)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
     norm = sum(g.abs().sum().item() for g in g_naive)
@@ -89,13 +90,26 @@ def test_clipping_is_active_and_still_exact():
     assert norm > 0 and grad_err <= 1e-6
 
 
-@pytest.mark.parametrize("max_pack_tokens", [1, 7, 10_000])
-def test_packing_does_not_change_gradients(max_pack_tokens):
+@pytest.mark.parametrize("replay", ["keep", "replay"])
+@pytest.mark.parametrize("max_pack_tokens, chunk_tokens", [(1, 4096), (7, 3), (10_000, 5), (10_000, 4096)])
+def test_packing_chunking_and_replay_do_not_change_gradients(max_pack_tokens, chunk_tokens, replay):
     g = torch.Generator().manual_seed(3)
     model = _model("llama", torch.float64)
     rollouts = make_rollouts(SHAPES["multi-turn"](model.config.vocab_size, g), g)
-    grad_err, lp_err, _, _ = compare(model, rollouts, GRPOLoss(), max_pack_tokens=max_pack_tokens, head_chunk_tokens=5)
+    grad_err, lp_err, _, _ = compare(model, rollouts, GRPOLoss(), max_pack_tokens=max_pack_tokens,
+                                     chunk_tokens=chunk_tokens, head_chunk_tokens=5, replay=replay)
     assert grad_err <= 1e-6 and lp_err <= 1e-9
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gpt2"])
+def test_chunks_across_a_sliding_window_with_replay(arch):
+    """Chunks shorter than, equal to and longer than Mistral's window (16), replayed."""
+    g = torch.Generator().manual_seed(8)
+    model = _model(arch, torch.float64)
+    rollouts = make_rollouts(shared_prompt(50, 4, 20, model.config.vocab_size, g), g)
+    for chunk in (5, 16, 23):
+        grad_err, lp_err, _, _ = compare(model, rollouts, GRPOLoss(), chunk_tokens=chunk, replay="replay")
+        assert grad_err <= 1e-6 and lp_err <= 1e-9, (chunk, grad_err, lp_err)
 
 
 def test_eager_attention_uses_an_additive_mask():

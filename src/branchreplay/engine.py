@@ -19,6 +19,7 @@ loss, in chunks under activation checkpointing, so no [positions x vocab] tensor
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -49,14 +50,40 @@ class ReplayResult:
     stats: TreeStats
 
 
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the execution stack runs a tree. None of these change the result, only time and memory.
+
+    max_pack_tokens: most tokens of sibling nodes run as one pack (one query sequence against one copy of their
+        prefix K/V); a longer node runs alone. Memory of the tree mask: pack x (prefix + pack) bytes.
+    chunk_tokens: a node longer than this runs as a chain of chunks of at most this many tokens, each against the
+        K/V of the ones before it.
+    head_chunk_tokens: rows of the LM head computed at once (memory: head_chunk_tokens x vocab floats).
+    replay: "keep" holds every pack's activations until its backward; "replay" holds only the K/V and last hidden
+        state it hands to its children and recomputes its forward just before its backward (one more forward per
+        pack, activation memory of one pack at a time).
+    """
+
+    max_pack_tokens: int = 4096
+    chunk_tokens: int = 4096
+    head_chunk_tokens: int = 512
+    replay: str = "keep"
+
+    def __post_init__(self):
+        for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
+        if self.replay not in ("keep", "replay"):
+            raise ValueError(f"EngineConfig.replay must be 'keep' or 'replay', got {self.replay!r}")
+
+
 def replay_backward(
     model,
     trees: RolloutTree | list[RolloutTree],
     loss: LossFn,
     *,
     temperature: float = 1.0,
-    max_pack_tokens: int = 4096,
-    head_chunk_tokens: int = 512,
+    engine: EngineConfig = EngineConfig(),
 ) -> ReplayResult:
     """Forward and backward of `loss` over every rollout of `trees`, each unique position computed once.
 
@@ -69,14 +96,13 @@ def replay_backward(
         trees: one tree or a list of them (e.g. one per prompt group).
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
-        max_pack_tokens: most tokens of sibling nodes run as one pack (a longer node runs alone).
-        head_chunk_tokens: rows of the LM head computed at once (memory: chunk x vocab floats).
+        engine: packing, chunking and replay options (`EngineConfig`).
     Raises:
         UnsupportedModelError: the model's family or attention implementation is not supported.
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
-    return _replay(model, trees, loss, temperature, max_pack_tokens, head_chunk_tokens, train=True)
+    return _replay(model, trees, loss, temperature, engine)
 
 
 @torch.no_grad()
@@ -85,21 +111,18 @@ def replay_logprobs(
     trees: RolloutTree | list[RolloutTree],
     *,
     temperature: float = 1.0,
-    max_pack_tokens: int = 4096,
-    head_chunk_tokens: int = 512,
+    engine: EngineConfig = EngineConfig(),
 ) -> ReplayResult:
     """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
     rollout alone. Same arguments and errors as `replay_backward`."""
-    return _replay(model, trees, None, temperature, max_pack_tokens, head_chunk_tokens, train=False)
+    return _replay(model, trees, None, temperature, engine)
 
 
-def _replay(model, trees, loss, temperature, max_pack_tokens, head_chunk_tokens, train) -> ReplayResult:
+def _replay(model, trees, loss, temperature, engine: EngineConfig) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if max_pack_tokens < 1 or head_chunk_tokens < 1:
-        raise ValueError("max_pack_tokens and head_chunk_tokens must be >= 1")
-    run = _Run(model, temperature, max_pack_tokens, head_chunk_tokens, loss if train else None)
+    run = _Run(model, temperature, engine, loss)
     logprobs, entropy, total, stats = [], [], 0.0, None
     for tree in trees:
         run.check(tree)
@@ -107,7 +130,7 @@ def _replay(model, trees, loss, temperature, max_pack_tokens, head_chunk_tokens,
         run.logprobs = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
         run.entropy = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
         run.loss_value = 0.0
-        run.children(tree.root, ancestors=[], parent_h=None)
+        run.children(_chunked(tree.root, engine.chunk_tokens), ancestors=[], parent_h=None)
         logprobs += run.logprobs
         entropy += run.entropy
         total += run.loss_value
@@ -118,7 +141,7 @@ def _replay(model, trees, loss, temperature, max_pack_tokens, head_chunk_tokens,
 class _Run:
     """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
 
-    def __init__(self, model, temperature, max_pack_tokens, head_chunk_tokens, loss):
+    def __init__(self, model, temperature: float, engine: EngineConfig, loss):
         self.family = family_of(model)
         self.config = model.config
         self.decoder, self.head = decoder_and_head(model)
@@ -129,8 +152,9 @@ class _Run:
         self.device = self.head.weight.device
         self.vocab_size = self.head.weight.shape[0]
         self.temperature = temperature
-        self.max_pack_tokens = max_pack_tokens
-        self.head_chunk_tokens = head_chunk_tokens
+        self.max_pack_tokens = engine.max_pack_tokens
+        self.head_chunk_tokens = engine.head_chunk_tokens
+        self.replay = engine.replay == "replay"
         self.loss = loss
         _check_no_dropout(model)
 
@@ -159,40 +183,55 @@ class _Run:
             self.pack(pack, parent.end, prefix, ancestors, parent_h)
 
     def pack(self, nodes: list[Node], P: int, prefix: KV | None, ancestors: list[KV], parent_h) -> None:
-        hidden, new_kv = self.forward(nodes, P, prefix)  # [S, H], per layer [1, H_kv, S, D]
-        pack_loss, outputs, grads = None, [], []
-        offset = 0
-        for node in nodes:
-            L = len(node)
-            node_loss = self.node_loss(node, hidden[offset : offset + L], parent_h)
-            if node_loss is not None:
-                pack_loss = node_loss if pack_loss is None else pack_loss + node_loss
-            if node.children:
-                kv = [(k[:, :, offset : offset + L], v[:, :, offset : offset + L]) for k, v in new_kv]
-                h_last = hidden[offset + L - 1]
-                if self.loss is None:
-                    self.children(node, ancestors + [kv], h_last)
-                else:
-                    kv_leaves = [(_leaf(k), _leaf(v)) for k, v in kv]
-                    h_leaf = _leaf(h_last)
-                    self.children(node, ancestors + [kv_leaves], h_leaf)
-                    for (k, v), (k_leaf, v_leaf) in zip(kv, kv_leaves):
-                        for out, leaf in ((k, k_leaf), (v, v_leaf)):
-                            if leaf.grad is not None:
-                                outputs.append(out)
-                                grads.append(leaf.grad)
-                    if h_leaf.grad is not None:
-                        outputs.append(h_last)
-                        grads.append(h_leaf.grad)
-            offset += L
-        if self.loss is None:
+        """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
+
+        Kept: the pack's autograd graph lives while its subtrees run. Replayed: the first forward runs without a
+        graph (only the K/V and last hidden states handed to the children are kept) and is recomputed, with a
+        graph, just before the backward: the same values, since it is the same computation on the same inputs."""
+        train = self.loss is not None
+        replay = train and self.replay
+        with torch.no_grad() if replay else contextlib.nullcontext():
+            hidden, new_kv = self.forward(nodes, P, prefix)  # [S, H], per layer [1, H_kv, S, D]
+        pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
+        spans = _spans(nodes)
+        leaves = []  # (span, K/V leaves per layer, last hidden leaf) of the nodes with children
+        for node, a, b in spans:
+            if not node.children:
+                continue
+            kv = [(k[:, :, a:b], v[:, :, a:b]) for k, v in new_kv]
+            if not train:
+                self.children(node, ancestors + [kv], hidden[b - 1])
+                continue
+            kv_leaves, h_leaf = [(_leaf(k), _leaf(v)) for k, v in kv], _leaf(hidden[b - 1])
+            self.children(node, ancestors + [kv_leaves], h_leaf)
+            leaves.append(((a, b), kv_leaves, h_leaf))
+        if not train:
             return
+        if replay:
+            hidden, new_kv = self.forward(nodes, P, prefix)
+            pack_loss = self.pack_loss(nodes, hidden, parent_h)
+        outputs, grads = [], []
+        for (a, b), kv_leaves, h_leaf in leaves:
+            for (k, v), (k_leaf, v_leaf) in zip(new_kv, kv_leaves):
+                for out, leaf in ((k[:, :, a:b], k_leaf), (v[:, :, a:b], v_leaf)):
+                    if leaf.grad is not None:
+                        outputs.append(out)
+                        grads.append(leaf.grad)
+            if h_leaf.grad is not None:
+                outputs.append(hidden[b - 1])
+                grads.append(h_leaf.grad)
         if pack_loss is not None:
             self.loss_value += pack_loss.item()
             outputs.append(pack_loss)
             grads.append(torch.ones_like(pack_loss))
         if outputs:
             torch.autograd.backward(outputs, grads)
+
+    def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_h) -> torch.Tensor | None:
+        """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode)."""
+        losses = [self.node_loss(node, hidden[a:b], parent_h) for node, a, b in _spans(nodes)]
+        losses = [x for x in losses if x is not None]
+        return torch.stack(losses).sum() if losses else None
 
     # -- one pack's forward -----------------------------------------------------------------------------------------
 
@@ -207,7 +246,9 @@ class _Run:
         out = self.decoder(
             input_ids=tokens,
             position_ids=(P + local)[None],
-            attention_mask=self.masks(P, local, segment),
+            # One node: the ordinary causal (or sliding-window) mask with offset P, which transformers builds itself
+            # (and SDPA may then skip); several: the tree mask.
+            attention_mask=self.masks(P, local, segment) if len(nodes) > 1 else None,
             cache=cache,
             use_cache=True,
         )
@@ -318,6 +359,29 @@ def _packs(nodes: list[Node], max_tokens: int) -> list[list[Node]]:
     if current:
         packs.append(current)
     return packs
+
+
+def _chunked(root: Node, chunk_tokens: int) -> Node:
+    """A copy of the tree under `root` in which every node longer than `chunk_tokens` is a chain of chunks."""
+    new_root = Node(root.tokens, root.start, root.rollouts)
+    todo = [(child, new_root) for child in reversed(root.children)]
+    while todo:
+        node, parent = todo.pop()
+        for a in range(0, len(node), chunk_tokens):
+            piece = Node(node.tokens[a : a + chunk_tokens], node.start + a, node.rollouts)
+            parent.children.append(piece)
+            parent = piece
+        todo.extend((child, parent) for child in reversed(node.children))
+    return new_root
+
+
+def _spans(nodes: list[Node]) -> list[tuple[Node, int, int]]:
+    """(node, start, end) of each node's positions within its pack's query sequence."""
+    out, offset = [], 0
+    for node in nodes:
+        out.append((node, offset, offset + len(node)))
+        offset += len(node)
+    return out
 
 
 def _concat_kv(ancestors: list[KV]) -> KV | None:

@@ -62,7 +62,8 @@ def tiny_config(arch: str, **overrides) -> PretrainedConfig:
         if overrides.get("num_key_value_heads", kw["num_attention_heads"]) != kw["num_attention_heads"]:
             raise ValueError("gpt2 has no grouped-query attention: num_key_value_heads must equal num_attention_heads")
         kw = {_GPT2_NAMES.get(k, k): v for k, v in kw.items() if k not in ("num_key_value_heads", "attention_dropout")}
-        kw.update(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+        no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
+        kw = {**no_dropout, **kw}
         return transformers.GPT2Config(**kw)
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     return AutoConfig.for_model(arch, **kw)

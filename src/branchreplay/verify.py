@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .engine import replay_backward, replay_logprobs
+from .engine import EngineConfig, replay_backward, replay_logprobs
 from .losses import GRPOLoss
 from .numerics import keep_float64
 from .reference import max_rel_grad_err, naive_backward
@@ -60,7 +60,8 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
         naive = naive_backward(model, rollouts, loss, temperature=temperature)
         g_naive = [_grad(p) for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        replay = replay_backward(model, tree, loss, temperature=temperature, max_pack_tokens=64)
+        engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="replay" if len(results) % 2 else "keep")
+        replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine)
         g_replay = [_grad(p) for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         grad_err = max_rel_grad_err(g_replay, g_naive)

@@ -1,0 +1,134 @@
+"""Reward functions and their combination, with TRL's conventions.
+
+A reward function is called with keyword arguments only (TRL ``GRPOTrainer``): ``prompts`` (list, B),
+``completions`` (list[str], B), ``completion_ids`` (list[list[int]], B) and every dataset column as a list of B
+values (e.g. ``answer``, ``metadata``). It returns a list of B rewards (float), where ``None`` means "this function
+gives no reward for that sample". Functions should accept ``**kwargs`` so that unused columns are ignored.
+
+:func:`compute_rewards` combines several functions exactly as TRL's ``GRPOTrainer._calculate_rewards`` does: one
+column per function in a [B, n_funcs] float32 tensor with None -> NaN, then ``nansum(per_func * weights, dim=1)``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+import warnings
+from collections.abc import Callable
+
+import torch
+from reasoning_gym.dataset import ProceduralDataset
+
+from branchreplay.tasks import extract_answer
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned something other than a list with one reward per completion."""
+
+
+def reasoning_gym_reward(dataset: ProceduralDataset) -> Callable[..., list[float]]:
+    """A reward function grading with ``dataset.score_answer``.
+
+    The returned function needs the dataset columns ``answer`` (gold answer strings) and ``metadata`` (dicts), as in
+    reasoning-gym items. Reward per sample: ``dataset.score_answer(extract_answer(completion), item)`` in [0, 1]
+    (1 = correct, partial credit for some tasks); a completion without ``<answer>`` tags scores 0.0.
+    """
+
+    def reward(completions: list[str], answer: list[str], metadata: list[dict], **kwargs) -> list[float]:
+        return [
+            float(dataset.score_answer(extract_answer(c), {"answer": a, "metadata": m}))
+            for c, a, m in zip(completions, answer, metadata, strict=True)
+        ]
+
+    reward.__name__ = f"reasoning_gym_{type(dataset).__name__}"
+    return reward
+
+
+def math_verify_reward(prompts, completions, completion_ids, answer, **kwargs) -> list[float | None]:
+    """Math equivalence reward with math-verify (as TRL's ``trl.rewards.accuracy_reward``).
+
+    For each sample, the gold ``answer`` (str) and the completion's ``<answer>`` content (the whole completion if
+    it has no tags) are parsed with ``math_verify.parse`` and compared with ``math_verify.verify``, so ``\\frac{1}{2}``
+    and ``0.5`` match. Returns 1.0 or 0.0 per sample, or None where the gold answer cannot be parsed (TRL skips such
+    samples the same way). Requires the ``math-verify`` package; timeouts (signal-based) apply only in the main thread.
+    """
+    from math_verify import parse, verify
+
+    timeout = 5 if threading.current_thread() is threading.main_thread() else None
+    rewards: list[float | None] = []
+    for completion, gold in zip(completions, answer, strict=True):
+        gold_parsed = parse(str(gold), parsing_timeout=timeout)
+        if not gold_parsed:
+            rewards.append(None)
+            continue
+        tagged = extract_answer(completion)
+        predicted = parse(completion if tagged is None else tagged, parsing_timeout=timeout)
+        rewards.append(float(verify(gold_parsed, predicted, timeout_seconds=timeout)))
+    return rewards
+
+
+def load_reward_function(spec: str) -> Callable:
+    """Import a reward function from ``"package.module:function"``.
+
+    Raises:
+        ValueError: ``spec`` is not of the form ``module:attribute``.
+        ImportError: the module cannot be imported.
+        AttributeError: the module has no such attribute.
+        TypeError: the attribute is not callable.
+    """
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr or ":" in attr:
+        raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as e:
+        raise ImportError(f"cannot import module {module_name!r} of reward function spec {spec!r}: {e}") from e
+    try:
+        func = getattr(module, attr)
+    except AttributeError as e:
+        raise AttributeError(f"module {module_name!r} has no attribute {attr!r} (reward function spec {spec!r})") from e
+    if not callable(func):
+        raise TypeError(f"{spec!r} is a {type(func).__name__}, not a callable reward function")
+    return func
+
+
+def compute_rewards(
+    funcs: list[Callable],
+    weights: list[float] | None,
+    *,
+    prompts: list,
+    completions: list[str],
+    completion_ids: list[list[int]],
+    columns: dict[str, list],
+) -> torch.Tensor:
+    """Weighted sum of several reward functions, per sample. Returns a float32 tensor of shape [B].
+
+    Semantics of TRL ``GRPOTrainer._calculate_rewards``: function i fills column i of a [B, n_funcs] tensor (None ->
+    NaN); ``weights`` (default all 1.0, length n_funcs) multiply the columns; the result is ``nansum`` over functions,
+    so a None is skipped and a sample with None from every function gets 0.0 (with a warning, as in TRL).
+
+    Raises:
+        ValueError: no functions, or ``weights`` of the wrong length.
+        RewardFunctionError: a function raised (chained), or returned a non-list or a list whose length is not B.
+    """
+    if not funcs:
+        raise ValueError("compute_rewards needs at least one reward function")
+    batch = len(completions)
+    weights = [1.0] * len(funcs) if weights is None else list(weights)
+    if len(weights) != len(funcs):
+        raise ValueError(f"{len(weights)} reward weights for {len(funcs)} reward functions")
+    per_func = torch.empty(batch, len(funcs), dtype=torch.float32)
+    for i, func in enumerate(funcs):
+        name = getattr(func, "__name__", repr(func))
+        try:
+            out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
+        except Exception as e:
+            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+        if not isinstance(out, list) or len(out) != batch:
+            got = f"a list of length {len(out)}" if isinstance(out, list) else f"a {type(out).__name__}"
+            raise RewardFunctionError(f"reward function {name!r} returned {got}; expected a list of length {batch}")
+        per_func[:, i] = torch.tensor([float("nan") if r is None else float(r) for r in out], dtype=torch.float32)
+    if batch and torch.isnan(per_func).all(dim=1).any():
+        rows = torch.isnan(per_func).all(dim=1).nonzero().flatten().tolist()
+        warnings.warn(f"all reward functions returned None for samples {rows}; their reward is 0.0", stacklevel=2)
+    return (per_func * torch.tensor(weights, dtype=torch.float32)).nansum(dim=1)

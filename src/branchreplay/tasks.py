@@ -1,0 +1,110 @@
+"""Training tasks: reasoning-gym datasets, chat prompts and answer extraction.
+
+A task is a procedurally generated reasoning-gym dataset (offline, deterministic given a seed). Each item is a dict
+with ``question`` (str), ``answer`` (str, the gold answer) and ``metadata`` (dict); ``dataset.score_answer(answer,
+item)`` grades an extracted answer in [0, 1] (see :mod:`branchreplay.rewards`).
+
+The default task and its configuration were chosen by measuring SmolLM2-135M-Instruct's base accuracy
+(``scripts/measure_base_accuracy.py``, results in ``docs/default_task.md``): the base model must be neither always
+wrong (no reward signal) nor always right (nothing to learn).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from dataclasses import dataclass, field
+
+import reasoning_gym
+from reasoning_gym.dataset import ProceduralDataset
+from reasoning_gym.factory import DATASETS
+from reasoning_gym.utils import extract_answer as _rg_extract_answer
+
+SYSTEM_PROMPT = (
+    "Think briefly, then give the final answer inside <answer></answer> tags, "
+    "for example <answer>42</answer>."
+)
+
+EVAL_SEED_OFFSET = 10_000
+"""The held-out split uses seed ``TaskConfig.seed + EVAL_SEED_OFFSET``."""
+
+_SHOWN_TASKS = 30  # how many known task names an "unknown task" error lists
+
+
+@dataclass
+class TaskConfig:
+    """Which reasoning-gym dataset to train on, and how big the splits are.
+
+    Attributes:
+        name: a reasoning-gym dataset name (see :func:`known_tasks`).
+        size: number of training examples.
+        eval_size: number of held-out examples.
+        seed: seed of the training split; the held-out split uses ``seed + EVAL_SEED_OFFSET``.
+        config: keyword arguments for the dataset's config class, passed as
+            ``reasoning_gym.create_dataset(name, size=, seed=, **config)``.
+    """
+
+    name: str = "chain_sum"
+    size: int = 512
+    eval_size: int = 64
+    seed: int = 0
+    config: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+
+
+def known_tasks() -> list[str]:
+    """Names of all datasets registered in reasoning-gym, sorted."""
+    return sorted(DATASETS)
+
+
+def load_task(cfg: TaskConfig) -> tuple[ProceduralDataset, ProceduralDataset]:
+    """Build the (train, eval) datasets of ``cfg``.
+
+    Both splits come from the same generator with different seeds, so their questions are (almost surely) distinct.
+
+    Raises:
+        ValueError: unknown task name (the message lists known names and close matches); a ``config`` key the
+            dataset's config class does not have, or ``size``/``seed`` given in ``config`` (the message names it);
+            a config value the dataset's own validation rejects.
+    """
+    if cfg.name not in DATASETS:
+        raise ValueError(_unknown_task_message(cfg.name))
+    _check_config_keys(cfg.name, cfg.config)
+    return _create(cfg, cfg.size, cfg.seed), _create(cfg, cfg.eval_size, cfg.seed + EVAL_SEED_OFFSET)
+
+
+def build_messages(question: str) -> list[dict]:
+    """Chat messages for one question: ``[system (SYSTEM_PROMPT), user (question)]``."""
+    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+
+
+def extract_answer(completion: str) -> str | None:
+    """The stripped text inside the last ``<answer>...</answer>`` pair of ``completion``; None if there is none."""
+    return _rg_extract_answer(completion)
+
+
+def _create(cfg: TaskConfig, size: int, seed: int) -> ProceduralDataset:
+    try:
+        return reasoning_gym.create_dataset(cfg.name, size=size, seed=seed, **cfg.config)
+    except AssertionError as e:  # reasoning-gym validates configs with assert
+        raise ValueError(f"invalid config for task {cfg.name!r} {cfg.config}: {e}") from e
+
+
+def _check_config_keys(name: str, config: dict) -> None:
+    allowed = {f.name for f in dataclasses.fields(DATASETS[name][1])} - {"size", "seed"}
+    for key in config:
+        if key in ("size", "seed"):
+            raise ValueError(f"config key {key!r} for task {name!r}: set TaskConfig.{key} instead")
+        if key not in allowed:
+            raise ValueError(f"unknown config key {key!r} for task {name!r}; allowed keys: {sorted(allowed)}")
+
+
+def _unknown_task_message(name: str) -> str:
+    names = known_tasks()
+    close = difflib.get_close_matches(name, names, n=3)
+    hint = f" Did you mean {', '.join(close)}?" if close else ""
+    shown = ", ".join(names[:_SHOWN_TASKS])
+    more = f", ... ({len(names) - _SHOWN_TASKS} more)" if len(names) > _SHOWN_TASKS else ""
+    return (
+        f"unknown task {name!r}.{hint} Known tasks ({len(names)}): {shown}{more}. "
+        "See branchreplay.tasks.known_tasks() for the full list."
+    )

@@ -1,0 +1,508 @@
+"""The GRPO training loop, with the loss and its gradients computed over prefix trees (one tree per prompt group).
+
+One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`):
+  1. take `prompts_per_step` prompts of the train split: epochs of a permutation seeded by (train.seed, epoch), so
+     step s always gets the same prompts, resumed or not;
+  2. chat-template each prompt and sample G completions with the prompt prefilled once (`sampling.sample_group`),
+     with a torch.Generator seeded by (train.seed, s);
+  3. decode the completions, score them (`rewards.compute_rewards`), and turn the rewards into group-relative
+     advantages (`advantages.group_advantages`);
+  4. rollouts = prompt ids + sampled ids (never re-tokenized), loss mask 1 on the completion; per-token weights by
+     `losses.token_weights(loss_type)` over the WHOLE step, so micro-batching does not change the gradient;
+  5. num_iterations > 1: old logprobs of the sampling policy by `replay_logprobs` before the first update (with 1,
+     the ratio is against the detached current logprobs, as TRL); beta > 0: reference logprobs of the frozen
+     initial model;
+  6. per update: `replay_backward` over micro-batches of trees, clip the gradient norm, AdamW, LR schedule.
+Departures from TRL: a group whose advantages are all zero (all rewards equal) is skipped in step 6 when beta and
+entropy_coef are 0, since its gradient is exactly zero; so `entropy` and `clip_ratio/*` are over the groups that
+trained. The model stays in eval mode: dropout would break the equality with the per-rollout computation.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import json
+import os
+import resource
+import signal
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.table import Table
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+from .advantages import group_advantages, group_std
+from .checkpoint import latest_checkpoint, load_checkpoint, load_weights, save_checkpoint
+from .config import Config, apply_overrides
+from .engine import ReplayResult, replay_backward, replay_logprobs
+from .losses import GRPOLoss, token_weights
+from .models import chat_prompt_ids, load_model
+from .rewards import RewardFunctionError, compute_rewards, reasoning_gym_reward
+from .sampling import Sample, SamplingConfig, sample_group
+from .tasks import build_messages, load_task
+from .tree import Rollout, RolloutTree
+
+
+class TrainingInterrupted(RuntimeError):
+    """SIGINT/SIGTERM stopped training after a checkpoint was written; `run_dir` is the folder to resume."""
+
+    def __init__(self, run_dir: Path, step: int):
+        super().__init__(f"training stopped after step {step}; checkpoint saved. Resume with: "
+                         f"branchreplay train --resume {run_dir}")
+        self.run_dir, self.step = run_dir, step
+
+
+@dataclass
+class Batch:
+    """One step's samples. Groups in prompt order; flat [B] tensors are group-major (B = groups x G).
+
+    prompt_ids: per group, the chat-templated prompt ids. samples: per group, G `Sample`s.
+    rollouts: per group, G `Rollout`s with advantages and weights. rewards, advantages: [B] float32.
+    reward_std: [B] std of each sample's group (of the batch with scale_rewards="batch"), as TRL logs it.
+    """
+
+    prompt_ids: list[list[int]]
+    samples: list[list[Sample]]
+    rollouts: list[list[Rollout]]
+    rewards: torch.Tensor
+    advantages: torch.Tensor
+    reward_std: torch.Tensor
+
+
+class Trainer:
+    """GRPO over prefix trees. Everything is built from `config` unless injected (tests inject a tiny model, a
+    character tokenizer, a list of {question, answer, ...} items and a reward function with TRL's signature)."""
+
+    def __init__(self, config: Config, model=None, tokenizer=None, train_data=None, eval_data=None, reward_fn=None,
+                 console: Console | None = None):
+        self.config, self.console = config, console or Console()
+        if model is None:
+            device = config.model.device
+            device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+            model, tokenizer = load_model(config.model.spec, dtype=getattr(torch, config.model.dtype))
+            model.to(device)
+        if tokenizer is None:
+            raise ValueError(f"model.spec={config.model.spec!r} comes without a tokenizer; training needs one")
+        if train_data is None:
+            train_data, eval_data = load_task(config.task)
+        self.model, self.tokenizer = model.eval(), tokenizer
+        self.train_data, self.eval_data = train_data, eval_data
+        self.reward_fn = reward_fn or reasoning_gym_reward(train_data)
+        self.eos_ids = eos_token_ids(model, tokenizer)
+        self.ref_model = None
+        if config.grpo.beta > 0:  # frozen initial weights; copied before any checkpoint is loaded
+            self.ref_model = copy.deepcopy(model).requires_grad_(False)
+        g = config.grpo
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = torch.optim.AdamW(self.params, lr=g.learning_rate, weight_decay=g.weight_decay)
+        schedule = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
+        extra = {"num_training_steps": config.train.steps * g.num_iterations} if g.lr_scheduler == "cosine" else {}
+        self.scheduler = schedule[g.lr_scheduler](self.optimizer, num_warmup_steps=g.warmup_steps, **extra)
+        self.step, self.num_tokens = 0, 0
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+
+    def generate(self, step: int) -> Batch:
+        """Sample, score and build the rollouts of `step` (>= 1). Raises RewardFunctionError from the reward."""
+        cfg, G = self.config, self.config.grpo.num_generations
+        items = [self.train_data[i] for i in prompt_indices(len(self.train_data), cfg.grpo.prompts_per_step,
+                                                            cfg.train.seed, step)]
+        generator = torch.Generator(self.model.device).manual_seed(_mix(cfg.train.seed, step))
+        prompt_ids = [chat_prompt_ids(self.tokenizer, build_messages(item["question"])) for item in items]
+        samples = [sample_group(self.model, ids, G, cfg.sampling, self.eos_ids, generator) for ids in prompt_ids]
+        rewards = score(self.reward_fn, self.tokenizer, items, samples)
+        groups = [i for i, group in enumerate(samples) for _ in group]
+        advantages = group_advantages(rewards, groups, cfg.grpo.scale_rewards)
+        std = group_std(rewards, groups) if cfg.grpo.scale_rewards != "batch" else rewards.std().expand_as(rewards)
+        masks = [[0.0] * len(ids) + [float(not (cfg.grpo.mask_truncated_completions and s.truncated))] *
+                 len(s.completion_ids) for ids, group in zip(prompt_ids, samples) for s in group]
+        weights = token_weights(masks, cfg.grpo.loss_type, max_completion_length=cfg.sampling.max_new_tokens)
+        flat = [(ids, s, gi) for gi, (ids, group) in enumerate(zip(prompt_ids, samples)) for s in group]
+        rollouts = [[] for _ in samples]
+        for (ids, s, gi), mask, w, a in zip(flat, masks, weights, advantages.tolist()):
+            rollouts[gi].append(Rollout(ids + s.completion_ids, mask, advantages=a, weights=w, group=gi))
+        return Batch(prompt_ids, samples, rollouts, rewards, advantages, std)
+
+    def update(self, batch: Batch) -> dict:
+        """num_iterations optimizer updates on `batch`; returns the loss metrics (averaged over the updates)."""
+        g, temperature = self.config.grpo, self.config.sampling.temperature
+        trees = [RolloutTree(group) for group in batch.rollouts]
+        trained = [t for t in trees if g.beta > 0 or g.entropy_coef > 0 or
+                   any(r.advantages.any() and r.weights.any() for r in t.rollouts)]
+        if trained and g.num_iterations > 1:
+            for r, lp in zip(_rollouts(trained), replay_logprobs(self.model, trained, temperature=temperature).logprobs):
+                r.old_logprobs = lp
+        if trained and g.beta > 0:
+            ref = replay_logprobs(self.ref_model, trained, temperature=temperature).logprobs
+            for r, lp in zip(_rollouts(trained), ref):
+                r.ref_logprobs = lp
+        loss_fn = GRPOLoss(g.epsilon, g.epsilon_high, g.beta, g.entropy_coef)
+        history = []
+        for _ in range(g.num_iterations):
+            for p in self.params:  # zeros, not None: AdamW then moves every parameter as TRL's would
+                p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+            result = accumulate(self.model, trained, loss_fn, g.micro_batch_prompts, temperature) if trained else None
+            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
+            lr = self.scheduler.get_last_lr()[0]
+            self.optimizer.step()
+            self.scheduler.step()
+            history.append({"loss": result.loss if result else 0.0, "grad_norm": grad_norm, "learning_rate": lr,
+                            **(loss_metrics(_rollouts(trained), result, g) if result else {})})
+        out = {k: sum(h[k] for h in history) / len(history) for k in history[-1]}
+        stats = sum((t.stats for t in trees[1:]), trees[0].stats)
+        out.update({"tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
+                    "tree/token_ratio": stats.token_ratio})
+        return out
+
+    def train_step(self, step: int) -> dict | None:
+        """generate + update; returns the step's metrics, or None (with a warning) when the reward failed."""
+        t0 = time.perf_counter()
+        try:
+            batch = self.generate(step)
+        except RewardFunctionError as e:
+            warnings.warn(f"step {step} skipped: {e}", RuntimeWarning, stacklevel=2)
+            return None
+        t1 = time.perf_counter()
+        metrics = self.update(batch)
+        t2 = time.perf_counter()
+        lengths = [len(s.completion_ids) for group in batch.samples for s in group]
+        self.num_tokens += sum(len(r) for group in batch.rollouts for r in group)
+        return {
+            "step": step,
+            "reward": batch.rewards.mean().item(),
+            "reward_std": batch.reward_std.mean().item(),
+            "frac_reward_zero_std": torch.isclose(batch.reward_std, torch.zeros(())).float().mean().item(),
+            "completions/mean_length": sum(lengths) / len(lengths),
+            "completions/clipped_ratio": sum(s.truncated for g in batch.samples for s in g) / len(lengths),
+            "num_tokens": self.num_tokens,
+            **metrics,
+            "time/sample_s": t1 - t0,
+            "time/train_s": t2 - t1,
+            "time/step_s": t2 - t0,
+            "memory/peak_bytes": peak_memory_bytes(self.model.device),
+        }
+
+    # -- the run ------------------------------------------------------------------------------------------------------
+
+    def fit(self, resume: str | Path | None = None) -> Path:
+        """Train `train.steps` steps in the run folder (train.output_dir, or `resume`); returns the run folder.
+
+        Raises ValueError when the folder already holds checkpoints and `resume` is not given, FileNotFoundError when
+        `resume` holds none, TrainingInterrupted after SIGINT/SIGTERM (the checkpoint is written first)."""
+        cfg = self.config.train
+        run_dir = Path(resume if resume is not None else cfg.output_dir)
+        if resume is None and latest_checkpoint(run_dir) is not None:
+            raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, or choose another "
+                             "--train.output_dir")
+        if resume is not None:
+            found = latest_checkpoint(run_dir)
+            if found is None:
+                raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+            self.step, extra = load_checkpoint(found, self.model, self.optimizer, self.scheduler)
+            self.num_tokens = extra.get("num_tokens", 0)
+            self.console.print(f"resumed {run_dir} from {found.name}")
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.config.train.output_dir = str(run_dir)
+        self.config.save(run_dir / "config.yaml")
+        log = MetricsLog(run_dir, truncate_after=self.step)
+        saved = self.step
+        stop: list[str] = []
+        bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                       TimeRemainingColumn(), console=self.console)
+        task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
+        with _stop_on_signals(stop, self.console), bar:
+            if self.step == 0 and cfg.eval_steps >= 0:
+                log.write({"step": 0, **self.evaluate()})
+            while self.step < cfg.steps and not stop:
+                record = self.train_step(self.step + 1) or {"step": self.step + 1}
+                self.step += 1
+                last = self.step == cfg.steps
+                if cfg.eval_steps >= 0 and (last or (cfg.eval_steps and self.step % cfg.eval_steps == 0)):
+                    record.update(self.evaluate())
+                log.write(record)
+                bar.update(task, completed=self.step, info=_progress_info(record))
+                if last or stop or (cfg.save_steps and self.step % cfg.save_steps == 0):
+                    self.save(run_dir)
+                    saved = self.step
+        if saved != self.step:
+            self.save(run_dir)
+        if stop:
+            raise TrainingInterrupted(run_dir, self.step)
+        log.close()
+        summarize(self.console, run_dir, log.records)
+        return run_dir
+
+    def save(self, run_dir: Path) -> Path:
+        return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
+                               keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens})
+
+    def evaluate(self) -> dict:
+        return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.reward_fn)
+
+
+# -- pieces ---------------------------------------------------------------------------------------------------------
+
+def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, temperature: float) -> ReplayResult:
+    """`replay_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once); gradients
+    accumulate in param.grad. Returns the results merged (rollouts in tree order, losses summed)."""
+    size = micro_batch_prompts or len(trees)
+    parts = [replay_backward(model, trees[i : i + size], loss, temperature=temperature)
+             for i in range(0, len(trees), size)]
+    return ReplayResult(
+        logprobs=[lp for p in parts for lp in p.logprobs],
+        entropy=[e for p in parts for e in p.entropy],
+        loss=sum(p.loss for p in parts),
+        stats=sum((p.stats for p in parts[1:]), parts[0].stats),
+    )
+
+
+def loss_metrics(rollouts: list[Rollout], result: ReplayResult, g) -> dict:
+    """TRL's token means over the trained positions (loss_mask 1): entropy, clip_ratio/*, and kl when beta > 0.
+
+    ratio = exp(logp - old_logp) (1 without old logprobs); low clip: ratio < 1 - epsilon where A < 0; high clip:
+    ratio > 1 + epsilon_high where A > 0; kl: the k3 estimator exp(ref - logp) - (ref - logp) - 1."""
+    mask = torch.cat([r.loss_mask for r in rollouts]).bool()
+    logp = torch.cat(result.logprobs).double()[mask]
+    n = max(int(mask.sum()), 1)
+    adv = torch.cat([r.advantages for r in rollouts])[mask]
+    old = torch.cat([r.old_logprobs for r in rollouts])[mask] if rollouts[0].old_logprobs is not None else logp
+    ratio = torch.exp(logp - old)
+    low = (ratio < 1 - g.epsilon) & (adv < 0)
+    high = (ratio > 1 + g.epsilon_high) & (adv > 0)
+    out = {"entropy": torch.cat(result.entropy)[mask].sum().item() / n, "clip_ratio/low_mean": low.sum().item() / n,
+           "clip_ratio/high_mean": high.sum().item() / n, "clip_ratio/region_mean": (low | high).sum().item() / n}
+    if g.beta > 0:
+        delta = torch.cat([r.ref_logprobs for r in rollouts])[mask] - logp
+        out["kl"] = (torch.exp(delta) - delta - 1).sum().item() / n
+    return out
+
+
+def score(reward_fn, tokenizer, items: list[dict], samples: list[list[Sample]]) -> torch.Tensor:
+    """[B] float32 rewards of the decoded completions, group-major; every item key is passed as a column (TRL)."""
+    expanded = [(item, s) for item, group in zip(items, samples) for s in group]
+    return compute_rewards(
+        [reward_fn], None,
+        prompts=[build_messages(item["question"]) for item, _ in expanded],
+        completions=[tokenizer.decode(s.completion_ids, skip_special_tokens=True) for _, s in expanded],
+        completion_ids=[s.completion_ids for _, s in expanded],
+        columns={key: [item[key] for item, _ in expanded] for key in items[0]},
+    )
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None) -> dict:
+    """Held-out score with greedy decoding (top_k=1), up to sampling.max_new_tokens tokens per answer.
+
+    data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
+    the task's score_answer on the <answer> content). Returns eval/accuracy (mean score in [0, 1], partial credit
+    included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s."""
+    t0 = time.perf_counter()
+    if data is None:
+        data = load_task(config.task)[1]
+    reward_fn = reward_fn or reasoning_gym_reward(data)
+    greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=config.sampling.max_new_tokens)
+    generator = torch.Generator(model.device).manual_seed(0)
+    eos = eos_token_ids(model, tokenizer)
+    items = [data[i] for i in range(len(data))]
+    samples = [sample_group(model, chat_prompt_ids(tokenizer, build_messages(item["question"])), 1, greedy, eos,
+                            generator) for item in items]
+    scores = score(reward_fn, tokenizer, items, samples)
+    return {"eval/accuracy": scores.mean().item(), "eval/frac_correct": (scores == 1).float().mean().item(),
+            "eval/mean_length": sum(len(g[0].completion_ids) for g in samples) / len(samples),
+            "time/eval_s": time.perf_counter() - t0}
+
+
+def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
+    """Indices into a split of n items for `step` (>= 1): positions (step-1)*per_step ... of the concatenated
+    epochs, epoch e being a permutation seeded by (seed, e). Pure function of its arguments."""
+    out = []
+    for k in range((step - 1) * per_step, step * per_step):
+        epoch, pos = divmod(k, n)
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(seed, -1 - epoch)))
+        out.append(int(perm[pos]))
+    return out
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS id plus the model's generation_config EOS ids (an int or a list)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen) if isinstance(gen, (list, tuple)) else ({gen} if gen is not None else set())
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation_config defines an EOS token id")
+    return ids
+
+
+def _mix(seed: int, k: int) -> int:
+    return (seed * 1_000_003 + k) % (2**63 - 1)
+
+
+def _rollouts(trees: list[RolloutTree]) -> list[Rollout]:
+    return [r for t in trees for r in t.rollouts]
+
+
+@contextlib.contextmanager
+def _stop_on_signals(stop: list, console: Console):
+    """While active, the first SIGINT/SIGTERM appends its name to `stop` (the loop then finishes the step, saves and
+    stops); a second one raises KeyboardInterrupt at once. Only in the main thread (Python's signal rule)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def handler(signum, frame):
+        if stop:
+            raise KeyboardInterrupt
+        stop.append(signal.Signals(signum).name)
+        console.print(f"[yellow]{stop[0]}: finishing this step, then saving a checkpoint (again to abort now)")
+
+    previous = {s: signal.signal(s, handler) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+# -- entry points for cli.py ------------------------------------------------------------------------------------
+
+def parse_train_args(argv: list[str]) -> tuple[Config, str | None]:
+    """`[--config FILE] [--resume RUN_DIR] [--section.field VALUE ...]` -> (config, resume).
+
+    With --resume and no --config, the run's own config.yaml is the base; train.output_dir becomes RUN_DIR.
+    Raises ValueError for a bad argument (see config.apply_overrides), FileNotFoundError for a missing file."""
+    named, overrides, i = {"--config": None, "--resume": None}, [], 0
+    while i < len(argv):
+        key, eq, value = argv[i].partition("=")
+        if key in named:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{key} needs a value")
+                value, i = argv[i + 1], i + 1
+            named[key] = value
+        else:
+            overrides.append(argv[i])
+        i += 1
+    resume, path = named["--resume"], named["--config"]
+    if resume is not None and path is None:
+        path = Path(resume) / "config.yaml"
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    config = Config.from_yaml(path, overrides) if path else Config.from_dict(apply_overrides({}, overrides))
+    if resume is not None:
+        config.train.output_dir = str(resume)
+    return config, resume
+
+
+def train(config: Config, resume: str | None = None) -> Path:
+    """Build the model, task and trainer from `config` and train; returns the run folder."""
+    return Trainer(config).fit(resume)
+
+
+def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
+    """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
+    held-out split; prints and returns the metrics."""
+    model, tokenizer = load_model(config.model.spec, dtype=getattr(torch, config.model.dtype))
+    if torch.cuda.is_available() and config.model.device in ("auto", "cuda"):
+        model.to("cuda")
+    if checkpoint is not None:
+        load_weights(model, checkpoint)
+    metrics = evaluate(model, tokenizer, config)
+    table = Table(title=f"held-out {config.task.name} ({config.task.eval_size} items)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4g}")
+    Console().print(table)
+    return metrics
+
+
+# -- run folder outputs: metrics log, summary, plot ---------------------------------------------------------------
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
+    TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports. Lines of steps after `truncate_after` (written
+    after the checkpoint a resume starts from) are dropped, so a resumed run's log reads as an uninterrupted one."""
+
+    def __init__(self, run_dir: Path, truncate_after: int):
+        self.path = run_dir / "metrics.jsonl"
+        self.records = []
+        if self.path.is_file():
+            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in self.records if r["step"] <= truncate_after]
+            tmp = self.path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:
+            self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def summarize(console: Console, run_dir: Path, records: list[dict]) -> Path:
+    """Print a table of the run's main metrics (first, last, best) and save RUN_DIR/training.png: train reward and
+    held-out accuracy by step. Returns the plot's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = Table(title=f"run {run_dir}")
+    for col in ("metric", "first", "last", "min", "max"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for key in ("reward", "eval/accuracy", "eval/frac_correct", "loss", "entropy", "completions/mean_length",
+                "tree/token_ratio", "time/sample_s", "time/train_s", "time/step_s"):
+        values = [r[key] for r in records if key in r]
+        if values:
+            table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
+    console.print(table)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label, style in (("reward", "train reward", "-"), ("eval/accuracy", "held-out accuracy", "o-")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean score")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = run_dir / "training.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    console.print(f"plot: {path}")
+    return path
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: torch.cuda.max_memory_allocated on a GPU, else the process's peak RSS (getrusage)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def _progress_info(record: dict) -> str:
+    if "reward" not in record:
+        return "skipped (reward failed)"
+    tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
+    return f"reward {record['reward']:.3f}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"

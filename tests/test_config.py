@@ -1,0 +1,82 @@
+"""Configuration: YAML + command-line overrides (CLI > YAML > defaults), typed parsing, errors naming the field."""
+
+import pytest
+import yaml
+
+from branchreplay.config import Config, apply_overrides, help_text
+from branchreplay.trainer import parse_train_args
+
+
+def _yaml(tmp_path, data) -> str:
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return str(path)
+
+
+def test_precedence_cli_over_yaml_over_defaults(tmp_path):
+    path = _yaml(tmp_path, {"grpo": {"learning_rate": "1e-5", "beta": 0.1}, "train": {"steps": 7}})
+    config = Config.from_yaml(path, ["--grpo.beta=0.02", "--train.seed", "3"])
+    assert config.grpo.learning_rate == 1e-5  # YAML 1.1 reads 1e-5 as a string: coerced to the field's float
+    assert config.grpo.beta == 0.02  # CLI wins over YAML
+    assert config.train.steps == 7 and config.train.seed == 3
+    assert config.grpo.num_generations == 8  # default
+
+
+def test_typed_overrides():
+    data = apply_overrides({}, ["--sampling.branching", "[[0,2],[8,4]]", "--grpo.mask_truncated_completions=yes",
+                                "--grpo.epsilon_high", "null", "--task.config", "{min_terms: 2, max_terms: 4}",
+                                "--model.spec", "tiny:llama"])
+    config = Config.from_dict(data)
+    assert config.sampling.branching == ((0, 2), (8, 4))
+    assert config.grpo.mask_truncated_completions is True
+    assert config.grpo.epsilon_high == config.grpo.epsilon
+    assert config.task.config == {"min_terms": 2, "max_terms": 4}
+    assert config.model.spec == "tiny:llama"
+
+
+def test_unknown_key_names_it_and_lists_valid_keys():
+    with pytest.raises(ValueError, match=r"unknown key 'grpo.lr'.*learning_rate"):
+        Config.from_dict(apply_overrides({}, ["--grpo.lr=1"]))
+    with pytest.raises(ValueError, match=r"unknown key 'train.stepz'.*steps"):
+        Config.from_dict({"train": {"stepz": 3}})
+    with pytest.raises(ValueError, match=r"unknown config section 'optim'.*grpo"):
+        Config.from_dict({"optim": {}})
+
+
+def test_bad_values_name_the_field_and_accepted_values():
+    with pytest.raises(ValueError, match=r"grpo.loss_type='ppo'.*grpo, bnpo, dr_grpo, dapo"):
+        Config.from_dict({"grpo": {"loss_type": "ppo"}})
+    with pytest.raises(ValueError, match=r"grpo.scale_rewards.*group, batch, none"):
+        Config.from_dict({"grpo": {"scale_rewards": "mean"}})
+    with pytest.raises(ValueError, match=r"train.steps='many' is not a valid int"):
+        Config.from_dict({"train": {"steps": "many"}})
+    with pytest.raises(ValueError, match=r"grpo.epsilon=1.5.*\(0, 1\)"):
+        Config.from_dict({"grpo": {"epsilon": 1.5}})
+    with pytest.raises(ValueError, match=r"branching.*num_generations=8"):
+        Config.from_dict({"sampling": {"branching": [[0, 2], [4, 2]]}})
+    with pytest.raises(ValueError, match="needs a value"):
+        apply_overrides({}, ["--train.steps"])
+
+
+def test_saved_config_round_trips(tmp_path):
+    config = Config.from_dict(apply_overrides({}, ["--sampling.branching=[[0,4],[8,2]]", "--train.steps=5"]))
+    config.save(tmp_path / "config.yaml")
+    assert Config.from_yaml(tmp_path / "config.yaml") == config
+
+
+def test_parse_train_args_and_resume(tmp_path):
+    path = _yaml(tmp_path, {"train": {"steps": 9, "output_dir": str(tmp_path / "r")}})
+    config, resume = parse_train_args(["--config", path, "--grpo.beta", "0.01"])
+    assert resume is None and config.train.steps == 9 and config.grpo.beta == 0.01
+    run = tmp_path / "run"
+    run.mkdir()
+    config.save(run / "config.yaml")
+    config, resume = parse_train_args([f"--resume={run}", "--train.steps=12"])
+    assert resume == str(run) and config.train.steps == 12 and config.grpo.beta == 0.01
+    assert config.train.output_dir == str(run)
+
+
+def test_help_lists_every_field():
+    text = help_text()
+    for name in ("--grpo.loss_type", "--sampling.temperature", "--task.name", "--train.output_dir"):
+        assert name in text
