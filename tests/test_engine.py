@@ -82,7 +82,8 @@ def test_clipping_is_active_and_still_exact():
     rollouts = make_rollouts(SHAPES["branches-of-branches"](model.config.vocab_size, g), g)
     current = replay_logprobs(model, RolloutTree(rollouts)).logprobs
     for r, lp in zip(rollouts, current):
-        r.old_logprobs = (lp.double() + 0.4 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)) * r.loss_mask
+        noise = 0.4 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
+        r.old_logprobs = (lp.double() + noise) * r.loss_mask
     ratios = torch.cat([(lp.double() - r.old_logprobs).exp()[r.loss_mask > 0] for lp, r in zip(current, rollouts)])
     outside = (ratios < 0.9) | (ratios > 1.1)
     assert outside.any() and not outside.all()

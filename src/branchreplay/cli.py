@@ -70,7 +70,8 @@ def _bench(args) -> int:
           f"ratio {f['token_ratio']:.2f}")
     print(f"  wall time     naive {f['naive_s']:.2f} s  replay {f['replay_s']:.2f} s  speedup {f['speedup']:.2f}x "
           f"({f['speedup'] / f['token_ratio']:.2f} of the token ratio)")
-    print(f"  peak memory   naive {f['naive_peak_bytes'] / 2**20:.0f} MiB  replay {f['replay_peak_bytes'] / 2**20:.0f} MiB")
+    mib = 2**20
+    print(f"  peak memory   naive {f['naive_peak_bytes'] / mib:.0f} MiB  replay {f['replay_peak_bytes'] / mib:.0f} MiB")
     print(f"  gradients     max relative error {f['max_rel_grad_err']:.2e}")
     print(f"  tree build    64 rollouts x 32k tokens: {f['tree_build_s_64x32k'] * 1000:.0f} ms")
     return 0

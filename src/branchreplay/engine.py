@@ -27,11 +27,10 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .losses import LossInputs
-from .state import PrefixCache, decoder_and_head, family_of, layer_windows
+from .state import NodeState, PrefixCache, decoder_and_head, family_of, layer_windows
 from .tree import Node, RolloutTree, TreeStats
 
 LossFn = Callable[[LossInputs], torch.Tensor]
-KV = list[tuple[torch.Tensor, torch.Tensor]]  # per layer (keys, values), each [1, H_kv, L, D]
 
 
 @dataclass
@@ -176,50 +175,48 @@ class _Run:
 
     # -- traversal ------------------------------------------------------------------------------------------------
 
-    def children(self, parent: Node, ancestors: list[KV], parent_h: torch.Tensor | None) -> None:
+    def children(self, parent: Node, ancestors: list[NodeState], parent_h: torch.Tensor | None) -> None:
         """Run the subtrees under `parent`, pack by pack; on return, the ancestors' leaves hold their gradients."""
-        prefix = _concat_kv(ancestors)
         for pack in _packs(parent.children, self.max_pack_tokens):
-            self.pack(pack, parent.end, prefix, ancestors, parent_h)
+            self.pack(pack, parent.end, ancestors, parent_h)
 
-    def pack(self, nodes: list[Node], P: int, prefix: KV | None, ancestors: list[KV], parent_h) -> None:
+    def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h) -> None:
         """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
 
         Kept: the pack's autograd graph lives while its subtrees run. Replayed: the first forward runs without a
-        graph (only the K/V and last hidden states handed to the children are kept) and is recomputed, with a
+        graph (only the state and last hidden states handed to the children are kept) and is recomputed, with a
         graph, just before the backward: the same values, since it is the same computation on the same inputs."""
         train = self.loss is not None
         replay = train and self.replay
         with torch.no_grad() if replay else contextlib.nullcontext():
-            hidden, new_kv = self.forward(nodes, P, prefix)  # [S, H], per layer [1, H_kv, S, D]
+            hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
         pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
         spans = _spans(nodes)
-        leaves = []  # (span, K/V leaves per layer, last hidden leaf) of the nodes with children
+        leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children
         for node, a, b in spans:
             if not node.children:
                 continue
-            kv = [(k[:, :, a:b], v[:, :, a:b]) for k, v in new_kv]
+            state = cache.node_state(a, b)
             if not train:
-                self.children(node, ancestors + [kv], hidden[b - 1])
+                self.children(node, ancestors + [state], hidden[b - 1])
                 continue
-            kv_leaves, h_leaf = [(_leaf(k), _leaf(v)) for k, v in kv], _leaf(hidden[b - 1])
-            self.children(node, ancestors + [kv_leaves], h_leaf)
-            leaves.append(((a, b), kv_leaves, h_leaf))
+            state_leaves, h_leaf = [tuple(_leaf(t) for t in layer) for layer in state], _leaf(hidden[b - 1])
+            self.children(node, ancestors + [state_leaves], h_leaf)
+            leaves.append(((a, b), state_leaves, h_leaf))
         if not train:
             return
         if replay:
-            hidden, new_kv = self.forward(nodes, P, prefix)
+            hidden, cache = self.forward(nodes, P, ancestors)
             pack_loss = self.pack_loss(nodes, hidden, parent_h)
         outputs, grads = [], []
-        for (a, b), kv_leaves, h_leaf in leaves:
-            for (k, v), (k_leaf, v_leaf) in zip(new_kv, kv_leaves):
-                for out, leaf in ((k[:, :, a:b], k_leaf), (v[:, :, a:b], v_leaf)):
-                    if leaf.grad is not None:
-                        outputs.append(out)
-                        grads.append(leaf.grad)
-            if h_leaf.grad is not None:
-                outputs.append(hidden[b - 1])
-                grads.append(h_leaf.grad)
+        for (a, b), state_leaves, h_leaf in leaves:
+            pairs = [(out, leaf) for layer, leaf_layer in zip(cache.node_state(a, b), state_leaves)
+                     for out, leaf in zip(layer, leaf_layer)]
+            pairs.append((hidden[b - 1], h_leaf))
+            for out, leaf in pairs:
+                if leaf.grad is not None:
+                    outputs.append(out)
+                    grads.append(leaf.grad)
         if pack_loss is not None:
             self.loss_value += pack_loss.item()
             outputs.append(pack_loss)
@@ -235,14 +232,14 @@ class _Run:
 
     # -- one pack's forward -----------------------------------------------------------------------------------------
 
-    def forward(self, nodes: list[Node], P: int, prefix: KV | None) -> tuple[torch.Tensor, KV]:
-        """Run the pack's tokens against the prefix K/V. Returns hidden [S, H] (final-normed) and per layer the new
-        (keys, values) [1, H_kv, S, D]."""
+    def forward(self, nodes: list[Node], P: int, ancestors: list[NodeState]) -> tuple[torch.Tensor, PrefixCache]:
+        """Run the pack's tokens against the ancestors' state. Returns hidden [S, H] (final-normed) and the cache,
+        which gives each node's state."""
         lengths = [len(n) for n in nodes]
         tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
-        cache = PrefixCache(prefix, self.num_layers)
+        cache = PrefixCache(ancestors, self.num_layers)
         out = self.decoder(
             input_ids=tokens,
             position_ids=(P + local)[None],
@@ -252,7 +249,7 @@ class _Run:
             cache=cache,
             use_cache=True,
         )
-        return out.last_hidden_state[0], cache.new_kv()
+        return out.last_hidden_state[0], cache
 
     def masks(self, P: int, local: torch.Tensor, segment: torch.Tensor):
         """Tree mask [1, 1, S, P + S]: query (segment s, position P + t) sees every prefix key and the keys of its own
@@ -337,7 +334,8 @@ def loss_inputs(rollouts, positions: torch.Tensor, logprobs: torch.Tensor, entro
 
 
 def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
-    """log softmax(head(hidden) / temperature) at `targets`, and the entropy of that distribution. [N, H] -> [N], [N]."""
+    """log softmax(head(hidden) / temperature) at `targets`, and the entropy of that distribution.
+    [N, H], [N] -> [N], [N]."""
     logits = head(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
@@ -382,17 +380,6 @@ def _spans(nodes: list[Node]) -> list[tuple[Node, int, int]]:
         out.append((node, offset, offset + len(node)))
         offset += len(node)
     return out
-
-
-def _concat_kv(ancestors: list[KV]) -> KV | None:
-    """The prefix state of a node's children: per layer, the ancestors' K/V concatenated along positions."""
-    if not ancestors:
-        return None
-    num_layers = len(ancestors[0])
-    return [
-        (torch.cat([a[l][0] for a in ancestors], dim=-2), torch.cat([a[l][1] for a in ancestors], dim=-2))
-        for l in range(num_layers)
-    ]
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

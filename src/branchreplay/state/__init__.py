@@ -6,17 +6,13 @@ more than `window` positions back. This module is the one place that knows, per 
 which and how the model's forward takes a custom mask. A family not listed here is refused by name
 (`UnsupportedModelError`): running it through the engine could be silently wrong.
 
-`PrefixCache` is the transformers `Cache` the engine passes to the model: it serves the ancestors' K/V (tensors
-that require grad, so dL/dK and dL/dV flow back to the ancestors) and records the K/V the forward computes for
-the new positions, without keeping a copy of its own.
+`cache.PrefixCache` is the transformers `Cache` the engine passes to the model: it serves the ancestors' state
+(tensors that require grad, so gradients flow back to the ancestors) and hands out each new node's state.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-
-import torch
-from transformers.cache_utils import Cache, DynamicLayer
 
 
 class UnsupportedModelError(ValueError):
@@ -87,38 +83,4 @@ def decoder_and_head(model):
     return getattr(model, model.base_model_prefix), model.get_output_embeddings()
 
 
-class _PrefixLayer(DynamicLayer):
-    """One attention layer's cache: ancestors' K/V [1, H_kv, P, D] plus the new K/V of this forward."""
-
-    def __init__(self, prefix_keys: torch.Tensor | None, prefix_values: torch.Tensor | None):
-        super().__init__()
-        self.prefix_keys, self.prefix_values = prefix_keys, prefix_values
-        self.new_keys = self.new_values = None
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        self.new_keys, self.new_values = key_states, value_states
-        if self.prefix_keys is None:
-            return key_states, value_states
-        keys = torch.cat([self.prefix_keys.expand(key_states.shape[0], -1, -1, -1), key_states], dim=-2)
-        values = torch.cat([self.prefix_values.expand(value_states.shape[0], -1, -1, -1), value_states], dim=-2)
-        return keys, values
-
-    def get_seq_length(self) -> int:
-        return 0 if self.prefix_keys is None else self.prefix_keys.shape[-2]
-
-
-class PrefixCache(Cache):
-    """A transformers Cache over the ancestors' K/V that records each layer's new K/V.
-
-    Args:
-        prefix: per layer (keys, values), each [1, H_kv, P, D], or None when there is no prefix (P = 0).
-        num_layers: number of decoder layers.
-    After the forward, `new_kv()` gives per layer (keys, values) [B, H_kv, S, D] of the new positions.
-    """
-
-    def __init__(self, prefix: list[tuple[torch.Tensor, torch.Tensor]] | None, num_layers: int):
-        layers = [_PrefixLayer(*(prefix[i] if prefix is not None else (None, None))) for i in range(num_layers)]
-        super().__init__(layers=layers)
-
-    def new_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        return [(layer.new_keys, layer.new_values) for layer in self.layers]
+from .cache import NodeState, PrefixCache  # noqa: E402, F401  (re-exported: the engine's one import point)
