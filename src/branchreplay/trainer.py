@@ -15,16 +15,15 @@ One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`
   6. per update: `replay_backward` over micro-batches of trees, clip the gradient norm, AdamW, LR schedule.
 Departures from TRL: a group whose advantages are all zero (all rewards equal) is skipped in step 6 when beta and
 entropy_coef are 0, since its gradient is exactly zero; so `entropy` and `clip_ratio/*` are over the groups that
-trained. The model stays in eval mode: dropout would break the equality with the per-rollout computation.
+trained. One step = one sampling round (TRL's steps_per_generation = 1) followed by num_iterations updates. The model
+stays in eval mode: dropout would break the equality with the per-rollout computation. Evaluation decodes greedily
+with HF `generate`, left-padded in batches.
 """
 
 from __future__ import annotations
 
 import contextlib
 import copy
-import json
-import os
-import resource
 import signal
 import threading
 import time
@@ -44,10 +43,13 @@ from .config import Config, apply_overrides
 from .engine import ReplayResult, replay_backward, replay_logprobs
 from .losses import GRPOLoss, token_weights
 from .models import chat_prompt_ids, load_model
+from .report import MetricsLog, progress_info, peak_memory_bytes, summarize
 from .rewards import RewardFunctionError, compute_rewards, reasoning_gym_reward
-from .sampling import Sample, SamplingConfig, sample_group
+from .sampling import Sample, sample_group
 from .tasks import build_messages, load_task
 from .tree import Rollout, RolloutTree
+
+EVAL_BATCH = 16  # held-out prompts decoded together
 
 
 class TrainingInterrupted(RuntimeError):
@@ -84,12 +86,7 @@ class Trainer:
                  console: Console | None = None):
         self.config, self.console = config, console or Console()
         if model is None:
-            device = config.model.device
-            device = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-            model, tokenizer = load_model(config.model.spec, dtype=getattr(torch, config.model.dtype))
-            model.to(device)
-        if tokenizer is None:
-            raise ValueError(f"model.spec={config.model.spec!r} comes without a tokenizer; training needs one")
+            model, tokenizer = load_policy(config)
         if train_data is None:
             train_data, eval_data = load_task(config.task)
         self.model, self.tokenizer = model.eval(), tokenizer
@@ -136,8 +133,9 @@ class Trainer:
         trees = [RolloutTree(group) for group in batch.rollouts]
         trained = [t for t in trees if g.beta > 0 or g.entropy_coef > 0 or
                    any(r.advantages.any() and r.weights.any() for r in t.rollouts)]
-        if trained and g.num_iterations > 1:
-            for r, lp in zip(_rollouts(trained), replay_logprobs(self.model, trained, temperature=temperature).logprobs):
+        if trained and g.num_iterations > 1:  # the sampling policy's logprobs, before the first update
+            old = replay_logprobs(self.model, trained, temperature=temperature).logprobs
+            for r, lp in zip(_rollouts(trained), old):
                 r.old_logprobs = lp
         if trained and g.beta > 0:
             ref = replay_logprobs(self.ref_model, trained, temperature=temperature).logprobs
@@ -212,13 +210,25 @@ class Trainer:
         self.config.train.output_dir = str(run_dir)
         self.config.save(run_dir / "config.yaml")
         log = MetricsLog(run_dir, truncate_after=self.step)
-        saved = self.step
         stop: list[str] = []
+        try:
+            with _stop_on_signals(stop, self.console):
+                self._loop(run_dir, log, stop)
+        finally:
+            log.close()
+        if stop:
+            raise TrainingInterrupted(run_dir, self.step)
+        summarize(self.console, run_dir, log.records)
+        return run_dir
+
+    def _loop(self, run_dir: Path, log: MetricsLog, stop: list) -> None:
+        """Steps until train.steps or a stop signal; evaluates and saves on schedule, and always saves at the end."""
+        cfg = self.config.train
         bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
                        TimeRemainingColumn(), console=self.console)
         task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
-        with _stop_on_signals(stop, self.console), bar:
-            if self.step == 0 and cfg.eval_steps >= 0:
+        with bar:
+            if self.step == 0 and not log.records and cfg.eval_steps >= 0:
                 log.write({"step": 0, **self.evaluate()})
             while self.step < cfg.steps and not stop:
                 record = self.train_step(self.step + 1) or {"step": self.step + 1}
@@ -227,17 +237,12 @@ class Trainer:
                 if cfg.eval_steps >= 0 and (last or (cfg.eval_steps and self.step % cfg.eval_steps == 0)):
                     record.update(self.evaluate())
                 log.write(record)
-                bar.update(task, completed=self.step, info=_progress_info(record))
-                if last or stop or (cfg.save_steps and self.step % cfg.save_steps == 0):
+                bar.update(task, completed=self.step, info=progress_info(record))
+                if cfg.save_steps and self.step % cfg.save_steps == 0:
                     self.save(run_dir)
-                    saved = self.step
-        if saved != self.step:
+        found = latest_checkpoint(run_dir)
+        if found is None or found.name != f"step-{self.step:06d}":
             self.save(run_dir)
-        if stop:
-            raise TrainingInterrupted(run_dir, self.step)
-        log.close()
-        summarize(self.console, run_dir, log.records)
-        return run_dir
 
     def save(self, run_dir: Path) -> Path:
         return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
@@ -298,7 +303,7 @@ def score(reward_fn, tokenizer, items: list[dict], samples: list[list[Sample]]) 
 
 @torch.no_grad()
 def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None) -> dict:
-    """Held-out score with greedy decoding (top_k=1), up to sampling.max_new_tokens tokens per answer.
+    """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
 
     data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
     the task's score_answer on the <answer> content). Returns eval/accuracy (mean score in [0, 1], partial credit
@@ -307,16 +312,33 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None) -> dic
     if data is None:
         data = load_task(config.task)[1]
     reward_fn = reward_fn or reasoning_gym_reward(data)
-    greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=config.sampling.max_new_tokens)
-    generator = torch.Generator(model.device).manual_seed(0)
-    eos = eos_token_ids(model, tokenizer)
     items = [data[i] for i in range(len(data))]
-    samples = [sample_group(model, chat_prompt_ids(tokenizer, build_messages(item["question"])), 1, greedy, eos,
-                            generator) for item in items]
+    prompts = [chat_prompt_ids(tokenizer, build_messages(item["question"])) for item in items]
+    completions = greedy_completions(model, prompts, config.sampling.max_new_tokens, eos_token_ids(model, tokenizer))
+    samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]
     scores = score(reward_fn, tokenizer, items, samples)
     return {"eval/accuracy": scores.mean().item(), "eval/frac_correct": (scores == 1).float().mean().item(),
-            "eval/mean_length": sum(len(g[0].completion_ids) for g in samples) / len(samples),
-            "time/eval_s": time.perf_counter() - t0}
+            "eval/mean_length": sum(map(len, completions)) / len(completions), "time/eval_s": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                       batch_size: int = EVAL_BATCH) -> list[list[int]]:
+    """Greedy completions (ending with their EOS if any) of `prompts`, `batch_size` at a time, left-padded with an
+    EOS id under an attention mask (HF generate; on SmolLM2 this gave the same tokens as decoding each prompt alone,
+    2.4x faster on 2 CPU cores)."""
+    pad, out = min(eos), []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                   eos_token_id=sorted(eos), pad_token_id=pad)[:, width:].tolist()
+        for row in generated:
+            end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
+            out.append(row[: end + 1])
+    return out
 
 
 def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
@@ -400,6 +422,17 @@ def parse_train_args(argv: list[str]) -> tuple[Config, str | None]:
     return config, resume
 
 
+def load_policy(config: Config):
+    """(model, tokenizer) of model.spec in model.dtype on model.device. Raises ValueError without a tokenizer."""
+    model, tokenizer = load_model(config.model.spec, dtype=getattr(torch, config.model.dtype))
+    device = config.model.device
+    model.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if tokenizer is None:
+        raise ValueError(f"model.spec={config.model.spec!r} comes without a tokenizer; training and evaluation "
+                         "need one (tiny:<arch> models are for tests)")
+    return model, tokenizer
+
+
 def train(config: Config, resume: str | None = None) -> Path:
     """Build the model, task and trainer from `config` and train; returns the run folder."""
     return Trainer(config).fit(resume)
@@ -408,9 +441,7 @@ def train(config: Config, resume: str | None = None) -> Path:
 def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
     """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
     held-out split; prints and returns the metrics."""
-    model, tokenizer = load_model(config.model.spec, dtype=getattr(torch, config.model.dtype))
-    if torch.cuda.is_available() and config.model.device in ("auto", "cuda"):
-        model.to("cuda")
+    model, tokenizer = load_policy(config)
     if checkpoint is not None:
         load_weights(model, checkpoint)
     metrics = evaluate(model, tokenizer, config)
@@ -421,88 +452,3 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
         table.add_row(key, f"{value:.4g}")
     Console().print(table)
     return metrics
-
-
-# -- run folder outputs: metrics log, summary, plot ---------------------------------------------------------------
-
-class MetricsLog:
-    """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
-    TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports. Lines of steps after `truncate_after` (written
-    after the checkpoint a resume starts from) are dropped, so a resumed run's log reads as an uninterrupted one."""
-
-    def __init__(self, run_dir: Path, truncate_after: int):
-        self.path = run_dir / "metrics.jsonl"
-        self.records = []
-        if self.path.is_file():
-            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.records = [r for r in self.records if r["step"] <= truncate_after]
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-            os.replace(tmp, self.path)
-        self.file = open(self.path, "a")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-        except ImportError:
-            self.tb = None
-
-    def write(self, record: dict) -> None:
-        self.records.append(record)
-        self.file.write(json.dumps(record) + "\n")
-        self.file.flush()
-        if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, record["step"])
-
-    def close(self) -> None:
-        self.file.close()
-        if self.tb is not None:
-            self.tb.close()
-
-
-def summarize(console: Console, run_dir: Path, records: list[dict]) -> Path:
-    """Print a table of the run's main metrics (first, last, best) and save RUN_DIR/training.png: train reward and
-    held-out accuracy by step. Returns the plot's path."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    table = Table(title=f"run {run_dir}")
-    for col in ("metric", "first", "last", "min", "max"):
-        table.add_column(col, justify="left" if col == "metric" else "right")
-    for key in ("reward", "eval/accuracy", "eval/frac_correct", "loss", "entropy", "completions/mean_length",
-                "tree/token_ratio", "time/sample_s", "time/train_s", "time/step_s"):
-        values = [r[key] for r in records if key in r]
-        if values:
-            table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
-    console.print(table)
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label, style in (("reward", "train reward", "-"), ("eval/accuracy", "held-out accuracy", "o-")):
-        points = [(r["step"], r[key]) for r in records if key in r]
-        if points:
-            ax.plot(*zip(*points), style, label=label)
-    ax.set_xlabel("step")
-    ax.set_ylabel("mean score")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    path = run_dir / "training.png"
-    fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
-    console.print(f"plot: {path}")
-    return path
-
-
-def peak_memory_bytes(device: torch.device) -> int:
-    """Peak memory so far: torch.cuda.max_memory_allocated on a GPU, else the process's peak RSS (getrusage)."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
-
-
-def _progress_info(record: dict) -> str:
-    if "reward" not in record:
-        return "skipped (reward failed)"
-    tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
-    return f"reward {record['reward']:.3f}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"

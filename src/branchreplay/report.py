@@ -1,0 +1,95 @@
+"""What a training run leaves in its folder: the metrics log (and TensorBoard), the summary table and the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
+    TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports. Lines of steps after `truncate_after` (written
+    after the checkpoint a resume starts from) are dropped, so a resumed run's log reads as an uninterrupted one."""
+
+    def __init__(self, run_dir: Path, truncate_after: int):
+        self.path = run_dir / "metrics.jsonl"
+        self.records = []
+        if self.path.is_file():
+            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
+            self.records = [r for r in self.records if r["step"] <= truncate_after]
+            tmp = self.path.with_name(".metrics.jsonl.tmp")
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
+            os.replace(tmp, self.path)
+        self.file = open(self.path, "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:
+            self.tb = None
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def close(self) -> None:
+        self.file.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+def summarize(console: Console, run_dir: Path, records: list[dict]) -> Path:
+    """Print a table of the run's main metrics (first, last, best) and save RUN_DIR/training.png: train reward and
+    held-out accuracy by step. Returns the plot's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    table = Table(title=f"run {run_dir}")
+    for col in ("metric", "first", "last", "min", "max"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for key in ("reward", "eval/accuracy", "eval/frac_correct", "loss", "entropy", "completions/mean_length",
+                "tree/token_ratio", "time/sample_s", "time/train_s", "time/step_s"):
+        values = [r[key] for r in records if key in r]
+        if values:
+            table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
+    console.print(table)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for key, label, style in (("reward", "train reward", "-"), ("eval/accuracy", "held-out accuracy", "o-")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xlabel("step")
+    ax.set_ylabel("mean score")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    path = run_dir / "training.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    console.print(f"plot: {path}")
+    return path
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: torch.cuda.max_memory_allocated on a GPU, else the process's peak RSS (getrusage)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def progress_info(record: dict) -> str:
+    """One line for the progress bar: reward, loss, tokens per second (logical positions per step second)."""
+    if "reward" not in record:
+        return "skipped (reward failed)"
+    tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
+    return f"reward {record['reward']:.3f}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"
