@@ -14,7 +14,17 @@ from branchreplay.rewards import (
     math_verify_reward,
     reasoning_gym_reward,
 )
-from branchreplay.tasks import SYSTEM_PROMPT, TaskConfig, build_messages, extract_answer, known_tasks, load_task
+from branchreplay.tasks import (
+    DEFAULT_TASK,
+    DEFAULT_TASK_CONFIG,
+    FEW_SHOT,
+    SYSTEM_PROMPT,
+    TaskConfig,
+    build_messages,
+    extract_answer,
+    known_tasks,
+    load_task,
+)
 
 
 def columns(items):
@@ -24,7 +34,7 @@ def columns(items):
 # --- tasks -----------------------------------------------------------------------------------------------------
 
 
-def test_default_task_loads_with_requested_sizes_and_distinct_splits():
+def test_default_task_loads_with_requested_sizes():
     cfg = TaskConfig(size=32, eval_size=16)
     train, eval_ = load_task(cfg)
     assert len(train) == 32 and len(eval_) == 16
@@ -33,9 +43,17 @@ def test_default_task_loads_with_requested_sizes_and_distinct_splits():
     assert [e["question"] for e in train] == [e["question"] for e in load_task(cfg)[0]]  # deterministic
 
 
-def test_train_and_eval_questions_differ():
-    train, eval_ = load_task(TaskConfig(name="basic_arithmetic", size=20, eval_size=20))
-    assert [e["question"] for e in train] != [e["question"] for e in eval_]
+def test_default_train_and_eval_questions_are_mostly_distinct():
+    train, eval_ = load_task(TaskConfig())
+    train_questions = {e["question"] for e in train}
+    overlap = sum(e["question"] in train_questions for e in eval_)
+    assert overlap < len(eval_) / 2  # 19 of 64: the 0..10 half of the default task has only 242 questions
+
+
+def test_config_none_resolves_per_task():
+    assert TaskConfig().dataset_kwargs() == DEFAULT_TASK_CONFIG
+    assert TaskConfig(name="chain_sum").dataset_kwargs() == {}
+    assert TaskConfig(name=DEFAULT_TASK, config={"max_terms": 3}).dataset_kwargs() == {"max_terms": 3}
 
 
 def test_unknown_task_lists_known_names():
@@ -67,6 +85,8 @@ def test_build_messages_and_extract_answer():
     msgs = build_messages("What is 2 + 2?")
     assert msgs[0] == {"role": "system", "content": SYSTEM_PROMPT}
     assert msgs[-1] == {"role": "user", "content": "What is 2 + 2?"}
+    assert [m["role"] for m in msgs[1:-1]] == ["user", "assistant"] * len(FEW_SHOT)
+    assert all(extract_answer(reply) is not None for _, reply in FEW_SHOT)
     assert extract_answer("so <answer> 4 </answer>") == "4"
     assert extract_answer("<answer>3</answer> no, <answer>4</answer>") == "4"
     assert extract_answer("the answer is 4") is None
@@ -160,8 +180,12 @@ def test_compute_rewards_default_weights_and_columns_are_passed():
 
     out = compute_rewards([f, const([1.0] * 3)], None, **{**KW, "columns": {"answer": ["a", "x", "c"], "k": [0] * 3}})
     assert out.tolist() == [2.0, 1.0, 2.0]
-    assert seen == {"prompts": KW["prompts"], "completion_ids": KW["completion_ids"], "answer": ["a", "x", "c"],
-                    "extra": {"k": [0] * 3}}
+    assert seen == {
+        "prompts": KW["prompts"],
+        "completion_ids": KW["completion_ids"],
+        "answer": ["a", "x", "c"],
+        "extra": {"k": [0] * 3},
+    }
 
 
 @pytest.mark.parametrize("bad", [[1.0, 2.0], (1.0, 2.0, 3.0), 1.0])

@@ -27,7 +27,7 @@ class RewardFunctionError(RuntimeError):
 
 
 def reasoning_gym_reward(dataset: ProceduralDataset) -> Callable[..., list[float]]:
-    """A reward function grading with ``dataset.score_answer``.
+    """A reward function (named ``reasoning_gym``) grading with ``dataset.score_answer``.
 
     The returned function needs the dataset columns ``answer`` (gold answer strings) and ``metadata`` (dicts), as in
     reasoning-gym items. Reward per sample: ``dataset.score_answer(extract_answer(completion), item)`` in [0, 1]
@@ -40,7 +40,7 @@ def reasoning_gym_reward(dataset: ProceduralDataset) -> Callable[..., list[float
             for c, a, m in zip(completions, answer, metadata, strict=True)
         ]
 
-    reward.__name__ = f"reasoning_gym_{type(dataset).__name__}"
+    reward.__name__ = "reasoning_gym"
     return reward
 
 

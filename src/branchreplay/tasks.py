@@ -13,20 +13,39 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import reasoning_gym
 from reasoning_gym.dataset import ProceduralDataset
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import extract_answer as _rg_extract_answer
 
-SYSTEM_PROMPT = (
-    "Think briefly, then give the final answer inside <answer></answer> tags, "
-    "for example <answer>42</answer>."
-)
+SYSTEM_PROMPT = "Think briefly, then give the final answer inside <answer></answer> tags."
+
+FEW_SHOT: list[tuple[str, str]] = [
+    ("What is 7 - 9?", "7 - 9 = -2. <answer>-2</answer>"),
+    ("How many legs do 3 birds have?", "A bird has 2 legs, so 3 birds have 3 * 2 = 6 legs. <answer>6</answer>"),
+]
+"""(question, reply) demonstrations put before every question as earlier chat turns. Measured on
+SmolLM2-135M-Instruct (docs/default_task.md), the instruction alone never made it write ``<answer>`` tags; these two
+turns do. They are part of the prompt, which every rollout of a group shares, so they cost one prefix forward."""
 
 EVAL_SEED_OFFSET = 10_000
 """The held-out split uses seed ``TaskConfig.seed + EVAL_SEED_OFFSET``."""
+
+DEFAULT_TASK = "basic_arithmetic"
+DEFAULT_TASK_CONFIG = {
+    "min_terms": 2,
+    "max_terms": 2,
+    "min_digits": 1,
+    "max_digits": 2,
+    "operators": ["+", "-"],
+    "allow_parentheses": False,
+    "allow_negation": False,
+}
+"""Default task: "Calculate a + b." / "Calculate a - b." with a, b drawn from 0..10 for half the questions and from
+0..100 for the other half. SmolLM2-135M-Instruct answers about 0.44 of them right greedily (docs/default_task.md);
+its completions need about 48 new tokens."""
 
 _SHOWN_TASKS = 30  # how many known task names an "unknown task" error lists
 
@@ -41,14 +60,22 @@ class TaskConfig:
         eval_size: number of held-out examples.
         seed: seed of the training split; the held-out split uses ``seed + EVAL_SEED_OFFSET``.
         config: keyword arguments for the dataset's config class, passed as
-            ``reasoning_gym.create_dataset(name, size=, seed=, **config)``.
+            ``reasoning_gym.create_dataset(name, size=, seed=, **config)``. None (the default) means
+            DEFAULT_TASK_CONFIG for the default task and reasoning-gym's own defaults (``{}``) for any other, so
+            that changing only ``name`` never carries the default task's keys over to another dataset.
     """
 
-    name: str = "chain_sum"
+    name: str = DEFAULT_TASK
     size: int = 512
     eval_size: int = 64
     seed: int = 0
-    config: dict = field(default_factory=lambda: {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 2})
+    config: dict | None = None
+
+    def dataset_kwargs(self) -> dict:
+        """The keyword arguments for the dataset's config class (``config`` with None resolved)."""
+        if self.config is not None:
+            return dict(self.config)
+        return dict(DEFAULT_TASK_CONFIG) if self.name == DEFAULT_TASK else {}
 
 
 def known_tasks() -> list[str]:
@@ -59,7 +86,9 @@ def known_tasks() -> list[str]:
 def load_task(cfg: TaskConfig) -> tuple[ProceduralDataset, ProceduralDataset]:
     """Build the (train, eval) datasets of ``cfg``.
 
-    Both splits come from the same generator with different seeds, so their questions are (almost surely) distinct.
+    Both splits come from the same generator with different seeds (``seed`` and ``seed + EVAL_SEED_OFFSET``), so
+    they differ, but a small question space repeats: with the default task, 19 of the 64 held-out questions also
+    occur among the 512 training ones (the 0..10 half has only 242 distinct questions).
 
     Raises:
         ValueError: unknown task name (the message lists known names and close matches); a ``config`` key the
@@ -68,13 +97,16 @@ def load_task(cfg: TaskConfig) -> tuple[ProceduralDataset, ProceduralDataset]:
     """
     if cfg.name not in DATASETS:
         raise ValueError(_unknown_task_message(cfg.name))
-    _check_config_keys(cfg.name, cfg.config)
+    _check_config_keys(cfg.name, cfg.dataset_kwargs())
     return _create(cfg, cfg.size, cfg.seed), _create(cfg, cfg.eval_size, cfg.seed + EVAL_SEED_OFFSET)
 
 
 def build_messages(question: str) -> list[dict]:
-    """Chat messages for one question: ``[system (SYSTEM_PROMPT), user (question)]``."""
-    return [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": question}]
+    """Chat messages for one question: system (SYSTEM_PROMPT), the FEW_SHOT turns (user, assistant), then user."""
+    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+    for demo_question, demo_reply in FEW_SHOT:
+        messages += [{"role": "user", "content": demo_question}, {"role": "assistant", "content": demo_reply}]
+    return messages + [{"role": "user", "content": question}]
 
 
 def extract_answer(completion: str) -> str | None:
@@ -83,10 +115,11 @@ def extract_answer(completion: str) -> str | None:
 
 
 def _create(cfg: TaskConfig, size: int, seed: int) -> ProceduralDataset:
+    kwargs = cfg.dataset_kwargs()
     try:
-        return reasoning_gym.create_dataset(cfg.name, size=size, seed=seed, **cfg.config)
+        return reasoning_gym.create_dataset(cfg.name, size=size, seed=seed, **kwargs)
     except AssertionError as e:  # reasoning-gym validates configs with assert
-        raise ValueError(f"invalid config for task {cfg.name!r} {cfg.config}: {e}") from e
+        raise ValueError(f"invalid config for task {cfg.name!r} {kwargs}: {e}") from e
 
 
 def _check_config_keys(name: str, config: dict) -> None:
