@@ -1,0 +1,303 @@
+"""The baselines `branchreplay bench` compares the execution stack with, each exact (same gradients as the naive
+per-rollout computation of `reference.naive_backward`, to floating-point tolerance).
+
+padded_backward: the batch TRL's GRPOTrainer builds (trl/trainer/grpo_trainer.py, `_generate_and_score_completions`
+    and `_get_per_token_logps_and_entropies`): prompts left-padded, completions right-padded, concatenated into one
+    [B, P_max + C_max] batch with an attention mask, one forward/backward, logits only on the last C_max + 1
+    positions (TRL's `logits_to_keep + 1`). Departs from TRL in passing explicit position ids (TRL leaves them to
+    the model, which with left padding shifts a row's positions; RoPE is shift-invariant, absolute embeddings
+    are not) and in one batch for all rollouts (TRL splits it into `per_device_train_batch_size` micro-batches).
+
+prompt_sharing_backward: prompt-only sharing, as Prefix Grouper (Liu et al. 2025, arXiv:2506.05433; PyPI
+    `prefix-grouper`, verl `use_prefix_grouper`): each group's shared prompt runs once; every suffix (everything after
+    the prompt) runs against the prompt's K/V repeated once per suffix; the gradients of the copies sum back into
+    the prompt's K/V through autograd. Two implementations of that one method:
+        impl="prefix-grouper": the package itself, its attention function registered with transformers
+            (`prefix_grouper.utils.register_transformers`) over an SDPA adapter of ours (see `_pg_sdpa`).
+        impl="equivalent": our own, with transformers' cache: the prompt with `use_cache=True`, then one batch of
+            right-padded suffixes against a DynamicCache holding the prompt's K/V expanded to G rows.
+
+A rollout's prompt, for both: its positions before the first trained one (loss mask 1), as TRL splits prompt and
+completion. Prompt-sharing groups rollouts with identical prompts.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from .engine import LossFn, ReplayResult, loss_inputs
+from .tree import Rollout
+
+PROMPT_SHARING_LABELS = {
+    "prefix-grouper": "prompt-sharing (prefix-grouper {version}, prefix K/V repeated per suffix; SDPA adapter)",
+    "equivalent": "prompt-sharing (prefix-grouper-equivalent, prefix K/V repeated per suffix)",
+}
+
+
+def prompt_length(r: Rollout) -> int:
+    """Positions before the first trained one (at least 1 and at most len(r) - 1, so a suffix is never empty;
+    len(r) - 1 for a rollout with nothing trained)."""
+    trained = (r.loss_mask > 0).nonzero()
+    P = int(trained[0]) if trained.numel() else len(r) - 1
+    return max(1, min(P, len(r) - 1)) if len(r) > 1 else 1
+
+
+def padded_shape(rollouts: list[Rollout]) -> tuple[int, int, int]:
+    """(B, P_max, C_max) of the padded batch: rollouts, longest prompt, longest completion (tokens)."""
+    prompts = [prompt_length(r) for r in rollouts]
+    return len(rollouts), max(prompts), max(len(r) - P for r, P in zip(rollouts, prompts))
+
+
+def prompt_groups(rollouts: list[Rollout]) -> list[tuple[int, list[int]]]:
+    """(prompt length P, indices of the rollouts) per distinct prompt, in order of first appearance."""
+    groups: dict[tuple, tuple[int, list[int]]] = {}
+    for i, r in enumerate(rollouts):
+        P = prompt_length(r)
+        groups.setdefault((P, tuple(r.token_ids[:P].tolist())), (P, []))[1].append(i)
+    return list(groups.values())
+
+
+# -----------------------------------------------------------------------------
+# padded batch (TRL)
+
+def padded_backward(model, rollouts: list[Rollout], loss: LossFn, *, temperature: float = 1.0,
+                    pad_token_id: int = 0) -> ReplayResult:
+    """TRL's padded batch: one forward/backward of [B, P_max + C_max], gradients into `param.grad`.
+    Returns per-rollout logprobs/entropy at trained positions and the loss, as `reference.naive_backward` (stats
+    None: no tree is built)."""
+    device = model.device
+    B, P_max, C_max = padded_shape(rollouts)
+    T = P_max + C_max
+    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((B, T), dtype=torch.long)
+    prompts = [prompt_length(r) for r in rollouts]
+    for i, (r, P) in enumerate(zip(rollouts, prompts)):
+        C = len(r) - P
+        ids[i, P_max - P : P_max + C] = r.token_ids
+        mask[i, P_max - P : P_max + C] = 1
+    position_ids = (mask.cumsum(1) - 1).clamp_min(0)
+    ids, mask, position_ids = ids.to(device), mask.to(device), position_ids.to(device)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=C_max + 1,
+                   use_cache=False).logits[:, :-1]  # [B, C_max, V]: column c predicts completion token c
+    completion = ids[:, P_max:]  # [B, C_max]
+    rows = [(i, torch.arange(len(r) - P, device=device)) for i, (r, P) in enumerate(zip(rollouts, prompts))]
+    return _row_losses(logits, completion, rollouts, prompts, rows, loss, temperature)
+
+
+# -----------------------------------------------------------------------------
+# prompt sharing (prefix-grouper and its equivalent)
+
+def prompt_sharing_backward(model, rollouts: list[Rollout], loss: LossFn, *, temperature: float = 1.0,
+                            impl: str = "equivalent") -> ReplayResult:
+    """Prompt-only sharing: per group of rollouts with the same prompt, the prompt once and the G suffixes as one
+    batch against the prompt's K/V repeated G times; one backward per group, gradients into `param.grad`.
+
+    impl: "prefix-grouper" (the PyPI package; raises ImportError if it is not installed) or "equivalent".
+    """
+    if impl not in PROMPT_SHARING_LABELS:
+        raise ValueError(f"impl must be one of {sorted(PROMPT_SHARING_LABELS)}, got {impl!r}")
+    logprobs = [torch.zeros(len(r), dtype=torch.float32) for r in rollouts]
+    entropy = [torch.zeros(len(r), dtype=torch.float32) for r in rollouts]
+    total = 0.0
+    run = _suffixes_prefix_grouper if impl == "prefix-grouper" else _suffixes_equivalent
+    for P, members in prompt_groups(rollouts):
+        suffixes = [rollouts[i].token_ids[P:] for i in members]
+        predictors = run(model, rollouts[members[0]].token_ids[:P], suffixes)  # [G, S_max, H]
+        S_max = predictors.shape[1]
+        targets = torch.stack([torch.nn.functional.pad(s, (0, S_max - len(s))) for s in suffixes]).to(model.device)
+        rows = [(g, torch.arange(len(s), device=model.device)) for g, s in enumerate(suffixes)]
+        group = [rollouts[i] for i in members]
+        # the LM head runs on the valid rows only (the rows predicting suffix tokens), inside _row_losses
+        result = _row_losses(predictors, targets, group, [P] * len(group), rows, loss, temperature,
+                             head=model.get_output_embeddings())
+        for i, lp, ent in zip(members, result.logprobs, result.entropy):
+            logprobs[i], entropy[i] = lp, ent
+        total += result.loss
+    return ReplayResult(logprobs, entropy, total, None)
+
+
+def _suffixes_equivalent(model, prompt: torch.Tensor, suffixes: list[torch.Tensor]) -> torch.Tensor:
+    """Prompt [P] once with a cache; suffixes as one right-padded [G, S_max] batch against the prompt's K/V
+    expanded to G rows (the cache's concatenation copies it: one copy per suffix, as Prefix Grouper's repeat).
+    Returns the hidden states predicting each suffix token, [G, S_max, H] (row j predicts suffix token j)."""
+    decoder = getattr(model, model.base_model_prefix)
+    device, P, G = model.device, len(prompt), len(suffixes)
+    S_max = max(len(s) for s in suffixes)
+    out = decoder(input_ids=prompt[None].to(device), position_ids=torch.arange(P, device=device)[None],
+                  use_cache=True)
+    kv = [(layer.keys.expand(G, -1, -1, -1), layer.values.expand(G, -1, -1, -1)) for layer in out.cache.layers]
+    cache = DynamicCache(ddp_cache_data=kv, config=model.config)
+    ids = torch.stack([torch.nn.functional.pad(s, (0, S_max - len(s))) for s in suffixes]).to(device)
+    mask = torch.zeros((G, P + S_max), dtype=torch.long, device=device)
+    mask[:, :P] = 1
+    for g, s in enumerate(suffixes):
+        mask[g, P : P + len(s)] = 1
+    position_ids = (P + torch.arange(S_max, device=device))[None].expand(G, -1)
+    hidden = decoder(input_ids=ids, attention_mask=mask, position_ids=position_ids, cache=cache,
+                     use_cache=True).last_hidden_state  # [G, S_max, H]
+    last = out.last_hidden_state[:, -1:].expand(G, -1, -1)  # the prompt's last position predicts suffix token 0
+    return torch.cat([last, hidden[:, :-1]], dim=1)
+
+
+_PG_ATTENTION = "branchreplay_prefix_grouper_sdpa"
+_pg_masks: dict = {}
+
+
+def _pg_sdpa(module, query, key, value, padding_mask, *args, **kwargs):
+    """The attention function Prefix Grouper calls, as flash-attention would run it, on CPU-capable SDPA.
+
+    Prefix Grouper hands it q [b, h, Lq, d], k/v [b, h_kv, Lk, d] and a 2D [b, Lk] padding mask, and relies on
+    flash-attention's causal alignment to the bottom right (query i sits at key position Lk - Lq + i). Its own
+    transformers registration calls `flash_attention_2` (CUDA only); passing its 2D mask to transformers' `sdpa`
+    is wrong (the mask broadcasts as non-causal, or fails on shapes). Here the 2D mask becomes the 4D boolean
+    mask SDPA needs (built once per forward and reused by every layer), or none when it is a plain causal square.
+    """
+    Lq, Lk = query.shape[2], key.shape[2]
+    kwargs.pop("is_causal", None)
+    if Lq == Lk and bool(padding_mask.all()):
+        return transformers_sdpa()(module, query, key, value, None, *args, is_causal=True, **kwargs)
+    memo = (padding_mask.data_ptr(), tuple(padding_mask.shape), Lq, Lk)
+    if memo not in _pg_masks:
+        q_pos = torch.arange(Lq, device=query.device)[:, None] + (Lk - Lq)
+        causal = torch.arange(Lk, device=query.device)[None] <= q_pos  # [Lq, Lk]
+        _pg_masks[memo] = (causal[None] & padding_mask.bool()[:, None, :])[:, None]  # [b, 1, Lq, Lk]
+    return transformers_sdpa()(module, query, key, value, _pg_masks[memo], *args, is_causal=False, **kwargs)
+
+
+def transformers_sdpa():
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    return sdpa_attention_forward
+
+
+def prefix_grouper_version() -> str | None:
+    """The installed prefix-grouper's version, or None when it is not installed."""
+    try:
+        from importlib.metadata import PackageNotFoundError, version
+
+        return version("prefix-grouper")
+    except PackageNotFoundError:
+        return None
+
+
+def _suffixes_prefix_grouper(model, prompt: torch.Tensor, suffixes: list[torch.Tensor]) -> torch.Tensor:
+    """Prefix Grouper's own path: `concat_input` packs [prompt, suffix_1, ..., suffix_G] into one row, position ids
+    restart at P for each suffix, its attention function (registered with transformers) runs the prompt causally
+    and each suffix against `repeat_interleave`d prompt K/V, `split_output(include_prefix_last=1)` unpacks.
+    Returns [G, S_max, H] like `_suffixes_equivalent`."""
+    from prefix_grouper import PrefixGrouper
+    from prefix_grouper.utils.register_transformers import register_attention
+    from transformers import AttentionInterface
+
+    register_attention()  # "prefix_grouper_attention"
+    AttentionInterface.register(_PG_ATTENTION, _pg_sdpa)
+    decoder = getattr(model, model.base_model_prefix)
+    device, P, G = model.device, len(prompt), len(suffixes)
+    S_max = max(len(s) for s in suffixes)
+    prompt_mask = torch.ones((1, P), dtype=torch.bool, device=device)
+    suffix_ids = torch.zeros((G, S_max), dtype=torch.long, device=device)
+    suffix_mask = torch.zeros((G, S_max), dtype=torch.bool, device=device)
+    for g, s in enumerate(suffixes):
+        suffix_ids[g, : len(s)] = s.to(device)
+        suffix_mask[g, : len(s)] = True
+    pg = PrefixGrouper.from_ungrouped_masks(prompt_mask, suffix_mask, group_sizes=G, padding_mode="right",
+                                            device=device)
+    ids = pg.concat_input(prompt[None].to(device), prompt_mask, suffix_ids, suffix_mask)  # [1, P + sum S]
+    position_ids = torch.cat([torch.arange(P)] + [torch.arange(P, P + len(s)) for s in suffixes])[None].to(device)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("prefix_grouper_attention")
+    try:
+        hidden = decoder(input_ids=ids, position_ids=position_ids, use_cache=False, prefix_grouper=pg,
+                         prefix_grouper_attn_func=_PG_ATTENTION).last_hidden_state  # [1, P + sum S, H]
+    finally:
+        model.set_attn_implementation(previous)
+        _pg_masks.clear()
+    _, _, suffix_hidden, _ = pg.split_output(hidden, include_prefix_last=1)  # [G, S_max + 1, H]
+    return suffix_hidden[:, :-1]
+
+
+# -----------------------------------------------------------------------------
+# memory models, to skip a run that would not fit
+
+PEAK_OVER_SAVED = 1.5
+"""Peak over saved activations: on the bench model (float32, CPU) the measured peak was 1.3-1.5 x the bytes autograd
+saved (transient buffers of the backward, logits, the mask)."""
+
+
+def activation_bytes_per_token(config, dtype: torch.dtype) -> int:
+    """Bytes autograd saves per token position for a Llama-style decoder trained with SDPA: per layer about
+    12 x hidden + 2 x kv_dim + 4 x intermediate values (norm in/out, q/k/v, rotated q/k, attention out, residuals,
+    gate/up/act/product of the MLP). Matches the saved-tensor bytes measured on the bench model (97 KiB/token)."""
+    H, mlp = config.hidden_size, config.intermediate_size
+    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
+    kv = config.num_key_value_heads * head_dim
+    return (12 * H + 2 * kv + 4 * mlp) * config.num_hidden_layers * torch.finfo(dtype).bits // 8
+
+
+def padded_peak_bytes(rollouts: list[Rollout], config, dtype: torch.dtype) -> int:
+    """Estimated peak of `padded_backward`: PEAK_OVER_SAVED x (activations of B x T_max positions + the boolean
+    [B, 1, T_max, T_max] mask transformers builds + float32 logits, log-softmax and probabilities of
+    B x (C_max + 1) rows)."""
+    B, P_max, C_max = padded_shape(rollouts)
+    T = P_max + C_max
+    saved = B * T * activation_bytes_per_token(config, dtype) + B * T * T + 3 * 4 * B * (C_max + 1) * config.vocab_size
+    return int(PEAK_OVER_SAVED * saved)
+
+
+def prompt_sharing_peak_bytes(rollouts: list[Rollout], config, dtype: torch.dtype) -> int:
+    """Estimated peak of `prompt_sharing_backward` (the largest group): PEAK_OVER_SAVED x (activations of the
+    prompt and of G x S_max suffix positions + per layer the G copies of K/V over P + S_max keys, once as cached
+    (kv_dim) and once repeated to the query heads for SDPA (d_attn) + the [G, 1, S_max, P + S_max] mask + logits)."""
+    per_token = activation_bytes_per_token(config, dtype)
+    width = torch.finfo(dtype).bits // 8
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    kv_dim, d_attn = config.num_key_value_heads * head_dim, config.num_attention_heads * head_dim
+    worst = 0
+    for P, members in prompt_groups(rollouts):
+        G, S = len(members), max(len(rollouts[i]) - P for i in members)
+        kv = config.num_hidden_layers * 2 * G * (P + S) * (kv_dim + d_attn) * width
+        saved = (P + G * S) * per_token + kv + G * S * (P + S) + 3 * 4 * G * S * config.vocab_size
+        worst = max(worst, saved)
+    return int(PEAK_OVER_SAVED * worst)
+
+
+# -----------------------------------------------------------------------------
+# shared: logprobs of padded rows, per-rollout losses, one backward
+
+def _row_losses(x: torch.Tensor, targets: torch.Tensor, rollouts: list[Rollout], starts: list[int], rows,
+                loss: LossFn, temperature: float, head=None) -> ReplayResult:
+    """Row b of x ([B, C, V] logits, or [B, C, H] hidden states when `head` is given: the head then runs on the
+    valid rows only) predicts targets[b, c], the token at absolute position starts[b] + c of rollouts[b]. `rows`:
+    (b, columns [n]) of each rollout's valid columns. The loss of each rollout on its trained positions (the same
+    call as `naive_backward` makes), summed, then one backward."""
+    if head is not None:
+        flat = torch.cat([x[b, cols] for b, cols in rows])  # [sum n, H]
+        logits_flat = head(flat)
+        logits, offset = [], 0
+        for _, cols in rows:
+            logits.append(logits_flat[offset : offset + len(cols)])
+            offset += len(cols)
+    else:
+        logits = [x[b, cols] for b, cols in rows]
+    logprobs, entropy, losses = [], [], []
+    for (b, cols), lg, r, s in zip(rows, logits, rollouts, starts):
+        if lg.dtype in (torch.float16, torch.bfloat16):
+            lg = lg.float()
+        logp_all = torch.log_softmax(lg / temperature, dim=-1)  # [n, V]
+        positions = (r.loss_mask > 0).nonzero().squeeze(1)  # absolute, all >= s
+        local = (positions - s).to(logp_all.device)
+        lp = logp_all[local].gather(-1, targets[b, cols][local][:, None]).squeeze(-1)
+        ent = -(logp_all[local].exp() * logp_all[local]).sum(-1)
+        out_lp = torch.zeros(len(r), dtype=torch.float32)
+        out_ent = torch.zeros(len(r), dtype=torch.float32)
+        out_lp[positions] = lp.detach().float().cpu()
+        out_ent[positions] = ent.detach().float().cpu()
+        logprobs.append(out_lp)
+        entropy.append(out_ent)
+        if loss is not None and positions.numel() > 0:
+            losses.append(loss(loss_inputs([r], positions, lp, ent)))
+    total = torch.stack(losses).sum() if losses else None
+    if total is not None and total.requires_grad:
+        total.backward()
+    return ReplayResult(logprobs, entropy, 0.0 if total is None else total.item(), None)
