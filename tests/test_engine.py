@@ -46,9 +46,13 @@ def compare(model, rollouts, loss, temperature=1.0, **engine_kw):
     return max_rel_grad_err(g_replay, g_naive), lp_err, abs(replay.loss - naive.loss), norm
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
-@pytest.mark.parametrize("shape", sorted(SHAPES))
-@pytest.mark.parametrize("arch", TINY_ARCHS)
+# Every shape in float64 (the tight bound); float32 on the two shapes with the most branch points (float32's own
+# rounding is the same on every shape).
+CASES = [(arch, shape, torch.float64) for arch in TINY_ARCHS for shape in sorted(SHAPES)]
+CASES += [(arch, shape, torch.float32) for arch in TINY_ARCHS for shape in ("branches-of-branches", "multi-turn")]
+
+
+@pytest.mark.parametrize("arch, shape, dtype", CASES, ids=[f"{a}-{s}-{str(d)[-7:]}" for a, s, d in CASES])
 def test_replay_equals_naive(arch, shape, dtype):
     g = torch.Generator().manual_seed(hash((arch, shape)) % 2**31)
     model = _model(arch, dtype)
@@ -161,7 +165,7 @@ def test_gradients_accumulate_like_backward():
     assert max_rel_grad_err(twice, [2 * x for x in once]) <= 1e-12
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 2**31 - 1), pack=st.integers(1, 40), arch=st.sampled_from(["llama", "gpt2", "mistral"]))
 def test_random_trees(seed, pack, arch):
     g = torch.Generator().manual_seed(seed)

@@ -29,7 +29,11 @@ from transformers import (
 # -----------------------------------------------------------------------------
 # tiny random models
 
-TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2")
+TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma2", "gemma3", "qwen2-sliding",
+                               "qwen3_moe", "mixtral")
+RECURRENT_ARCHS: tuple[str, ...] = ("mamba", "mamba2", "bamba", "falcon_h1", "jamba", "lfm2", "qwen3_next")
+"""SSM / linear-attention / hybrid tiny configs (state/recurrent.py); kept apart from TINY_ARCHS, whose tests assume
+attention-only models with float64-exact kernels."""
 
 _TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              intermediate_size=128, max_position_embeddings=4096, tie_word_embeddings=False, attention_dropout=0.0,
@@ -40,7 +44,40 @@ _ARCH_EXTRA = {
     "qwen2": dict(use_sliding_window=False),
     "qwen3": dict(use_sliding_window=False),
     "mistral": dict(sliding_window=16),  # shorter than test sequences, so the window is exercised
+    # Gemma2: alternating sliding / full layers, attention and final logit softcapping (caps small enough to bend
+    # the tiny model's logits), query scaling 1 / sqrt(head_dim)
+    "gemma2": dict(sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,
+                   final_logit_softcapping=10.0),
+    # Gemma3 (text only): sliding and global layers (pattern 2: sliding, full, sliding, ...), each with its RoPE
+    "gemma3": dict(sliding_window=8, sliding_window_pattern=2, query_pre_attn_scalar=16),
+    # Qwen2 with its sliding layers on: layers >= max_window_layers slide
+    "qwen2-sliding": dict(use_sliding_window=True, sliding_window=12, max_window_layers=1),
+    # mixture of experts: 4 experts, top 2, no router aux loss; Mixtral with a sliding window on every layer
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64, use_sliding_window=False,
+                      output_router_logits=False, experts_implementation="eager"),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=16, output_router_logits=False,
+                    router_jitter_noise=0.0, experts_implementation="eager"),
+    # Recurrent and hybrid families: small states, conv kernels and SSM chunks (8 tokens, so test nodes cross chunk
+    # boundaries), both layer types present where the family has two.
+    "mamba": dict(state_size=8, conv_kernel=4, time_step_rank=8),
+    "mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=8, conv_kernel=4, chunk_size=8),
+    "bamba": dict(num_hidden_layers=3, attn_layer_indices=[1], mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2,
+                  mamba_d_state=8, mamba_d_conv=4, mamba_chunk_size=8),
+    "falcon_h1": dict(mamba_d_ssm=128, mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=2, mamba_d_state=8,
+                      mamba_d_conv=4, mamba_chunk_size=8,  # every layer: attention and Mamba2 side by side
+                      lm_head_multiplier=0.5, ssm_in_multiplier=1.5),  # muP multipliers != 1, as in the checkpoints
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=8,
+                  output_router_logits=False, experts_implementation="eager"),  # grouped_mm refuses float64
+    "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
+    # gated delta-net + attention, MoE MLPs; the delta rule's chunk is 64 tokens (fixed in transformers)
+    "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,
+                       linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       output_router_logits=False, experts_implementation="eager"),
 }
+_NO_ATTENTION = ("mamba", "mamba2")  # transformers refuses an attn_implementation for these
+_MODEL_TYPE = {"gemma3": "gemma3_text", "qwen2-sliding": "qwen2"}  # tiny arch -> HF model_type, where they differ
 _GPT2_NAMES = dict(hidden_size="n_embd", num_hidden_layers="n_layer", num_attention_heads="n_head",
                    max_position_embeddings="n_positions", intermediate_size="n_inner")
 
@@ -49,14 +86,18 @@ def tiny_config(arch: str, **overrides) -> PretrainedConfig:
     """Tiny config of a real HF causal-LM architecture (arch in TINY_ARCHS).
 
     Defaults: vocab 256, hidden 64, 2 layers, 4 heads (2 KV heads except gpt2, which has no GQA), MLP 128,
-    4096 positions, untied embeddings, no dropout, initializer_range 0.2; mistral has sliding_window=16.
+    4096 positions, untied embeddings, no dropout, initializer_range 0.2; mistral has sliding_window=16;
+    gemma2, gemma3 (Gemma3ForCausalLM), qwen2-sliding (a Qwen2 with sliding layers), qwen3_moe and mixtral (4
+    experts, top 2, mixtral with sliding_window=16) are set up in `_ARCH_EXTRA`.
     `overrides` are config fields (e.g. hidden_size=256, num_hidden_layers=4); for gpt2 the Llama-style names
     hidden_size, num_hidden_layers, num_attention_heads, max_position_embeddings, intermediate_size are mapped
     to n_embd, n_layer, n_head, n_positions, n_inner. head_dim follows hidden_size // num_attention_heads.
+    RECURRENT_ARCHS take the same defaults (attention fields only where the family has attention) plus the small
+    SSM / conv sizes of `_ARCH_EXTRA`.
     Raises ValueError for an unknown arch, or num_key_value_heads != num_attention_heads for gpt2.
     """
-    if arch not in TINY_ARCHS:
-        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+    if arch not in TINY_ARCHS + RECURRENT_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS + RECURRENT_ARCHS}")
     kw = {**_TINY, **_ARCH_EXTRA.get(arch, {}), **overrides}
     if arch == "gpt2":
         if overrides.get("num_key_value_heads", kw["num_attention_heads"]) != kw["num_attention_heads"]:
@@ -66,7 +107,15 @@ def tiny_config(arch: str, **overrides) -> PretrainedConfig:
         kw = {**no_dropout, **kw}
         return transformers.GPT2Config(**kw)
     kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
-    return AutoConfig.for_model(arch, **kw)
+    return AutoConfig.for_model(_MODEL_TYPE.get(arch, arch), **kw)
+
+
+def _attention_for(config: PretrainedConfig, requested: str | None) -> str | None:
+    """`requested`, or "eager" where the model class cannot run SDPA (Gemma2: attention logit softcapping)."""
+    cls = MODEL_FOR_CAUSAL_LM_MAPPING.get(type(config), None)
+    if requested == "sdpa" and cls is not None and not cls._supports_sdpa:
+        return "eager"
+    return requested
 
 
 def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, attn_implementation: str = "sdpa",
@@ -74,12 +123,14 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     """Randomly initialised tiny causal LM (see tiny_config), in eval mode, parameters in `dtype`.
 
     Weights are drawn in float32 under torch.manual_seed(seed) (the caller's RNG state is restored), then cast,
-    so the same seed gives the same weights in every dtype. Raises ValueError for an unknown arch.
+    so the same seed gives the same weights in every dtype. A family without SDPA (gemma2) gets eager attention.
+    Raises ValueError for an unknown arch.
     """
     config = tiny_config(arch, **overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+        impl = None if arch in _NO_ATTENTION else _attention_for(config, attn_implementation)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=impl, dtype=torch.float32)
     return model.to(dtype).eval()
 
 
@@ -150,6 +201,7 @@ def _load_gguf(path: pathlib.Path, dtype, attn_implementation):
 
 
 def _load_pretrained(name, dtype, attn_implementation, with_tokenizer=True):
+    attn_implementation = _attention_for(AutoConfig.from_pretrained(name), attn_implementation)
     model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
     return model, AutoTokenizer.from_pretrained(name) if with_tokenizer else None
 

@@ -5,13 +5,26 @@ Hugging Face's RMSNorm (Llama, Qwen2, Qwen3, Mistral, ...) casts its input to fl
 but at slightly different inputs (the sum of the same terms in another order), which turns 1e-16 differences into
 1e-7 ones. `keep_float64` makes those norms compute in float64, on both sides alike, so that a float64 check
 measures the engine and not that cast. The formula is unchanged: weight * x / sqrt(mean(x^2) + eps).
+
+Gemma's RMSNorm (Gemma, Gemma2, Gemma3; q/k norms included) computes x / sqrt(mean(x^2) + eps) * (1 + weight)
+with x and weight cast to float32: patched the same way, same formula, in float64. Gemma2 runs eager attention
+(transformers has no SDPA path with attention logit softcapping), whose softmax is taken in float32
+(`softmax(..., dtype=torch.float32)`); its `eager_attention_forward` (module function of the Gemma2 / Gemma3 model
+files, so every such model of the process is affected, float64 inputs only) is replaced by the same computation
+with the softmax in the input's dtype: scores * scaling, softcap * tanh(scores / softcap), + additive mask,
+softmax, dropout, @ values.
+
+The mixture-of-experts routers of Mixtral and Qwen3-MoE take their softmax in float32 too: patched to the same
+formula in float64 (router logits, softmax, top-k, renormalised top-k weights where the model renormalises).
 """
 
 from __future__ import annotations
 
+import sys
 import types
 
 import torch
+import torch.nn.functional as F
 
 
 def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
@@ -21,17 +34,80 @@ def _rms_norm_float64(self, hidden_states: torch.Tensor) -> torch.Tensor:
     return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
 
 
-def keep_float64(model) -> int:
-    """Make the model's Llama-style RMSNorm modules (class name ending in "RMSNorm", attribute `variance_epsilon`,
-    output `weight * normed`) compute in float64 when their input is float64. Returns how many were patched.
+def _gemma_rms_norm_float64(self, x: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float64:
+        return self._branchreplay_forward(x)
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
 
-    Modules with another formula (e.g. Gemma's `(1 + weight)`) are left as they are."""
+
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+"""RMSNorm classes computing x / sqrt(mean(x^2) + eps) * (1 + weight) (attribute `eps`)."""
+
+EAGER_FLOAT32_SOFTMAX = ("transformers.models.gemma2.modeling_gemma2", "transformers.models.gemma3.modeling_gemma3")
+"""Model files whose `eager_attention_forward(module, q, k, v, mask, dropout, scaling, softcap)` takes its softmax
+in float32 (checked against transformers 5.24)."""
+
+
+def _eager_attention_float64(original):
+    """`original` (a Gemma2 / Gemma3 `eager_attention_forward`) with its softmax in float64 for float64 inputs."""
+
+    def eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                                **kwargs):
+        if query.dtype != torch.float64:
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            softcap=softcap, **kwargs)
+        repeat_kv = sys.modules[original.__module__].repeat_kv
+        key_states = repeat_kv(key, module.num_key_value_groups)
+        value_states = repeat_kv(value, module.num_key_value_groups)
+        scaling = module.head_dim**-0.5 if scaling is None else scaling
+        weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+        if softcap is not None:
+            weights = torch.tanh(weights / softcap) * softcap
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = F.dropout(torch.softmax(weights, dim=-1), p=dropout, training=module.training)
+        return torch.matmul(weights, value_states).transpose(1, 2).contiguous(), weights
+
+    eager_attention_forward._branchreplay_original = original
+    return eager_attention_forward
+
+
+def _top_k_router_float64(self, hidden_states: torch.Tensor):
+    if hidden_states.dtype != torch.float64:
+        return self._branchreplay_forward(hidden_states)
+    router_logits = F.linear(hidden_states.reshape(-1, self.hidden_dim), self.weight)  # [N, E]
+    top_value, top_index = torch.topk(torch.softmax(router_logits, dim=-1), self.top_k, dim=-1)  # [N, k]
+    if getattr(self, "norm_topk_prob", True):  # Mixtral always renormalises
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return router_logits, top_value, top_index
+
+
+MOE_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter")
+"""Router classes returning (logits, top-k softmax weights, top-k indices), softmax in float32."""
+
+
+def keep_float64(model) -> int:
+    """Make the model's RMSNorm modules compute in float64 when their input is float64: Llama-style ones (class
+    name ending in "RMSNorm", attribute `variance_epsilon`, output `weight * normed`) and Gemma's (`GEMMA_NORMS`,
+    output `normed * (1 + weight)`); likewise the MoE routers (`MOE_ROUTERS`) and, for a Gemma2 / Gemma3 model, the
+    eager attention softmax (see the module docstring). Returns how many modules were patched (idempotent)."""
     patched = 0
     for module in model.modules():
         name = type(module).__name__
         if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and not name.startswith("Gemma"):
-            if not hasattr(module, "_branchreplay_forward"):
-                module._branchreplay_forward = module.forward
-                module.forward = types.MethodType(_rms_norm_float64, module)
-            patched += 1
+            forward = _rms_norm_float64
+        elif name in GEMMA_NORMS and hasattr(module, "eps"):
+            forward = _gemma_rms_norm_float64
+        elif name in MOE_ROUTERS:
+            forward = _top_k_router_float64
+        else:
+            continue
+        if not hasattr(module, "_branchreplay_forward"):
+            module._branchreplay_forward = module.forward
+            module.forward = types.MethodType(forward, module)
+        patched += 1
+    for file in {type(m).__module__ for m in model.modules()} & set(EAGER_FLOAT32_SOFTMAX):
+        hf = sys.modules[file]
+        if not hasattr(hf.eager_attention_forward, "_branchreplay_original"):
+            hf.eager_attention_forward = _eager_attention_float64(hf.eager_attention_forward)
     return patched

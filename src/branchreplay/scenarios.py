@@ -98,6 +98,52 @@ def multi_turn(vocab: int, g: torch.Generator, depth: int = 4) -> list[Sequence]
     return paths
 
 
+def agent_trajectories(prompt_tokens: int, turns: int, reply_tokens: int, tool_tokens: int,
+                       branching: tuple[int, ...], vocab: int, g: torch.Generator) -> list[Sequence]:
+    """Agent trajectories at realistic sizes: a system+task prompt of `prompt_tokens` (loss mask 0), then `turns`
+    turns, each a generated reply of `reply_tokens` (loss mask 1) followed by a tool output of `tool_tokens` (loss
+    mask 0); the last turn ends with its reply. Trajectories fork at the start of a reply (where the sampler draws):
+    the k-th partial trajectory at turn l forks into branching[(k + l) % len(branching)] replies, so the branching
+    is uneven and the tree has turns + 1 levels (prompt + one per turn).
+
+    E.g. 512, 4 turns, 96, 64, branching (2, 1, 3): 18 trajectories of 1088 tokens, 4640 unique positions.
+    """
+    if turns < 1 or min(branching, default=0) < 1:
+        raise ValueError("agent_trajectories needs turns >= 1 and every branching factor >= 1")
+    paths = [(_ids(prompt_tokens, vocab, g), [0] * prompt_tokens)]
+    for level in range(turns):
+        last = level == turns - 1
+        nxt = []
+        for k, (ids, mask) in enumerate(paths):
+            for _ in range(branching[(k + level) % len(branching)]):
+                reply = _ids(reply_tokens, vocab, g)
+                tool = [] if last else _ids(tool_tokens, vocab, g)
+                nxt.append((ids + reply + tool, mask + [1] * reply_tokens + [0] * len(tool)))
+        paths = nxt
+    return paths
+
+
+def tree_sampled(prompt_tokens: int, response_tokens: int, schedule: tuple[tuple[int, int], ...], vocab: int,
+                 g: torch.Generator) -> list[Sequence]:
+    """Responses sampled on a branching schedule: one prompt of `prompt_tokens`, every response `response_tokens`
+    long; at response depth d (tokens after the prompt) each partial response forks into f continuations, for each
+    (d, f) in `schedule`. E.g. ((0, 2), (32, 4)): 2 stems of 32 tokens, each forking into 4, 8 responses that share
+    their first 32 tokens in pairs of 4."""
+    schedule = sorted(schedule)
+    depths = [d for d, _ in schedule]
+    if any(d < 0 or d >= response_tokens or f < 1 for d, f in schedule) or len(set(depths)) < len(depths):
+        raise ValueError(f"tree_sampled: fork depths must be distinct and in [0, {response_tokens}), fan-outs >= 1; "
+                         f"got {schedule}")
+    prompt = _ids(prompt_tokens, vocab, g)
+    depths = depths + [response_tokens]
+    responses: list[list[int]] = [[]]
+    if depths[0] > 0:  # before the first fork, a single shared stem
+        responses = [_ids(depths[0], vocab, g)]
+    for (d, f), end in zip(schedule, depths[1:]):
+        responses = [r + _ids(end - d, vocab, g) for r in responses for _ in range(f)]
+    return [_pc(prompt, r) for r in responses]
+
+
 def random_tree(vocab: int, g: torch.Generator, max_rollouts: int = 8) -> list[Sequence]:
     """A random tree: a random prompt, then each rollout copies a random prefix of an earlier one and goes on."""
     prompt = _ids(int(torch.randint(1, 20, (), generator=g)), vocab, g)
@@ -107,6 +153,22 @@ def random_tree(vocab: int, g: torch.Generator, max_rollouts: int = 8) -> list[S
         cut = int(torch.randint(0, len(base) + 1, (), generator=g))
         completions.append(base[:cut] + _ids(int(torch.randint(0, 8, (), generator=g)), vocab, g))
     return [_pc(prompt, c) for c in completions]
+
+
+def around_window(window: int, vocab: int, g: torch.Generator) -> list[Sequence]:
+    """Branch points placed relative to a sliding window of `window` tokens (a query at q sees keys k with
+    q - k < window; window >= 2): one trunk of 3 * window + 6 tokens (its first window // 2 are the prompt) and
+    rollouts that leave it before the window is full (depth window // 2 + 1), at its edge (window - 1, window,
+    window + 1) and well past it (2 * window + 3), each going on for window + 3 tokens so that its queries cross the
+    window boundary; the branch at depth window forks again inside its own window (depth window + window // 2)."""
+    prompt_len = max(1, window // 2)
+    trunk = _ids(3 * window + 6, vocab, g)
+    out = [trunk]
+    for depth in (window // 2 + 1, window - 1, window, window + 1, 2 * window + 3):
+        out.append(trunk[:depth] + _ids(window + 3, vocab, g))
+    at_edge = out[3]  # the branch at depth `window`
+    out.append(at_edge[: window + window // 2] + _ids(window + 3, vocab, g))
+    return [_pc(s[:prompt_len], s[prompt_len:]) for s in out]
 
 
 SHAPES = {
