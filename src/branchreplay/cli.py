@@ -1,4 +1,4 @@
-"""The `branchreplay` command: verify, bench (and train / eval once the trainer is in)."""
+"""The `branchreplay` command: verify, bench, train, eval."""
 
 from __future__ import annotations
 
@@ -8,18 +8,18 @@ import sys
 
 import torch
 
-from .state import FAMILIES, UnsupportedModelError
+from .state import FAMILIES, UnsupportedModelError, state_bytes_per_token
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _verify(args) -> int:
-    from .models import TINY_ARCHS, load_model, tiny_model
+    from .models import RECURRENT_ARCHS, TINY_ARCHS, load_model, tiny_model
     from .verify import verify_model
 
     if args.list:
         print("supported families: " + ", ".join(sorted(FAMILIES)))
-        print("tiny configs (--arch): " + ", ".join(TINY_ARCHS))
+        print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
         return 0
     dtype = DTYPES[args.dtype]
     if args.model:
@@ -29,11 +29,18 @@ def _verify(args) -> int:
         model = tiny_model(args.arch, dtype=dtype, seed=args.seed)
         name = args.arch
     try:
-        results = verify_model(model, seed=args.seed, random_trees=args.random_trees)
+        results = verify_model(model, seed=args.seed, random_trees=args.random_trees, force=args.force)
     except UnsupportedModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except Exception as e:  # a forced family that does not even run is a failed check, reported as one
+        if not args.force:
+            raise
+        print(f"error: {model.config.model_type} fails under the engine with --force: {type(e).__name__}: {e}",
+              file=sys.stderr)
+        return 1
     passed = all(r.passed for r in results)
+    full, sliding = state_bytes_per_token(model.config, dtype)
     summary = {
         "arch": model.config.model_type,
         "model": name,
@@ -42,6 +49,9 @@ def _verify(args) -> int:
         "max_abs_logprob_err": max(r.max_abs_logprob_err for r in results),
         "trees": len(results),
         "passed": passed,
+        # attention K/V a branch holds for its prefix, in the verified dtype: per prefix token (full-attention
+        # layers), and at most, whatever the prefix length (sliding-window layers)
+        "state_bytes_per_token": {"full_layers_per_token": full, "sliding_layers_max": sliding},
     }
     if args.json:
         print(json.dumps(summary))
@@ -52,28 +62,92 @@ def _verify(args) -> int:
                   f"{r.max_rel_grad_err:>11.2e}{r.max_abs_logprob_err:>13.2e}  {'yes' if r.passed else 'NO'}")
         print(f"{summary['arch']} {args.dtype}: {'PASSED' if passed else 'FAILED'} "
               f"(max relative grad error {summary['max_rel_grad_err']:.2e})")
+        print(f"state per branch: {full} bytes per prefix token (full-attention layers) + at most {sliding} bytes "
+              "(sliding-window layers)")
     return 0 if passed else 1
 
 
-def _bench(args) -> int:
-    from .bench import bench_shared_prompt
+def _int_list(text: str) -> list[int]:
+    return [int(x) for x in text.split(",") if x]
 
-    figures = bench_shared_prompt(args.prompt_tokens, args.generations, args.response_tokens,
-                                  dtype=DTYPES[args.dtype], device=args.device)
-    if args.json:
-        print(json.dumps(figures))
+
+def _fork_schedule(text: str) -> list[tuple[int, int]]:
+    """"0:2,32:4" -> [(0, 2), (32, 4)] (response depth in tokens : fan-out)."""
+    try:
+        return [(int(d), int(f)) for d, f in (item.split(":") for item in text.split(",") if item)]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected depth:fanout pairs like 0:2,32:4, got {text!r}") from None
+
+
+def _bench(args) -> int:
+    from .bench import SCENARIOS, BenchOptions, format_table, plot, run_bench, scenario_grid
+
+    names = list(SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
+    try:
+        scenarios = scenario_grid(names, args.prompt_tokens, args.generations, args.response_tokens, args.turns,
+                                  args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule)
+        options = BenchOptions(dtype=DTYPES[args.dtype], device=args.device, seed=args.seed,
+                               methods=tuple(args.methods.split(",")), max_seconds=args.max_naive_seconds,
+                               max_memory_bytes=int(args.max_memory_gib * 2**30) if args.max_memory_gib else None,
+                               prompt_sharing=args.prompt_sharing, repeats=args.repeats, threads=args.threads)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
+    try:
+        result = run_bench(scenarios, options, log=log)
+    except ImportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.plot:
+        plot(result, args.plot)
+    print(json.dumps(result) if args.json else format_table(result))
+    return 0
+
+
+def _train(argv: list[str]) -> int:
+    from .config import help_text
+    from .trainer import TrainingInterrupted, parse_train_args, train
+
+    if "-h" in argv or "--help" in argv:
+        print("usage: branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--section.field VALUE ...]\n")
+        print(help_text())
         return 0
-    f = figures
-    print(f"shared-prompt: prompt {f['prompt_tokens']} + {f['generations']} x {f['response_tokens']} tokens, "
-          f"{f['model']}, {f['dtype']}, {f['device']}, {f['threads']} threads")
-    print(f"  positions     logical {f['logical_tokens']}  physical {f['physical_tokens']}  "
-          f"ratio {f['token_ratio']:.2f}")
-    print(f"  wall time     naive {f['naive_s']:.2f} s  replay {f['replay_s']:.2f} s  speedup {f['speedup']:.2f}x "
-          f"({f['speedup'] / f['token_ratio']:.2f} of the token ratio)")
-    mib = 2**20
-    print(f"  peak memory   naive {f['naive_peak_bytes'] / mib:.0f} MiB  replay {f['replay_peak_bytes'] / mib:.0f} MiB")
-    print(f"  gradients     max relative error {f['max_rel_grad_err']:.2e}")
-    print(f"  tree build    64 rollouts x 32k tokens: {f['tree_build_s_64x32k'] * 1000:.0f} ms")
+    try:
+        config, resume = parse_train_args(argv)
+        run_dir = train(config, resume)
+    except TrainingInterrupted as e:
+        print(e, file=sys.stderr)
+        return 130
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"run folder: {run_dir}")
+    return 0
+
+
+def _eval(argv: list[str]) -> int:
+    from .config import help_text
+    from .trainer import evaluate_cli, parse_train_args
+
+    if "-h" in argv or "--help" in argv:
+        print("usage: branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--section.field VALUE ...]\n")
+        print(help_text())
+        return 0
+    checkpoint = None
+    if "--checkpoint" in argv:
+        i = argv.index("--checkpoint")
+        if i + 1 >= len(argv):
+            print("error: --checkpoint needs a folder", file=sys.stderr)
+            return 2
+        checkpoint = argv[i + 1]
+        argv = argv[:i] + argv[i + 2 :]
+    try:
+        config, _ = parse_train_args(argv)
+        evaluate_cli(config, checkpoint)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     return 0
 
 
@@ -82,26 +156,67 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
 
     v = sub.add_parser("verify", help="check replay_backward against the naive per-rollout computation")
-    v.add_argument("--arch", default="llama", help="tiny random config: llama, qwen2, qwen3, mistral, gpt2")
+    v.add_argument("--arch", default="llama", help="tiny random config, e.g. llama, mistral, gemma2, mixtral "
+                                                    "(--list shows all)")
     v.add_argument("--model", help="a local HF folder, a .gguf file, or 'smollm2' (overrides --arch)")
     v.add_argument("--dtype", default="float64", choices=list(DTYPES))
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--random-trees", type=int, default=3)
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--list", action="store_true", help="list the supported families and exit")
+    v.add_argument("--force", action="store_true",
+                   help="run the check on a family that is not in the registry (the engine guesses its layout)")
     v.set_defaults(func=_verify)
 
-    b = sub.add_parser("bench", help="naive vs branch replay, side by side in one process")
-    b.add_argument("--scenario", default="shared-prompt", choices=["shared-prompt"])
-    b.add_argument("--prompt-tokens", type=int, default=2048)
-    b.add_argument("--generations", type=int, default=8)
-    b.add_argument("--response-tokens", type=int, default=128)
+    b = sub.add_parser("bench", help="naive, padded batch, prompt sharing and branch replay, side by side in one "
+                                      "process (same model, rollouts and loss)")
+    b.add_argument("--scenario", default="shared-prompt",
+                   help="shared-prompt, multi-turn, tree-sampled, a comma list of them, or all")
+    b.add_argument("--prompt-tokens", type=_int_list, default=None,
+                   help="prompt lengths to sweep, e.g. 1024,4096 (default per scenario: shared-prompt 2048, "
+                        "multi-turn 512, tree-sampled 1024)")
+    b.add_argument("--generations", type=_int_list, default=[8], help="shared-prompt: rollouts per prompt, e.g. 4,16")
+    b.add_argument("--response-tokens", type=_int_list, default=[128],
+                   help="shared-prompt and tree-sampled: response length(s) in tokens")
+    b.add_argument("--turns", type=_int_list, default=[4], help="multi-turn: turns per trajectory (list)")
+    b.add_argument("--reply-tokens", type=int, default=96, help="multi-turn: tokens per generated reply (trained)")
+    b.add_argument("--tool-tokens", type=int, default=64, help="multi-turn: tokens per tool output (not trained)")
+    b.add_argument("--branching", type=_int_list, default=[2, 1, 3],
+                   help="multi-turn: fan-outs cycled over the partial trajectories at each turn (uneven tree)")
+    b.add_argument("--fork-schedule", type=_fork_schedule, default=[(0, 2), (32, 4)],
+                   help="tree-sampled: depth:fanout pairs in response tokens (default 0:2,32:4: 8 responses)")
+    b.add_argument("--methods", default="naive,padded,prompt-sharing,branchreplay",
+                   help="comma list; naive always runs (reference and speedup baseline)")
+    b.add_argument("--prompt-sharing", default="auto", choices=["auto", "prefix-grouper", "equivalent"],
+                   help="prompt-sharing implementation: the prefix-grouper package (auto: when installed) or ours")
+    b.add_argument("--max-naive-seconds", type=float, default=120.0,
+                   help="a naive (or padded / prompt-sharing) run projected to take longer is estimated from a "
+                        "sample of its rollouts, scaled by FLOPs, and labelled estimated")
+    b.add_argument("--max-memory-gib", type=float, default=None,
+                   help="padded / prompt-sharing runs estimated to peak above this are sampled or skipped "
+                        "(default: 60%% of available memory)")
+    b.add_argument("--repeats", type=int, default=1, help="timed runs per full-size method (minimum time kept)")
+    b.add_argument("--threads", type=int, default=None,
+                   help="torch threads for the run (default: torch's; 1 is faster on an oversubscribed machine)")
+    b.add_argument("--seed", type=int, default=0)
     b.add_argument("--dtype", default="float32", choices=list(DTYPES))
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    b.add_argument("--json", action="store_true", help="print one JSON object")
+    b.add_argument("--json", action="store_true", help="print one JSON object (rows: one per configuration x method)")
+    b.add_argument("--plot", metavar="PATH.png", help="write speedup vs FLOP ratio and peak memory vs logical tokens")
     b.set_defaults(func=_bench)
 
-    args = parser.parse_args(argv)
+    t = sub.add_parser("train", help="GRPO post-training with branch replay", add_help=False,
+                       usage="branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--section.field VALUE ...]")
+    t.set_defaults(func=_train)
+    e = sub.add_parser("eval", help="held-out accuracy of a model or checkpoint", add_help=False,
+                       usage="branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--section.field VALUE ...]")
+    e.set_defaults(func=_eval)
+
+    args, rest = parser.parse_known_args(argv)
+    if args.func in (_train, _eval):
+        return args.func(rest)
+    if rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
 
 

@@ -5,7 +5,8 @@ sequence (up to `max_pack_tokens`) against ONE copy of the ancestors' K/V, with 
 whole prefix and its own earlier positions) and absolute position ids. After a pack's forward, the K/V and the last
 hidden state of each of its nodes are detached into leaf tensors; the node's children run against those leaves;
 once every descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants,
-and the pack's backward runs once with them:
+and the pack's backward runs once with them (a family with recurrent layers, `state/recurrent.py`, runs every
+node as a pack of one, and hands its children the conv / SSM state after the node instead of per-position K/V):
 
     torch.autograd.backward([pack_loss, K_n, V_n, h_last_n, ...], [1, dK_n, dV_n, dh_n, ...])
 
@@ -27,7 +28,17 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from .losses import LossInputs
-from .state import NodeState, PrefixCache, decoder_and_head, family_of, layer_windows
+from .planner import MemoryModel, default_budget, plan, saved_bytes
+from .state import (
+    EngineForwards,
+    NodeState,
+    PrefixCache,
+    decoder_and_head,
+    family_of,
+    kept_positions,
+    layer_kinds,
+    layer_windows,
+)
 from .tree import Node, RolloutTree, TreeStats
 
 LossFn = Callable[[LossInputs], torch.Tensor]
@@ -41,12 +52,17 @@ class ReplayResult:
     entropy: per rollout, [T] float32 detached next-token entropy (nats) at the same positions, 0 elsewhere.
     loss: the loss summed over the trees (a Python float; 0.0 for `replay_logprobs`).
     stats: tree sizes summed over the trees.
+    predicted_peak_bytes: the planner's prediction of the step's peak memory (largest over the trees; None for
+        `replay_logprobs`).
+    replayed_packs: number of packs replayed (recomputed before their backward).
     """
 
     logprobs: list[torch.Tensor]
     entropy: list[torch.Tensor]
     loss: float
     stats: TreeStats
+    predicted_peak_bytes: float | None = None
+    replayed_packs: int = 0
 
 
 @dataclass(frozen=True)
@@ -60,20 +76,25 @@ class EngineConfig:
     head_chunk_tokens: rows of the LM head computed at once (memory: head_chunk_tokens x vocab floats).
     replay: "keep" holds every pack's activations until its backward; "replay" holds only the K/V and last hidden
         state it hands to its children and recomputes its forward just before its backward (one more forward per
-        pack, activation memory of one pack at a time).
+        internal pack); "auto" lets the planner (`branchreplay.planner`) keep what fits `memory_budget` and replay
+        the internal packs with the largest activations.
+    memory_budget: bytes for "auto" (default: 90% of the device's free memory when the step starts).
     """
 
     max_pack_tokens: int = 4096
     chunk_tokens: int = 4096
     head_chunk_tokens: int = 512
-    replay: str = "keep"
+    replay: str = "auto"
+    memory_budget: int | None = None
 
     def __post_init__(self):
         for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"EngineConfig.{name} must be >= 1, got {getattr(self, name)}")
-        if self.replay not in ("keep", "replay"):
-            raise ValueError(f"EngineConfig.replay must be 'keep' or 'replay', got {self.replay!r}")
+        if self.replay not in ("keep", "replay", "auto"):
+            raise ValueError(f"EngineConfig.replay must be 'keep', 'replay' or 'auto', got {self.replay!r}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"EngineConfig.memory_budget must be > 0 bytes, got {self.memory_budget}")
 
 
 def replay_backward(
@@ -83,6 +104,7 @@ def replay_backward(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
+    force: bool = False,
 ) -> ReplayResult:
     """Forward and backward of `loss` over every rollout of `trees`, each unique position computed once.
 
@@ -96,12 +118,14 @@ def replay_backward(
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
         engine: packing, chunking and replay options (`EngineConfig`).
+        force: run a family that is not in the registry, as `state.generic_family` guesses it (for `branchreplay
+            verify --force`, which compares the result with the naive reference; never for training).
     Raises:
-        UnsupportedModelError: the model's family or attention implementation is not supported.
+        UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported.
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
-    return _replay(model, trees, loss, temperature, engine)
+    return _replay(model, trees, loss, temperature, engine, force)
 
 
 @torch.no_grad()
@@ -111,49 +135,63 @@ def replay_logprobs(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
+    force: bool = False,
 ) -> ReplayResult:
     """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
     rollout alone. Same arguments and errors as `replay_backward`."""
-    return _replay(model, trees, None, temperature, engine)
+    return _replay(model, trees, None, temperature, engine, force)
 
 
-def _replay(model, trees, loss, temperature, engine: EngineConfig) -> ReplayResult:
+def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool = False) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    run = _Run(model, temperature, engine, loss)
-    logprobs, entropy, total, stats = [], [], 0.0, None
+    run = _Run(model, temperature, engine, loss, force)
+    logprobs, entropy, total, stats, peak, replayed = [], [], 0.0, None, None, 0
+    train = loss is not None
     for tree in trees:
         run.check(tree)
+        root = _chunked(tree.root, engine.chunk_tokens)
+        if train:
+            budget = None if engine.replay != "auto" else engine.memory_budget or default_budget(run.device)
+            memory = run.memory_model(tree.stats.physical_tokens)
+            step_plan = plan(root, memory, run.packs_of, budget, replay_all=engine.replay == "replay",
+                             head_chunk_tokens=engine.head_chunk_tokens)
+            run.replay_set = step_plan.replay
+            peak = max(peak or 0.0, step_plan.predicted_peak_bytes)
+            replayed += len(step_plan.replay)
         run.tree = tree
         run.logprobs = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
         run.entropy = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
         run.loss_value = 0.0
-        run.children(_chunked(tree.root, engine.chunk_tokens), ancestors=[], parent_h=None)
+        run.children(root, ancestors=[], parent_h=None)
         logprobs += run.logprobs
         entropy += run.entropy
         total += run.loss_value
         stats = tree.stats if stats is None else stats + tree.stats
-    return ReplayResult(logprobs, entropy, total, stats)
+    return ReplayResult(logprobs, entropy, total, stats, peak if train else None, replayed)
 
 
 class _Run:
     """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
 
-    def __init__(self, model, temperature: float, engine: EngineConfig, loss):
-        self.family = family_of(model)
+    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: bool = False):
+        self.family = family_of(model, force=force)
         self.config = model.config
         self.decoder, self.head = decoder_and_head(model)
         self.windows = layer_windows(model.config)
         self.num_layers = model.config.num_hidden_layers
-        self.additive_mask = model.config._attn_implementation == "eager"
+        self.kinds = layer_kinds(model.config)  # attention / recurrent / hybrid, per layer
+        self.engine_forwards = EngineForwards(model)  # exact mixer forwards for cached SSM states (recurrent.py)
         self.dtype = self.head.weight.dtype
         self.device = self.head.weight.device
         self.vocab_size = self.head.weight.shape[0]
         self.temperature = temperature
+        self.softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma: cap * tanh(logits / cap)
         self.max_pack_tokens = engine.max_pack_tokens
         self.head_chunk_tokens = engine.head_chunk_tokens
-        self.replay = engine.replay == "replay"
+        self.replay_set: set[int] = set()
+        self.model = model
         self.loss = loss
         _check_no_dropout(model)
 
@@ -177,8 +215,46 @@ class _Run:
 
     def children(self, parent: Node, ancestors: list[NodeState], parent_h: torch.Tensor | None) -> None:
         """Run the subtrees under `parent`, pack by pack; on return, the ancestors' leaves hold their gradients."""
-        for pack in _packs(parent.children, self.max_pack_tokens):
+        for pack in self.packs_of(parent):
             self.pack(pack, parent.end, ancestors, parent_h)
+
+    def packs_of(self, parent: Node) -> list[list[Node]]:
+        """The packs in which `parent`'s children run (one node each in a recurrent family)."""
+        return _packs(parent.children, 1 if self.family.recurrent else self.max_pack_tokens)
+
+    def memory_model(self, tokens: int) -> MemoryModel:
+        """The model's `MemoryModel` for a tree of `tokens` physical positions, fitted once per model, dtype and
+        scale from three probe forwards: s-2s tokens against 2s-6s, with s = 256 for trees of 4096 positions or
+        more (the sizes whose kernels real steps use: SDPA picks its path by size), else s = 16 (cheap, and a
+        small tree's memory is small whatever the fit)."""
+        scale = 256 if tokens >= 4096 else 16
+        cache = self.model.__dict__.setdefault("_branchreplay_memory_models", {})
+        if (self.dtype, scale) not in cache:
+            cache[self.dtype, scale] = self._probe_memory(scale)
+        return cache[self.dtype, scale]
+
+    def _probe_memory(self, s: int) -> MemoryModel:
+        g = torch.Generator().manual_seed(0)
+        params = list(self.model.parameters())
+
+        def probe(S, P):
+            prefix = Node(torch.randint(0, self.vocab_size, (P,), generator=g), 0, [])
+            with torch.no_grad():
+                _, cache = self.forward([prefix], 0, [])
+            state = [tuple(_leaf(t) for t in layer) for layer in cache.node_state(0, P)]
+            node = Node(torch.randint(0, self.vocab_size, (S,), generator=g), P, [])
+            return saved_bytes(params, lambda: self.forward([node], P, [state])), state
+
+        b1, state = probe(s, 2 * s)
+        b2, _ = probe(2 * s, 2 * s)
+        b3, _ = probe(s, 6 * s)
+        per_key = max(b3 - b1, 0) / (4 * s)
+        per_token = max((b2 - b1) / s - per_key, 0.0)
+        state_per_token = sum(t.numel() * t.element_size() for layer in state for t in layer) / (2 * s)
+        elem = torch.finfo(self.dtype).bits // 8
+        grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+        head_per_row = 3 * self.vocab_size * max(elem, 4)  # logits, log-softmax, its gradient
+        return MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem)
 
     def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h) -> None:
         """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
@@ -187,7 +263,7 @@ class _Run:
         graph (only the state and last hidden states handed to the children are kept) and is recomputed, with a
         graph, just before the backward: the same values, since it is the same computation on the same inputs."""
         train = self.loss is not None
-        replay = train and self.replay
+        replay = train and id(nodes[0]) in self.replay_set
         with torch.no_grad() if replay else contextlib.nullcontext():
             hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
         pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
@@ -239,32 +315,41 @@ class _Run:
         tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
-        cache = PrefixCache(ancestors, self.num_layers)
-        out = self.decoder(
-            input_ids=tokens,
-            position_ids=(P + local)[None],
-            # One node: the ordinary causal (or sliding-window) mask with offset P, which transformers builds itself
-            # (and SDPA may then skip); several: the tree mask.
-            attention_mask=self.masks(P, local, segment) if len(nodes) > 1 else None,
-            cache=cache,
-            use_cache=True,
-        )
+        cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P)
+        with self.engine_forwards:
+            out = self.decoder(
+                input_ids=tokens,
+                position_ids=(P + local)[None],
+                attention_mask=self.masks(P, local, segment) if self.own_mask(nodes, P) else None,
+                cache=cache,
+                use_cache=True,
+            )
         return out.last_hidden_state[0], cache
 
+    def own_mask(self, nodes: list[Node], P: int) -> bool:
+        """Whether the pack takes our tree mask. A root alone takes transformers' causal mask, which SDPA can skip;
+        so do the single-node packs of recurrent families (whose SSM layers read a 2D mask). Otherwise ours: one
+        additive tensor that every layer shares, where transformers' boolean mask is converted, and saved for
+        backward, once per layer by SDPA (4x the memory on a 4-layer model)."""
+        return len(nodes) > 1 or (P > 0 and not getattr(self.family, "recurrent", False))
+
     def masks(self, P: int, local: torch.Tensor, segment: torch.Tensor):
-        """Tree mask [1, 1, S, P + S]: query (segment s, position P + t) sees every prefix key and the keys of its own
-        segment at positions <= P + t, and, in a sliding-window layer, only keys k with q - k < window."""
+        """Tree mask [1, 1, S, K + S]: query (segment s, position P + t) sees every prefix key and the keys of its own
+        segment at positions <= P + t, and, in a sliding-window layer, only keys k with q - k < window. The K prefix
+        keys are those the layer's cache serves (`kept_positions`): all P in a full layer, the last window - 1 in a
+        sliding one, at their absolute positions."""
         q_pos = P + local
-        k_pos = torch.cat([torch.arange(P, device=self.device), q_pos])
-        k_seg = torch.cat([torch.full((P,), -1, device=self.device), segment])
-        visible = (k_seg[None] == -1) | ((k_seg[None] == segment[:, None]) & (k_pos[None] <= q_pos[:, None]))
 
         def build(window):
-            allowed = visible if window is None else visible & (q_pos[:, None] - k_pos[None] < window)
-            if self.additive_mask:  # eager attention adds the mask: a boolean one would be silently wrong
-                zero = torch.zeros((), dtype=self.dtype, device=self.device)
-                allowed = torch.where(allowed, zero, torch.finfo(self.dtype).min)
-            return allowed[None, None]
+            kept = kept_positions(P, window)
+            k_pos = torch.cat([torch.arange(P - kept, P, device=self.device), q_pos])
+            k_seg = torch.cat([torch.full((kept,), -1, device=self.device), segment])
+            allowed = (k_seg[None] == -1) | ((k_seg[None] == segment[:, None]) & (k_pos[None] <= q_pos[:, None]))
+            if window is not None:
+                allowed = allowed & (q_pos[:, None] - k_pos[None] < window)
+            # Additive, in the model's dtype: eager attention adds the mask (a boolean one would be silently wrong)
+            zero = torch.zeros((), dtype=self.dtype, device=self.device)
+            return torch.where(allowed, zero, torch.finfo(self.dtype).min)[None, None]
 
         kinds = {w: build(w) for w in set(self.windows)}
         if self.family.mask_mapping:
@@ -308,9 +393,10 @@ class _Run:
             h = hidden[start : start + self.head_chunk_tokens]
             t = targets[start : start + self.head_chunk_tokens]
             if torch.is_grad_enabled():
-                outs.append(checkpoint(_head_logprobs, self.head, h, t, self.temperature, use_reentrant=False))
+                outs.append(checkpoint(_head_logprobs, self.head, h, t, self.temperature, self.softcap,
+                                       use_reentrant=False))
             else:
-                outs.append(_head_logprobs(self.head, h, t, self.temperature))
+                outs.append(_head_logprobs(self.head, h, t, self.temperature, self.softcap))
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
@@ -333,10 +419,14 @@ def loss_inputs(rollouts, positions: torch.Tensor, logprobs: torch.Tensor, entro
     )
 
 
-def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float):
+def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   softcap: float | None = None):
     """log softmax(head(hidden) / temperature) at `targets`, and the entropy of that distribution.
-    [N, H], [N] -> [N], [N]."""
+    [N, H], [N] -> [N], [N]. With `softcap` (config.final_logit_softcapping, Gemma 2/3) the logits are first
+    softcap * tanh(logits / softcap), in the model's dtype, as transformers' ForCausalLM computes them."""
     logits = head(hidden)
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     logp_all = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
@@ -392,8 +482,11 @@ def _check_no_dropout(model) -> None:
         return
     active = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
     p_attn = getattr(model.config, "attention_dropout", 0.0) or 0.0
-    if active or p_attn > 0:
-        where = ", ".join(active[:3]) or f"attention_dropout={p_attn}"
+    jitter = getattr(model.config, "router_jitter_noise", 0.0) or 0.0  # Mixtral: random router input scaling
+    if active or p_attn > 0 or jitter > 0:
+        where = ", ".join(active[:3]) or (
+            f"attention_dropout={p_attn}" if p_attn > 0 else f"router_jitter_noise={jitter}"
+        )
         raise ValueError(
             f"the model has active dropout ({where}); call model.eval() or set the dropout probabilities to 0: "
             "dropout breaks the equivalence with the per-rollout computation"

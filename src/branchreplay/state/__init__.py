@@ -1,10 +1,13 @@
 """What a branch needs from its prefix, per model family and layer type.
 
 The execution stack hands each child the cached state of its ancestors. For the attention layers of the families
-below that state is the post-RoPE K/V of every ancestor position; a sliding-window layer additionally masks keys
-more than `window` positions back. This module is the one place that knows, per family, which layers are
+below that state is the post-RoPE K/V of every ancestor position; a sliding-window layer keeps only the last
+window - 1 positions (all a later query can see), so its state is bounded by the window, not by the prefix
+length. A recurrent layer (SSM, linear attention, short conv: `recurrent.py`) hands its children its state after
+the node, constant in the prefix length. This module is the one place that knows, per family, which layers are
 which and how the model's forward takes a custom mask. A family not listed here is refused by name
-(`UnsupportedModelError`): running it through the engine could be silently wrong.
+(`UnsupportedModelError`): running it through the engine could be silently wrong; `branchreplay verify --model PATH
+--force` checks one against the naive reference.
 
 `cache.PrefixCache` is the transformers `Cache` the engine passes to the model: it serves the ancestors' state
 (tensors that require grad, so gradients flow back to the ancestors) and hands out each new node's state.
@@ -13,6 +16,8 @@ which and how the model's forward takes a custom mask. A family not listed here 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+import torch
 
 
 class UnsupportedModelError(ValueError):
@@ -25,62 +30,166 @@ class Family:
 
     mask_mapping: the decoder's forward takes {"full_attention": mask, "sliding_attention": mask} (families with
         `config.layer_types`); otherwise it takes one 4D mask used by every layer.
+    recurrent: some layers carry a recurrent state (SSM, linear attention, short conv; see `recurrent.py`): every
+        node runs as a pack of one (a sibling's scan cannot share the query sequence), so no tree mask is built.
+    float32_kernels: transformers computes part of the forward in float32 whatever the model dtype (SSM scans,
+        gated delta rule, float32 logits or residual): the engine equals the naive reference to float32 precision
+        only (with those casts made float64 the tests measure ~1e-14; `tests/test_families_recurrent.py`).
+    uniform_window: the config has no `layer_types` and `config.sliding_window`, when set, applies to every layer
+        (Mistral, Mixtral, Qwen3-MoE with use_sliding_window).
+
+    Mixture of experts (Mixtral, Qwen3-MoE): routing is per position (router logits, top-k and expert weights
+    depend only on that position's hidden state), so a shared position's routing is shared like its logprob and
+    the engine runs the experts' own forward unchanged. The router load-balancing auxiliary loss is EXCLUDED: it
+    couples all the tokens of a batch (product of mean routing fractions and mean router probabilities), so it is
+    not a sum over nodes; transformers adds it only in `ForCausalLM.forward` when `output_router_logits` is True,
+    and `family_of` refuses such a config so that no one trains believing it is on. Router jitter noise (Mixtral,
+    training mode only) is random, like dropout, and refused by the engine.
     """
 
     name: str
     mask_mapping: bool
+    recurrent: bool = False
+    uniform_window: bool = False
+    float32_kernels: bool = False
 
 
 FAMILIES: dict[str, Family] = {
     "llama": Family("llama", mask_mapping=False),
-    "mistral": Family("mistral", mask_mapping=False),
+    "mistral": Family("mistral", mask_mapping=False, uniform_window=True),
     "qwen2": Family("qwen2", mask_mapping=True),
     "qwen3": Family("qwen3", mask_mapping=True),
     "gpt2": Family("gpt2", mask_mapping=False),
+    # attention logit softcapping (eager attention only in transformers) and final logit softcapping (applied by
+    # the engine's LM head, read from config.final_logit_softcapping); Gemma3: Gemma3ForCausalLM (text only)
+    "gemma2": Family("gemma2", mask_mapping=True),
+    "gemma3_text": Family("gemma3_text", mask_mapping=True),
+    # mixture of experts: see the Family docstring (router aux loss excluded, output_router_logits refused)
+    "qwen3_moe": Family("qwen3_moe", mask_mapping=False, uniform_window=True),
+    "mixtral": Family("mixtral", mask_mapping=False, uniform_window=True),
+    # recurrent and hybrid families (state/recurrent.py); their packs hold one node, so mask_mapping is unused
+    "mamba": Family("mamba", mask_mapping=False, recurrent=True, float32_kernels=True),
+    "mamba2": Family("mamba2", mask_mapping=False, recurrent=True, float32_kernels=True),
+    "bamba": Family("bamba", mask_mapping=False, recurrent=True, float32_kernels=True),
+    "falcon_h1": Family("falcon_h1", mask_mapping=False, recurrent=True, float32_kernels=True),
+    "jamba": Family("jamba", mask_mapping=False, recurrent=True, float32_kernels=True),
+    "lfm2": Family("lfm2", mask_mapping=False, recurrent=True),  # float64-exact
+    "qwen3_next": Family("qwen3_next", mask_mapping=False, recurrent=True, float32_kernels=True),
 }
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
 
-def family_of(model) -> Family:
-    """The registry entry for `model`.
+def family_of(model, force: bool = False) -> Family:
+    """The registry entry for `model`; with `force`, a family not in the registry gets `generic_family(model)`
+    instead of a refusal (for `branchreplay verify --force`, which checks it against the naive reference).
 
     Raises:
-        UnsupportedModelError: the family is not registered, or the attention implementation cannot take a tree mask.
+        UnsupportedModelError: the family is not registered (and not `force`), the attention implementation cannot
+            take a tree mask, or the config asks for something the engine does not compute (the MoE router
+            auxiliary loss, non-causal attention).
     """
-    model_type = model.config.model_type
-    if model_type not in FAMILIES:
+    config = model.config
+    model_type = config.model_type
+    if model_type not in FAMILIES and not force:
         raise UnsupportedModelError(
             f"model family '{model_type}' is not supported by the branchreplay engine (supported: "
-            f"{', '.join(sorted(FAMILIES))}). Run `branchreplay verify --model PATH` to check it against the "
-            "naive reference."
+            f"{', '.join(sorted(FAMILIES))}). Run `branchreplay verify --model PATH --force` to check it against "
+            "the naive reference."
         )
-    impl = model.config._attn_implementation
+    impl = config._attn_implementation
     if impl not in SUPPORTED_ATTENTION:
         raise UnsupportedModelError(
             f"attention implementation '{impl}' cannot take the tree mask; load the model with "
             f"attn_implementation='sdpa' (or 'eager')"
         )
-    return FAMILIES[model_type]
+    if getattr(config, "output_router_logits", False):
+        raise UnsupportedModelError(
+            f"{model_type}: config.output_router_logits is True, but the router load-balancing loss is not computed "
+            "by branchreplay (it is not a sum over the tree's nodes); set model.config.output_router_logits = False"
+        )
+    if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
+        raise UnsupportedModelError(f"{model_type}: bidirectional attention; the engine runs causal LMs only")
+    return FAMILIES[model_type] if model_type in FAMILIES else generic_family(model)
+
+
+def generic_family(model) -> Family:
+    """A `Family` guessed for an unregistered model, used only under `force`: a decoder whose forward mentions a
+    mask mapping takes one (as Qwen2 / Gemma do), else one 4D mask; `config.sliding_window` applies to every layer
+    unless `config.layer_types` says which layers slide. A wrong guess shows up as an error in `branchreplay verify`."""
+    import inspect
+
+    config = model.config
+    decoder, _ = decoder_and_head(model)
+    try:
+        mask_mapping = "mask_mapping" in inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        mask_mapping = getattr(config, "layer_types", None) is not None
+    return Family(config.model_type, mask_mapping=mask_mapping,
+                  uniform_window=getattr(config, "layer_types", None) is None)
 
 
 def layer_windows(config) -> list[int | None]:
     """Per decoder layer: the sliding window in tokens (a query at position q sees keys k with q - k < window, as
-    in transformers' `sliding_window_overlay`), or None for full attention."""
+    in transformers' `sliding_window_overlay`), or None for full attention. From `config.layer_types` when the
+    config has it ("sliding_attention" layers slide), else `config.sliding_window` for every layer in a
+    `uniform_window` family (an unregistered family counts as one)."""
     n = config.num_hidden_layers
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
     if layer_types is not None:
         return [window if t == "sliding_attention" else None for t in layer_types[:n]]
-    if config.model_type == "mistral":
+    family = FAMILIES.get(config.model_type)
+    if family is None or family.uniform_window:
         return [window] * n
     return [None] * n
 
 
+def state_bytes_per_token(config, dtype) -> tuple[int, int]:
+    """The attention state a branch holds for its prefix: (bytes per prefix token over the full-attention layers,
+    the most bytes the sliding-window layers ever hold together, whatever the prefix length).
+
+    Per attention layer and kept position: keys and values, 2 * num_key_value_heads * head_dim elements of `dtype`
+    (a torch.dtype). A full layer keeps every prefix position; a sliding layer at most window - 1 of them
+    (`cache.kept_positions`). Recurrent layers (`recurrent.py`) are not counted here."""
+    n = config.num_hidden_layers
+    attention = [kind != "recurrent" for kind in layer_kinds(config)]
+    if not any(attention):  # Mamba, Mamba2: no attention fields in the config
+        return 0, 0
+    heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    per_position = 2 * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    windows = layer_windows(config)
+    full = sum(per_position for w, a in zip(windows[:n], attention) if a and w is None)
+    sliding = sum(per_position * (w - 1) for w, a in zip(windows[:n], attention) if a and w is not None)
+    return full, sliding
+
+
 def decoder_and_head(model):
     """(decoder, lm_head): the base model returning final-normed hidden states [B, S, H], and the output
-    projection H -> V."""
-    return getattr(model, model.base_model_prefix), model.get_output_embeddings()
+    projection H -> V (times FalconH1's `lm_head_multiplier`, which its ForCausalLM applies to the logits)."""
+    head = model.get_output_embeddings()
+    multiplier = getattr(model.config, "lm_head_multiplier", None)
+    if multiplier is not None and multiplier != 1.0:
+        head = ScaledHead(head, multiplier)
+    return getattr(model, model.base_model_prefix), head
 
 
-from .cache import NodeState, PrefixCache  # noqa: E402, F401  (re-exported: the engine's one import point)
+class ScaledHead(torch.nn.Module):
+    """`head(h) * multiplier`, exposing the head's `weight` (the engine reads its dtype, device and vocab size)."""
+
+    def __init__(self, head: torch.nn.Module, multiplier: float):
+        super().__init__()
+        self.head, self.multiplier = head, multiplier
+
+    @property
+    def weight(self) -> torch.Tensor:
+        return self.head.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head(hidden) * self.multiplier
+
+
+# re-exported: the engine's one import point
+from .cache import NodeState, PrefixCache, kept_positions  # noqa: E402, F401
+from .recurrent import EngineForwards, layer_kinds  # noqa: E402, F401

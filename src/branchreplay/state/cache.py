@@ -5,18 +5,41 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .recurrent import HybridLayer, RecurrentLayer
+
 NodeState = list[tuple[torch.Tensor, ...]]
 """What a node hands its descendants, per decoder layer. Attention layers: (keys, values) of the node's own
-positions, each [1, H_kv, L, D] (post-RoPE, as transformers caches them)."""
+positions, each [1, H_kv, L, D] (post-RoPE, as transformers caches them); a sliding-window layer keeps only the
+node's last min(L, window - 1) positions, the most any descendant can see. Recurrent layers: their state after the
+node's last token (see `recurrent.py`)."""
+
+
+def kept_positions(prefix_length: int, window: int | None) -> int:
+    """How many of the last prefix positions an attention layer serves to a query sequence starting at position
+    `prefix_length`: all of them, or in a sliding-window layer the last window - 1 (a query q sees keys k with
+    q - k < window, so the first query, at q = prefix_length, sees keys >= prefix_length - window + 1; later ones
+    see less of the prefix). The engine's tree mask spans the same keys."""
+    return prefix_length if window is None else min(prefix_length, window - 1)
 
 
 class _PrefixLayer(DynamicLayer):
-    """One attention layer's cache: the ancestors' K/V, concatenated once with the K/V of this forward."""
+    """One attention layer's cache: the ancestors' K/V, concatenated once with the K/V of this forward.
 
-    def __init__(self, ancestors: list[tuple[torch.Tensor, torch.Tensor]]):
+    In a sliding-window layer (`window` not None) only the last `kept_positions(P, window)` ancestor positions are
+    served, and a node keeps only its last window - 1 positions for its descendants, so the state held along a path
+    is bounded by the window, not by the prefix length P. The slicing is differentiable: the gradient of a cut
+    position is zero, as it is in the naive computation, where no query within the window reaches it.
+    """
+
+    def __init__(self, ancestors: list[tuple[torch.Tensor, torch.Tensor]], window: int | None = None,
+                 prefix_length: int | None = None):
         super().__init__()
-        self.ancestors = ancestors
-        self.prefix_length = sum(k.shape[-2] for k, _ in ancestors)
+        available = sum(k.shape[-2] for k, _ in ancestors)
+        self.window = window
+        self.is_sliding = window is not None  # transformers sizes the sliding mask on the first such layer
+        self.prefix_length = available if prefix_length is None else prefix_length
+        self.kept = kept_positions(self.prefix_length, window)
+        self.ancestors = _last_positions(ancestors, self.kept)
         self.new_keys = self.new_values = None
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -28,10 +51,36 @@ class _PrefixLayer(DynamicLayer):
         return keys, values
 
     def get_seq_length(self) -> int:
+        """The absolute prefix length P (the query offset), also in a sliding layer that serves fewer keys."""
         return self.prefix_length
 
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        """(kv_length, kv_offset) of the keys `update` returns: absolute positions [P - kept, P + query_length).
+        Equal to transformers' `DynamicSlidingWindowLayer.get_mask_sizes` after P tokens (and to `DynamicLayer`'s
+        (P + query_length, 0) in a full layer)."""
+        return self.kept + query_length, self.prefix_length - self.kept
+
     def node_state(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.window is not None:  # descendants start at the node's end: they see at most its last window - 1
+            a = max(a, b - (self.window - 1))
         return self.new_keys[:, :, a:b], self.new_values[:, :, a:b]
+
+
+def _last_positions(states: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The (k, v) pieces holding the last `n` positions of the ancestors' states, root first (whole tensors where a
+    whole state is needed, slices otherwise). Each state ends where its node ends, so the last n positions of the
+    prefix are a suffix of the last states' positions.
+    Raises ValueError if the states hold fewer than n positions."""
+    out: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for k, v in reversed(states):
+        if n == 0:
+            break
+        take = min(n, k.shape[-2])
+        out.append((k, v) if take == k.shape[-2] else (k[:, :, -take:], v[:, :, -take:]))
+        n -= take
+    if n > 0:
+        raise ValueError(f"the ancestors' states hold {n} positions fewer than the prefix needs")
+    return out[::-1]
 
 
 class PrefixCache(Cache):
@@ -41,11 +90,32 @@ class PrefixCache(Cache):
         ancestors: the `NodeState` of each ancestor, root first (tensors that require grad when training, so that
             gradients flow back to the ancestors through them).
         num_layers: number of decoder layers.
+        kinds: per layer "attention", "recurrent" or "hybrid" (`recurrent.layer_kinds`); default all attention.
+        windows: per layer the sliding window in tokens or None (`layer_windows`); default all full attention.
+        prefix_length: the absolute position P at which the query sequence starts; needed when a sliding layer
+            holds fewer positions than P (default: the positions the ancestors' states hold).
     After the forward, `node_state(a, b)` is the `NodeState` of the node at query positions [a, b).
     """
 
-    def __init__(self, ancestors: list[NodeState], num_layers: int):
-        super().__init__(layers=[_PrefixLayer([state[i] for state in ancestors]) for i in range(num_layers)])
+    def __init__(self, ancestors: list[NodeState], num_layers: int, kinds: list[str] | None = None,
+                 windows: list[int | None] | None = None, prefix_length: int | None = None):
+        kinds = kinds or ["attention"] * num_layers
+        windows = windows or [None] * num_layers
+        super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length)
+                                 for i, (kind, window) in enumerate(zip(kinds, windows))])
 
     def node_state(self, a: int, b: int) -> NodeState:
         return [layer.node_state(a, b) for layer in self.layers]
+
+
+def _layer(kind: str, states: list[tuple[torch.Tensor, ...]], window: int | None = None,
+           prefix_length: int | None = None):
+    """One layer's cache from that layer's `NodeState` of each ancestor (root first): attention reads them all (a
+    sliding one their last window - 1 positions), a recurrent layer only the parent's (the last), a hybrid
+    (FalconH1) both: (k, v) parts and the parent's state."""
+    if kind == "recurrent":
+        return RecurrentLayer(states[-1] if states else None)
+    if kind == "hybrid":
+        return HybridLayer(_PrefixLayer([s[:2] for s in states], window, prefix_length),
+                           states[-1][2:] if states else None)
+    return _PrefixLayer(states, window, prefix_length)
