@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test demo verify bench clean
+.PHONY: test demo bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -20,9 +20,14 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+# Exactness on a tiny Llama (seconds), then a short GRPO run of SmolLM2 on the default task, in a new run folder.
 demo: $(STAMP)
 	$(VENV)/bin/branchreplay verify --arch llama
-	$(VENV)/bin/branchreplay bench --scenario shared-prompt
+	$(VENV)/bin/branchreplay train --config configs/demo.yaml --train.output_dir runs/demo-$$(date +%Y%m%d-%H%M%S)
+
+# Naive, padded batch, prompt sharing and branch replay side by side (docs/benchmarks.md has the full sweeps).
+bench: $(STAMP)
+	$(VENV)/bin/branchreplay bench --scenario all
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis
