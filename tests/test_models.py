@@ -129,6 +129,7 @@ def test_hub_id_unreachable(monkeypatch):
     def offline(*args, **kwargs):
         raise OSError("connection refused")
     monkeypatch.setattr(M.AutoModelForCausalLM, "from_pretrained", offline)
+    monkeypatch.setattr(M.AutoConfig, "from_pretrained", offline)  # the config is read first; never the network
     with pytest.raises(OSError, match="could not be reached.*local folder"):
         load_model("someorg/somemodel")
 
