@@ -26,7 +26,8 @@ def _setup(P=512, G=6, R=48):
 def _run(model, tree, **engine):
     model.zero_grad(set_to_none=True)
     out = []
-    peak = measure_peak_bytes(lambda: out.append(replay_backward(model, tree, GRPOLoss(), engine=EngineConfig(**engine))))
+    config = EngineConfig(**engine)
+    peak = measure_peak_bytes(lambda: out.append(replay_backward(model, tree, GRPOLoss(), engine=config)))
     return out[0], peak
 
 
@@ -59,7 +60,8 @@ def test_no_plan_fits_names_the_knobs():
         replay_backward(model, tree, GRPOLoss(), engine=EngineConfig(memory_budget=1_000_000))
 
 
-@pytest.mark.parametrize("kwargs, match", [(dict(replay="sometimes"), "replay"), (dict(memory_budget=0), "memory_budget"),
+@pytest.mark.parametrize("kwargs, match", [(dict(replay="sometimes"), "replay"),
+                                           (dict(memory_budget=0), "memory_budget"),
                                            (dict(chunk_tokens=0), "chunk_tokens")])
 def test_engine_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):

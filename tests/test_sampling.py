@@ -150,7 +150,9 @@ def test_single_candidate_filters_are_greedy(kind, filters):
 
 def test_filter_logits_top_k_then_top_p():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    kept = lambda **kw: torch.isfinite(_filter_logits(logits, **kw))[0].tolist()
+    def kept(**kw):
+        return torch.isfinite(_filter_logits(logits, **kw))[0].tolist()
+
     assert kept(top_k=0, top_p=1.0) == [True, True, True, True]
     assert kept(top_k=3, top_p=1.0) == [True, True, True, False]
     assert kept(top_k=0, top_p=0.75) == [True, True, False, False]
