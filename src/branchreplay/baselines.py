@@ -27,6 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from .engine import LossFn, ReplayResult, loss_inputs
+from .reference import per_position, rows_logprobs
 from .tree import Rollout
 
 PROMPT_SHARING_LABELS = {
@@ -282,19 +283,11 @@ def _row_losses(x: torch.Tensor, targets: torch.Tensor, rollouts: list[Rollout],
         logits = [x[b, cols] for b, cols in rows]
     logprobs, entropy, losses = [], [], []
     for (b, cols), lg, r, s in zip(rows, logits, rollouts, starts):
-        if lg.dtype in (torch.float16, torch.bfloat16):
-            lg = lg.float()
-        logp_all = torch.log_softmax(lg / temperature, dim=-1)  # [n, V]
         positions = (r.loss_mask > 0).nonzero().squeeze(1)  # absolute, all >= s
-        local = (positions - s).to(logp_all.device)
-        lp = logp_all[local].gather(-1, targets[b, cols][local][:, None]).squeeze(-1)
-        ent = -(logp_all[local].exp() * logp_all[local]).sum(-1)
-        out_lp = torch.zeros(len(r), dtype=torch.float32)
-        out_ent = torch.zeros(len(r), dtype=torch.float32)
-        out_lp[positions] = lp.detach().float().cpu()
-        out_ent[positions] = ent.detach().float().cpu()
-        logprobs.append(out_lp)
-        entropy.append(out_ent)
+        local = (positions - s).to(lg.device)
+        lp, ent = rows_logprobs(lg, local, targets[b, cols][local], temperature)
+        logprobs.append(per_position(lp, positions, len(r)))
+        entropy.append(per_position(ent, positions, len(r)))
         if loss is not None and positions.numel() > 0:
             losses.append(loss(loss_inputs([r], positions, lp, ent)))
     total = torch.stack(losses).sum() if losses else None

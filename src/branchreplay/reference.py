@@ -20,25 +20,33 @@ def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, tempe
         ids = r.token_ids.to(model.device)[None]  # [1, T]
         with torch.set_grad_enabled(loss is not None and torch.is_grad_enabled()):
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [T-1, V]: position t predicts t + 1
-            if logits.dtype in (torch.float16, torch.bfloat16):
-                logits = logits.float()
-            logp_all = torch.log_softmax(logits / temperature, dim=-1)
             positions = (r.loss_mask > 0).nonzero().squeeze(1)  # >= 1: loss_mask[0] is 0
             rows = (positions - 1).to(model.device)
-            lp = logp_all[rows].gather(-1, ids[0, positions.to(model.device)][:, None]).squeeze(-1)
-            ent = -(logp_all[rows].exp() * logp_all[rows]).sum(-1)
-            out_lp = torch.zeros(len(r), dtype=torch.float32)
-            out_ent = torch.zeros(len(r), dtype=torch.float32)
-            out_lp[positions] = lp.detach().float().cpu()
-            out_ent[positions] = ent.detach().float().cpu()
-            logprobs.append(out_lp)
-            entropy.append(out_ent)
+            lp, ent = rows_logprobs(logits, rows, ids[0, positions.to(model.device)], temperature)
+            logprobs.append(per_position(lp, positions, len(r)))
+            entropy.append(per_position(ent, positions, len(r)))
             if loss is not None and positions.numel() > 0:
                 value = loss(loss_inputs([r], positions, lp, ent))
                 if value.requires_grad:
                     value.backward()
                 total += value.item()
     return ReplayResult(logprobs, entropy, total, RolloutTree(rollouts).stats)
+
+
+def rows_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float):
+    """log softmax(logits / temperature) of `rows` [n] of `logits` [N, V] at `targets` [n], and the entropy of
+    those rows: ([n], [n]), float32 for half-precision logits."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logp_all = torch.log_softmax(logits / temperature, dim=-1)[rows]  # [n, V]
+    return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+
+
+def per_position(values: torch.Tensor, positions: torch.Tensor, T: int) -> torch.Tensor:
+    """[n] values at `positions` of a rollout of T tokens -> [T] float32 on the CPU, 0 elsewhere (detached)."""
+    out = torch.zeros(T, dtype=torch.float32)
+    out[positions] = values.detach().float().cpu()
+    return out
 
 
 def max_rel_grad_err(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
