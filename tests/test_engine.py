@@ -5,6 +5,8 @@ the same loss, summed. Error measure: per parameter max|g_replay - g_naive| / ma
 float64 models run with `keep_float64` (HF's RMSNorm casts to float32 otherwise, on both sides alike).
 """
 
+import zlib
+
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -54,7 +56,7 @@ CASES += [(arch, shape, torch.float32) for arch in TINY_ARCHS for shape in ("bra
 
 @pytest.mark.parametrize("arch, shape, dtype", CASES, ids=[f"{a}-{s}-{str(d)[-7:]}" for a, s, d in CASES])
 def test_replay_equals_naive(arch, shape, dtype):
-    g = torch.Generator().manual_seed(hash((arch, shape)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{shape}".encode()))  # not hash(): salted per process
     model = _model(arch, dtype)
     rollouts = make_rollouts(SHAPES[shape](model.config.vocab_size, g), g)
     grad_err, lp_err, loss_err, norm = compare(model, rollouts, GRPOLoss(entropy_coef=0.01), temperature=0.7,

@@ -21,6 +21,7 @@ import importlib
 import inspect
 import re
 import textwrap
+import zlib
 
 import pytest
 import torch
@@ -38,7 +39,6 @@ FLOAT32_KERNELS = [a for a in RECURRENT_ARCHS if FAMILIES[a].float32_kernels]
 # float32-level bounds. Qwen3-Next's is wider: the gradients of its decay parameters (A_log, dt_bias) sum
 # cumulative-decay terms with cancellation, and the chunked delta rule regroups them differently in each piece of a
 # sequence (measured up to ~1e-4 in a float32 model; ~1e-14 with float64 kernels).
-# Its logprobs too: 1.46e-4 was measured in a full-suite run (the chunked delta rule in float32), so 1e-3 there.
 F32_TOL = {"qwen3_next": 1e-3}
 LOSS = GRPOLoss(entropy_coef=0.01)
 
@@ -55,7 +55,7 @@ def _bounds(arch, dtype):
     """(grad tolerance, logprob tolerance) for `arch` in `dtype`."""
     if dtype == torch.float64 and not FAMILIES[arch].float32_kernels:
         return 1e-10, 1e-12
-    return F32_TOL.get(arch, 1e-4), F32_TOL.get(arch, 1e-4)
+    return F32_TOL.get(arch, 1e-4), 1e-4
 
 
 def _grads(model):
@@ -96,7 +96,7 @@ SHAPE_BUILDERS = {
 @pytest.mark.parametrize("shape", sorted(SHAPE_BUILDERS))
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
 def test_tree_shapes(arch, shape):
-    g = torch.Generator().manual_seed(hash((arch, shape)) % 2**31)
+    g = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{shape}".encode()))  # not hash(): salted per process
     check(arch, torch.float64, make_rollouts(SHAPE_BUILDERS[shape](256, g), g))
 
 
