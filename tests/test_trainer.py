@@ -217,6 +217,26 @@ def test_training_raises_the_reward(tmp_path):
     assert (run / "training.png").stat().st_size > 0
 
 
+def test_run_prints_a_line_per_step_and_eval_progress(tmp_path):
+    """The user sees every step's reward and its sampling / training seconds, and the held-out evaluation advance."""
+    from rich.console import Console
+
+    config = make_config(tmp_path, train={"steps": 2, "eval_steps": 2})
+    trainer = make_trainer(config)
+    trainer.console = Console(record=True, width=200, force_terminal=False)
+    trainer.fit()
+    text = trainer.console.export_text()
+    assert "step 0/2  held-out accuracy" in text
+    for step in (1, 2):
+        line = next(x for x in text.splitlines() if x.startswith(f"step {step}/2  reward"))
+        assert " sample " in line and " train " in line, line
+        assert ("held-out accuracy" in line) == (step == 2), line
+    phases = []
+    trainer.status = phases.append
+    trainer.evaluate()
+    assert phases[0] == "held-out eval: 0/4 answers" and phases[-1] == "held-out eval: 4/4 answers", phases
+
+
 def test_leftover_temp_checkpoint_is_ignored(tmp_path):
     config = make_config(tmp_path, train={"steps": 2})
     run = make_trainer(config).fit()

@@ -93,3 +93,17 @@ def progress_info(record: dict) -> str:
         return "skipped (reward failed)"
     tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
     return f"reward {record['reward']:.3f}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"
+
+
+def step_line(record: dict, total_steps: int) -> str:
+    """One printed line per step (kept above the progress bar): the bar's info, the sampling / training split in
+    seconds, and the held-out accuracy when the step evaluated."""
+    parts = [f"step {record['step']}/{total_steps}"]
+    if "reward" in record:
+        parts += [progress_info(record), f"sample {record['time/sample_s']:.1f} s",
+                  f"train {record['time/train_s']:.1f} s"]
+    elif record["step"] > 0:
+        parts.append(progress_info(record))
+    if "eval/accuracy" in record:
+        parts.append(f"held-out accuracy {record['eval/accuracy']:.3f} ({record['time/eval_s']:.0f} s)")
+    return "  ".join(parts)
