@@ -426,6 +426,10 @@ class Bench:
                 naive = runs["naive"]
                 seconds_per_flop = naive.seconds / flops["naive"]
                 runs[method] = self.run_batched(method, rollouts, flops[method], seconds_per_flop)
+            run = runs[method]
+            if log:
+                log(f"  {method}: " + (run.skipped or f"{run.seconds:.1f} s{' (estimated)' if run.estimated else ''}, "
+                                       f"peak {run.peak_bytes / 2**20:.0f} MiB"))
         ref, ref_k = runs["naive"].grads, runs["naive"].k
         rows = []
         for method in self.methods:

@@ -93,9 +93,8 @@ def _bench(args) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    log = None if args.json else (lambda msg: print(msg, file=sys.stderr, flush=True))
-    try:
-        result = run_bench(scenarios, options, log=log)
+    try:  # progress on stderr; stdout carries only the table or the JSON
+        result = run_bench(scenarios, options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except ImportError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
