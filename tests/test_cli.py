@@ -41,3 +41,20 @@ def test_bench_json_keys(capsys):
         assert key in out
     assert out["logical_tokens"] == 2 * 72 and out["physical_tokens"] == 64 + 16
     assert out["max_rel_grad_err"] <= 1e-4
+
+
+def test_bench_from_json_merges_runs_into_one_table_and_plot(tmp_path, capsys):
+    paths = []
+    for g in ("2", "3"):
+        assert main(["bench", "--scenario", "shared-prompt", "--prompt-tokens", "32", "--generations", g,
+                     "--response-tokens", "4", "--methods", "naive,branchreplay", "--json"]) == 0
+        paths.append(tmp_path / f"g{g}.json")
+        paths[-1].write_text(capsys.readouterr().out)
+    png = tmp_path / "merged.png"
+    assert main(["bench", "--from-json", ",".join(map(str, paths)), "--plot", str(png), "--json"]) == 0
+    merged = json.loads(capsys.readouterr().out)
+    assert [r["rollouts"] for r in merged["rows"]] == [2, 2, 3, 3] and png.stat().st_size > 0
+    other = json.loads(paths[0].read_text())
+    paths[0].write_text(json.dumps({**other, "threads": other["threads"] + 1}))
+    assert main(["bench", "--from-json", ",".join(map(str, paths))]) == 2
+    assert "different threads" in capsys.readouterr().err

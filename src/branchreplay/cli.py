@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
 import torch
 
@@ -80,7 +81,18 @@ def _fork_schedule(text: str) -> list[tuple[int, int]]:
 
 
 def _bench(args) -> int:
-    from .bench import SCENARIOS, BenchOptions, format_table, plot, run_bench, scenario_grid
+    from .bench import SCENARIOS, BenchOptions, format_table, merge_results, plot, run_bench, scenario_grid
+
+    if args.from_json:  # no run: the table (or merged JSON) and the plot of earlier --json outputs
+        try:
+            result = merge_results([json.loads(Path(p).read_text()) for p in args.from_json.split(",")])
+        except (OSError, ValueError) as e:
+            print(f"error: --from-json: {e}", file=sys.stderr)
+            return 2
+        if args.plot:
+            plot(result, args.plot)
+        print(json.dumps(result) if args.json else format_table(result))
+        return 0
 
     names = list(SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
     try:
@@ -202,6 +214,9 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--json", action="store_true", help="print one JSON object (rows: one per configuration x method)")
     b.add_argument("--plot", metavar="PATH.png", help="write speedup vs FLOP ratio and peak memory vs logical tokens")
+    b.add_argument("--from-json", metavar="A.json,B.json",
+                   help="run nothing: print the table (or, with --json, the merged JSON) and --plot of earlier "
+                        "--json outputs, their rows concatenated")
     b.set_defaults(func=_bench)
 
     t = sub.add_parser("train", help="GRPO post-training with branch replay", add_help=False,
