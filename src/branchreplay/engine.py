@@ -27,6 +27,7 @@ from typing import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from .attention import PrefixSplit, own_keys_mask
 from .losses import LossInputs
 from .planner import MemoryModel, default_budget, plan, saved_bytes
 from .state import (
@@ -70,7 +71,12 @@ class EngineConfig:
     """How the execution stack runs a tree. None of these change the result, only time and memory.
 
     max_pack_tokens: most tokens of sibling nodes run as one pack (one query sequence against one copy of their
-        prefix K/V); a longer node runs alone. Memory of the tree mask: pack x (prefix + pack) bytes.
+        prefix K/V); a longer node runs alone. Short siblings share a pack (fewer, larger calls); long ones run
+        alone, since the masked block of a pack costs pack^2 attention scores where its nodes need only the sum of
+        their own lengths^2 / 2, and a pack of one node runs that block causally (skipped above the diagonal).
+        256 was fastest on CPU for shared prompts of 1k-16k tokens with 256-token responses (docs/benchmarks.md).
+        Tree mask: pack x pack elements with `attention.PrefixSplit` (CPU, float32/64, no sliding window), else
+        pack x (prefix + pack).
     chunk_tokens: a node longer than this runs as a chain of chunks of at most this many tokens, each against the
         K/V of the ones before it.
     head_chunk_tokens: rows of the LM head computed at once (memory: head_chunk_tokens x vocab floats).
@@ -81,7 +87,7 @@ class EngineConfig:
     memory_budget: bytes for "auto" (default: 90% of the device's free memory when the step starts).
     """
 
-    max_pack_tokens: int = 4096
+    max_pack_tokens: int = 256
     chunk_tokens: int = 4096
     head_chunk_tokens: int = 512
     replay: str = "auto"
@@ -183,6 +189,7 @@ class _Run:
         self.num_layers = model.config.num_hidden_layers
         self.kinds = layer_kinds(model.config)  # attention / recurrent / hybrid, per layer
         self.engine_forwards = EngineForwards(model)  # exact mixer forwards for cached SSM states (recurrent.py)
+        self.prefix_split = PrefixSplit(model, self.windows, getattr(self.family, "recurrent", False))
         self.dtype = self.head.weight.dtype
         self.device = self.head.weight.device
         self.vocab_size = self.head.weight.shape[0]
@@ -316,15 +323,22 @@ class _Run:
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
         cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P)
-        with self.engine_forwards:
-            out = self.decoder(
-                input_ids=tokens,
-                position_ids=(P + local)[None],
-                attention_mask=self.masks(P, local, segment) if self.own_mask(nodes, P) else None,
-                cache=cache,
-                use_cache=True,
-            )
+        if self.prefix_split.applies and P > 0:  # prefix keys unmasked, the tree mask only over the pack's own keys
+            own = self.own_keys_tree_mask(local, segment) if len(nodes) > 1 else None
+            mask = own_keys_mask(own, tokens.shape[1], self.dtype, self.device)
+        else:
+            mask = self.masks(P, local, segment) if self.own_mask(nodes, P) else None
+        with self.engine_forwards, self.prefix_split:
+            out = self.decoder(input_ids=tokens, position_ids=(P + local)[None], attention_mask=mask, cache=cache,
+                               use_cache=True)
         return out.last_hidden_state[0], cache
+
+    def own_keys_tree_mask(self, local: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
+        """Tree mask [1, 1, S, S] over a pack's own keys (for `PrefixSplit`): a query sees the earlier or equal
+        positions of its own segment. Additive, in the model's dtype."""
+        allowed = (segment[None] == segment[:, None]) & (local[None] <= local[:, None])
+        zero = torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.where(allowed, zero, torch.finfo(self.dtype).min)[None, None]
 
     def own_mask(self, nodes: list[Node], P: int) -> bool:
         """Whether the pack takes our tree mask. A root alone takes transformers' causal mask, which SDPA can skip;
