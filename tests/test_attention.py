@@ -17,10 +17,12 @@ from branchreplay.state import layer_windows
 from branchreplay.tree import RolloutTree
 
 
-def _inputs(K, S, dtype, seed=0):
+def _inputs(K, S, dtype, seed=0, heads=4, kv_heads=2):
+    """q [1, 4, S, 8]; k, v [1, 2, K + S, 8] (grouped-query); the own-keys tree mask of two siblings [1, 1, S, S]."""
     g = torch.Generator().manual_seed(seed)
-    q, k, v = (torch.randn(1, 2, n, 8, generator=g, dtype=dtype, requires_grad=True) for n in (S, K + S, K + S))
-    segment = torch.tensor([0] * (S // 2) + [1] * (S - S // 2))  # two siblings
+    q = torch.randn(1, heads, S, 8, generator=g, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, kv_heads, K + S, 8, generator=g, dtype=dtype, requires_grad=True) for _ in range(2))
+    segment = torch.tensor([0] * (S // 2) + [1] * (S - S // 2))
     local = torch.cat([torch.arange(S // 2), torch.arange(S - S // 2)])
     allowed = (segment[None] == segment[:, None]) & (local[None] <= local[:, None])
     zero = torch.zeros((), dtype=dtype)
@@ -28,11 +30,17 @@ def _inputs(K, S, dtype, seed=0):
     return q, k, v, own
 
 
+def _split(q, k, v, own, K, scale, pieces=(2,)):
+    """`_SplitAttention` with the K prefix keys cut into pieces of the given sizes (the rest in a last piece)."""
+    cuts = list(pieces) + [K - sum(pieces)]
+    ks, vs = k[:, :, :K].split(cuts, dim=2), v[:, :, :K].split(cuts, dim=2)
+    return attention._SplitAttention.apply(q, k[:, :, K:], v[:, :, K:], own, scale, len(cuts), *ks, *vs)
+
+
 @pytest.mark.parametrize("causal", [True, False], ids=["one-node-causal", "two-siblings-masked"])
 def test_gradcheck_float64(causal):
     q, k, v, own = _inputs(K=5, S=6, dtype=torch.float64)
-    fn = lambda q, k, v: attention._SplitAttention.apply(q, k, v, None if causal else own, 5, 0.3)  # noqa: E731
-    assert torch.autograd.gradcheck(fn, (q, k, v))
+    assert torch.autograd.gradcheck(lambda q, k, v: _split(q, k, v, None if causal else own, 5, 0.3), (q, k, v))
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["one-node-causal", "two-siblings-masked"])
@@ -45,10 +53,10 @@ def test_equals_one_sdpa_call_with_the_full_mask(causal):
     else:
         own_full = own
     full = torch.cat([torch.zeros(1, 1, S, K), own_full], dim=-1)
-    dout = torch.randn(1, 2, S, 8, generator=torch.Generator().manual_seed(2))
-    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full, scale=0.3)
+    dout = torch.randn(1, 4, S, 8, generator=torch.Generator().manual_seed(2))
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full, scale=0.3, enable_gqa=True)
     ref_grads = torch.autograd.grad(ref, (q, k, v), dout)
-    out = attention._SplitAttention.apply(q, k, v, None if causal else own, K, 0.3)
+    out = _split(q, k, v, None if causal else own, K, 0.3, pieces=(7, 13))
     grads = torch.autograd.grad(out, (q, k, v), dout)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
     for a, b in zip(grads, ref_grads):
@@ -68,8 +76,8 @@ def test_engine_routes_prefix_packs_through_the_split_and_stays_exact(monkeypatc
     calls = []
     forward = attention._SplitAttention.forward
     monkeypatch.setattr(attention._SplitAttention, "forward",
-                        staticmethod(lambda ctx, q, k, v, own, K, s: calls.append(own is None) or
-                                     forward(ctx, q, k, v, own, K, s)))
+                        staticmethod(lambda ctx, q, k, v, own, *rest: calls.append(own is None) or
+                                     forward(ctx, q, k, v, own, *rest)))
     model.zero_grad(set_to_none=True)
     replay_backward(model, RolloutTree(rollouts), loss, engine=EngineConfig(max_pack_tokens=20, chunk_tokens=16))
     split = [p.grad.clone() for p in model.parameters()]

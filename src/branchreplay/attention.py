@@ -19,8 +19,9 @@ without a sliding window; everything else keeps the single masked SDPA call (`Pr
 from __future__ import annotations
 
 import torch
-from transformers.integrations.sdpa_attention import repeat_kv
 from transformers.modeling_utils import AttentionInterface
+
+from .state.cache import PREFIX_ATTR
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -40,48 +41,54 @@ def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, de
 
 
 class _SplitAttention(torch.autograd.Function):
-    """q [B, h, S, d]; k, v [B, h, K + S, d] (K prefix keys first); own_mask [1, 1, S, S] or None (causal).
-    Returns out [B, h, S, d]."""
+    """q [B, h, S, d]; k, v [B, h_kv, S, d] (the pack's own keys; h a multiple of h_kv, grouped as `repeat_kv`);
+    own_mask [1, 1, S, S] or None (causal); then n prefix key pieces and n prefix value pieces [B, h_kv, L_i, d],
+    root first (the ancestors' states, alive anyway). Returns out [B, h, S, d]. Only q, the pack's own k / v, out
+    and lse are kept besides the pieces: the concatenated prefix exists only inside forward and backward."""
 
     @staticmethod
-    def forward(ctx, q, k, v, own_mask, prefix, scale):
+    def forward(ctx, q, k, v, own_mask, scale, n, *pieces):
         causal = own_mask is None
-        kp, vp, ks, vs = k[:, :, :prefix], v[:, :, :prefix], k[:, :, prefix:], v[:, :, prefix:]
+        kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
         out_p, lse_p = _flash(q, kp, vp, 0.0, False, scale=scale)
-        out_s, lse_s = _flash(q, ks, vs, 0.0, causal, attn_mask=own_mask, scale=scale)
+        del kp, vp
+        out_s, lse_s = _flash(q, k, v, 0.0, causal, attn_mask=own_mask, scale=scale)
         lse = torch.logaddexp(lse_p, lse_s)  # [B, h, S]
-        out = out_p * torch.exp(lse_p - lse)[..., None].to(q.dtype) + out_s * torch.exp(lse_s - lse)[..., None].to(
-            q.dtype)
-        ctx.save_for_backward(q, k, v, own_mask, out, lse)
-        ctx.prefix, ctx.scale = prefix, scale
+        w_p, w_s = torch.exp(lse_p - lse)[..., None].to(q.dtype), torch.exp(lse_s - lse)[..., None].to(q.dtype)
+        out = out_p * w_p + out_s * w_s
+        ctx.save_for_backward(q, k, v, own_mask, out, lse, *pieces)
+        ctx.scale, ctx.n = scale, n
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, own_mask, out, lse = ctx.saved_tensors
-        K, causal, dout = ctx.prefix, own_mask is None, dout.contiguous()
-        dq_p, dk_p, dv_p = _flash_backward(dout, q, k[:, :, :K], v[:, :, :K], out, lse, 0.0, False, scale=ctx.scale)
-        dq_s, dk_s, dv_s = _flash_backward(dout, q, k[:, :, K:], v[:, :, K:], out, lse, 0.0, causal,
-                                           attn_mask=own_mask, scale=ctx.scale)
-        return dq_p + dq_s, torch.cat([dk_p, dk_s], dim=2), torch.cat([dv_p, dv_s], dim=2), None, None, None
+        q, k, v, own_mask, out, lse, *pieces = ctx.saved_tensors
+        n, dout = ctx.n, dout.contiguous()
+        kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
+        dq_p, dk_p, dv_p = _flash_backward(dout, q, kp, vp, out, lse, 0.0, False, scale=ctx.scale)
+        del kp, vp
+        dq_s, dk_s, dv_s = _flash_backward(dout, q, k, v, out, lse, 0.0, own_mask is None, attn_mask=own_mask,
+                                           scale=ctx.scale)
+        sizes = [t.shape[2] for t in pieces[:n]]
+        return (dq_p + dq_s, dk_s, dv_s, None, None, None, *dk_p.split(sizes, dim=2), *dv_p.split(sizes, dim=2))
 
 
 def split_sdpa(original):
-    """transformers' sdpa attention function, extended: a mask marked by `own_keys_mask` runs `_SplitAttention`;
-    any other call goes to `original` unchanged. Returns (attn_output [B, S, h, d], None) as transformers'."""
+    """transformers' sdpa attention function, extended: a mask marked by `own_keys_mask` runs `_SplitAttention`
+    on the pack's own keys / values and the prefix pieces they carry (`state.cache.PREFIX_ATTR`); any other call
+    goes to `original` unchanged. Returns (attn_output [B, S, h, d], None) as transformers'."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         kind = getattr(attention_mask, _MARK, None)
         if kind is None:
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        if dropout or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None:
-            raise RuntimeError("split prefix attention got dropout, softcap or a sliding window (an engine bug)")
-        groups = getattr(module, "num_key_value_groups", 1)
-        key, value = repeat_kv(key, groups), repeat_kv(value, groups)
-        S = query.shape[2]
+        prefix_k, prefix_v = getattr(key, PREFIX_ATTR, None), getattr(value, PREFIX_ATTR, None)
+        if dropout or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None or not prefix_k:
+            raise RuntimeError("split prefix attention got dropout, softcap, a sliding window or no prefix pieces "
+                               "(an engine bug)")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         own = None if kind == "causal" else attention_mask.to(query.dtype)
-        out = _SplitAttention.apply(query, key, value, own, key.shape[2] - S, scale)
+        out = _SplitAttention.apply(query, key, value, own, scale, len(prefix_k), *prefix_k, *prefix_v)
         return out.transpose(1, 2).contiguous(), None
 
     return attention

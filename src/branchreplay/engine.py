@@ -322,8 +322,9 @@ class _Run:
         tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
-        cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P)
-        if self.prefix_split.applies and P > 0:  # prefix keys unmasked, the tree mask only over the pack's own keys
+        split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
+        cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P, split=split)
+        if split:
             own = self.own_keys_tree_mask(local, segment) if len(nodes) > 1 else None
             mask = own_keys_mask(own, tokens.shape[1], self.dtype, self.device)
         else:

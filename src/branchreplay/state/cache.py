@@ -7,6 +7,8 @@ from transformers.cache_utils import Cache, DynamicLayer
 
 from .recurrent import HybridLayer, RecurrentLayer
 
+PREFIX_ATTR = "_branchreplay_prefix"  # set on the keys / values `update` returns in split mode
+
 NodeState = list[tuple[torch.Tensor, ...]]
 """What a node hands its descendants, per decoder layer. Attention layers: (keys, values) of the node's own
 positions, each [1, H_kv, L, D] (post-RoPE, as transformers caches them); a sliding-window layer keeps only the
@@ -32,8 +34,9 @@ class _PrefixLayer(DynamicLayer):
     """
 
     def __init__(self, ancestors: list[tuple[torch.Tensor, torch.Tensor]], window: int | None = None,
-                 prefix_length: int | None = None):
+                 prefix_length: int | None = None, split: bool = False):
         super().__init__()
+        self.split = split
         available = sum(k.shape[-2] for k, _ in ancestors)
         self.window = window
         self.is_sliding = window is not None  # transformers sizes the sliding mask on the first such layer
@@ -43,7 +46,14 @@ class _PrefixLayer(DynamicLayer):
         self.new_keys = self.new_values = None
 
     def update(self, key_states, value_states, *args, **kwargs):
+        """The keys and values the layer attends to: the ancestors' and these, concatenated. With `split`
+        (`attention.PrefixSplit`), these alone, carrying the ancestors' pieces as `PREFIX_ATTR`: split attention
+        concatenates them only while it computes, and keeps no concatenated copy for backward."""
         self.new_keys, self.new_values = key_states, value_states
+        if self.split:
+            setattr(key_states, PREFIX_ATTR, [k for k, _ in self.ancestors])
+            setattr(value_states, PREFIX_ATTR, [v for _, v in self.ancestors])
+            return key_states, value_states
         if not self.ancestors:
             return key_states, value_states
         keys = torch.cat([k for k, _ in self.ancestors] + [key_states], dim=-2)
@@ -94,14 +104,16 @@ class PrefixCache(Cache):
         windows: per layer the sliding window in tokens or None (`layer_windows`); default all full attention.
         prefix_length: the absolute position P at which the query sequence starts; needed when a sliding layer
             holds fewer positions than P (default: the positions the ancestors' states hold).
+        split: attention layers hand the prefix pieces to split attention instead of concatenating them
+            (`_PrefixLayer.update`); only for full-attention layers under `attention.PrefixSplit`.
     After the forward, `node_state(a, b)` is the `NodeState` of the node at query positions [a, b).
     """
 
     def __init__(self, ancestors: list[NodeState], num_layers: int, kinds: list[str] | None = None,
-                 windows: list[int | None] | None = None, prefix_length: int | None = None):
+                 windows: list[int | None] | None = None, prefix_length: int | None = None, split: bool = False):
         kinds = kinds or ["attention"] * num_layers
         windows = windows or [None] * num_layers
-        super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length)
+        super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length, split)
                                  for i, (kind, window) in enumerate(zip(kinds, windows))])
 
     def node_state(self, a: int, b: int) -> NodeState:
@@ -109,7 +121,7 @@ class PrefixCache(Cache):
 
 
 def _layer(kind: str, states: list[tuple[torch.Tensor, ...]], window: int | None = None,
-           prefix_length: int | None = None):
+           prefix_length: int | None = None, split: bool = False):
     """One layer's cache from that layer's `NodeState` of each ancestor (root first): attention reads them all (a
     sliding one their last window - 1 positions), a recurrent layer only the parent's (the last), a hybrid
     (FalconH1) both: (k, v) parts and the parent's state."""
@@ -118,4 +130,4 @@ def _layer(kind: str, states: list[tuple[torch.Tensor, ...]], window: int | None
     if kind == "hybrid":
         return HybridLayer(_PrefixLayer([s[:2] for s in states], window, prefix_length),
                            states[-1][2:] if states else None)
-    return _PrefixLayer(states, window, prefix_length)
+    return _PrefixLayer(states, window, prefix_length, split)
