@@ -83,8 +83,7 @@ def test_engine_routes_prefix_packs_through_the_split_and_stays_exact(monkeypatc
     split = [p.grad.clone() for p in model.parameters()]
     assert True in calls and False in calls, calls  # causal chunks and masked packs both ran split
     assert max_rel_grad_err(split, ref) < 1e-12
-    monkeypatch.setattr(attention.PrefixSplit, "__init__", lambda self, *a: setattr(self, "applies", False) or
-                        setattr(self, "saved", None))
+    monkeypatch.setattr(attention.PrefixSplit, "__init__", lambda self, *a: setattr(self, "applies", False))
     calls.clear()
     model.zero_grad(set_to_none=True)
     replay_backward(model, RolloutTree(rollouts), loss, engine=EngineConfig(max_pack_tokens=20, chunk_tokens=16))
@@ -94,7 +93,46 @@ def test_engine_routes_prefix_packs_through_the_split_and_stays_exact(monkeypatc
 
 @pytest.mark.parametrize("arch, applies", [("llama", True), ("qwen3", True), ("gpt2", True), ("mistral", False)])
 def test_split_only_where_every_query_sees_every_prefix_key(arch, applies):
-    """A sliding window hides part of the prefix: such models keep the single masked call."""
+    """A sliding window hides part of the prefix, a recurrent layer has no keys: such models keep the single masked
+    call; so do half precision and a non-sdpa attention."""
     model = tiny_model(arch, dtype=torch.float32)
-    assert attention.PrefixSplit(model, layer_windows(model.config), recurrent=False).applies == applies
-    assert not attention.PrefixSplit(model.to(torch.bfloat16), layer_windows(model.config), recurrent=False).applies
+    windows, kinds = layer_windows(model.config), ["attention"] * model.config.num_hidden_layers
+    assert attention.PrefixSplit(model, windows, kinds).applies == applies
+    assert not attention.PrefixSplit(model, windows, kinds[:-1] + ["hybrid"]).applies
+    model.config._attn_implementation = "eager"
+    assert not attention.PrefixSplit(model, windows, kinds).applies
+    model.config._attn_implementation = "sdpa"
+    assert not attention.PrefixSplit(model.to(torch.bfloat16), windows, kinds).applies
+
+
+def test_installed_once_and_loud_when_a_marked_call_is_lost():
+    """The wrapper is installed once (engines in threads or nested share it) and passes unmarked calls through; keys
+    that carry prefix pieces with an unmarked mask raise instead of silently attending to the pack alone."""
+    from transformers.modeling_utils import AttentionInterface
+
+    from branchreplay.state.cache import PREFIX_ATTR
+
+    model = tiny_model("llama", dtype=torch.float32)
+    kinds = ["attention"] * model.config.num_hidden_layers
+    attention.PrefixSplit(model, layer_windows(model.config), kinds)
+    wrapper = AttentionInterface._global_mapping["sdpa"]
+    attention.PrefixSplit(model, layer_windows(model.config), kinds)
+    assert AttentionInterface._global_mapping["sdpa"] is wrapper and wrapper.branchreplay_split
+    q, k, v, _ = _inputs(4, 6, torch.float32)
+    module = model.model.layers[0].self_attn
+    out, _ = wrapper(module, q, k, v, None, scaling=0.3)  # unmarked: plain SDPA
+    torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, scale=0.3, is_causal=True, enable_gqa=True).transpose(1, 2))
+    setattr(k, PREFIX_ATTR, [k[:, :, :4]])
+    with pytest.raises(RuntimeError, match="lost the split mark"):
+        wrapper(module, q, k, v, None, scaling=0.3)
+
+
+def test_activation_checkpointing_is_refused():
+    model = tiny_model("llama", dtype=torch.float32)
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    model.train()
+    g = torch.Generator().manual_seed(0)
+    rollouts = make_rollouts(shared_prompt(8, 2, 3, model.config.vocab_size, g), g)
+    with pytest.raises(ValueError, match="checkpointing_disable"):
+        replay_backward(model, RolloutTree(rollouts), GRPOLoss())

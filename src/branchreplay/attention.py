@@ -12,11 +12,15 @@ The backward calls the kernel's backward on each block with the merged `out` and
 P = exp(scores - lse) and D = rowsum(dout * out) from them, so each block's dK, dV and dQ share are exactly those of
 one attention over all K + S keys.
 
-Used on the CPU (`aten._scaled_dot_product_flash_attention_for_cpu`), for float32 and float64, in attention layers
-without a sliding window; everything else keeps the single masked SDPA call (`PrefixSplit.applies`).
+Used per model (`PrefixSplit.applies`): on the CPU (`aten._scaled_dot_product_flash_attention_for_cpu`), in float32
+or float64, with transformers' "sdpa" attention, every layer full attention (no sliding window, no recurrent or
+hybrid layer), no attention-logit softcap; and per pack when it has a prefix (P > 0). Everything else keeps the
+single masked SDPA call.
 """
 
 from __future__ import annotations
+
+import threading
 
 import torch
 from transformers.modeling_utils import AttentionInterface
@@ -43,8 +47,8 @@ def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, de
 class _SplitAttention(torch.autograd.Function):
     """q [B, h, S, d]; k, v [B, h_kv, S, d] (the pack's own keys; h a multiple of h_kv, grouped as `repeat_kv`);
     own_mask [1, 1, S, S] or None (causal); then n prefix key pieces and n prefix value pieces [B, h_kv, L_i, d],
-    root first (the ancestors' states, alive anyway). Returns out [B, h, S, d]. Only q, the pack's own k / v, out
-    and lse are kept besides the pieces: the concatenated prefix exists only inside forward and backward."""
+    root first (the ancestors' states, alive anyway). Returns out [B, h, S, d]. Saved for backward: q, the pack's
+    own k / v and mask, out, lse and the pieces; the concatenated prefix exists only inside forward and backward."""
 
     @staticmethod
     def forward(ctx, q, k, v, own_mask, scale, n, *pieces):
@@ -76,47 +80,60 @@ class _SplitAttention(torch.autograd.Function):
 def split_sdpa(original):
     """transformers' sdpa attention function, extended: a mask marked by `own_keys_mask` runs `_SplitAttention`
     on the pack's own keys / values and the prefix pieces they carry (`state.cache.PREFIX_ATTR`); any other call
-    goes to `original` unchanged. Returns (attn_output [B, S, h, d], None) as transformers'."""
+    goes to `original` unchanged. Returns (attn_output [B, S, h, d], None) as transformers'.
+    Raises RuntimeError when the two disagree (keys carrying prefix pieces with an unmarked mask, or the reverse) or
+    when the layer asks for what split attention does not do (dropout, softcap, sliding window, position bias,
+    attention sinks): wrong results would otherwise pass silently."""
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         kind = getattr(attention_mask, _MARK, None)
-        if kind is None:
-            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
         prefix_k, prefix_v = getattr(key, PREFIX_ATTR, None), getattr(value, PREFIX_ATTR, None)
-        if dropout or kwargs.get("softcap") is not None or kwargs.get("sliding_window") is not None or not prefix_k:
-            raise RuntimeError("split prefix attention got dropout, softcap, a sliding window or no prefix pieces "
-                               "(an engine bug)")
+        if kind is None:
+            if prefix_k is not None:
+                raise RuntimeError("keys without their prefix reached plain SDPA: the layer's mask lost the split "
+                                   "mark (a model that copies or slices its attention mask is not supported)")
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        unsupported = [k for k in ("softcap", "sliding_window", "position_bias", "s_aux") if kwargs.get(k) is not None]
+        if dropout or unsupported or not prefix_k:
+            raise RuntimeError(f"split prefix attention cannot run this layer (dropout {dropout}, {unsupported}, "
+                               f"prefix pieces {'present' if prefix_k else 'missing'}); run it with "
+                               "EngineConfig defaults on a supported family, or report the model")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         own = None if kind == "causal" else attention_mask.to(query.dtype)
         out = _SplitAttention.apply(query, key, value, own, scale, len(prefix_k), *prefix_k, *prefix_v)
         return out.transpose(1, 2).contiguous(), None
 
+    attention.branchreplay_split = True
     return attention
 
 
-class PrefixSplit:
-    """Context manager that routes marked masks of `model`'s attention layers to `split_sdpa` while the engine runs
-    (transformers' global "sdpa" entry, restored on exit); reusable. `applies` says whether the model qualifies."""
+_install_lock = threading.Lock()
 
-    def __init__(self, model, windows: list[int | None], recurrent: bool):
+
+def install_split_sdpa() -> None:
+    """Wrap transformers' global "sdpa" attention function with `split_sdpa`, once per process (idempotent,
+    thread-safe). The wrapper passes every unmarked call through unchanged, so it is never removed: engines in
+    several threads, or nested, share it."""
+    with _install_lock:
+        current = AttentionInterface._global_mapping["sdpa"]
+        if not getattr(current, "branchreplay_split", False):
+            AttentionInterface._global_mapping["sdpa"] = split_sdpa(current)
+
+
+class PrefixSplit:
+    """Whether `model` runs split prefix attention (`applies`; see the module docstring for the conditions).
+    kinds: per decoder layer "attention", "recurrent" or "hybrid" (`state.layer_kinds`); windows: per layer the
+    sliding window or None (`state.layer_windows`). Installs `split_sdpa` when it applies."""
+
+    def __init__(self, model, windows: list[int | None], kinds: list[str]):
         config = model.config
         self.applies = (
             getattr(config, "_attn_implementation", None) == "sdpa"
             and model.device.type == "cpu"
             and model.dtype in (torch.float32, torch.float64)
             and all(w is None for w in windows)
-            and not recurrent
+            and all(k == "attention" for k in kinds)
             and getattr(config, "attn_logit_softcapping", None) is None
         )
-        self.saved = None
-
-    def __enter__(self):
         if self.applies:
-            self.saved = AttentionInterface._global_mapping["sdpa"]
-            AttentionInterface._global_mapping["sdpa"] = split_sdpa(self.saved)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.saved is not None:
-            AttentionInterface._global_mapping["sdpa"] = self.saved
-            self.saved = None
+            install_split_sdpa()

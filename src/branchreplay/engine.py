@@ -75,8 +75,8 @@ class EngineConfig:
         alone, since the masked block of a pack costs pack^2 attention scores where its nodes need only the sum of
         their own lengths^2 / 2, and a pack of one node runs that block causally (skipped above the diagonal).
         256 was fastest on CPU for shared prompts of 1k-16k tokens with 256-token responses (docs/benchmarks.md).
-        Tree mask: pack x pack elements with `attention.PrefixSplit` (CPU, float32/64, no sliding window), else
-        pack x (prefix + pack).
+        Tree mask: pack x pack elements where `attention.PrefixSplit` applies (CPU, float32/64, sdpa, only
+        full-attention layers), else pack x (prefix + pack).
     chunk_tokens: a node longer than this runs as a chain of chunks of at most this many tokens, each against the
         K/V of the ones before it.
     head_chunk_tokens: rows of the LM head computed at once (memory: head_chunk_tokens x vocab floats).
@@ -189,7 +189,7 @@ class _Run:
         self.num_layers = model.config.num_hidden_layers
         self.kinds = layer_kinds(model.config)  # attention / recurrent / hybrid, per layer
         self.engine_forwards = EngineForwards(model)  # exact mixer forwards for cached SSM states (recurrent.py)
-        self.prefix_split = PrefixSplit(model, self.windows, getattr(self.family, "recurrent", False))
+        self.prefix_split = PrefixSplit(model, self.windows, self.kinds)
         self.dtype = self.head.weight.dtype
         self.device = self.head.weight.device
         self.vocab_size = self.head.weight.shape[0]
@@ -201,6 +201,14 @@ class _Run:
         self.model = model
         self.loss = loss
         _check_no_dropout(model)
+        checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older name:
+        if checkpointing is None:
+            checkpointing = getattr(model, "is_gradient_checkpointing", False)
+        if model.training and checkpointing:
+            raise ValueError("the model has activation (gradient) checkpointing on; call "
+                             "model.activation_checkpointing_disable() or model.eval(): transformers' checkpointed "
+                             "layers drop the prefix cache, and the engine recomputes packs itself "
+                             "(EngineConfig.replay)")
 
     def check(self, tree: RolloutTree) -> None:
         max_pos = getattr(self.config, "max_position_embeddings", None)
@@ -250,7 +258,8 @@ class _Run:
                 _, cache = self.forward([prefix], 0, [])
             state = [tuple(_leaf(t) for t in layer) for layer in cache.node_state(0, P)]
             node = Node(torch.randint(0, self.vocab_size, (S,), generator=g), P, [])
-            return saved_bytes(params, lambda: self.forward([node], P, [state])), state
+            leaves = [t for layer in state for t in layer]  # counted as state, not as activations
+            return saved_bytes(params + leaves, lambda: self.forward([node], P, [state])), state
 
         b1, state = probe(s, 2 * s)
         b2, _ = probe(2 * s, 2 * s)
@@ -261,7 +270,8 @@ class _Run:
         elem = torch.finfo(self.dtype).bits // 8
         grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
         head_per_row = 3 * self.vocab_size * max(elem, 4)  # logits, log-softmax, its gradient
-        return MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem)
+        return MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem,
+                           split=self.prefix_split.applies)
 
     def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h) -> None:
         """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
@@ -329,7 +339,7 @@ class _Run:
             mask = own_keys_mask(own, tokens.shape[1], self.dtype, self.device)
         else:
             mask = self.masks(P, local, segment) if self.own_mask(nodes, P) else None
-        with self.engine_forwards, self.prefix_split:
+        with self.engine_forwards:
             out = self.decoder(input_ids=tokens, position_ids=(P + local)[None], attention_mask=mask, cache=cache,
                                use_cache=True)
         return out.last_hidden_state[0], cache

@@ -7,7 +7,8 @@ until the prediction fits `memory_budget`. Leaf packs are never replayed: nothin
 
 Memory model (bytes), fitted per model from probe forwards that count the tensors autograd saves for backward
 (`torch.autograd.graph.saved_tensors_hooks`; parameters excluded):
-    activations(S query tokens, P prefix tokens) = a * S + b * (P + S) + S * (P + S) * mask element bytes
+    activations(S query tokens, P prefix tokens) = a * S + b * (P + S) + mask entries * mask element bytes
+        (mask entries: S * (P + S); with split prefix attention, S * S for a pack of siblings, 0 for one node)
     node state (K/V handed to children)         = s * L per node of L tokens, twice (leaf and its gradient)
 plus fixed bytes: the parameters' gradients and the LM head's working chunk. Measured against
 `measure_peak_bytes` on tiny Llamas (tests/test_planner.py), the prediction is an upper bound within 1.6x.
@@ -22,7 +23,8 @@ import torch
 @dataclass(frozen=True)
 class MemoryModel:
     """Bytes per query token (a), per visible key (b), per position of handed-on state (s), per row of the LM
-    head's working chunk; fixed bytes (parameter gradients still to allocate); bytes per mask entry."""
+    head's working chunk; fixed bytes (parameter gradients still to allocate); bytes per mask entry; whether the
+    model runs split prefix attention (`attention.PrefixSplit`), whose mask covers only the pack's own keys."""
 
     per_token: float
     per_key: float
@@ -30,12 +32,17 @@ class MemoryModel:
     head_per_row: float
     fixed_bytes: int
     mask_bytes_per_entry: int
+    split: bool = False
 
     def activations(self, S: int, P: int, packed: bool) -> float:
-        """Bytes saved for backward by a pack of S tokens against P prefix tokens (with the engine's additive mask,
-        one tensor shared by the layers, unless a single root runs with transformers' causal mask)."""
-        mask = self.mask_bytes_per_entry * S * (P + S) if packed or P > 0 else 0
-        return self.per_token * S + self.per_key * (P + S) + mask
+        """Bytes saved for backward by a pack of S tokens against P prefix tokens (`packed`: more than one node),
+        with the engine's additive mask, one tensor shared by the layers: none for a single root (transformers'
+        causal mask) or, with split attention, for a single node; S x S with split attention; else S x (P + S)."""
+        if self.split and P > 0:
+            entries = S * S if packed else 0
+        else:
+            entries = S * (P + S) if packed or P > 0 else 0
+        return self.per_token * S + self.per_key * (P + S) + self.mask_bytes_per_entry * entries
 
 
 @dataclass

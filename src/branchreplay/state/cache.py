@@ -25,7 +25,8 @@ def kept_positions(prefix_length: int, window: int | None) -> int:
 
 
 class _PrefixLayer(DynamicLayer):
-    """One attention layer's cache: the ancestors' K/V, concatenated once with the K/V of this forward.
+    """One attention layer's cache: the ancestors' K/V, concatenated once with the K/V of this forward (or, with
+    `split`, handed to split prefix attention as pieces: `update`).
 
     In a sliding-window layer (`window` not None) only the last `kept_positions(P, window)` ancestor positions are
     served, and a node keeps only its last window - 1 positions for its descendants, so the state held along a path
