@@ -83,32 +83,21 @@ def _fork_schedule(text: str) -> list[tuple[int, int]]:
 def _bench(args) -> int:
     from .bench import SCENARIOS, BenchOptions, format_table, merge_results, plot, run_bench, scenario_grid
 
-    if args.from_json:  # no run: the table (or merged JSON) and the plot of earlier --json outputs
-        try:
-            result = merge_results([json.loads(Path(p).read_text()) for p in args.from_json.split(",")])
-        except (OSError, ValueError) as e:
-            print(f"error: --from-json: {e}", file=sys.stderr)
-            return 2
-        if args.plot:
-            plot(result, args.plot)
-        print(json.dumps(result) if args.json else format_table(result))
-        return 0
-
-    names = list(SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
     try:
-        scenarios = scenario_grid(names, args.prompt_tokens, args.generations, args.response_tokens, args.turns,
-                                  args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule)
-        options = BenchOptions(dtype=DTYPES[args.dtype], device=args.device, seed=args.seed,
-                               methods=tuple(args.methods.split(",")), max_seconds=args.max_naive_seconds,
-                               max_memory_bytes=int(args.max_memory_gib * 2**30) if args.max_memory_gib else None,
-                               prompt_sharing=args.prompt_sharing, repeats=args.repeats, threads=args.threads)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    try:  # progress on stderr; stdout carries only the table or the JSON
-        result = run_bench(scenarios, options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
-    except ImportError as e:
-        print(f"error: {e}", file=sys.stderr)
+        if args.from_json:  # no run: the table (or merged JSON) and the plot of earlier --json outputs
+            result = merge_results([json.loads(Path(p).read_text()) for p in args.from_json.split(",")])
+        else:
+            names = list(SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
+            scenarios = scenario_grid(names, args.prompt_tokens, args.generations, args.response_tokens, args.turns,
+                                      args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule)
+            options = BenchOptions(dtype=DTYPES[args.dtype], device=args.device, seed=args.seed,
+                                   methods=tuple(args.methods.split(",")), max_seconds=args.max_naive_seconds,
+                                   max_memory_bytes=int(args.max_memory_gib * 2**30) if args.max_memory_gib else None,
+                                   prompt_sharing=args.prompt_sharing, repeats=args.repeats, threads=args.threads)
+            # progress on stderr; stdout carries only the table or the JSON
+            result = run_bench(scenarios, options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
+    except (OSError, ValueError, ImportError) as e:
+        print(f"error: {'--from-json: ' if args.from_json else ''}{e}", file=sys.stderr)
         return 2
     if args.plot:
         plot(result, args.plot)
