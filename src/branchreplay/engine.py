@@ -2,7 +2,9 @@
 
 Depth first over the tree. The children of a node run as packs: their tokens are concatenated into one query
 sequence (up to `max_pack_tokens`) against ONE copy of the ancestors' K/V, with a tree mask (each child sees the
-whole prefix and its own earlier positions) and absolute position ids. After a pack's forward, the K/V and the last
+whole prefix and its own earlier positions) and absolute position ids. On CPU, where every layer is full attention,
+the prefix keys are attended without a mask and the tree mask covers only the pack's own keys (`attention.py`,
+merged by log-sum-exp). After a pack's forward, the K/V and the last
 hidden state of each of its nodes are detached into leaf tensors; the node's children run against those leaves;
 once every descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants,
 and the pack's backward runs once with them (a family with recurrent layers, `state/recurrent.py`, runs every
