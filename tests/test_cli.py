@@ -58,3 +58,18 @@ def test_bench_from_json_merges_runs_into_one_table_and_plot(tmp_path, capsys):
     paths[0].write_text(json.dumps({**other, "threads": other["threads"] + 1}))
     assert main(["bench", "--from-json", ",".join(map(str, paths))]) == 2
     assert "different threads" in capsys.readouterr().err
+
+
+def test_bad_cli_input_is_one_line_error(capsys):
+    """Typos end in `error: ...` and exit 2, not a traceback."""
+    assert main(["verify", "--arch", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+    assert main(["verify", "--model", "/nonexistent/model"]) == 2
+    assert "error:" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--prompt-tokens", "-5"])
+    assert e.value.code == 2 and "positive integers" in capsys.readouterr().err
+    assert main(["train", "--task.name", "nope"]) == 2  # refused before any model is loaded
+    assert "unknown task 'nope'" in capsys.readouterr().err
+    assert main(["eval", "--checkpoint", "/nonexistent/run"]) == 2
+    assert "no such folder" in capsys.readouterr().err

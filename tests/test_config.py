@@ -56,6 +56,8 @@ def test_bad_values_name_the_field_and_accepted_values():
         Config.from_dict({"sampling": {"branching": [[0, 2], [4, 2]]}})
     with pytest.raises(ValueError, match="needs a value"):
         apply_overrides({}, ["--train.steps"])
+    with pytest.raises(ValueError, match=r"grpo.num_generations=1 is out of range; it must be >= 2"):
+        Config.from_dict({"grpo": {"num_generations": 1}})
 
 
 def test_saved_config_round_trips(tmp_path):
@@ -78,5 +80,8 @@ def test_parse_train_args_and_resume(tmp_path):
 
 def test_help_lists_every_field():
     text = help_text()
-    for name in ("--grpo.loss_type", "--sampling.temperature", "--task.name", "--train.output_dir"):
+    for name in ("--grpo.loss_type", "--sampling.temperature", "--task.name", "--train.output_dir", "--task.reward"):
         assert name in text
+    task_config = next(line for line in text.splitlines() if line.startswith("--task.config "))
+    assert "create_dataset(name, size=, seed=, **config)" in task_config and "``" not in task_config
+    assert "another dataset." in task_config  # the docstring entry's continuation lines are kept

@@ -11,6 +11,7 @@ from branchreplay.rewards import (
     RewardFunctionError,
     compute_rewards,
     load_reward_function,
+    make_reward,
     math_verify_reward,
     reasoning_gym_reward,
 )
@@ -60,7 +61,8 @@ def test_unknown_task_lists_known_names():
     with pytest.raises(ValueError) as err:
         load_task(TaskConfig(name="chain_summ"))
     msg = str(err.value)
-    assert "chain_summ" in msg and "chain_sum" in msg and known_tasks()[0] in msg and "known_tasks()" in msg
+    assert "chain_summ" in msg and "chain_sum" in msg and known_tasks()[0] in msg
+    assert "reasoning_gym.factory.DATASETS" in msg
 
 
 def test_bad_config_key_is_named():
@@ -136,6 +138,12 @@ def test_load_reward_function(tmp_path, monkeypatch):
     monkeypatch.delitem(sys.modules, "my_rewards_mod", raising=False)
     func = load_reward_function("my_rewards_mod:length_reward")
     assert func(completions=["ab", "c"]) == [2.0, 1.0]
+    dataset = load_task(TaskConfig(size=2, eval_size=1))[0]
+    assert make_reward("my_rewards_mod:length_reward", dataset) is func  # TaskConfig.reward, as train uses it
+    assert make_reward("math_verify", dataset) is math_verify_reward
+    assert make_reward("task", dataset).__name__ == "reasoning_gym"
+    with pytest.raises(ValueError, match=r"task.reward='my_rewards_mod:NOT_CALLABLE'.*accepted: 'task'"):
+        make_reward("my_rewards_mod:NOT_CALLABLE", dataset)
     with pytest.raises(ValueError, match="package.module:function"):
         load_reward_function("my_rewards_mod.length_reward")
     with pytest.raises(ImportError, match="no_such_module_xyz"):

@@ -593,7 +593,8 @@ def format_table(result: dict) -> str:
     if any(r["grad_err_rollouts"] is not None and r["grad_err_rollouts"] < r["rollouts"] for r in result["rows"]):
         notes.append("  grad err@k: computed on the first k rollouts (naive was estimated from that sample)")
     lines += ([""] + ["notes:"] + notes) if notes else []
-    lines.append(f"tree build, 64 rollouts x 32k tokens: {result['tree_build_s_64x32k'] * 1000:.0f} ms")
+    lines.append(f"tree build alone, a fixed case of 64 rollouts x 32k tokens (not this run's tree): "
+                 f"{result['tree_build_s_64x32k'] * 1000:.0f} ms")
     return "\n".join(lines)
 
 

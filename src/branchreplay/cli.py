@@ -23,12 +23,16 @@ def _verify(args) -> int:
         print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
         return 0
     dtype = DTYPES[args.dtype]
-    if args.model:
-        model, _ = load_model(args.model, dtype=dtype)
-        name = args.model
-    else:
-        model = tiny_model(args.arch, dtype=dtype, seed=args.seed)
-        name = args.arch
+    try:
+        if args.model:
+            model, _ = load_model(args.model, dtype=dtype)
+            name = args.model
+        else:
+            model = tiny_model(args.arch, dtype=dtype, seed=args.seed)
+            name = args.arch
+    except (ValueError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     try:
         results = verify_model(model, seed=args.seed, random_trees=args.random_trees, force=args.force)
     except UnsupportedModelError as e:
@@ -69,7 +73,14 @@ def _verify(args) -> int:
 
 
 def _int_list(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x]
+    """"1024,4096" -> [1024, 4096]; every value must be a positive integer."""
+    try:
+        values = [int(x) for x in text.split(",") if x]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected positive integers separated by commas, got {text!r}")
+    return values
 
 
 def _fork_schedule(text: str) -> list[tuple[int, int]]:

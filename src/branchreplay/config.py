@@ -59,7 +59,8 @@ class GRPOConfig:
     """
 
     num_generations: int = field(default=8, metadata=_help(
-        "G, completions per prompt (>= 2 for a non-zero group std); must equal the product of sampling.branching"))
+        "G, completions per prompt, >= 2 (a group of one has zero advantage: nothing to learn; TRL also requires "
+        "2); must equal the product of sampling.branching"))
     prompts_per_step: int = field(default=4, metadata=_help("prompts (groups) per step, >= 1"))
     loss_type: str = field(default="dapo", metadata=_help(
         f"loss normalisation, one of {', '.join(LOSS_TYPES)} (TRL meanings; see losses.token_weights)"))
@@ -92,7 +93,7 @@ class GRPOConfig:
         _choice("grpo.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        _check("grpo.num_generations", self.num_generations >= 1, ">= 1", self.num_generations)
+        _check("grpo.num_generations", self.num_generations >= 2, ">= 2", self.num_generations)
         _check("grpo.prompts_per_step", self.prompts_per_step >= 1, ">= 1", self.prompts_per_step)
         _check("grpo.epsilon", 0 < self.epsilon < 1, "in (0, 1)", self.epsilon)
         _check("grpo.epsilon_high", self.epsilon_high > 0, "> 0", self.epsilon_high)
@@ -120,7 +121,7 @@ class TrainConfig:
     keep_checkpoints: int = field(default=2, metadata=_help(
         "newest checkpoints kept, >= 1 (a SmolLM2 checkpoint with AdamW state is about 1.6 GB)"))
     eval_steps: int = field(default=50, metadata=_help(
-        "held-out evaluation every this many steps, >= 0 (0 = only before and after training, -1 = never)"))
+        "held-out evaluation every this many steps (0 = only before and after training, -1 = never)"))
 
     def __post_init__(self):
         _check("train.steps", self.steps >= 1, ">= 1", self.steps)
@@ -235,11 +236,21 @@ def help_text() -> str:
 
 
 def field_help(cls: type, f: dataclasses.Field) -> str:
-    """A field's help: its metadata 'help', else the `name: ...` line of its class docstring (reused classes)."""
+    """A field's help: its metadata 'help', else its `name: ...` entry of the class docstring (reused classes), with
+    its continuation lines (indented deeper) and without reST markup (``x`` and :func:`x` become x)."""
     if "help" in f.metadata:
         return f.metadata["help"]
-    match = re.search(rf"^\s*{f.name}:\s*(.+)$", cls.__doc__ or "", re.MULTILINE)
-    return match.group(1).strip() if match else ""
+    lines = (cls.__doc__ or "").splitlines()
+    for i, line in enumerate(lines):
+        match = re.match(rf"^(\s*){f.name}:\s*(.+)$", line)
+        if match:
+            indent, text = len(match.group(1)), [match.group(2).strip()]
+            for more in lines[i + 1:]:
+                if not more.strip() or len(more) - len(more.lstrip()) <= indent:
+                    break
+                text.append(more.strip())
+            return re.sub(r"(:\w+:)?`+([^`]+)`+", r"\2", " ".join(text))
+    return ""
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------

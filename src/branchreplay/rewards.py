@@ -92,6 +92,20 @@ def load_reward_function(spec: str) -> Callable:
     return func
 
 
+def make_reward(spec: str, dataset: ProceduralDataset) -> Callable:
+    """The reward function named by `TaskConfig.reward`: "task" -> `reasoning_gym_reward(dataset)`, "math_verify" ->
+    `math_verify_reward`, else `load_reward_function(spec)`. Raises ValueError naming the field when that fails."""
+    if spec == "task":
+        return reasoning_gym_reward(dataset)
+    if spec == "math_verify":
+        return math_verify_reward
+    try:
+        return load_reward_function(spec)
+    except (ValueError, ImportError, AttributeError, TypeError) as e:
+        raise ValueError(f"task.reward={spec!r}: {e}; accepted: 'task', 'math_verify' or "
+                         "'package.module:function'") from e
+
+
 def compute_rewards(
     funcs: list[Callable],
     weights: list[float] | None,

@@ -63,6 +63,10 @@ class TaskConfig:
             ``reasoning_gym.create_dataset(name, size=, seed=, **config)``. None (the default) means
             DEFAULT_TASK_CONFIG for the default task and reasoning-gym's own defaults (``{}``) for any other, so
             that changing only ``name`` never carries the default task's keys over to another dataset.
+        reward: the reward of a completion: "task" (the dataset's own score_answer on the <answer> content),
+            "math_verify" (math-verify equivalence with the item's answer), or "package.module:function", a
+            function with TRL's reward signature (keyword arguments prompts, completions, completion_ids and the
+            dataset columns; returns one float or None per completion). Training and evaluation both use it.
     """
 
     name: str = DEFAULT_TASK
@@ -70,6 +74,7 @@ class TaskConfig:
     eval_size: int = 64
     seed: int = 0
     config: dict | None = None
+    reward: str = "task"
 
     def dataset_kwargs(self) -> dict:
         """The keyword arguments for the dataset's config class (``config`` with None resolved)."""
@@ -139,5 +144,5 @@ def _unknown_task_message(name: str) -> str:
     more = f", ... ({len(names) - _SHOWN_TASKS} more)" if len(names) > _SHOWN_TASKS else ""
     return (
         f"unknown task {name!r}.{hint} Known tasks ({len(names)}): {shown}{more}. "
-        "See branchreplay.tasks.known_tasks() for the full list."
+        "The full list: python -c 'import reasoning_gym; print(sorted(reasoning_gym.factory.DATASETS))'."
     )

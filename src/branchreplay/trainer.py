@@ -44,7 +44,7 @@ from .engine import ReplayResult, replay_backward, replay_logprobs
 from .losses import GRPOLoss, token_weights
 from .models import chat_prompt_ids, load_model
 from .report import MetricsLog, peak_memory_bytes, progress_info, step_line, summarize
-from .rewards import RewardFunctionError, compute_rewards, reasoning_gym_reward
+from .rewards import RewardFunctionError, compute_rewards, make_reward
 from .sampling import Sample, sample_group
 from .tasks import build_messages, load_task
 from .tree import Rollout, RolloutTree
@@ -85,13 +85,14 @@ class Trainer:
     def __init__(self, config: Config, model=None, tokenizer=None, train_data=None, eval_data=None, reward_fn=None,
                  console: Console | None = None):
         self.config, self.console = config, console or Console()
+        if train_data is None:  # the task and its reward first: a typo there should not cost a model load
+            train_data, eval_data = load_task(config.task)
+        reward_fn = reward_fn or make_reward(config.task.reward, train_data)
         if model is None:
             model, tokenizer = load_policy(config)
-        if train_data is None:
-            train_data, eval_data = load_task(config.task)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.train_data, self.eval_data = train_data, eval_data
-        self.reward_fn = reward_fn or reasoning_gym_reward(train_data)
+        self.reward_fn = reward_fn
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.ref_model = None
         if config.grpo.beta > 0:  # frozen initial weights; copied before any checkpoint is loaded
@@ -315,13 +316,13 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
     """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
 
     data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
-    the task's score_answer on the <answer> content); progress: called as progress(done, total) after each batch of
+    task.reward, see `rewards.make_reward`); progress: called as progress(done, total) after each batch of
     answers. Returns eval/accuracy (mean score in [0, 1], partial credit
     included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s."""
     t0 = time.perf_counter()
     if data is None:
         data = load_task(config.task)[1]
-    reward_fn = reward_fn or reasoning_gym_reward(data)
+    reward_fn = reward_fn or make_reward(config.task.reward, data)
     items = [data[i] for i in range(len(data))]
     prompts = [chat_prompt_ids(tokenizer, build_messages(item["question"])) for item in items]
     completions = greedy_completions(model, prompts, config.sampling.max_new_tokens, eos_token_ids(model, tokenizer),
@@ -456,10 +457,15 @@ def train(config: Config, resume: str | None = None) -> Path:
 def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
     """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
     held-out split; prints and returns the metrics."""
+    data = load_task(config.task)[1]  # the task, its reward and the checkpoint's folder before the model's load
+    reward_fn = make_reward(config.task.reward, data)
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
+                                "folder)")
     model, tokenizer = load_policy(config)
     if checkpoint is not None:
         load_weights(model, checkpoint)
-    metrics = evaluate(model, tokenizer, config)
+    metrics = evaluate(model, tokenizer, config, data, reward_fn)
     table = Table(title=f"held-out {config.task.name} ({config.task.eval_size} items)")
     table.add_column("metric")
     table.add_column("value", justify="right")
