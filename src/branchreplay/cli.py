@@ -117,49 +117,47 @@ def _bench(args) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from .config import help_text
     from .trainer import TrainingInterrupted, parse_train_args, train
 
-    if "-h" in argv or "--help" in argv:
-        print("usage: branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--section.field VALUE ...]\n")
-        print(help_text())
-        return 0
+    config, resume = parse_train_args(argv)
     try:
-        config, resume = parse_train_args(argv)
         run_dir = train(config, resume)
     except TrainingInterrupted as e:
         print(e, file=sys.stderr)
         return 130
-    except (ValueError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
     print(f"run folder: {run_dir}")
     return 0
 
 
 def _eval(argv: list[str]) -> int:
-    from .config import help_text
     from .trainer import evaluate_cli, parse_train_args
 
-    if "-h" in argv or "--help" in argv:
-        print("usage: branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--section.field VALUE ...]\n")
-        print(help_text())
-        return 0
     checkpoint = None
     if "--checkpoint" in argv:
         i = argv.index("--checkpoint")
         if i + 1 >= len(argv):
-            print("error: --checkpoint needs a folder", file=sys.stderr)
-            return 2
+            raise ValueError("--checkpoint needs a folder")
         checkpoint = argv[i + 1]
         argv = argv[:i] + argv[i + 2 :]
+    config, _ = parse_train_args(argv)
+    evaluate_cli(config, checkpoint)
+    return 0
+
+
+def _config_command(command, usage: str, argv: list[str]) -> int:
+    """train / eval: --help prints the usage and every config field; a bad config, task, path or reward ends in one
+    `error:` line and exit 2."""
+    from .config import help_text
+
+    if "-h" in argv or "--help" in argv:
+        print(f"usage: {usage}\n")
+        print(help_text())
+        return 0
     try:
-        config, _ = parse_train_args(argv)
-        evaluate_cli(config, checkpoint)
+        return command(argv)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -228,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args, rest = parser.parse_known_args(argv)
     if args.func in (_train, _eval):
-        return args.func(rest)
+        return _config_command(args.func, sub.choices[args.command].usage, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)
