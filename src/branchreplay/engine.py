@@ -349,7 +349,11 @@ class _Run:
     def own_keys_tree_mask(self, local: torch.Tensor, segment: torch.Tensor) -> torch.Tensor:
         """Tree mask [1, 1, S, S] over a pack's own keys (for `PrefixSplit`): a query sees the earlier or equal
         positions of its own segment. Additive, in the model's dtype."""
-        allowed = (segment[None] == segment[:, None]) & (local[None] <= local[:, None])
+        return self.additive((segment[None] == segment[:, None]) & (local[None] <= local[:, None]))
+
+    def additive(self, allowed: torch.Tensor) -> torch.Tensor:
+        """Boolean [S, K] -> additive mask [1, 1, S, K] in the model's dtype (0 where allowed, the dtype's minimum
+        elsewhere): eager attention adds the mask, so a boolean one would be silently wrong."""
         zero = torch.zeros((), dtype=self.dtype, device=self.device)
         return torch.where(allowed, zero, torch.finfo(self.dtype).min)[None, None]
 
@@ -358,7 +362,7 @@ class _Run:
         so do the single-node packs of recurrent families (whose SSM layers read a 2D mask). Otherwise ours: one
         additive tensor that every layer shares, where transformers' boolean mask is converted, and saved for
         backward, once per layer by SDPA (4x the memory on a 4-layer model)."""
-        return len(nodes) > 1 or (P > 0 and not getattr(self.family, "recurrent", False))
+        return len(nodes) > 1 or (P > 0 and not self.family.recurrent)
 
     def masks(self, P: int, local: torch.Tensor, segment: torch.Tensor):
         """Tree mask [1, 1, S, K + S]: query (segment s, position P + t) sees every prefix key and the keys of its own
@@ -374,9 +378,7 @@ class _Run:
             allowed = (k_seg[None] == -1) | ((k_seg[None] == segment[:, None]) & (k_pos[None] <= q_pos[:, None]))
             if window is not None:
                 allowed = allowed & (q_pos[:, None] - k_pos[None] < window)
-            # Additive, in the model's dtype: eager attention adds the mask (a boolean one would be silently wrong)
-            zero = torch.zeros((), dtype=self.dtype, device=self.device)
-            return torch.where(allowed, zero, torch.finfo(self.dtype).min)[None, None]
+            return self.additive(allowed)
 
         kinds = {w: build(w) for w in set(self.windows)}
         if self.family.mask_mapping:
