@@ -67,3 +67,20 @@ def test_building_64_rollouts_of_32k_tokens_is_fast():
 def test_no_rollouts():
     with pytest.raises(ValueError, match="at least one rollout"):
         RolloutTree([])
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("old_logprobs", [0.0, float("nan"), -1.0, -1.0, -1.0], r"old_logprobs\[1\] is nan"),
+    ("ref_logprobs", [0.0, 0.0, -1.0, float("inf"), -1.0], r"ref_logprobs\[3\] is inf"),
+    ("ref_logprobs", [0.0, 0.0, -1.0, -1.0, float("-inf")], r"ref_logprobs\[4\] is -inf"),
+])
+def test_non_finite_old_or_ref_logprobs_are_refused(field, value, match):
+    """They used to run and return a NaN loss and NaN gradients."""
+    with pytest.raises(ValueError, match=match):
+        Rollout([1, 2, 3, 4, 5], [0, 0, 1, 1, 1], **{field: value})
+
+
+def test_a_batch_of_token_ids_is_not_one_rollout():
+    """A [B, T] batch used to be flattened into one sequence of B * T tokens."""
+    with pytest.raises(ValueError, match=r"token_ids has shape \(2, 5\), expected \[T\].*one Rollout per row"):
+        Rollout(torch.ones(2, 5, dtype=torch.long))

@@ -21,15 +21,20 @@ class Rollout:
     """One token sequence and its per-position training data.
 
     Args:
-        token_ids: [T] int token ids, prompt first. T >= 1.
+        token_ids: [T] int token ids of ONE rollout (1-D), prompt first. T >= 1.
         loss_mask: [T] 0/1, 1 on positions whose logprob is trained (generated tokens), 0 on prompt and tool output.
             Position 0 has no context and must be 0. Default: all 0 (nothing trained).
         advantages: a float (one advantage for every position) or [T] per-token advantages. Default 0.
         weights: [T] float loss weight of each position (the loss normalisation, e.g. 1 / (|o| * G) for GRPO).
             Must be 0 where loss_mask is 0. Default: loss_mask.
-        old_logprobs: [T] logprobs under the policy that sampled the rollout (PPO ratio), or None (on-policy).
-        ref_logprobs: [T] logprobs under the reference model (KL penalty), or None.
+        old_logprobs: [T] finite logprobs under the policy that sampled the rollout (PPO ratio), or None
+            (on-policy).
+        ref_logprobs: [T] finite logprobs under the reference model (KL penalty), or None.
         group: id of the group (prompt) the rollout belongs to; used for advantages, not by the tree.
+    Raises:
+        ValueError: naming the field: token_ids empty or not 1-D (a [B, T] batch), a per-position field of another
+            shape, a loss mask other than 0/1 or trained at position 0, NaN or inf advantages, weights, old or ref
+            logprobs, weights where the loss mask is 0.
     """
 
     token_ids: torch.Tensor | list[int]
@@ -41,7 +46,13 @@ class Rollout:
     group: int | str | None = None
 
     def __post_init__(self):
-        self.token_ids = torch.as_tensor(self.token_ids, dtype=torch.long).reshape(-1)
+        ids = torch.as_tensor(self.token_ids, dtype=torch.long)
+        if ids.dim() != 1:
+            raise ValueError(
+                f"Rollout.token_ids has shape {tuple(ids.shape)}, expected [T]: one rollout's ids (prompt + "
+                "completion); for a [B, T] batch make one Rollout per row, without its padding"
+            )
+        self.token_ids = ids
         T = self.token_ids.numel()
         if T == 0:
             raise ValueError("Rollout.token_ids is empty: a rollout needs at least one token (the prompt)")
@@ -65,6 +76,14 @@ class Rollout:
             raise ValueError("Rollout.weights is non-zero where loss_mask is 0; zero it there or set loss_mask to 1")
         self.old_logprobs = _per_position(self.old_logprobs, T, "old_logprobs", default=None)
         self.ref_logprobs = _per_position(self.ref_logprobs, T, "ref_logprobs", default=None)
+        for name in ("old_logprobs", "ref_logprobs"):
+            values = getattr(self, name)
+            if values is not None and not torch.isfinite(values).all():
+                t = int((~torch.isfinite(values)).nonzero()[0])
+                raise ValueError(
+                    f"Rollout.{name}[{t}] is {values[t].item()}: logprobs must be finite (they enter the ratio and "
+                    "the KL); recompute them, or pass 0 at positions that carry no loss"
+                )
 
     def __len__(self) -> int:
         return self.token_ids.numel()
