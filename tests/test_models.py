@@ -13,7 +13,7 @@ from branchreplay.models import TINY_ARCHS, chat_prompt_ids, load_model, tiny_co
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM",
            "gemma3": "Gemma3ForCausalLM", "qwen2-sliding": "Qwen2ForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-           "mixtral": "MixtralForCausalLM"}
+           "mixtral": "MixtralForCausalLM", "phi3": "Phi3ForCausalLM"}
 
 
 def ids(n, seed=0):

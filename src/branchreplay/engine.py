@@ -32,10 +32,12 @@ from torch.utils.checkpoint import checkpoint
 from .attention import PrefixSplit, own_keys_mask
 from .losses import LossInputs
 from .planner import MemoryModel, default_budget, plan, saved_bytes
+from .positions import held_at_length, length_dependent_rotaries, max_positions, regimes
 from .state import (
     EngineForwards,
     NodeState,
     PrefixCache,
+    check_head,
     decoder_and_head,
     family_of,
     kept_positions,
@@ -156,28 +158,25 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
         raise ValueError(f"temperature must be > 0, got {temperature}")
     run = _Run(model, temperature, engine, loss, force)
     logprobs, entropy, total, stats, peak, replayed = [], [], 0.0, None, None, 0
-    train = loss is not None
     for tree in trees:
         run.check(tree)
-        root = _chunked(tree.root, engine.chunk_tokens)
-        if train:
-            budget = None if engine.replay != "auto" else engine.memory_budget or default_budget(run.device)
-            memory = run.memory_model(tree.stats.physical_tokens)
-            step_plan = plan(root, memory, run.packs_of, budget, replay_all=engine.replay == "replay",
-                             head_chunk_tokens=engine.head_chunk_tokens)
-            run.replay_set = step_plan.replay
-            peak = max(peak or 0.0, step_plan.predicted_peak_bytes)
-            replayed += len(step_plan.replay)
-        run.tree = tree
-        run.logprobs = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
-        run.entropy = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
-        run.loss_value = 0.0
-        run.children(root, ancestors=[], parent_h=None)
-        logprobs += run.logprobs
-        entropy += run.entropy
-        total += run.loss_value
-        stats = tree.stats if stats is None else stats + tree.stats
-    return ReplayResult(logprobs, entropy, total, stats, peak if train else None, replayed)
+        lp = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
+        ent = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
+        # rollouts whose full forwards pick other rotary frequencies run as separate sub-forests (positions.py)
+        for length, members in regimes(run.rotaries, [len(r) for r in tree.rollouts]):
+            sub = tree if len(members) == len(tree.rollouts) else RolloutTree([tree.rollouts[i] for i in members])
+            with held_at_length(model, length, run.rotaries):
+                sub_peak, sub_replayed = run.run_tree(sub)
+            for i, sub_lp, sub_ent in zip(members, run.logprobs, run.entropy):
+                lp[i], ent[i] = sub_lp, sub_ent
+            total += run.loss_value
+            stats = sub.stats if stats is None else stats + sub.stats
+            if sub_peak is not None:
+                peak = max(peak or 0.0, sub_peak)
+            replayed += sub_replayed
+        logprobs += lp
+        entropy += ent
+    return ReplayResult(logprobs, entropy, total, stats, peak, replayed)
 
 
 class _Run:
@@ -186,7 +185,7 @@ class _Run:
     def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: bool = False):
         self.family = family_of(model, force=force)
         self.config = model.config
-        self.decoder, self.head = decoder_and_head(model)
+        self.decoder, self.head, self.transform = decoder_and_head(model)  # transform: state/head.py
         self.windows = layer_windows(model.config)
         self.num_layers = model.config.num_hidden_layers
         self.kinds = layer_kinds(model.config)  # attention / recurrent / hybrid, per layer
@@ -196,13 +195,16 @@ class _Run:
         self.device = self.head.weight.device
         self.vocab_size = self.head.weight.shape[0]
         self.temperature = temperature
-        self.softcap = getattr(model.config, "final_logit_softcapping", None)  # Gemma: cap * tanh(logits / cap)
+        self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
         self.max_pack_tokens = engine.max_pack_tokens
+        self.chunk_tokens = engine.chunk_tokens
         self.head_chunk_tokens = engine.head_chunk_tokens
+        self.replay, self.memory_budget = engine.replay, engine.memory_budget
         self.replay_set: set[int] = set()
         self.model = model
         self.loss = loss
         _check_no_dropout(model)
+        check_head(model)
         checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older name:
         if checkpointing is None:
             checkpointing = getattr(model, "is_gradient_checkpointing", False)
@@ -212,8 +214,27 @@ class _Run:
                              "layers drop the prefix cache, and the engine recomputes packs itself "
                              "(EngineConfig.replay)")
 
+    def run_tree(self, tree: RolloutTree) -> tuple[float | None, int]:
+        """One tree through the execution stack; per-rollout outputs land in self.logprobs / entropy / loss_value.
+        Returns (the planner's predicted peak bytes or None without a loss, number of replayed packs)."""
+        root = _chunked(tree.root, self.chunk_tokens)
+        peak, replayed = None, 0
+        if self.loss is not None:
+            budget = None if self.replay != "auto" else self.memory_budget or default_budget(self.device)
+            memory = self.memory_model(tree.stats.physical_tokens)
+            step_plan = plan(root, memory, self.packs_of, budget, replay_all=self.replay == "replay",
+                             head_chunk_tokens=self.head_chunk_tokens)
+            self.replay_set = step_plan.replay
+            peak, replayed = step_plan.predicted_peak_bytes, len(step_plan.replay)
+        self.tree = tree
+        self.logprobs = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
+        self.entropy = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
+        self.loss_value = 0.0
+        self.children(root, ancestors=[], parent_h=None)
+        return peak, replayed
+
     def check(self, tree: RolloutTree) -> None:
-        max_pos = getattr(self.config, "max_position_embeddings", None)
+        max_pos = max_positions(self.config)
         for i, r in enumerate(tree.rollouts):
             ids = r.token_ids
             if ids.min() < 0 or ids.max() >= self.vocab_size:
@@ -221,7 +242,8 @@ class _Run:
                 raise ValueError(f"rollout {i} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
             if max_pos is not None and len(r) > max_pos:
                 raise ValueError(
-                    f"rollout {i} has {len(r)} tokens, more than the model's max_position_embeddings ({max_pos})"
+                    f"rollout {i} has {len(r)} tokens, more than the model's max_position_embeddings ({max_pos}); "
+                    "shorten the prompt or the completion (SamplingConfig.max_new_tokens)"
                 )
         for name in ("old_logprobs", "ref_logprobs"):
             given = {getattr(r, name) is not None for r in tree.rollouts}
@@ -243,12 +265,24 @@ class _Run:
         """The model's `MemoryModel` for a tree of `tokens` physical positions, fitted once per model, dtype and
         scale from three probe forwards: s-2s tokens against 2s-6s, with s = 256 for trees of 4096 positions or
         more (the sizes whose kernels real steps use: SDPA picks its path by size), else s = 16 (cheap, and a
-        small tree's memory is small whatever the fit)."""
+        small tree's memory is small whatever the fit). The probes never pass the model's position limit (GPT-2's
+        learned table): s is at most max_position_embeddings // 7, and a model with fewer than 7 positions, whose
+        trees are a few tokens, gets the fixed bytes only."""
         scale = 256 if tokens >= 4096 else 16
+        limit = max_positions(self.config)
+        if limit is not None:
+            scale = min(scale, limit // 7)  # the largest probe runs s tokens against 6s: 7s positions
         cache = self.model.__dict__.setdefault("_branchreplay_memory_models", {})
         if (self.dtype, scale) not in cache:
-            cache[self.dtype, scale] = self._probe_memory(scale)
+            cache[self.dtype, scale] = self._probe_memory(scale) if scale > 0 else self._unprobed_memory()
         return cache[self.dtype, scale]
+
+    def _unprobed_memory(self) -> MemoryModel:
+        """Fixed bytes only (parameter gradients, the LM head's rows): for models too short to probe."""
+        elem = torch.finfo(self.dtype).bits // 8
+        grads = sum(p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
+        return MemoryModel(0.0, 0.0, 0.0, 3 * self.vocab_size * max(elem, 4), grads, elem,
+                           split=self.prefix_split.applies)
 
     def _probe_memory(self, s: int) -> MemoryModel:
         g = torch.Generator().manual_seed(0)
@@ -422,10 +456,10 @@ class _Run:
             h = hidden[start : start + self.head_chunk_tokens]
             t = targets[start : start + self.head_chunk_tokens]
             if torch.is_grad_enabled():
-                outs.append(checkpoint(_head_logprobs, self.head, h, t, self.temperature, self.softcap,
+                outs.append(checkpoint(_head_logprobs, self.head, h, t, self.temperature, self.transform,
                                        use_reentrant=False))
             else:
-                outs.append(_head_logprobs(self.head, h, t, self.temperature, self.softcap))
+                outs.append(_head_logprobs(self.head, h, t, self.temperature, self.transform))
         return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
@@ -448,18 +482,21 @@ def loss_inputs(rollouts, positions: torch.Tensor, logprobs: torch.Tensor, entro
     )
 
 
-def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   softcap: float | None = None):
-    """log softmax(head(hidden) / temperature) at `targets`, and the entropy of that distribution.
-    [N, H], [N] -> [N], [N]. With `softcap` (config.final_logit_softcapping, Gemma 2/3) the logits are first
-    softcap * tanh(logits / softcap), in the model's dtype, as transformers' ForCausalLM computes them."""
-    logits = head(hidden)
-    if softcap is not None:
-        logits = torch.tanh(logits / softcap) * softcap
+def _head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, transform):
+    """log softmax(transform(head(hidden)) / temperature) at `targets`, and the entropy of that distribution.
+    [N, H], [N] -> [N], [N]. `transform` (`state.head.LogitTransform`: logit scales, final softcapping) runs in the
+    model's dtype, as transformers' ForCausalLM computes it; half-precision logits are upcast to float32.
+
+    The logprob is the target's logit minus the row's logsumexp, as TRL's `selective_log_softmax`
+    (trl/trainer/utils.py) computes it for float32: on SmolLM2 in float32 (45-token chat prompt, 4 sampled
+    completions) its gradient is 4.8e-5 from float64 where `log_softmax(...).gather(...)` is 5.1e-4 (the naive
+    per-rollout HF computation: 5.3e-4); docs/support.md. The entropy keeps the full log-softmax."""
+    logits = transform(head(hidden))
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)  # [N, V]
-    logprobs = logp_all.gather(-1, targets[:, None]).squeeze(-1)
+    logits = logits / temperature
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logp_all = torch.log_softmax(logits, dim=-1)  # [N, V]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
 

@@ -30,7 +30,7 @@ from transformers import (
 # tiny random models
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma2", "gemma3", "qwen2-sliding",
-                               "qwen3_moe", "mixtral")
+                               "qwen3_moe", "mixtral", "phi3")
 RECURRENT_ARCHS: tuple[str, ...] = ("mamba", "mamba2", "bamba", "falcon_h1", "jamba", "lfm2", "qwen3_next")
 """SSM / linear-attention / hybrid tiny configs (state/recurrent.py); kept apart from TINY_ARCHS, whose tests assume
 attention-only models with float64-exact kernels."""
@@ -44,6 +44,7 @@ _ARCH_EXTRA = {
     "qwen2": dict(use_sliding_window=False),
     "qwen3": dict(use_sliding_window=False),
     "mistral": dict(sliding_window=16),  # shorter than test sequences, so the window is exercised
+    "phi3": dict(sliding_window=None, pad_token_id=0),  # full attention; its rotary types are tested in test_positions
     # Gemma2: alternating sliding / full layers, attention and final logit softcapping (caps small enough to bend
     # the tiny model's logits), query scaling 1 / sqrt(head_dim)
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,

@@ -9,14 +9,19 @@ from __future__ import annotations
 import torch
 
 from .engine import LossFn, ReplayResult, loss_inputs
+from .positions import reset_dynamic_rope
 from .tree import Rollout, RolloutTree
 
 
 def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, temperature: float = 1.0) -> ReplayResult:
     """For each rollout alone: model(input_ids [1, T]).logits, log_softmax(logits / temperature), the loss on the
-    trainable positions, `.backward()` (skipped when `loss` is None). Same outputs as `replay_backward`."""
+    trainable positions, `.backward()` (skipped when `loss` is None). Same outputs as `replay_backward`.
+
+    A dynamic-NTK rotary embedding is reset before each rollout: transformers keeps the frequencies of the longest
+    call it has seen, so without the reset a rollout's logprobs would depend on the ones run before it."""
     logprobs, entropy, total = [], [], 0.0
     for r in rollouts:
+        reset_dynamic_rope(model)
         ids = r.token_ids.to(model.device)[None]  # [1, T]
         with torch.set_grad_enabled(loss is not None and torch.is_grad_enabled()):
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [T-1, V]: position t predicts t + 1
@@ -38,8 +43,10 @@ def rows_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tenso
     those rows: ([n], [n]), float32 for half-precision logits."""
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    logp_all = torch.log_softmax(logits / temperature, dim=-1)[rows]  # [n, V]
-    return logp_all.gather(-1, targets[:, None]).squeeze(-1), -(logp_all.exp() * logp_all).sum(-1)
+    scaled = logits[rows] / temperature  # [n, V]
+    logp_all = torch.log_softmax(scaled, dim=-1)
+    logprobs = scaled.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(scaled, dim=-1)
+    return logprobs, -(logp_all.exp() * logp_all).sum(-1)
 
 
 def per_position(values: torch.Tensor, positions: torch.Tensor, T: int) -> torch.Tensor:

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import torch
 from transformers import DynamicCache
 
+from .positions import max_positions
+
 
 @dataclass
 class SamplingConfig:
@@ -119,8 +121,9 @@ def sample_group(
     samples 0 and 1 share their first 4 generated tokens, and so do samples 2 and 3. A stream that ended before a
     fork is copied as it is, so its children are identical.
 
-    Raises ValueError when prompt_ids is empty, num_generations < 1, or the product of the branching factors
-    differs from num_generations.
+    Raises ValueError when prompt_ids is empty, num_generations < 1, the product of the branching factors
+    differs from num_generations, or the prompt plus max_new_tokens exceeds the model's maximum positions
+    (`positions.max_positions`), before any token is sampled.
     """
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
@@ -131,6 +134,13 @@ def sample_group(
         raise ValueError(
             f"branching={config.branching} makes {math.prod(schedule.values())} samples but num_generations="
             f"{num_generations}: make the product of the branching factors equal num_generations"
+        )
+    limit = max_positions(model.config)
+    if limit is not None and len(prompt_ids) + config.max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({config.max_new_tokens}) is more than the "
+            f"model's max_position_embeddings ({limit}): lower SamplingConfig.max_new_tokens "
+            f"(--sampling.max_new_tokens) to at most {max(limit - len(prompt_ids), 0)} or shorten the prompt"
         )
     device = model.device
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=device)

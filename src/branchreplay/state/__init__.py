@@ -60,8 +60,11 @@ FAMILIES: dict[str, Family] = {
     "qwen2": Family("qwen2", mask_mapping=True),
     "qwen3": Family("qwen3", mask_mapping=True),
     "gpt2": Family("gpt2", mask_mapping=False),
+    # fused qkv / gate-up projections; longrope rotary (length-dependent: positions.py); config.sliding_window,
+    # when set, slides every layer
+    "phi3": Family("phi3", mask_mapping=False, uniform_window=True),
     # attention logit softcapping (eager attention only in transformers) and final logit softcapping (applied by
-    # the engine's LM head, read from config.final_logit_softcapping); Gemma3: Gemma3ForCausalLM (text only)
+    # the engine's LM head, state/head.py); Gemma3: Gemma3ForCausalLM (text only)
     "gemma2": Family("gemma2", mask_mapping=True),
     "gemma3_text": Family("gemma3_text", mask_mapping=True),
     # mixture of experts: see the Family docstring (router aux loss excluded, output_router_logits refused)
@@ -120,7 +123,7 @@ def generic_family(model) -> Family:
     import inspect
 
     config = model.config
-    decoder, _ = decoder_and_head(model)
+    decoder, _, _ = decoder_and_head(model)
     try:
         mask_mapping = "mask_mapping" in inspect.getsource(type(decoder).forward)
     except (OSError, TypeError):
@@ -165,31 +168,7 @@ def state_bytes_per_token(config, dtype) -> tuple[int, int]:
     return full, sliding
 
 
-def decoder_and_head(model):
-    """(decoder, lm_head): the base model returning final-normed hidden states [B, S, H], and the output
-    projection H -> V (times FalconH1's `lm_head_multiplier`, which its ForCausalLM applies to the logits)."""
-    head = model.get_output_embeddings()
-    multiplier = getattr(model.config, "lm_head_multiplier", None)
-    if multiplier is not None and multiplier != 1.0:
-        head = ScaledHead(head, multiplier)
-    return getattr(model, model.base_model_prefix), head
-
-
-class ScaledHead(torch.nn.Module):
-    """`head(h) * multiplier`, exposing the head's `weight` (the engine reads its dtype, device and vocab size)."""
-
-    def __init__(self, head: torch.nn.Module, multiplier: float):
-        super().__init__()
-        self.head, self.multiplier = head, multiplier
-
-    @property
-    def weight(self) -> torch.Tensor:
-        return self.head.weight
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden) * self.multiplier
-
-
 # re-exported: the engine's one import point
 from .cache import NodeState, PrefixCache, kept_positions  # noqa: E402, F401
+from .head import HeadMismatchError, LogitTransform, check_head, decoder_and_head  # noqa: E402, F401
 from .recurrent import EngineForwards, layer_kinds  # noqa: E402, F401

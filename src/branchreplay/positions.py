@@ -1,0 +1,172 @@
+"""Position limits and rotary encodings whose frequencies depend on the length of the forward call.
+
+transformers' `dynamic_rope_update` (modeling_rope_utils.py, transformers 5.24) recomputes a rotary embedding's
+frequencies on every call from `seq_len = max(position_ids) + 1` of THAT call:
+    "longrope" (Phi-3): the long factors when seq_len > original_max_position_embeddings, else the short ones
+        (PhiMoE also switches its cos/sin scale, `long_mscale` / `short_mscale`, on the same test);
+    "dynamic" (dynamic NTK): base scaled for seq_len when seq_len > max_position_embeddings, else the original
+        frequencies; the module also caches the largest seq_len seen and keeps its frequencies until a call below
+        max_position_embeddings resets them, so its output depends on earlier calls.
+Every other rotary type ships fixed frequencies ("default", "linear", "yarn", "llama3", "proportional"), and the
+Llama-4 style attention scale (Ministral3, Mistral4) is a function of each absolute position: both are the same
+whatever the forward's length.
+
+The naive computation runs a rollout of T tokens in one call: seq_len = T. The execution stack runs the same
+positions in several calls (a prompt alone, then its branches), each of which would pick its own regime. So a
+rollout's REGIME is what its full forward uses (`regime`), the engine runs the rollouts of one regime together
+(`regimes`: one sub-forest each), and `held_at_length(model, T)` makes every call of the rotary embeddings see
+seq_len = T (one position T - 1 appended to the position ids, its cos / sin dropped) from a fresh dynamic state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import types
+from collections.abc import Iterator, Sequence
+
+import torch
+
+LENGTH_DEPENDENT = ("longrope", "dynamic")
+"""Rotary types whose frequencies transformers picks per call from the call's length (see the module docstring)."""
+
+
+def _types_of(module) -> dict[str | None, str]:
+    """{layer type or None: rope type} of a rotary embedding module (Gemma-style modules key them by layer type)."""
+    rope_type = getattr(module, "rope_type", None)
+    if isinstance(rope_type, str):
+        return {None: rope_type}
+    return dict(rope_type) if isinstance(rope_type, dict) else {}
+
+
+def _length_dependent(rope_type: str) -> bool:
+    return rope_type == "longrope" or "dynamic" in rope_type
+
+
+def length_dependent_rotaries(model) -> list[torch.nn.Module]:
+    """The rotary embedding modules of `model` whose frequencies depend on the forward's length."""
+    return [m for m in model.modules() if any(_length_dependent(t) for t in _types_of(m).values())]
+
+
+def _rope_parameters(module, layer_type: str | None) -> dict:
+    params = module.config.rope_parameters
+    return params[layer_type] if layer_type is not None else params
+
+
+def regime(rotaries: Sequence[torch.nn.Module], length: int) -> tuple:
+    """What a full forward of `length` tokens selects in each of `rotaries`: for longrope, whether it takes the long
+    factors (length > original_max_position_embeddings); for dynamic, the length it scales for (0 at or below
+    max_position_embeddings, where the original frequencies apply). Rollouts of one regime share every rotary value.
+    """
+    key = []
+    for module in rotaries:
+        for layer_type, rope_type in _types_of(module).items():
+            if rope_type == "longrope":
+                key.append(length > _rope_parameters(module, layer_type)["original_max_position_embeddings"])
+            elif "dynamic" in rope_type:
+                key.append(length if length > module.original_max_seq_len else 0)
+    return tuple(key)
+
+
+def regimes(rotaries: Sequence[torch.nn.Module], lengths: Sequence[int]) -> list[tuple[int, list[int]]]:
+    """Rollout indices grouped by `regime`, in order of first appearance: [(a length of the regime, indices)]."""
+    groups: dict[tuple, list[int]] = {}
+    for i, length in enumerate(lengths):
+        groups.setdefault(regime(rotaries, length), []).append(i)
+    return [(max(lengths[i] for i in members), members) for members in groups.values()]
+
+
+def rope_thresholds(model) -> dict[str, int]:
+    """The rollout lengths (tokens) past which a rotary embedding of `model` changes its frequencies, by name:
+    "longrope original_max_position_embeddings" and "dynamic max_position_embeddings" (a layer type, for models
+    that key their rotary parameters by one, is added in brackets)."""
+    out = {}
+    for module in length_dependent_rotaries(model):
+        for layer_type, rope_type in _types_of(module).items():
+            where = "" if layer_type is None else f" [{layer_type}]"
+            if rope_type == "longrope":
+                n = _rope_parameters(module, layer_type)["original_max_position_embeddings"]
+                out[f"longrope original_max_position_embeddings{where}"] = n
+            elif "dynamic" in rope_type:
+                out[f"dynamic max_position_embeddings{where}"] = module.original_max_seq_len
+    return out
+
+
+def reset_dynamic_rope(model) -> None:
+    """Put every dynamic rotary embedding of `model` back to its state after loading (original frequencies, no
+    cached length), so that a forward's frequencies depend only on its own length, not on earlier calls."""
+    for module in length_dependent_rotaries(model):
+        _reset_dynamic(module)
+
+
+def _reset_dynamic(module) -> None:
+    for layer_type, rope_type in _types_of(module).items():
+        if "dynamic" in rope_type:
+            prefix = "" if layer_type is None else f"{layer_type}_"
+            setattr(module, f"{prefix}inv_freq", getattr(module, f"{prefix}original_inv_freq").clone())
+            setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
+
+
+def max_positions(config) -> int | None:
+    """The most positions a rollout of this model may have: `max_position_embeddings` (GPT-2's `n_positions`), or
+    None when the config sets no limit or scales its rotary encoding past it (dynamic NTK extrapolates by design)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    kinds = [parameters.get("rope_type")] if "rope_type" in parameters else [
+        p.get("rope_type") for p in parameters.values() if isinstance(p, dict)]
+    if kinds and all(k is not None and "dynamic" in k for k in kinds):
+        return None
+    return getattr(config, "max_position_embeddings", None)
+
+
+def _snapshot(module) -> dict:
+    """The mutable state a rotary forward may change: its buffers (cloned: longrope updates them in place) and its
+    plain attributes (cached length, attention scale, the long frequencies it builds lazily)."""
+    return {
+        "buffers": {name: b.clone() for name, b in module.named_buffers(recurse=False)},
+        "attributes": {k: v for k, v in vars(module).items() if not k.startswith("_")},
+    }
+
+
+def _restore(module, snapshot: dict) -> None:
+    for name in [k for k in vars(module) if not k.startswith("_") and k not in snapshot["attributes"]]:
+        delattr(module, name)
+    for name, value in snapshot["attributes"].items():
+        setattr(module, name, value)
+    for name, value in snapshot["buffers"].items():
+        setattr(module, name, value)  # a registered buffer stays one, with its persistence
+
+
+def _forced_forward(module, length: int):
+    """`module.forward` seeing seq_len = length in every call (position length - 1 appended, its outputs dropped),
+    from a fresh dynamic state each time."""
+    original = type(module).forward
+
+    def forward(self, x, position_ids, *args, **kwargs):
+        _reset_dynamic(self)  # each call as the first one: a call with larger positions cannot leave its frequencies
+        last = position_ids.new_full((*position_ids.shape[:-1], 1), length - 1)
+        outputs = original(self, x, torch.cat([position_ids, last], dim=-1), *args, **kwargs)
+        S = position_ids.shape[-1]
+        if not all(isinstance(o, torch.Tensor) and o.shape[-2] == S + 1 for o in outputs):
+            raise RuntimeError(f"{type(self).__name__} returned outputs not shaped [..., positions, dim]: cannot hold "
+                               "its length-dependent frequencies at the rollout's length")
+        return tuple(o[..., :S, :] for o in outputs)
+
+    return types.MethodType(forward, module)
+
+
+@contextlib.contextmanager
+def held_at_length(model, length: int, rotaries: Sequence[torch.nn.Module] | None = None) -> Iterator[None]:
+    """While inside, every length-dependent rotary embedding of `model` computes cos / sin as in a single forward
+    of `length` positions from a fresh dynamic state (a call whose positions reach past `length - 1`, such as the
+    planner's memory probe, sees its own length); on exit each module is restored exactly as it was.
+    A model without such embeddings is left untouched."""
+    rotaries = length_dependent_rotaries(model) if rotaries is None else rotaries
+    snapshots = [_snapshot(m) for m in rotaries]
+    try:
+        for module in rotaries:
+            _reset_dynamic(module)
+            module.forward = _forced_forward(module, length)
+        yield
+    finally:
+        for module, snapshot in zip(rotaries, snapshots):
+            vars(module).pop("forward", None)
+            _restore(module, snapshot)
