@@ -124,7 +124,7 @@ def test_transformers_mask_from_our_mask_sizes(arch, P):
     `PrefixCache.get_mask_sizes` and `get_seq_length`: a query sequence after P cached positions, whose sliding
     layers serve only the last W - 1 of them, must give the hidden states of the full uncached forward."""
     model = _model(arch)
-    decoder, _ = decoder_and_head(model)
+    decoder, _, _ = decoder_and_head(model)
     windows = layer_windows(model.config)
     ids = torch.randint(0, 256, (1, P + 20), generator=torch.Generator().manual_seed(P))
     with torch.no_grad():
@@ -211,7 +211,9 @@ def test_cli_verify_refuses_an_unregistered_model_unless_forced(tmp_path, capsys
     assert "gpt_neox" in err and "branchreplay verify" in err and "--force" in err
     assert main(["verify", "--model", str(tmp_path), "--random-trees", "0", "--force", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["arch"] == "gpt_neox" and out["passed"] is True and out["trees"] == 5
+    # 5 shapes + the tree across the engine's chunk_tokens (verify's length thresholds)
+    assert out["arch"] == "gpt_neox" and out["passed"] is True and out["trees"] == 6
+    assert out["thresholds_covered"] == {"engine.chunk_tokens": 24}
     assert out["state_bytes_per_token"] == {"full_layers_per_token": 2 * 32 * 8, "sliding_layers_max": 0}
 
 

@@ -171,6 +171,19 @@ def around_window(window: int, vocab: int, g: torch.Generator) -> list[Sequence]
     return [_pc(s[:prompt_len], s[prompt_len:]) for s in out]
 
 
+def around_length(n: int, vocab: int, g: torch.Generator) -> list[Sequence]:
+    """Rollouts whose lengths straddle a threshold of n tokens (n >= 6), where something switches with the length
+    or position (a rotary regime, an attention chunk, the engine's chunk): a prompt of n - 4 tokens, completions
+    ending at n - 1 and n tokens (at or below it), and n + 1 and n + 4 tokens (past it; the longer extends the
+    shorter, so a branch point sits past n too)."""
+    if n < 6:
+        raise ValueError(f"around_length needs a threshold of at least 6 tokens, got {n}")
+    prompt = _ids(n - 4, vocab, g)
+    stem = _ids(5, vocab, g)
+    return [_pc(prompt, _ids(3, vocab, g)), _pc(prompt, stem[:1] + _ids(3, vocab, g)), _pc(prompt, stem),
+            _pc(prompt, stem + _ids(3, vocab, g))]
+
+
 SHAPES = {
     "shared-prompt": lambda vocab, g: shared_prompt(48, 8, 6, vocab, g),
     "branches-of-branches": branches_of_branches,

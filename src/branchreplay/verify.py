@@ -1,14 +1,26 @@
 """`branchreplay verify`: the execution stack against the naive per-rollout reference, on trees of every shape.
 
 For each shape in `scenarios.SHAPES` (shared prompt, branches of branches, identical / prefix / empty completion,
-forest of prompts, multi-turn, random), and for a model with sliding-window layers `scenarios.around_window`
-(branch points before, at and after the smallest window): the same model runs the naive reference (each rollout
-alone, unpadded, full HF forward) and `replay_backward`, with the GRPO loss (KL and entropy terms on, old logprobs
-off-policy so the clipping is exercised), and the errors are compared with the bound for the dtype.
+forest of prompts, multi-turn, random), and for every length at which the model or the engine changes how it
+computes (`length_thresholds`: the engine's chunk, a sliding window, an attention chunk, a rotary encoding whose
+frequencies switch with the length), a tree whose rollouts straddle it: the same model runs the naive reference
+(each rollout alone, unpadded, full HF forward) and `replay_backward`, with the GRPO loss (KL and entropy terms on,
+old logprobs off-policy so the clipping is exercised), and the errors are compared with the bound for the dtype.
+
+The bound (README, docs/support.md):
+    float64: max relative gradient error against the naive float64 computation <= 1e-6 (1e-4 for the families
+        whose kernels transformers runs in float32, `Family.float32_kernels`), logprobs within 10x that bound in
+        nats;
+    float32, bfloat16: both the engine and the naive computation are compared with a float64 copy of the model
+        (`keep_float64`, the same rollouts and loss): the engine's error may be at most 1.5x the naive
+        computation's own error in that dtype (max over parameters of the per-parameter relative error), and
+        its logprobs at most 1.5x the naive ones' distance from float64 plus 1e-5 nats (they are stored in
+        float32, whose rounding at |logp| ~ 10 is about 1e-6).
 """
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -16,48 +28,96 @@ import torch
 from .engine import EngineConfig, replay_backward, replay_logprobs
 from .losses import GRPOLoss
 from .numerics import keep_float64
+from .positions import max_positions, rope_thresholds
 from .reference import max_rel_grad_err, naive_backward
-from .scenarios import SHAPES, around_window, make_rollouts
+from .scenarios import SHAPES, around_length, around_window, make_rollouts
 from .state import FAMILIES, layer_windows
 from .tree import RolloutTree
 
-GRAD_TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
+FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
+FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32
+VS_FLOAT64_FACTOR = 1.5  # float32 / bfloat16: the engine's error vs float64 <= this x the naive computation's
+ENGINE = dict(max_pack_tokens=64, chunk_tokens=24)  # small, so that the trees cross packs and chunks
 
 
 @dataclass
 class ShapeResult:
+    """One tree of `verify_model`. Errors: max over parameters of max|g - g_ref| / max|g_ref| (gradients) and
+    max |logp - logp_ref| in nats (logprobs). `*_vs_f64` fields are None for a float64 model."""
+
     shape: str
     rollouts: int
     logical_tokens: int
     physical_tokens: int
-    max_rel_grad_err: float
+    max_rel_grad_err: float  # engine against naive, both in the model's dtype
     max_abs_logprob_err: float
     passed: bool
+    threshold: str | None = None  # the length threshold the tree straddles, "name=tokens"
+    max_rel_grad_err_vs_f64: float | None = None  # engine against the float64 naive computation
+    naive_rel_grad_err_vs_f64: float | None = None  # the naive computation in the model's dtype, against float64
+
+
+def length_thresholds(model, engine: EngineConfig) -> dict[str, int]:
+    """Lengths in tokens at which the computation changes, read from the model's config and the engine's options:
+    `engine.chunk_tokens`, the smallest `sliding_window`, `attention_chunk_size` (Llama 4), and the rotary
+    thresholds of `positions.rope_thresholds` (longrope's original_max_position_embeddings, dynamic NTK's
+    max_position_embeddings)."""
+    out = {"engine.chunk_tokens": engine.chunk_tokens}
+    window = min((w for w in layer_windows(model.config) if w is not None), default=None)
+    if window is not None:
+        out["sliding_window"] = window
+    chunk = getattr(model.config, "attention_chunk_size", None)
+    if chunk:
+        out["attention_chunk_size"] = chunk
+    out.update(rope_thresholds(model))
+    return out
+
+
+def _threshold_cases(model, engine: EngineConfig) -> tuple[list, dict[str, str]]:
+    """(name, builder, threshold) per threshold whose tree fits the model's positions, and why the others do not."""
+    cases, skipped = [], {}
+    limit = max_positions(model.config)
+    for name, n in length_thresholds(model, engine).items():
+        if name == "sliding_window":
+            shape, build, longest = "around-window", (lambda vocab, g, n=n: around_window(n, vocab, g)), 4 * n + 3
+        else:
+            n = max(n, 6)
+            shape = f"around-{name.split()[0]}-{n}"
+            build, longest = (lambda vocab, g, n=n: around_length(n, vocab, g)), n + 4
+        if limit is not None and longest > limit:
+            skipped[name] = f"its tree needs {longest} positions, more than the model's {limit}"
+            continue
+        cases.append((shape, build, f"{name}={n}"))
+    return cases, skipped
 
 
 def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float = 0.8,
-                 force: bool = False) -> list[ShapeResult]:
-    """Naive vs replay on every shape (and `random_trees` random trees) for `model`; one result per tree.
+                 force: bool = False) -> tuple[list[ShapeResult], dict[str, str]]:
+    """Naive vs replay on every shape, every length threshold and `random_trees` random trees for `model`.
 
-    float64 models get `keep_float64` (HF's RMSNorm would otherwise round to float32, on both sides alike).
+    float64 models get `keep_float64` (HF's RMSNorm would otherwise round to float32, on both sides alike); a
+    float32 or bfloat16 model is also compared with a float64 copy of itself (the module docstring's bound).
     `force` runs a family that is not in the registry (the engine then guesses it: `state.generic_family`).
+    Returns (one result per tree, {threshold name: why it has no tree} for thresholds past the model's positions).
     Raises: UnsupportedModelError for a family the engine does not know (unless `force`)."""
     dtype = next(model.parameters()).dtype
     if dtype == torch.float64:
         keep_float64(model)
+        reference64 = None
+    else:
+        reference64 = keep_float64_copy(model)
     family = FAMILIES.get(model.config.model_type)
     float32_kernels = family is not None and family.float32_kernels  # SSM scans etc. in float32 (Family)
-    tolerance = GRAD_TOLERANCE.get(torch.float32 if float32_kernels and dtype == torch.float64 else dtype, 1e-2)
+    tolerance = FLOAT32_KERNELS_TOLERANCE if float32_kernels else FLOAT64_TOLERANCE
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
-    cases = [(name, build) for name, build in SHAPES.items() if name != "random"]
-    window = min((w for w in layer_windows(model.config) if w is not None), default=None)
-    if window is not None:
-        cases.append(("around-window", lambda vocab, g: around_window(window, vocab, g)))
-    cases += [(f"random-{i}", SHAPES["random"]) for i in range(random_trees)]
+    cases = [(name, build, None) for name, build in SHAPES.items() if name != "random"]
+    threshold_cases, skipped = _threshold_cases(model, EngineConfig(**ENGINE))
+    cases += threshold_cases
+    cases += [(f"random-{i}", SHAPES["random"], None) for i in range(random_trees)]
     results = []
-    for name, build in cases:
+    for name, build, threshold in cases:
         rollouts = make_rollouts(build(vocab, g), g)
         tree = RolloutTree(rollouts)
         current = replay_logprobs(model, tree, temperature=temperature, force=force).logprobs
@@ -65,28 +125,45 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
             r.ref_logprobs = (lp.double() - noise) * r.loss_mask
+        naive, g_naive = _naive(model, rollouts, loss, temperature)
         model.zero_grad(set_to_none=True)
-        naive = naive_backward(model, rollouts, loss, temperature=temperature)
-        g_naive = [_grad(p) for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="replay" if len(results) % 2 else "keep")
+        engine = EngineConfig(**ENGINE, replay="replay" if len(results) % 2 else "keep")
         replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine, force=force)
         g_replay = [_grad(p) for p in model.parameters()]
         model.zero_grad(set_to_none=True)
-        grad_err = max_rel_grad_err(g_replay, g_naive)
-        lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
-        results.append(
-            ShapeResult(
-                name,
-                len(rollouts),
-                tree.stats.logical_tokens,
-                tree.stats.physical_tokens,
-                grad_err,
-                lp_err,
-                grad_err <= tolerance and lp_err <= max(tolerance, 1e-9) * 10,
+        result = ShapeResult(name, len(rollouts), tree.stats.logical_tokens, tree.stats.physical_tokens,
+                             max_rel_grad_err(g_replay, g_naive), _logprob_err(replay, naive), False, threshold)
+        if reference64 is None:
+            result.passed = result.max_rel_grad_err <= tolerance and result.max_abs_logprob_err <= 10 * tolerance
+        else:
+            naive64, g64 = _naive(reference64, rollouts, loss, temperature)
+            result.max_rel_grad_err_vs_f64 = max_rel_grad_err(g_replay, g64)
+            result.naive_rel_grad_err_vs_f64 = max_rel_grad_err(g_naive, g64)
+            result.passed = (
+                result.max_rel_grad_err_vs_f64 <= VS_FLOAT64_FACTOR * result.naive_rel_grad_err_vs_f64
+                and _logprob_err(replay, naive64) <= VS_FLOAT64_FACTOR * _logprob_err(naive, naive64) + 1e-5
             )
-        )
-    return results
+        results.append(result)
+    return results, skipped
+
+
+def keep_float64_copy(model):
+    """A float64 copy of `model` with `keep_float64` (the truth that float32 / bfloat16 errors are measured from)."""
+    reference = copy.deepcopy(model).double()
+    keep_float64(reference)
+    return reference
+
+
+def _naive(model, rollouts, loss, temperature):
+    model.zero_grad(set_to_none=True)
+    result = naive_backward(model, rollouts, loss, temperature=temperature)
+    grads = [_grad(p) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return result, grads
+
+
+def _logprob_err(a, b) -> float:
+    return max((x - y).abs().max().item() for x, y in zip(a.logprobs, b.logprobs))
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:
