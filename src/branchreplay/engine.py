@@ -130,8 +130,12 @@ def replay_backward(
         engine: packing, chunking and replay options (`EngineConfig`).
         force: run a family that is not in the registry, as `state.generic_family` guesses it (for `branchreplay
             verify --force`, which compares the result with the naive reference; never for training).
+    A tree whose rollouts fall in different regimes of a length-dependent rotary encoding (longrope, dynamic NTK:
+    `branchreplay.positions`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
+
     Raises:
         UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported.
+        HeadMismatchError: the model's ForCausalLM transforms its logits in a way the engine's head does not know.
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
