@@ -6,14 +6,13 @@ against one SDPA call over all keys with the full mask, and inside the engine ag
 import pytest
 import torch
 
-import branchreplay.attention as attention
+import branchreplay.engine.attention as attention
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward
+from branchreplay.engine.families import layer_windows
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.numerics import keep_float64
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.scenarios import make_rollouts, shared_prompt
-from branchreplay.state import layer_windows
 from branchreplay.tree import RolloutTree
 
 
@@ -63,11 +62,10 @@ def test_equals_one_sdpa_call_with_the_full_mask(causal):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_engine_routes_prefix_packs_through_the_split_and_stays_exact(monkeypatch):
+def test_engine_routes_prefix_packs_through_the_split_and_stays_exact(monkeypatch, keep64):
     """A chunked prompt (causal chunks against the cache) and packs of siblings (masked own block) go through
     `_SplitAttention`; the gradients equal naive in float64 and the masked-SDPA path within float64 rounding."""
-    model = tiny_model("llama", dtype=torch.float64, seed=3)
-    keep_float64(model)
+    model = keep64(tiny_model("llama", dtype=torch.float64, seed=3))
     g = torch.Generator().manual_seed(4)
     rollouts = make_rollouts(shared_prompt(50, 5, 9, model.config.vocab_size, g), g)
     loss = GRPOLoss()
@@ -105,19 +103,45 @@ def test_split_only_where_every_query_sees_every_prefix_key(arch, applies):
     assert not attention.PrefixSplit(model.to(torch.bfloat16), windows, kinds).applies
 
 
-def test_installed_once_and_loud_when_a_marked_call_is_lost():
-    """The wrapper is installed once (engines in threads or nested share it) and passes unmarked calls through; keys
-    that carry prefix pieces with an unmarked mask raise instead of silently attending to the pack alone."""
-    from transformers.modeling_utils import AttentionInterface
+def test_split_is_scoped_to_the_model_and_loud_when_a_marked_call_is_lost():
+    """Split attention is registered under its own name and the model runs it only inside `PrefixSplit` (nested
+    uses restore in order); transformers' "sdpa" is never touched, so after the engine a plain forward of this
+    model and of a second one runs transformers' own SDPA path. The split function passes unmarked calls through;
+    keys that carry prefix pieces with an unmarked mask raise instead of silently attending to the pack alone."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from branchreplay.state.cache import PREFIX_ATTR
+    from branchreplay.engine.cache import PREFIX_ATTR
 
-    model = tiny_model("llama", dtype=torch.float32)
+    model, other = tiny_model("llama", dtype=torch.float32), tiny_model("llama", dtype=torch.float32, seed=1)
     kinds = ["attention"] * model.config.num_hidden_layers
-    attention.PrefixSplit(model, layer_windows(model.config), kinds)
-    wrapper = AttentionInterface._global_mapping["sdpa"]
-    attention.PrefixSplit(model, layer_windows(model.config), kinds)
-    assert AttentionInterface._global_mapping["sdpa"] is wrapper and wrapper.branchreplay_split
+    split = attention.PrefixSplit(model, layer_windows(model.config), kinds)
+    ids = torch.tensor([[3, 1, 4, 1, 5]])
+    before = model(ids).logits
+    with split:
+        assert model.config._attn_implementation == attention.SPLIT_ATTENTION
+        with attention.PrefixSplit(model, layer_windows(model.config), kinds):
+            pass
+        assert model.config._attn_implementation == attention.SPLIT_ATTENTION
+        assert other.config._attn_implementation == "sdpa"
+        torch.testing.assert_close(model(ids).logits, before, rtol=0, atol=0)  # unmarked: transformers' SDPA
+    g = torch.Generator().manual_seed(0)
+    replay_backward(model, RolloutTree(make_rollouts(shared_prompt(20, 3, 4, 256, g), g)), GRPOLoss())
+    assert model.config._attn_implementation == other.config._attn_implementation == "sdpa"
+    assert AttentionInterface()["sdpa"] is sdpa_attention_forward
+    calls = []
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return sdpa_attention_forward(*args, **kwargs)
+
+    AttentionInterface.register("sdpa", spy)
+    try:
+        model(ids), other(ids)
+    finally:
+        AttentionInterface.register("sdpa", sdpa_attention_forward)
+    assert len(calls) == 2 * model.config.num_hidden_layers  # both models took transformers' own path
+    wrapper = AttentionInterface()[attention.SPLIT_ATTENTION]
     q, k, v, _ = _inputs(4, 6, torch.float32)
     module = model.model.layers[0].self_attn
     out, _ = wrapper(module, q, k, v, None, scaling=0.3)  # unmarked: plain SDPA

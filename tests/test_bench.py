@@ -5,15 +5,22 @@ import json
 import pytest
 import torch
 
-from branchreplay import flops as F
-from branchreplay.baselines import (padded_backward, padded_shape, prefix_grouper_version, prompt_groups,
-                                    prompt_sharing_backward)
-from branchreplay.bench import METHODS, BenchOptions, Bench, Scenario, plot, run_bench, scenario_grid
+from branchreplay.bench import flops as F
+from branchreplay.bench.baselines import (
+    padded_backward,
+    padded_shape,
+    prefix_grouper_version,
+    prompt_groups,
+    prompt_sharing_backward,
+)
+from branchreplay.bench.output import plot
+from branchreplay.bench.runner import METHODS, Bench, BenchOptions, run_bench
+from branchreplay.bench.scenarios import Scenario, agent_trajectories, scenario_grid, tree_sampled
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.cli import main
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.scenarios import SHAPES, agent_trajectories, make_rollouts, shared_prompt, tree_sampled
 from branchreplay.tree import Rollout, RolloutTree
 
 SHAPES_UNDER_TEST = {
@@ -196,7 +203,7 @@ def test_bench_methods_subset_still_runs_naive():
 
 
 def test_prompt_sharing_falls_back_to_the_equivalent_without_the_package(monkeypatch):
-    import branchreplay.bench as bench
+    import branchreplay.bench.runner as bench
 
     monkeypatch.setattr(bench, "prefix_grouper_version", lambda: None)
     b = Bench(BenchOptions(methods=("prompt-sharing",)))

@@ -15,7 +15,7 @@ def test_verify_json_passes_for_each_tiny_arch(arch, capsys):
 
 def test_verify_fails_with_exit_1_when_the_engine_is_wrong(monkeypatch, capsys):
     """Break the engine (drop the first-token transition of every child) and check verify notices."""
-    import branchreplay.engine as engine
+    import branchreplay.engine.stack as engine
 
     original = engine._Run.node_loss
 
@@ -36,11 +36,14 @@ def test_bench_json_keys(capsys):
     assert main(["bench", "--scenario", "shared-prompt", "--prompt-tokens", "64", "--generations", "2",
                  "--response-tokens", "8", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    for key in ("logical_tokens", "physical_tokens", "token_ratio", "naive_s", "replay_s", "speedup",
-                "naive_peak_bytes", "replay_peak_bytes", "max_rel_grad_err"):
-        assert key in out
-    assert out["logical_tokens"] == 2 * 72 and out["physical_tokens"] == 64 + 16
-    assert out["max_rel_grad_err"] <= 1e-4
+    rows = {r["method"]: r for r in out["rows"]}
+    replay, naive = rows["branchreplay"], rows["naive"]
+    for key in ("logical_tokens", "physical_tokens", "token_ratio", "seconds", "speedup", "peak_bytes",
+                "max_rel_grad_err"):
+        assert key in replay
+    assert naive["seconds"] > 0 and naive["peak_bytes"] is not None
+    assert replay["logical_tokens"] == 2 * 72 and replay["physical_tokens"] == 64 + 16
+    assert replay["max_rel_grad_err"] <= 1e-4
 
 
 def test_bench_from_json_merges_runs_into_one_table_and_plot(tmp_path, capsys):
@@ -102,7 +105,7 @@ def test_verify_fails_on_a_longrope_model_when_regimes_are_not_held(monkeypatch,
     """Without the regime holding (the main branch before the fix), verify's threshold tree fails: it can fail."""
     import contextlib
 
-    import branchreplay.engine as engine
+    import branchreplay.engine.stack as engine
 
     _longrope_llama(monkeypatch)
     monkeypatch.setattr(engine, "held_at_length", lambda *a, **k: contextlib.nullcontext())

@@ -3,8 +3,7 @@
 import pytest
 import yaml
 
-from branchreplay.config import Config, apply_overrides, help_text
-from branchreplay.trainer import parse_train_args
+from branchreplay.rl.config import Config, apply_overrides, help_text, parse_args
 
 
 def _yaml(tmp_path, data) -> str:
@@ -68,13 +67,13 @@ def test_saved_config_round_trips(tmp_path):
 
 def test_parse_train_args_and_resume(tmp_path):
     path = _yaml(tmp_path, {"train": {"steps": 9, "output_dir": str(tmp_path / "r")}})
-    config, resume = parse_train_args(["--config", path, "--grpo.beta", "0.01"])
-    assert resume is None and config.train.steps == 9 and config.grpo.beta == 0.01
+    config, options = parse_args(["--config", path, "--grpo.beta", "0.01"])
+    assert options["--resume"] is None and config.train.steps == 9 and config.grpo.beta == 0.01
     run = tmp_path / "run"
     run.mkdir()
     config.save(run / "config.yaml")
-    config, resume = parse_train_args([f"--resume={run}", "--train.steps=12"])
-    assert resume == str(run) and config.train.steps == 12 and config.grpo.beta == 0.01
+    config, options = parse_args([f"--resume={run}", "--train.steps=12"])
+    assert options["--resume"] == str(run) and config.train.steps == 12 and config.grpo.beta == 0.01
     assert config.train.output_dir == str(run)
 
 
@@ -85,3 +84,27 @@ def test_help_lists_every_field():
     task_config = next(line for line in text.splitlines() if line.startswith("--task.config "))
     assert "create_dataset(name, size=, seed=, **config)" in task_config and "``" not in task_config
     assert "another dataset." in task_config  # the docstring entry's continuation lines are kept
+
+
+def test_engine_section_typed_choices_and_every_field_helped():
+    """EngineConfig is the run config's `engine` section (train defaults to the self-check of unknown families; a
+    library call refuses them); closed choices are Literals; every field's help is its metadata."""
+    import dataclasses
+
+    from branchreplay.engine import EngineConfig
+    from branchreplay.rl.config import SECTIONS
+
+    config = Config.from_dict(apply_overrides({}, ["--engine.replay", "keep", "--engine.max_pack_tokens=32"]))
+    assert config.engine == EngineConfig(replay="keep", max_pack_tokens=32, unknown_family="self-check")
+    assert Config().engine.unknown_family == "self-check" and EngineConfig().unknown_family == "refuse"
+    with pytest.raises(ValueError, match=r"engine.replay='sometimes' is not valid; accepted values: keep, replay, "):
+        Config.from_dict({"engine": {"replay": "sometimes"}})
+    with pytest.raises(ValueError, match=r"engine.memory_budget=0 is out of range"):
+        Config.from_dict({"engine": {"memory_budget": 0}})
+    text = help_text()
+    line = next(li for li in text.splitlines() if li.startswith("--engine.replay "))
+    assert "one of 'keep', 'replay', 'auto'" in line and "default 'auto'" in line
+    assert "default 'self-check'" in next(li for li in text.splitlines() if li.startswith("--engine.unknown_family"))
+    for section, cls in SECTIONS.items():
+        for f in dataclasses.fields(cls):
+            assert f.metadata.get("help"), f"{section}.{f.name} has no help in its metadata"

@@ -12,26 +12,19 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from branchreplay.check.numerics import keep_float64
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import TINY_ARCHS, tiny_model
-from branchreplay.numerics import keep_float64
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.scenarios import SHAPES, make_rollouts, shared_prompt
 from branchreplay.tree import Rollout, RolloutTree
+from conftest import grads
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 LOGPROB_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 
-def _model(arch, dtype, **kw):
-    model = tiny_model(arch, dtype=dtype, **kw)
-    keep_float64(model)
-    return model
-
-
-def _grads(model):
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
 def compare(model, rollouts, loss, temperature=1.0, **engine_kw):
@@ -39,10 +32,10 @@ def compare(model, rollouts, loss, temperature=1.0, **engine_kw):
     engine = EngineConfig(**engine_kw)
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, loss, temperature=temperature)
-    g_naive = _grads(model)
+    g_naive = grads(model)
     model.zero_grad(set_to_none=True)
     replay = replay_backward(model, RolloutTree(rollouts), loss, temperature=temperature, engine=engine)
-    g_replay = _grads(model)
+    g_replay = grads(model)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
     norm = sum(g.abs().sum().item() for g in g_naive)
     return max_rel_grad_err(g_replay, g_naive), lp_err, abs(replay.loss - naive.loss), norm
@@ -55,9 +48,9 @@ CASES += [(arch, shape, torch.float32) for arch in TINY_ARCHS for shape in ("bra
 
 
 @pytest.mark.parametrize("arch, shape, dtype", CASES, ids=[f"{a}-{s}-{str(d)[-7:]}" for a, s, d in CASES])
-def test_replay_equals_naive(arch, shape, dtype):
+def test_replay_equals_naive(arch, shape, dtype, tiny64):
     g = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{shape}".encode()))  # not hash(): salted per process
-    model = _model(arch, dtype)
+    model = tiny64(arch, dtype)
     rollouts = make_rollouts(SHAPES[shape](model.config.vocab_size, g), g)
     grad_err, lp_err, loss_err, norm = compare(model, rollouts, GRPOLoss(entropy_coef=0.01), temperature=0.7,
                                                max_pack_tokens=24)
@@ -68,10 +61,10 @@ def test_replay_equals_naive(arch, shape, dtype):
 
 
 @pytest.mark.parametrize("arch", ["llama", "mistral"])
-def test_long_prompt_eight_branches_with_kl_and_old_logprobs(arch):
+def test_long_prompt_eight_branches_with_kl_and_old_logprobs(arch, tiny64):
     """Long shared prompt + 8 branches, PPO ratio against old logprobs, k3 KL against reference logprobs."""
     g = torch.Generator().manual_seed(1)
-    model = _model(arch, torch.float64)
+    model = tiny64(arch, torch.float64)
     rollouts = make_rollouts(shared_prompt(96, 8, 12, model.config.vocab_size, g), g, old_logprobs=True)
     for r in rollouts:
         r.ref_logprobs = r.old_logprobs - 0.1
@@ -81,10 +74,10 @@ def test_long_prompt_eight_branches_with_kl_and_old_logprobs(arch):
     assert grad_err <= 1e-6 and lp_err <= 1e-9, (grad_err, lp_err)
 
 
-def test_clipping_is_active_and_still_exact():
+def test_clipping_is_active_and_still_exact(tiny64):
     """Old logprobs = current ones + noise, so that some ratios fall outside the clip range and some inside."""
     g = torch.Generator().manual_seed(2)
-    model = _model("qwen2", torch.float64)
+    model = tiny64("qwen2", torch.float64)
     rollouts = make_rollouts(SHAPES["branches-of-branches"](model.config.vocab_size, g), g)
     current = replay_logprobs(model, RolloutTree(rollouts)).logprobs
     for r, lp in zip(rollouts, current):
@@ -99,9 +92,9 @@ def test_clipping_is_active_and_still_exact():
 
 @pytest.mark.parametrize("replay", ["keep", "replay"])
 @pytest.mark.parametrize("max_pack_tokens, chunk_tokens", [(1, 4096), (7, 3), (10_000, 5), (10_000, 4096)])
-def test_packing_chunking_and_replay_do_not_change_gradients(max_pack_tokens, chunk_tokens, replay):
+def test_packing_chunking_and_replay_do_not_change_gradients(max_pack_tokens, chunk_tokens, replay, tiny64):
     g = torch.Generator().manual_seed(3)
-    model = _model("llama", torch.float64)
+    model = tiny64("llama", torch.float64)
     rollouts = make_rollouts(SHAPES["multi-turn"](model.config.vocab_size, g), g)
     grad_err, lp_err, _, _ = compare(model, rollouts, GRPOLoss(), max_pack_tokens=max_pack_tokens,
                                      chunk_tokens=chunk_tokens, head_chunk_tokens=5, replay=replay)
@@ -109,40 +102,40 @@ def test_packing_chunking_and_replay_do_not_change_gradients(max_pack_tokens, ch
 
 
 @pytest.mark.parametrize("arch", ["mistral", "gpt2"])
-def test_chunks_across_a_sliding_window_with_replay(arch):
+def test_chunks_across_a_sliding_window_with_replay(arch, tiny64):
     """Chunks shorter than, equal to and longer than Mistral's window (16), replayed."""
     g = torch.Generator().manual_seed(8)
-    model = _model(arch, torch.float64)
+    model = tiny64(arch, torch.float64)
     rollouts = make_rollouts(shared_prompt(50, 4, 20, model.config.vocab_size, g), g)
     for chunk in (5, 16, 23):
         grad_err, lp_err, _, _ = compare(model, rollouts, GRPOLoss(), chunk_tokens=chunk, replay="replay")
         assert grad_err <= 1e-6 and lp_err <= 1e-9, (chunk, grad_err, lp_err)
 
 
-def test_eager_attention_uses_an_additive_mask():
+def test_eager_attention_uses_an_additive_mask(tiny64):
     """Eager attention adds the mask (a boolean tree mask would be off by O(1)). HF's eager softmax runs in float32
     even in a float64 model, so the bound here is float32's."""
     g = torch.Generator().manual_seed(4)
-    model = _model("mistral", torch.float64, attn_implementation="eager")
+    model = tiny64("mistral", torch.float64, attn_implementation="eager")
     rollouts = make_rollouts(SHAPES["branches-of-branches"](model.config.vocab_size, g), g)
     grad_err, lp_err, _, _ = compare(model, rollouts, GRPOLoss())
     assert grad_err <= 1e-5 and lp_err <= 1e-5
 
 
-def test_first_token_of_a_child_is_in_the_loss():
+def test_first_token_of_a_child_is_in_the_loss(tiny64):
     """A tree whose only trainable positions are the first tokens of the branches: their loss comes entirely
     from the parent's last hidden state. Dropping that transition would give zero gradient."""
     g = torch.Generator().manual_seed(5)
-    model = _model("llama", torch.float64)
+    model = tiny64("llama", torch.float64)
     prompt = torch.randint(0, 256, (12,), generator=g).tolist()
     rollouts = [Rollout(prompt + [b, 7, 8], [0] * 12 + [1, 0, 0], advantages=1.0 - b / 100) for b in (10, 20, 30)]
     grad_err, lp_err, _, norm = compare(model, rollouts, GRPOLoss())
     assert norm > 0 and grad_err <= 1e-6 and lp_err <= 1e-9
 
 
-def test_replay_logprobs_equals_naive_and_builds_no_graph():
+def test_replay_logprobs_equals_naive_and_builds_no_graph(tiny64):
     g = torch.Generator().manual_seed(6)
-    model = _model("gpt2", torch.float64)
+    model = tiny64("gpt2", torch.float64)
     rollouts = make_rollouts(SHAPES["forest"](model.config.vocab_size, g), g)
     with torch.enable_grad():
         out = replay_logprobs(model, [RolloutTree(rollouts[:3]), RolloutTree(rollouts[3:])], temperature=0.5)
@@ -154,16 +147,16 @@ def test_replay_logprobs_equals_naive_and_builds_no_graph():
     assert out.stats.rollouts == len(rollouts)
 
 
-def test_gradients_accumulate_like_backward():
+def test_gradients_accumulate_like_backward(tiny64):
     """Two calls add up, as two loss.backward() calls do."""
     g = torch.Generator().manual_seed(7)
-    model = _model("llama", torch.float64)
+    model = tiny64("llama", torch.float64)
     rollouts = make_rollouts(SHAPES["edge-cases"](model.config.vocab_size, g), g)
     model.zero_grad(set_to_none=True)
     replay_backward(model, RolloutTree(rollouts), GRPOLoss())
-    once = _grads(model)
+    once = grads(model)
     replay_backward(model, RolloutTree(rollouts), GRPOLoss())
-    twice = _grads(model)
+    twice = grads(model)
     assert max_rel_grad_err(twice, [2 * x for x in once]) <= 1e-12
 
 
@@ -171,9 +164,10 @@ def test_gradients_accumulate_like_backward():
 @given(seed=st.integers(0, 2**31 - 1), pack=st.integers(1, 40), arch=st.sampled_from(["llama", "gpt2", "mistral"]))
 def test_random_trees(seed, pack, arch):
     g = torch.Generator().manual_seed(seed)
-    model = _model(arch, torch.float64)
+    model = tiny_model(arch, dtype=torch.float64)
     rollouts = make_rollouts(SHAPES["random"](model.config.vocab_size, g), g)
-    grad_err, lp_err, loss_err, _ = compare(model, rollouts, GRPOLoss(entropy_coef=0.1), max_pack_tokens=pack)
+    with keep_float64(model):  # a context, not a fixture: hypothesis runs the body once per example
+        grad_err, lp_err, loss_err, _ = compare(model, rollouts, GRPOLoss(entropy_coef=0.1), max_pack_tokens=pack)
     assert grad_err <= 1e-6 and lp_err <= 1e-9 and loss_err <= 1e-9
 
 
@@ -184,14 +178,14 @@ def _tree(ids, **kw):
     return RolloutTree([Rollout(ids, [0] + [1] * (len(ids) - 1), **kw)])
 
 
-def test_token_id_outside_vocabulary():
-    model = _model("llama", torch.float32)
+def test_token_id_outside_vocabulary(tiny64):
+    model = tiny64("llama", torch.float32)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         replay_backward(model, _tree([1, 2, 999]), GRPOLoss())
 
 
-def test_rollout_longer_than_max_positions():
-    model = _model("gpt2", torch.float32, max_position_embeddings=16)
+def test_rollout_longer_than_max_positions(tiny64):
+    model = tiny64("gpt2", torch.float32, max_position_embeddings=16)
     with pytest.raises(ValueError, match="max_position_embeddings"):
         replay_backward(model, _tree(list(range(20))), GRPOLoss())
 
@@ -205,7 +199,7 @@ def test_active_dropout_is_refused():
 def test_unsupported_family_is_refused_by_name():
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
-    from branchreplay.state import UnsupportedModelError
+    from branchreplay.engine import UnsupportedModelError
 
     cfg = GPTNeoXConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
     model = GPTNeoXForCausalLM(cfg).eval()
@@ -230,8 +224,8 @@ def test_bad_rollouts(kwargs, match):
         Rollout(**kwargs)
 
 
-def test_old_logprobs_for_some_rollouts_only():
-    model = _model("llama", torch.float32)
+def test_old_logprobs_for_some_rollouts_only(tiny64):
+    model = tiny64("llama", torch.float32)
     rs = [Rollout([1, 2, 3], [0, 1, 1], old_logprobs=[0, -1, -1]), Rollout([1, 2, 4], [0, 1, 1])]
     with pytest.raises(ValueError, match="old_logprobs"):
         replay_backward(model, RolloutTree(rs), GRPOLoss())

@@ -15,24 +15,25 @@ import pytest
 import torch
 from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
-from branchreplay.bench_state import kept_state_bytes
+from branchreplay.bench.state import kept_state_bytes
+from branchreplay.check.numerics import keep_float64
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import around_window, make_rollouts
 from branchreplay.cli import main
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
-from branchreplay.losses import GRPOLoss
-from branchreplay.models import TINY_ARCHS, tiny_model
-from branchreplay.numerics import keep_float64
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.scenarios import around_window, make_rollouts
-from branchreplay.state import (
+from branchreplay.engine.cache import PrefixCache
+from branchreplay.engine.families import (
     FAMILIES,
-    PrefixCache,
     UnsupportedModelError,
-    decoder_and_head,
     family_of,
     layer_windows,
     state_bytes_per_token,
 )
+from branchreplay.engine.head import decoder_and_head
+from branchreplay.losses import GRPOLoss
+from branchreplay.models import TINY_ARCHS, tiny_model
 from branchreplay.tree import Rollout, RolloutTree
+from conftest import grads
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 LOGPROB_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
@@ -40,14 +41,6 @@ NEW_ARCHS = ["gemma2", "gemma3", "qwen2-sliding", "qwen3_moe", "mixtral"]
 SLIDING_ARCHS = ["mistral", "gemma2", "gemma3", "qwen2-sliding", "mixtral"]
 
 
-def _model(arch, dtype=torch.float64, **kw):
-    model = tiny_model(arch, dtype=dtype, **kw)
-    keep_float64(model)
-    return model
-
-
-def _grads(model):
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
 def compare(model, rollouts, temperature=0.7, force=False, naive=None, **engine_kw):
@@ -58,14 +51,14 @@ def compare(model, rollouts, temperature=0.7, force=False, naive=None, **engine_
     replay = replay_backward(model, RolloutTree(rollouts), GRPOLoss(entropy_coef=0.01), temperature=temperature,
                              engine=EngineConfig(**engine_kw), force=force)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive_logprobs))
-    return max_rel_grad_err(_grads(model), g_naive), lp_err, sum(g.abs().sum().item() for g in g_naive)
+    return max_rel_grad_err(grads(model), g_naive), lp_err, sum(g.abs().sum().item() for g in g_naive)
 
 
 def run_naive(model, rollouts, temperature=0.7):
     """(per-rollout logprobs, parameter gradients) of the naive reference."""
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, GRPOLoss(entropy_coef=0.01), temperature=temperature)
-    return naive.logprobs, _grads(model)
+    return naive.logprobs, grads(model)
 
 
 def _window(model):
@@ -89,11 +82,11 @@ def test_new_families_are_registered_and_in_the_engine_matrix():
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["f64", "f32"])
 @pytest.mark.parametrize("arch", SLIDING_ARCHS)
-def test_branch_points_before_inside_and_after_the_window(arch, dtype):
+def test_branch_points_before_inside_and_after_the_window(arch, dtype, tiny64):
     """Forks at W/2 + 1, W - 1, W, W + 1, 2W + 3 and a fork inside a branch's window; packs of several siblings
     (our tree mask over the kept keys) and of one node (max_pack_tokens=1)."""
     g = torch.Generator().manual_seed(11)
-    model = _model(arch, dtype)
+    model = tiny64(arch, dtype)
     rollouts = make_rollouts(around_window(_window(model), model.config.vocab_size, g), g)
     naive = run_naive(model, rollouts)
     for pack in (64, 1):
@@ -104,10 +97,10 @@ def test_branch_points_before_inside_and_after_the_window(arch, dtype):
 
 
 @pytest.mark.parametrize("arch", ["gemma3", "qwen2-sliding"])
-def test_chunks_across_the_window_with_replay(arch):
+def test_chunks_across_the_window_with_replay(arch, tiny64):
     """Mixed sliding / full layers; chunks one short of, equal to and longer than the window."""
     g = torch.Generator().manual_seed(12)
-    model = _model(arch)
+    model = tiny64(arch)
     W = _window(model)
     rollouts = make_rollouts(around_window(W, model.config.vocab_size, g), g)
     naive = run_naive(model, rollouts)
@@ -119,11 +112,11 @@ def test_chunks_across_the_window_with_replay(arch):
 
 @pytest.mark.parametrize("arch", ["mistral", "gemma3"])
 @pytest.mark.parametrize("P", [3, 7, 8, 15, 16, 17, 40])
-def test_transformers_mask_from_our_mask_sizes(arch, P):
+def test_transformers_mask_from_our_mask_sizes(arch, P, tiny64):
     """Without our mask (attention_mask=None), transformers builds the causal / sliding masks from
     `PrefixCache.get_mask_sizes` and `get_seq_length`: a query sequence after P cached positions, whose sliding
     layers serve only the last W - 1 of them, must give the hidden states of the full uncached forward."""
-    model = _model(arch)
+    model = tiny64(arch)
     decoder, _, _ = decoder_and_head(model)
     windows = layer_windows(model.config)
     ids = torch.randint(0, 256, (1, P + 20), generator=torch.Generator().manual_seed(P))
@@ -142,10 +135,10 @@ def test_transformers_mask_from_our_mask_sizes(arch, P):
 
 
 @pytest.mark.parametrize("P", [0, 5, 15, 16, 40])
-def test_mask_sizes_match_transformers_sliding_layer(P):
+def test_mask_sizes_match_transformers_sliding_layer(P, tiny64):
     """`get_mask_sizes` and `get_seq_length` of a sliding `_PrefixLayer` equal those of transformers'
     `DynamicSlidingWindowLayer` after the same P tokens."""
-    model = _model("mistral")
+    model = tiny64("mistral")
     config = model.config
     ref = DynamicCache(config=config)
     kv = torch.zeros(1, 2, P, 16, dtype=torch.float64)
@@ -170,6 +163,9 @@ def test_sliding_state_is_bounded_by_the_window_not_the_prompt():
     ll = [kept_state_bytes(llama, P) for P in lengths]
     assert m[0] == m[1] == m[2] == state_bytes_per_token(mistral.config, torch.float32)[1] == 2 * 2 * 2 * 16 * 4 * 15
     assert ll == [state_bytes_per_token(llama.config, torch.float32)[0] * P for P in lengths]
+    from branchreplay.engine import cache, stack
+
+    assert cache._observers == [] and stack.PrefixCache is PrefixCache  # the observer is gone; nothing was swapped
 
 
 def test_state_bytes_per_token():
@@ -193,9 +189,8 @@ def _neox(tmp_path=None):
     return model
 
 
-def test_unsupported_family_refused_by_name_and_forced_run_is_exact():
-    model = _neox().double()
-    keep_float64(model)
+def test_unsupported_family_refused_by_name_and_forced_run_is_exact(keep64):
+    model = keep64(_neox().double())
     assert "gpt_neox" not in FAMILIES
     rollouts = make_rollouts(around_window(8, 64, torch.Generator().manual_seed(0)), torch.Generator().manual_seed(1))
     with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*branchreplay verify"):
@@ -239,16 +234,30 @@ def test_router_aux_loss_and_jitter_are_refused():
 
 
 def test_keep_float64_patches_gemma_norms_routers_and_eager_softmax():
+    """Inside the context the float32 casts compute in float64; on exit every module and the model file's
+    function are transformers' own again, and the logits are bit-identical to before."""
     import transformers.models.gemma2.modeling_gemma2 as gemma2
 
+    original = gemma2.eager_attention_forward
     model = tiny_model("gemma2", dtype=torch.float64)
+    ids = torch.tensor([[1, 5, 9, 3]])
+    before = model(ids).logits
     norms = [m for m in model.modules() if type(m).__name__ == "Gemma2RMSNorm"]
-    assert keep_float64(model) == len(norms) > 0
-    assert hasattr(gemma2.eager_attention_forward, "_branchreplay_original")
     x = torch.randn(3, 64, dtype=torch.float64)
-    expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norms[0].eps) * (1 + norms[0].weight)
-    assert torch.equal(norms[0](x), expected)
+    with keep_float64(model) as patched:
+        assert patched == len(norms) > 0
+        assert gemma2.eager_attention_forward is not original
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norms[0].eps) * (1 + norms[0].weight)
+        assert torch.equal(norms[0](x), expected)
+        with keep_float64(model):  # nested: the inner exit leaves the outer's patches
+            pass
+        assert torch.equal(norms[0](x), expected)
+    assert gemma2.eager_attention_forward is original
+    assert all("forward" not in vars(m) for m in model.modules())
+    assert torch.equal(model(ids).logits, before)
     moe = tiny_model("qwen3_moe", dtype=torch.float64)
     routers = [m for m in moe.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
-    assert keep_float64(moe) >= len(routers) > 0
-    assert routers[0](torch.randn(5, 64, dtype=torch.float64))[1].dtype == torch.float64
+    with keep_float64(moe) as patched:
+        assert patched >= len(routers) > 0
+        assert routers[0](torch.randn(5, 64, dtype=torch.float64))[1].dtype == torch.float64
+    assert all("forward" not in vars(m) for m in moe.modules())

@@ -26,14 +26,16 @@ import zlib
 import pytest
 import torch
 
-from branchreplay.engine import EngineConfig, replay_backward
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import SHAPES, make_rollouts, multi_turn, shared_prompt
+from branchreplay.engine import EngineConfig, recurrent, replay_backward
+from branchreplay.engine.cache import PrefixCache
+from branchreplay.engine.families import FAMILIES
+from branchreplay.engine.recurrent import EngineForwards, layer_kinds
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import RECURRENT_ARCHS, tiny_model
-from branchreplay.numerics import keep_float64
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.scenarios import SHAPES, make_rollouts, multi_turn, shared_prompt
-from branchreplay.state import FAMILIES, EngineForwards, PrefixCache, layer_kinds, recurrent
 from branchreplay.tree import RolloutTree
+from conftest import grads
 
 FLOAT32_KERNELS = [a for a in RECURRENT_ARCHS if FAMILIES[a].float32_kernels]
 # float32-level bounds. Qwen3-Next's is wider: the gradients of its decay parameters (A_log, dt_bias) sum
@@ -44,11 +46,13 @@ LOSS = GRPOLoss(entropy_coef=0.01)
 
 
 @functools.lru_cache(maxsize=None)
-def _model(arch, dtype=torch.float64, **overrides):
+def _cached(arch, dtype=torch.float64, **overrides):
     """One model per configuration for the whole module (the engine's memory model is fitted once per model)."""
-    model = tiny_model(arch, dtype=dtype, **overrides)
-    keep_float64(model)
-    return model
+    return tiny_model(arch, dtype=dtype, **overrides)
+
+
+def _model(keep64, arch, dtype=torch.float64, **overrides):
+    return keep64(_cached(arch, dtype, **overrides))
 
 
 def _bounds(arch, dtype):
@@ -58,26 +62,23 @@ def _bounds(arch, dtype):
     return F32_TOL.get(arch, 1e-4), 1e-4
 
 
-def _grads(model):
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
-
 
 def compare(model, rollouts, **engine_kw):
     """Naive and replay on the same model: (max relative grad error, max abs logprob error, grad norm)."""
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
-    g_naive = _grads(model)
+    g_naive = grads(model)
     model.zero_grad(set_to_none=True)
     engine = EngineConfig(**{"replay": "keep", **engine_kw})
     replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
-    g_replay = _grads(model)
+    g_replay = grads(model)
     model.zero_grad(set_to_none=True)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
     return max_rel_grad_err(g_replay, g_naive), lp_err, sum(g.abs().sum().item() for g in g_naive)
 
 
-def check(arch, dtype, rollouts, **engine_kw):
-    model = _model(arch, dtype)
+def check(keep64, arch, dtype, rollouts, **engine_kw):
+    model = _model(keep64, arch, dtype)
     grad_err, lp_err, norm = compare(model, rollouts, **engine_kw)
     grad_tol, lp_tol = _bounds(arch, dtype)
     assert norm > 0, "the test would pass trivially: no gradient"
@@ -95,9 +96,9 @@ SHAPE_BUILDERS = {
 
 @pytest.mark.parametrize("shape", sorted(SHAPE_BUILDERS))
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
-def test_tree_shapes(arch, shape):
+def test_tree_shapes(arch, shape, keep64):
     g = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{shape}".encode()))  # not hash(): salted per process
-    check(arch, torch.float64, make_rollouts(SHAPE_BUILDERS[shape](256, g), g))
+    check(keep64, arch, torch.float64, make_rollouts(SHAPE_BUILDERS[shape](256, g), g))
 
 
 def _pc(prompt, completion):
@@ -105,7 +106,7 @@ def _pc(prompt, completion):
 
 
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
-def test_single_token_children(arch):
+def test_single_token_children(arch, keep64):
     """Children of one token (where transformers takes its in-place single-token decode path), a chain of
     single-token nodes that have children, and a single-token node followed by a long one."""
     g = torch.Generator().manual_seed(11)
@@ -114,17 +115,17 @@ def test_single_token_children(arch):
     tail = torch.randint(0, 256, (10,), generator=g).tolist()
     sequences = [_pc(prompt, [a]), _pc(prompt, [b]), _pc(prompt, [b, c]), _pc(prompt, [b, c, d]),
                  _pc(prompt, [b, c, a]), _pc(prompt, [b, d] + tail)]
-    check(arch, torch.float64, make_rollouts(sequences, g))
+    check(keep64, arch, torch.float64, make_rollouts(sequences, g))
 
 
 @pytest.mark.parametrize("chunk_tokens, replay", [(5, "keep"), (11, "replay")])
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
-def test_chunks_and_replay_float32(arch, chunk_tokens, replay):
+def test_chunks_and_replay_float32(arch, chunk_tokens, replay, keep64):
     """Nodes split into chunks of 5 and 11 tokens (not multiples of the SSM chunk of 8 nor of the delta rule's 64,
     so scan chunks straddle node chunks), kept or replayed; float32 parameters (float32 states and logits)."""
     g = torch.Generator().manual_seed(12)
     rollouts = make_rollouts(shared_prompt(30, 3, 12, 256, g), g)
-    check(arch, torch.float32, rollouts, chunk_tokens=chunk_tokens, replay=replay)
+    check(keep64, arch, torch.float32, rollouts, chunk_tokens=chunk_tokens, replay=replay)
 
 
 def test_falcon_h1_with_mamba_rms_norm():
@@ -141,19 +142,19 @@ def test_falcon_h1_with_mamba_rms_norm():
 FLOAT32_FUNCTIONS = {  # (module, dotted name) of every function that computes in float32 whatever the model dtype
     "mamba": [("transformers.models.mamba.modeling_mamba", n) for n in
               ("mamba_selective_scan", "MambaMixer.forward", "MambaForCausalLM.forward")]
-    + [("branchreplay.state.recurrent", "selective_scan_from"), ("branchreplay.state.recurrent", "mamba_forward")],
+    + [("branchreplay.engine.recurrent", "selective_scan_from"), ("branchreplay.engine.recurrent", "mamba_forward")],
     "jamba": [("transformers.models.jamba.modeling_jamba", n) for n in
               ("mamba_selective_scan", "JambaMambaMixer.forward", "JambaTopKRouter.forward")]
-    + [("branchreplay.state.recurrent", "selective_scan_from"), ("branchreplay.state.recurrent", "mamba_forward")],
+    + [("branchreplay.engine.recurrent", "selective_scan_from"), ("branchreplay.engine.recurrent", "mamba_forward")],
     "mamba2": [("transformers.models.mamba2.modeling_mamba2", n) for n in
                ("mamba2_chunk_scan", "MambaRMSNormGated.forward", "Mamba2Mixer.forward", "Mamba2ForCausalLM.forward")]
-    + [("branchreplay.state.recurrent", "mamba2_forward")],
+    + [("branchreplay.engine.recurrent", "mamba2_forward")],
     "bamba": [("transformers.models.bamba.modeling_bamba", n) for n in
               ("mamba2_chunk_scan", "BambaRMSNormGated.forward", "BambaMixer.forward")]
-    + [("branchreplay.state.recurrent", "mamba2_forward")],
+    + [("branchreplay.engine.recurrent", "mamba2_forward")],
     "falcon_h1": [("transformers.models.falcon_h1.modeling_falcon_h1", n) for n in
                   ("mamba2_chunk_scan", "FalconH1RMSNormGated.forward", "FalconH1Mixer.forward")]
-    + [("branchreplay.state.recurrent", "mamba2_forward")],
+    + [("branchreplay.engine.recurrent", "mamba2_forward")],
     "qwen3_next": [("transformers.models.qwen3_next.modeling_qwen3_next", n) for n in
                    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "Qwen3NextRMSNorm.forward",
                     "Qwen3NextRMSNorm._norm", "Qwen3NextRMSNormGated.forward", "Qwen3NextGatedDeltaNet.forward",
@@ -189,14 +190,13 @@ def _use_float64_kernels(monkeypatch, arch):
 
 
 @pytest.mark.parametrize("arch", FLOAT32_KERNELS)
-def test_exact_with_float64_kernels(arch, monkeypatch):
+def test_exact_with_float64_kernels(arch, monkeypatch, keep64):
     """With transformers' float32-only computations made float64 (test only), the engine equals the reference to
     ~1e-14: the float32-level differences elsewhere are transformers' float32 rounding, not the engine.
     Mamba/Mamba2 also keep their residual stream in float32 (`residual_in_fp32`): turned off here."""
     _use_float64_kernels(monkeypatch, arch)
     overrides = {"residual_in_fp32": False} if arch in ("mamba", "mamba2") else {}
-    model = tiny_model(arch, dtype=torch.float64, **overrides)
-    keep_float64(model)
+    model = keep64(tiny_model(arch, dtype=torch.float64, **overrides))
     g = torch.Generator().manual_seed(14)
     sequences = SHAPES["branches-of-branches"](256, g) + [_pc(list(range(3, 27)), [9]), _pc(list(range(3, 27)), [])]
     grad_err, lp_err, norm = compare(model, make_rollouts(sequences, g), chunk_tokens=5)
@@ -216,10 +216,10 @@ def _run(model, ids, P, ancestors, forwards=True):
 
 
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
-def test_recurrent_state_is_constant_in_the_prefix_length(arch):
+def test_recurrent_state_is_constant_in_the_prefix_length(arch, keep64):
     """A recurrent layer hands its children its state after the node (conv inputs + SSM / delta-rule state), of a
     size independent of the prefix length; attention layers hand their K/V (linear in it)."""
-    model = _model(arch, torch.float32)
+    model = _model(keep64, arch, torch.float32)
     kinds = layer_kinds(model.config)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     short, long = (_run(model, ids[:, :n], 0, [])[1].node_state(0, n) for n in (3, 40))
@@ -233,10 +233,10 @@ def test_recurrent_state_is_constant_in_the_prefix_length(arch):
 
 
 @pytest.mark.parametrize("arch", ["mamba", "jamba"])
-def test_transformers_alone_restarts_the_scan(arch):
+def test_transformers_alone_restarts_the_scan(arch, keep64):
     """Why `mamba_forward` exists: transformers' own Mamba/Jamba forward, given a cached state and a multi-token
     continuation, scans from zero; with the engine's forwards the continuation equals the full sequence."""
-    model = _model(arch, torch.float64)
+    model = _model(keep64, arch, torch.float64)
     ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = getattr(model, model.base_model_prefix)(input_ids=ids, use_cache=False).last_hidden_state[0, 12:]
@@ -245,12 +245,12 @@ def test_transformers_alone_restarts_the_scan(arch):
     assert errors[0] > 1e-3 and errors[1] < 1e-6, errors
 
 
-def test_recurrent_families_run_packs_of_one():
+def test_recurrent_families_run_packs_of_one(keep64):
     """Siblings of a recurrent family never share a pack, whatever max_pack_tokens; asking a recurrent layer for
     the state inside a pack is refused."""
-    from branchreplay.engine import _Run
+    from branchreplay.engine.stack import _Run
 
-    model = _model("lfm2", torch.float64)
+    model = _model(keep64, "lfm2", torch.float64)
     g = torch.Generator().manual_seed(15)
     tree = RolloutTree(make_rollouts(shared_prompt(8, 4, 3, 256, g), g))
     run = _Run(model, 1.0, EngineConfig(max_pack_tokens=10_000), LOSS)

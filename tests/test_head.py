@@ -9,21 +9,18 @@ import pytest
 import torch
 from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
 
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import replay_backward, replay_logprobs
+from branchreplay.engine.head import HeadMismatchError, LogitTransform, decoder_and_head
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.numerics import keep_float64
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.scenarios import make_rollouts, shared_prompt
-from branchreplay.state import HeadMismatchError, LogitTransform, decoder_and_head
 from branchreplay.tree import RolloutTree
+from conftest import grads
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             intermediate_size=128, initializer_range=0.2, pad_token_id=0)
 
-
-def _grads(model):
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
 MODELS = {
@@ -34,20 +31,19 @@ MODELS = {
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
-def test_logit_scaling_of_unregistered_families_is_applied(name):
+def test_logit_scaling_of_unregistered_families_is_applied(name, keep64):
     torch.manual_seed(0)
-    model = MODELS[name]().double().eval()
-    keep_float64(model)
+    model = keep64(MODELS[name]().double().eval())
     g = torch.Generator().manual_seed(1)
     rollouts = make_rollouts(shared_prompt(24, 4, 20, 256, g), g)
     loss = GRPOLoss(entropy_coef=0.01)
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, loss)
-    g_naive = _grads(model)
+    g_naive = grads(model)
     model.zero_grad(set_to_none=True)
     replay = replay_backward(model, RolloutTree(rollouts), loss, force=True)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
-    grad_err = max_rel_grad_err(_grads(model), g_naive)
+    grad_err = max_rel_grad_err(grads(model), g_naive)
     assert grad_err <= 1e-6 and lp_err <= 1e-9, (grad_err, lp_err)
     assert decoder_and_head(model)[2] != LogitTransform()
 

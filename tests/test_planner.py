@@ -3,12 +3,12 @@
 import pytest
 import torch
 
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward
+from branchreplay.engine.planner import MemoryBudgetError, measure_peak_bytes
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.planner import MemoryBudgetError, measure_peak_bytes
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.scenarios import make_rollouts, shared_prompt
 from branchreplay.tree import RolloutTree
 
 MODEL = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -66,3 +66,22 @@ def test_no_plan_fits_names_the_knobs():
 def test_engine_config_errors(kwargs, match):
     with pytest.raises(ValueError, match=match):
         EngineConfig(**kwargs)
+
+
+def test_memory_model_cache_is_weak_and_leaves_the_model_alone():
+    """The fitted memory model is kept in a weak cache keyed by the model, not on it: nothing of branchreplay is
+    left in the model's __dict__, and the entry goes with the model."""
+    import gc
+    import weakref
+
+    from branchreplay.engine import planner
+
+    model = tiny_model("llama")
+    g = torch.Generator().manual_seed(0)
+    replay_backward(model, RolloutTree(make_rollouts(shared_prompt(16, 2, 4, 256, g), g)), GRPOLoss())
+    assert model in planner._fitted
+    assert not [k for m in model.modules() for k in vars(m) if "branchreplay" in k]
+    before, ref = len(planner._fitted), weakref.ref(model)
+    del model
+    gc.collect()
+    assert ref() is None and len(planner._fitted) == before - 1

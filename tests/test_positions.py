@@ -11,15 +11,15 @@ and lengths around it in one tree (two regimes, run as two sub-forests).
 import pytest
 import torch
 
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import around_length, make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
+from branchreplay.engine.positions import length_dependent_rotaries, regimes
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.numerics import keep_float64
-from branchreplay.positions import length_dependent_rotaries, regimes
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.sampling import SamplingConfig, sample_group
-from branchreplay.scenarios import around_length, make_rollouts, shared_prompt
+from branchreplay.rl.sampling import SamplingConfig, sample_group
 from branchreplay.tree import RolloutTree
+from conftest import grads
 
 THRESHOLD = 32  # original_max_position_embeddings (longrope) / max_position_embeddings (dynamic)
 ROPE = {
@@ -37,26 +37,21 @@ TREES = {
 }
 
 
-def _model(arch, rope, dtype=torch.float64):
-    model = tiny_model(arch, dtype=dtype, **ROPE[rope])
-    keep_float64(model)
-    return model
+def _model(tiny64, arch, rope, dtype=torch.float64):
+    return tiny64(arch, dtype, **ROPE[rope])
 
-
-def _grads(model):
-    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
 def _compare(model, rollouts, **engine_kw):
     loss = GRPOLoss(beta=0.0, entropy_coef=0.01)
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, loss)
-    g_naive = _grads(model)
+    g_naive = grads(model)
     model.zero_grad(set_to_none=True)
     engine = EngineConfig(**{"chunk_tokens": 16, **engine_kw})
     replay = replay_backward(model, RolloutTree(rollouts), loss, engine=engine)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
-    return max_rel_grad_err(_grads(model), g_naive), lp_err, replay
+    return max_rel_grad_err(grads(model), g_naive), lp_err, replay
 
 
 CASES = [(arch, rope, tree) for arch, rope in (("llama", "longrope"), ("phi3", "longrope"), ("llama", "dynamic"))
@@ -64,9 +59,9 @@ CASES = [(arch, rope, tree) for arch, rope in (("llama", "longrope"), ("phi3", "
 
 
 @pytest.mark.parametrize("arch, rope, tree", CASES, ids=[f"{a}-{r}-{t}" for a, r, t in CASES])
-def test_length_dependent_rope_equals_naive(arch, rope, tree):
+def test_length_dependent_rope_equals_naive(arch, rope, tree, tiny64):
     g = torch.Generator().manual_seed(len(arch) * 100 + len(tree))
-    model = _model(arch, rope)
+    model = _model(tiny64, arch, rope)
     rollouts = make_rollouts(TREES[tree](g), g)
     grad_err, lp_err, replay = _compare(model, rollouts)
     assert grad_err <= 1e-6 and lp_err <= 1e-9, (grad_err, lp_err)
@@ -79,11 +74,11 @@ def test_length_dependent_rope_equals_naive(arch, rope, tree):
         assert len(groups) == 1
 
 
-def test_dynamic_rope_is_exact_after_the_model_ran_a_longer_sequence():
+def test_dynamic_rope_is_exact_after_the_model_ran_a_longer_sequence(tiny64):
     """transformers' dynamic NTK keeps the frequencies of the longest call seen; the engine and the reference both
     start each rollout from the state after loading, so earlier calls change nothing."""
     g = torch.Generator().manual_seed(3)
-    model = _model("llama", "dynamic")
+    model = _model(tiny64, "llama", "dynamic")
     with torch.no_grad():
         model(input_ids=torch.randint(0, 256, (1, 100), generator=g))  # grows the cached frequencies to 100
     grad_err, lp_err, _ = _compare(model, make_rollouts(TREES["above"](g), g))
@@ -91,11 +86,11 @@ def test_dynamic_rope_is_exact_after_the_model_ran_a_longer_sequence():
 
 
 @pytest.mark.parametrize("rope", sorted(ROPE))
-def test_rotary_module_is_restored_after_the_engine(rope):
+def test_rotary_module_is_restored_after_the_engine(rope, tiny64):
     """After the engine, a plain forward is transformers' own: no instance forward left on the rotary module, and
     the same logits as before the engine ran (also for dynamic NTK, whose state the engine changes while it runs)."""
     g = torch.Generator().manual_seed(4)
-    model = _model("llama", rope)
+    model = _model(tiny64, "llama", rope)
     ids = torch.randint(0, 256, (1, 44), generator=g)
     with torch.no_grad():
         before = model(input_ids=ids).logits
@@ -106,20 +101,20 @@ def test_rotary_module_is_restored_after_the_engine(rope):
         torch.testing.assert_close(model(input_ids=ids).logits, before, rtol=0, atol=0)
 
 
-def test_a_position_limit_in_the_config_is_not_a_length_limit_for_dynamic_rope():
+def test_a_position_limit_in_the_config_is_not_a_length_limit_for_dynamic_rope(tiny64):
     """Dynamic NTK extrapolates past max_position_embeddings by design: such rollouts are accepted; longrope's
     max_position_embeddings stays a limit, refused by name."""
     g = torch.Generator().manual_seed(5)
     long = make_rollouts(shared_prompt(100, 2, 40, 256, g), g)  # 140 tokens > 128 and > 32
-    replay_logprobs(_model("llama", "dynamic"), RolloutTree(long))
+    replay_logprobs(_model(tiny64, "llama", "dynamic"), RolloutTree(long))
     with pytest.raises(ValueError, match="max_position_embeddings"):
-        replay_logprobs(_model("llama", "longrope"), RolloutTree(long))
+        replay_logprobs(_model(tiny64, "llama", "longrope"), RolloutTree(long))
 
 
 # -- models with learned positions (GPT-2): the planner's memory probe stays within the table --------------------
 
 @pytest.mark.parametrize("replay", ["auto", "keep"])
-def test_gpt2_with_a_short_position_table_runs_valid_trees(replay):
+def test_gpt2_with_a_short_position_table_runs_valid_trees(replay, tiny64):
     """n_positions=64: one 20-token rollout failed with IndexError in the memory probe (it ran 7 x 16 positions)."""
     g = torch.Generator().manual_seed(6)
     model = tiny_model("gpt2", dtype=torch.float64, max_position_embeddings=64)
@@ -127,7 +122,7 @@ def test_gpt2_with_a_short_position_table_runs_valid_trees(replay):
     assert grad_err <= 1e-6 and lp_err <= 1e-9, (grad_err, lp_err)
 
 
-def test_gpt2_at_its_real_size_runs_8_rollouts_of_600_tokens():
+def test_gpt2_at_its_real_size_runs_8_rollouts_of_600_tokens(tiny64):
     """n_positions=1024: 8 distinct rollouts of 600 tokens (4800 unique positions) made the probe run 7 x 256."""
     g = torch.Generator().manual_seed(7)
     model = tiny_model("gpt2", dtype=torch.float32, max_position_embeddings=1024)
@@ -138,7 +133,7 @@ def test_gpt2_at_its_real_size_runs_8_rollouts_of_600_tokens():
 
 
 @pytest.mark.parametrize("arch", ["gpt2", "llama"])
-def test_sampling_past_the_position_limit_is_refused_before_any_work(arch):
+def test_sampling_past_the_position_limit_is_refused_before_any_work(arch, tiny64):
     model = tiny_model(arch, max_position_embeddings=64)
     with pytest.raises(ValueError, match=r"max_new_tokens.*max_position_embeddings \(64\).*at most 4"):
         sample_group(model, list(range(1, 61)), 2, SamplingConfig(max_new_tokens=8), eos_token_ids=[2])

@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from branchreplay.sampling import SamplingConfig, _filter_logits, sample_group
+from branchreplay.rl.sampling import SamplingConfig, _filter_logits, sample_group
 
 V = 256
 PROMPT = [5, 17, 42, 99, 3, 250, 7]

@@ -3,14 +3,14 @@
 import pytest
 import torch
 
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.check.verify import float64_copy
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss, token_weights
 from branchreplay.models import chat_prompt_ids, load_model
-from branchreplay.reference import max_rel_grad_err, naive_backward
-from branchreplay.sampling import SamplingConfig, sample_group
-from branchreplay.scenarios import make_rollouts, shared_prompt
+from branchreplay.rl.sampling import SamplingConfig, sample_group
 from branchreplay.tree import Rollout, RolloutTree
-from branchreplay.verify import keep_float64_copy
 
 pytestmark = pytest.mark.smollm2
 
@@ -60,9 +60,9 @@ def test_smollm2_float32_chat_prompt_sampled_completions_against_float64():
 
     naive, g_naive = grads(model, lambda m: naive_backward(m, rollouts, loss))
     replay, g_replay = grads(model, lambda m: replay_backward(m, RolloutTree(rollouts), loss))
-    reference = keep_float64_copy(model)
-    del model
-    _, g64 = grads(reference, lambda m: naive_backward(m, rollouts, loss))
+    with float64_copy(model) as reference:
+        del model
+        _, g64 = grads(reference, lambda m: naive_backward(m, rollouts, loss))
     engine_err, naive_err = max_rel_grad_err(g_replay, g64), max_rel_grad_err(g_naive, g64)
     assert engine_err <= 1.5 * naive_err, f"engine {engine_err:.3e} vs float64, naive float32 {naive_err:.3e}"
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from branchreplay.rewards import (
+from branchreplay.rl.rewards import (
     RewardFunctionError,
     compute_rewards,
     load_reward_function,
@@ -15,7 +15,7 @@ from branchreplay.rewards import (
     math_verify_reward,
     reasoning_gym_reward,
 )
-from branchreplay.tasks import (
+from branchreplay.rl.tasks import (
     DEFAULT_TASK,
     DEFAULT_TASK_CONFIG,
     FEW_SHOT,

@@ -11,16 +11,16 @@ import signal
 import pytest
 import torch
 
-from branchreplay.advantages import group_advantages
-from branchreplay.checkpoint import latest_checkpoint, save_checkpoint
-from branchreplay.config import Config
-from branchreplay.engine import replay_logprobs
+from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.engine import UnsupportedModelError, replay_logprobs
 from branchreplay.losses import LOSS_TYPES, GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.numerics import keep_float64
-from branchreplay.reference import max_rel_grad_err
-from branchreplay.trainer import Trainer, TrainingInterrupted, accumulate, prompt_indices
+from branchreplay.rl.advantages import group_advantages
+from branchreplay.rl.checkpoint import latest_checkpoint, save_checkpoint
+from branchreplay.rl.config import Config
+from branchreplay.rl.trainer import Trainer, TrainingInterrupted, accumulate, prompt_indices
 from branchreplay.tree import RolloutTree
+from conftest import grads
 
 EOS = 2
 
@@ -62,9 +62,8 @@ def make_config(tmp_path, **sections) -> Config:
     return Config.from_dict(data)
 
 
-def make_trainer(config, dtype=torch.float32, reward_fn=byte_reward):
-    model = tiny_model("llama", dtype=dtype, seed=0)
-    keep_float64(model)
+def make_trainer(config, dtype=torch.float32, reward_fn=byte_reward, model=None):
+    model = tiny_model("llama", dtype=dtype, seed=0) if model is None else model
     return Trainer(config, model=model, tokenizer=ByteTokenizer(), train_data=DATA, eval_data=DATA[:4],
                    reward_fn=reward_fn)
 
@@ -77,9 +76,6 @@ def one_thread():
     yield
     torch.set_num_threads(threads)
 
-
-def _grads(model):
-    return [p.grad.clone() for p in model.parameters()]
 
 
 # -- advantages ---------------------------------------------------------------------------------------------------
@@ -118,20 +114,21 @@ def test_prompt_order_is_a_pure_function_covering_each_epoch():
 
 # -- one step -------------------------------------------------------------------------------------------------------
 
-def test_gradient_does_not_depend_on_micro_batching(tmp_path):
+def test_gradient_does_not_depend_on_micro_batching(tmp_path, keep64):
     config = make_config(tmp_path, grpo={"prompts_per_step": 3, "loss_type": "grpo"})
     trainer = make_trainer(config, dtype=torch.float64)
+    keep64(trainer.model)
     batch = trainer.generate(1)
     trees = [RolloutTree(group) for group in batch.rollouts]
     assert batch.advantages.abs().sum() > 0
     total = sum(float(r.weights.sum()) for group in batch.rollouts for r in group)
     assert abs(total - 1.0) < 1e-12, "grpo weights must be normalised over the whole step"
-    grads = []
+    runs = []
     for micro in (1, 0):
         trainer.model.zero_grad(set_to_none=True)
         accumulate(trainer.model, trees, GRPOLoss(), micro, temperature=0.7)
-        grads.append(_grads(trainer.model))
-    err = max_rel_grad_err(grads[0], grads[1])
+        runs.append(grads(trainer.model))
+    err = max_rel_grad_err(runs[0], runs[1])
     assert err <= 1e-6, f"micro_batch_prompts 1 vs all: max relative grad error {err:.3e}"
 
 
@@ -281,6 +278,51 @@ def test_failing_reward_skips_the_step(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert "reward" in records[0] and "reward" not in records[1] and "reward" in records[2]
     assert latest_checkpoint(run).name == "step-000003"
+
+
+def test_every_engine_call_takes_the_engine_section(tmp_path, monkeypatch):
+    """--engine.* reaches replay_backward and replay_logprobs (old logprobs with num_iterations 2, reference with
+    beta > 0)."""
+    import branchreplay.rl.trainer as trainer_module
+
+    seen = []
+    for name in ("replay_backward", "replay_logprobs"):
+        original = getattr(trainer_module, name)
+
+        def spy(*args, _original=original, _name=name, **kwargs):
+            seen.append((_name, kwargs["engine"]))
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(trainer_module, name, spy)
+    config = make_config(tmp_path, grpo={"num_iterations": 2, "beta": 0.01},
+                         engine={"replay": "replay", "max_pack_tokens": 8})
+    make_trainer(config).train_step(1)
+    assert {name for name, _ in seen} == {"replay_backward", "replay_logprobs"}
+    assert all(engine is config.engine and engine.max_pack_tokens == 8 for _, engine in seen)
+
+
+def test_unregistered_family_is_self_checked_once_per_run_folder(tmp_path, monkeypatch):
+    """GPT-NeoX is not in the registry: `train` checks it against the naive reference before the first step, logs
+    the error, trains, and keeps the verdict in the run folder, so the resumed run does not check again."""
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    import branchreplay.check.self_check as self_check
+
+    cfg = GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(cfg)
+    model.generation_config.eos_token_id = EOS
+    config = make_config(tmp_path, train={"steps": 1})
+    run = make_trainer(config, model=model).fit()
+    (verdict,) = json.loads((run / "self_check.json").read_text()).values()
+    assert verdict["passed"] and verdict["max_rel_grad_err"] <= 1e-3 and verdict["model_class"] == "GPTNeoXForCausalLM"
+    monkeypatch.setattr(self_check, "self_check", lambda m: pytest.fail("checked again despite the cached verdict"))
+    resumed = make_trainer(make_config(tmp_path, train={"steps": 2}), model=model).fit(resume=run)
+    assert resumed == run
+    refused = make_config(tmp_path / "other", train={"steps": 1}, engine={"unknown_family": "refuse"})
+    with pytest.raises(UnsupportedModelError, match="gpt_neox"):
+        make_trainer(refused, model=model).fit()
 
 
 @pytest.mark.smollm2

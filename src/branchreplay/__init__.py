@@ -4,13 +4,13 @@
     out = replay_backward(model, tree, GRPOLoss())     # each unique position computed once; grads as the naive sum
 """
 
-from .engine import ReplayResult, replay_backward, replay_logprobs
+from .check.reference import naive_backward
+from .engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
 from .losses import GRPOLoss, LossInputs, token_weights
-from .reference import naive_backward
-from .state import UnsupportedModelError
-from .tree import Node, Rollout, RolloutTree, TreeStats
+from .tree import Node, ReplayResult, Rollout, RolloutTree, TreeStats
 
 __all__ = [
+    "EngineConfig",
     "GRPOLoss",
     "LossInputs",
     "Node",

@@ -9,14 +9,14 @@ from pathlib import Path
 
 import torch
 
-from .state import FAMILIES, UnsupportedModelError, state_bytes_per_token
+from .engine.families import FAMILIES, UnsupportedModelError, state_bytes_per_token
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def _verify(args) -> int:
+    from .check.verify import verify_model
     from .models import RECURRENT_ARCHS, TINY_ARCHS, load_model, tiny_model
-    from .verify import verify_model
 
     if args.list:
         print("supported families: " + ", ".join(sorted(FAMILIES)))
@@ -110,7 +110,9 @@ def _fork_schedule(text: str) -> list[tuple[int, int]]:
 
 
 def _bench(args) -> int:
-    from .bench import SCENARIOS, BenchOptions, format_table, merge_results, plot, run_bench, scenario_grid
+    from .bench.output import format_table, merge_results, plot
+    from .bench.runner import BenchOptions, run_bench
+    from .bench.scenarios import SCENARIOS, scenario_grid
 
     try:
         if args.from_json:  # no run: the table (or merged JSON) and the plot of earlier --json outputs
@@ -135,9 +137,11 @@ def _bench(args) -> int:
 
 
 def _train(argv: list[str]) -> int:
-    from .trainer import TrainingInterrupted, parse_train_args, train
+    from .rl.config import parse_args
+    from .rl.trainer import TrainingInterrupted, train
 
-    config, resume = parse_train_args(argv)
+    config, options = parse_args(argv, ("--config", "--resume"))
+    resume = options["--resume"]
     try:
         run_dir = train(config, resume)
     except TrainingInterrupted as e:
@@ -148,24 +152,18 @@ def _train(argv: list[str]) -> int:
 
 
 def _eval(argv: list[str]) -> int:
-    from .trainer import evaluate_cli, parse_train_args
+    from .rl.config import parse_args
+    from .rl.evaluation import evaluate_cli
 
-    checkpoint = None
-    if "--checkpoint" in argv:
-        i = argv.index("--checkpoint")
-        if i + 1 >= len(argv):
-            raise ValueError("--checkpoint needs a folder")
-        checkpoint = argv[i + 1]
-        argv = argv[:i] + argv[i + 2 :]
-    config, _ = parse_train_args(argv)
-    evaluate_cli(config, checkpoint)
+    config, options = parse_args(argv, ("--config", "--checkpoint"))
+    evaluate_cli(config, options["--checkpoint"])
     return 0
 
 
 def _config_command(command, usage: str, argv: list[str]) -> int:
     """train / eval: --help prints the usage and every config field; a bad config, task, path or reward ends in one
     `error:` line and exit 2."""
-    from .config import help_text
+    from .rl.config import help_text
 
     if "-h" in argv or "--help" in argv:
         print(f"usage: {usage}\n")

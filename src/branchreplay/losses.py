@@ -13,7 +13,9 @@ are not implemented.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import typing
+from dataclasses import dataclass, field
+from typing import Callable, Literal
 
 import torch
 
@@ -43,6 +45,58 @@ class LossInputs:
     ref_logprobs: torch.Tensor | None = None
 
 
+LossFn = Callable[[LossInputs], torch.Tensor]
+"""A loss over one node: `LossInputs` -> scalar tensor, whose sum over the nodes is the loss over the rollouts."""
+
+
+def loss_inputs(rollouts, positions: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor) -> LossInputs:
+    """Gather the per-rollout data of `rollouts` (the k `tree.Rollout`s through a node, or one rollout alone) at
+    absolute `positions` [L'] into a `LossInputs`, in the dtype and on the device of `logprobs` [L']."""
+
+    def per_rollout(name):
+        if getattr(rollouts[0], name) is None:
+            return None
+        return torch.stack([getattr(r, name)[positions] for r in rollouts]).to(logprobs)
+
+    return LossInputs(
+        logprobs=logprobs,
+        entropy=entropy,
+        weights=per_rollout("weights"),
+        advantages=per_rollout("advantages"),
+        old_logprobs=per_rollout("old_logprobs"),
+        ref_logprobs=per_rollout("ref_logprobs"),
+    )
+
+
+@dataclass
+class LossStats:
+    """Sums a loss records from the tensors it computed, over every (rollout, position) pair it trained (weight > 0),
+    so that the metrics are token means of the same ratio, clip and KL values as the loss (TRL's `_compute_loss`
+    logs `clip_ratio/*` from the `coef_1` and advantages it just used). Python floats; counts in tokens.
+
+    tokens: trained (rollout, position) pairs. clipped_low: ratio < 1 - epsilon_low where A < 0. clipped_high:
+    ratio > 1 + epsilon_high where A > 0. entropy: sum of next-token entropies (nats). kl: sum of the k3 estimates
+    (None when the loss has no KL term).
+    """
+
+    tokens: float = 0.0
+    clipped_low: float = 0.0
+    clipped_high: float = 0.0
+    entropy: float = 0.0
+    kl: float | None = None
+
+    def metrics(self) -> dict[str, float]:
+        """TRL's names: entropy, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean and, with a KL
+        term, kl; each a mean over the trained tokens (0 when there were none)."""
+        n = max(self.tokens, 1.0)
+        out = {"entropy": self.entropy / n, "clip_ratio/low_mean": self.clipped_low / n,
+               "clip_ratio/high_mean": self.clipped_high / n,
+               "clip_ratio/region_mean": (self.clipped_low + self.clipped_high) / n}
+        if self.kl is not None:
+            out["kl"] = self.kl / n
+        return out
+
+
 @dataclass
 class GRPOLoss:
     """GRPO's clipped surrogate with the k3 KL penalty and an optional entropy bonus, summed with per-token weights.
@@ -59,6 +113,7 @@ class GRPOLoss:
         epsilon_low, epsilon_high: clipping range (TRL `epsilon`, `epsilon_high`; DAPO uses 0.2 / 0.28).
         beta: KL coefficient; ref_logprobs are required when beta != 0.
         entropy_coef: entropy bonus coefficient (0 = off).
+    Every call adds to `stats` (`LossStats`) what it computed; set `stats = LossStats()` to start a new count.
     Raises:
         ValueError: beta != 0 but a node has no reference logprobs.
     """
@@ -67,6 +122,7 @@ class GRPOLoss:
     epsilon_high: float = 0.2
     beta: float = 0.0
     entropy_coef: float = 0.0
+    stats: LossStats = field(default_factory=LossStats, compare=False, repr=False)
 
     def __call__(self, x: LossInputs) -> torch.Tensor:
         logp = x.logprobs
@@ -75,17 +131,41 @@ class GRPOLoss:
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
         A = x.advantages  # [k, L']
         per_token = -torch.minimum(ratio * A, clipped * A)  # [k, L']
+        kl = None
         if self.beta != 0.0:
             if x.ref_logprobs is None:
                 raise ValueError("GRPOLoss.beta is non-zero but the rollouts carry no ref_logprobs")
             delta = x.ref_logprobs - logp
-            per_token = per_token + self.beta * (torch.exp(delta) - delta - 1)
+            kl = torch.exp(delta) - delta - 1
+            per_token = per_token + self.beta * kl
         if self.entropy_coef != 0.0:
             per_token = per_token - self.entropy_coef * x.entropy
+        self._record(x, ratio, kl)
         return (x.weights * per_token).sum()
 
+    @torch.no_grad()
+    def _record(self, x: LossInputs, ratio: torch.Tensor, kl: torch.Tensor | None) -> None:
+        """Add this node's trained tokens, clipped ratios, entropy and KL to `stats` (LossStats)."""
+        trained = (x.weights > 0).to(ratio.dtype)  # [k, L']
+        ratio, A = ratio.detach().expand_as(trained), x.advantages
+        sums = torch.stack([
+            trained.sum(),
+            (((ratio < 1 - self.epsilon_low) & (A < 0)) * trained).sum(),
+            (((ratio > 1 + self.epsilon_high) & (A > 0)) * trained).sum(),
+            (x.entropy.detach() * trained).sum(),
+            (kl.detach() * trained).sum() if kl is not None else trained.new_zeros(()),
+        ]).tolist()  # one device sync per node
+        s = self.stats
+        s.tokens += sums[0]
+        s.clipped_low += sums[1]
+        s.clipped_high += sums[2]
+        s.entropy += sums[3]
+        if kl is not None:
+            s.kl = (s.kl or 0.0) + sums[4]
 
-LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")
+
+LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]
+LOSS_TYPES: tuple[str, ...] = typing.get_args(LossType)
 
 
 def token_weights(

@@ -5,6 +5,9 @@
     load_model("path/to/folder")     # save_pretrained folder (config.json)
     load_model("path/to/model.gguf") # GGUF file, dequantized
     load_model("org/name")           # hub id (needs network)
+
+`load_policy` is the run config's model section (spec, dtype, device); `head_dim` and `max_positions` are the config
+facts every part reads from here.
 """
 
 import importlib.util
@@ -32,7 +35,7 @@ from transformers import (
 TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma2", "gemma3", "qwen2-sliding",
                                "qwen3_moe", "mixtral", "phi3")
 RECURRENT_ARCHS: tuple[str, ...] = ("mamba", "mamba2", "bamba", "falcon_h1", "jamba", "lfm2", "qwen3_next")
-"""SSM / linear-attention / hybrid tiny configs (state/recurrent.py); kept apart from TINY_ARCHS, whose tests assume
+"""SSM / linear-attention / hybrid tiny configs (engine/recurrent.py); kept apart from TINY_ARCHS, whose tests assume
 attention-only models with float64-exact kernels."""
 
 _TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -268,3 +271,31 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], ad
     while ids[:1] == [bos]:
         ids = ids[1:]
     return [bos] + ids
+
+
+def load_policy(spec: str, dtype: str = "float32", device: str = "auto"):
+    """(model, tokenizer) of `spec` (as `load_model`) in `dtype` (a torch dtype's name) on `device` ("auto": cuda
+    if available, else cpu): the run config's model section. Raises ValueError without a tokenizer."""
+    model, tokenizer = load_model(spec, dtype=getattr(torch, dtype))
+    model.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    if tokenizer is None:
+        raise ValueError(f"model.spec={spec!r} comes without a tokenizer; training and evaluation "
+                         "need one (tiny:<arch> models are for tests)")
+    return model, tokenizer
+
+
+def head_dim(config) -> int:
+    """Channels per attention head: `config.head_dim` where the config sets it (Gemma, Qwen3), else hidden_size //
+    num_attention_heads (Llama, GPT-2)."""
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def max_positions(config) -> int | None:
+    """The most positions a rollout of this model may have: `max_position_embeddings` (GPT-2's `n_positions`), or
+    None when the config sets no limit or scales its rotary encoding past it (dynamic NTK extrapolates by design)."""
+    parameters = getattr(config, "rope_parameters", None) or {}
+    kinds = [parameters.get("rope_type")] if "rope_type" in parameters else [
+        p.get("rope_type") for p in parameters.values() if isinstance(p, dict)]
+    if kinds and all(k is not None and "dynamic" in k for k in kinds):
+        return None
+    return getattr(config, "max_position_embeddings", None)

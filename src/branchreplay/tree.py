@@ -141,16 +141,6 @@ class TreeStats:
     def token_ratio(self) -> float:
         return self.logical_tokens / max(self.physical_tokens, 1)
 
-    def as_dict(self) -> dict:
-        return {
-            "rollouts": self.rollouts,
-            "logical_tokens": self.logical_tokens,
-            "physical_tokens": self.physical_tokens,
-            "token_ratio": self.token_ratio,
-            "nodes": self.nodes,
-            "depth": self.depth,
-        }
-
     def __add__(self, other: TreeStats) -> TreeStats:
         return TreeStats(
             self.logical_tokens + other.logical_tokens,
@@ -158,6 +148,44 @@ class TreeStats:
             self.nodes + other.nodes,
             max(self.depth, other.depth),
             self.rollouts + other.rollouts,
+        )
+
+
+@dataclass
+class ReplayResult:
+    """Output of a forward (and backward) over rollouts: the engine's `replay_backward` / `replay_logprobs` and the
+    naive reference `check.reference.naive_backward`. One entry per rollout of each tree, in order.
+
+    logprobs: per rollout, [T] float32 detached logprobs at trainable positions (loss_mask 1), 0 elsewhere.
+    entropy: per rollout, [T] float32 detached next-token entropy (nats) at the same positions, 0 elsewhere.
+    loss: the loss summed over the trees (a Python float; 0.0 without a loss).
+    stats: tree sizes summed over the trees.
+    predicted_peak_bytes: the planner's prediction of the step's peak memory (largest over the trees; None without
+        a loss, and for the reference).
+    replayed_packs: number of packs replayed (recomputed before their backward).
+    """
+
+    logprobs: list[torch.Tensor]
+    entropy: list[torch.Tensor]
+    loss: float
+    stats: TreeStats
+    predicted_peak_bytes: float | None = None
+    replayed_packs: int = 0
+
+    @classmethod
+    def merge(cls, parts: list[ReplayResult]) -> ReplayResult:
+        """The results of consecutive calls (micro-batches, sub-forests) as one: rollouts in order, losses, sizes
+        and replayed packs summed, the largest predicted peak. Raises ValueError for an empty list."""
+        if not parts:
+            raise ValueError("ReplayResult.merge needs at least one result")
+        peaks = [p.predicted_peak_bytes for p in parts if p.predicted_peak_bytes is not None]
+        return cls(
+            logprobs=[lp for p in parts for lp in p.logprobs],
+            entropy=[e for p in parts for e in p.entropy],
+            loss=sum(p.loss for p in parts),
+            stats=sum((p.stats for p in parts[1:]), parts[0].stats),
+            predicted_peak_bytes=max(peaks) if peaks else None,
+            replayed_packs=sum(p.replayed_packs for p in parts),
         )
 
 

@@ -20,12 +20,12 @@ single masked SDPA call.
 
 from __future__ import annotations
 
-import threading
-
 import torch
-from transformers.modeling_utils import AttentionInterface
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from .state.cache import PREFIX_ATTR
+from .cache import PREFIX_ATTR
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -103,30 +103,26 @@ def split_sdpa(original):
         out = _SplitAttention.apply(query, key, value, own, scale, len(prefix_k), *prefix_k, *prefix_v)
         return out.transpose(1, 2).contiguous(), None
 
-    attention.branchreplay_split = True
     return attention
 
 
-_install_lock = threading.Lock()
-
-
-def install_split_sdpa() -> None:
-    """Wrap transformers' global "sdpa" attention function with `split_sdpa`, once per process (idempotent,
-    thread-safe). The wrapper passes every unmarked call through unchanged, so it is never removed: engines in
-    several threads, or nested, share it."""
-    with _install_lock:
-        current = AttentionInterface._global_mapping["sdpa"]
-        if not getattr(current, "branchreplay_split", False):
-            AttentionInterface._global_mapping["sdpa"] = split_sdpa(current)
+SPLIT_ATTENTION = "branchreplay_split_sdpa"
+"""The name under which split prefix attention is registered with transformers' `AttentionInterface` (and the SDPA
+mask function with `AttentionMaskInterface`, for the root packs that take transformers' causal mask)."""
 
 
 class PrefixSplit:
     """Whether `model` runs split prefix attention (`applies`; see the module docstring for the conditions).
-    kinds: per decoder layer "attention", "recurrent" or "hybrid" (`state.layer_kinds`); windows: per layer the
-    sliding window or None (`state.layer_windows`). Installs `split_sdpa` when it applies."""
+    kinds: per decoder layer "attention", "recurrent" or "hybrid" (`families.layer_kinds`); windows: per layer the
+    sliding window or None (`families.layer_windows`).
+
+    As a context manager it switches the model to `SPLIT_ATTENTION` while the engine runs, and back to its own
+    implementation on exit (`set_attn_implementation`, in `finally`): nothing of transformers is replaced, and other
+    models of the process never see it. A model where it does not apply is left untouched."""
 
     def __init__(self, model, windows: list[int | None], kinds: list[str]):
         config = model.config
+        self.model = model
         self.applies = (
             getattr(config, "_attn_implementation", None) == "sdpa"
             and model.device.type == "cpu"
@@ -135,5 +131,24 @@ class PrefixSplit:
             and all(k == "attention" for k in kinds)
             and getattr(config, "attn_logit_softcapping", None) is None
         )
+        self.previous: list[str] = []
+
+    def __enter__(self) -> PrefixSplit:
         if self.applies:
-            install_split_sdpa()
+            _register()
+            self.previous.append(self.model.config._attn_implementation)
+            self.model.set_attn_implementation(SPLIT_ATTENTION)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.applies:
+            self.model.set_attn_implementation(self.previous.pop())
+
+
+def _register() -> None:
+    """Register `SPLIT_ATTENTION` with transformers' public interfaces (the same functions each time: idempotent)."""
+    AttentionInterface.register(SPLIT_ATTENTION, _SPLIT)
+    AttentionMaskInterface.register(SPLIT_ATTENTION, sdpa_mask)
+
+
+_SPLIT = split_sdpa(sdpa_attention_forward)

@@ -1,16 +1,16 @@
 """The naive per-rollout computation that the execution stack must equal: each rollout run alone through the
 unmodified Hugging Face forward (no cache, no padding, no mask), full logits, the same loss, summed.
 
-This is the independent reference of every exactness test, of `branchreplay verify` and of the benchmark.
+This is the independent reference of every exactness test, of `branchreplay verify` and of the benchmark: it
+imports only the tree and the losses, never the engine it checks.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .engine import LossFn, ReplayResult, loss_inputs
-from .positions import reset_dynamic_rope
-from .tree import Rollout, RolloutTree
+from ..losses import LossFn, loss_inputs
+from ..tree import ReplayResult, Rollout, RolloutTree
 
 
 def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, temperature: float = 1.0) -> ReplayResult:
@@ -21,7 +21,7 @@ def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, tempe
     call it has seen, so without the reset a rollout's logprobs would depend on the ones run before it."""
     logprobs, entropy, total = [], [], 0.0
     for r in rollouts:
-        reset_dynamic_rope(model)
+        _fresh_rotary(model)
         ids = r.token_ids.to(model.device)[None]  # [1, T]
         with torch.set_grad_enabled(loss is not None and torch.is_grad_enabled()):
             logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [T-1, V]: position t predicts t + 1
@@ -36,6 +36,19 @@ def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, tempe
                     value.backward()
                 total += value.item()
     return ReplayResult(logprobs, entropy, total, RolloutTree(rollouts).stats)
+
+
+def _fresh_rotary(model) -> None:
+    """Put every rotary embedding of `model` back to its frequencies after loading: each `<prefix>inv_freq` to its
+    `<prefix>original_inv_freq`, each `<prefix>max_seq_len_cached` to `original_max_seq_len` (transformers'
+    attribute names; Gemma-style modules prefix them with a layer type). What transformers' `dynamic_rope_update`
+    does itself when a call is shorter than the original length; fixed-frequency embeddings are unchanged by it."""
+    for module in model.modules():
+        for name in [n for n in {*module._buffers, *vars(module)} if n.endswith("original_inv_freq")]:
+            prefix = name[: -len("original_inv_freq")]
+            setattr(module, f"{prefix}inv_freq", getattr(module, name).clone())
+            if hasattr(module, f"{prefix}max_seq_len_cached") and hasattr(module, "original_max_seq_len"):
+                setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
 
 
 def rows_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tensor, temperature: float):

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
+
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -94,6 +97,21 @@ def _last_positions(states: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> 
     return out[::-1]
 
 
+_observers: list[Callable[[list[NodeState]], None]] = []
+
+
+@contextlib.contextmanager
+def observe_states(callback: Callable[[list[NodeState]], None]) -> Iterator[None]:
+    """While inside, `callback(ancestors)` is called with the ancestors' `NodeState`s (root first) each time the engine
+    builds a `PrefixCache`: what a pack holds of its prefix (the benchmark of held state bytes reads it). Removed
+    on exit; the engine runs unchanged."""
+    _observers.append(callback)
+    try:
+        yield
+    finally:
+        _observers.remove(callback)
+
+
 class PrefixCache(Cache):
     """The transformers Cache the engine passes to the model: the ancestors' states in, each node's state out.
 
@@ -114,6 +132,8 @@ class PrefixCache(Cache):
                  windows: list[int | None] | None = None, prefix_length: int | None = None, split: bool = False):
         kinds = kinds or ["attention"] * num_layers
         windows = windows or [None] * num_layers
+        for observe in _observers:
+            observe(ancestors)
         super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length, split)
                                  for i, (kind, window) in enumerate(zip(kinds, windows))])
 

@@ -26,9 +26,10 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .engine import LossFn, ReplayResult, loss_inputs
-from .reference import per_position, rows_logprobs
-from .tree import Rollout
+from ..check.reference import per_position, rows_logprobs
+from ..losses import LossFn, loss_inputs
+from ..models import head_dim
+from ..tree import ReplayResult, Rollout
 
 PROMPT_SHARING_LABELS = {
     "prefix-grouper": "prompt-sharing (prefix-grouper {version}, prefix K/V repeated per suffix; SDPA adapter)",
@@ -231,8 +232,7 @@ def activation_bytes_per_token(config, dtype: torch.dtype) -> int:
     12 x hidden + 2 x kv_dim + 4 x intermediate values (norm in/out, q/k/v, rotated q/k, attention out, residuals,
     gate/up/act/product of the MLP). Matches the saved-tensor bytes measured on the bench model (97 KiB/token)."""
     H, mlp = config.hidden_size, config.intermediate_size
-    head_dim = getattr(config, "head_dim", None) or H // config.num_attention_heads
-    kv = config.num_key_value_heads * head_dim
+    kv = config.num_key_value_heads * head_dim(config)
     return (12 * H + 2 * kv + 4 * mlp) * config.num_hidden_layers * torch.finfo(dtype).bits // 8
 
 
@@ -252,8 +252,7 @@ def prompt_sharing_peak_bytes(rollouts: list[Rollout], config, dtype: torch.dtyp
     (kv_dim) and once repeated to the query heads for SDPA (d_attn) + the [G, 1, S_max, P + S_max] mask + logits)."""
     per_token = activation_bytes_per_token(config, dtype)
     width = torch.finfo(dtype).bits // 8
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    kv_dim, d_attn = config.num_key_value_heads * head_dim, config.num_attention_heads * head_dim
+    kv_dim, d_attn = config.num_key_value_heads * head_dim(config), config.num_attention_heads * head_dim(config)
     worst = 0
     for P, members in prompt_groups(rollouts):
         G, S = len(members), max(len(rollouts[i]) - P for i in members)

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from reasoning_gym.dataset import ProceduralDataset
 
-from branchreplay.tasks import extract_answer
+from .tasks import build_messages, extract_answer
 
 
 class RewardFunctionError(RuntimeError):
@@ -146,3 +146,15 @@ def compute_rewards(
         rows = torch.isnan(per_func).all(dim=1).nonzero().flatten().tolist()
         warnings.warn(f"all reward functions returned None for samples {rows}; their reward is 0.0", stacklevel=2)
     return (per_func * torch.tensor(weights, dtype=torch.float32)).nansum(dim=1)
+
+
+def score(reward_fn, tokenizer, items: list[dict], samples: list[list]) -> torch.Tensor:
+    """[B] float32 rewards of the decoded completions, group-major; every item key is passed as a column (TRL)."""
+    expanded = [(item, s) for item, group in zip(items, samples) for s in group]
+    return compute_rewards(
+        [reward_fn], None,
+        prompts=[build_messages(item["question"]) for item, _ in expanded],
+        completions=[tokenizer.decode(s.completion_ids, skip_special_tokens=True) for _, s in expanded],
+        completion_ids=[s.completion_ids for _, s in expanded],
+        columns={key: [item[key] for item, _ in expanded] for key in items[0]},
+    )

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import json
 import signal
 import threading
 import time
@@ -34,22 +35,23 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from rich.table import Table
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
+from ..check.self_check import ensure_supported
+from ..engine import EngineConfig, replay_backward, replay_logprobs
+from ..losses import GRPOLoss, LossStats, token_weights
+from ..models import chat_prompt_ids, load_policy
+from ..tree import ReplayResult, Rollout, RolloutTree
 from .advantages import group_advantages, group_std
-from .checkpoint import latest_checkpoint, load_checkpoint, load_weights, save_checkpoint
-from .config import Config, apply_overrides
-from .engine import ReplayResult, replay_backward, replay_logprobs
-from .losses import GRPOLoss, token_weights
-from .models import chat_prompt_ids, load_model
-from .report import MetricsLog, peak_memory_bytes, progress_info, step_line, summarize
-from .rewards import RewardFunctionError, compute_rewards, make_reward
-from .sampling import Sample, sample_group
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .config import Config
+from .evaluation import evaluate
+from .log import MetricsLog, peak_memory_bytes, progress_info, step_line, summarize
+from .rewards import RewardFunctionError, make_reward, score
+from .sampling import Sample, eos_token_ids, sample_group
 from .tasks import build_messages, load_task
-from .tree import Rollout, RolloutTree
 
-EVAL_BATCH = 16  # held-out prompts decoded together
+SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families (check/self_check.py)
 
 
 class TrainingInterrupted(RuntimeError):
@@ -89,7 +91,8 @@ class Trainer:
             train_data, eval_data = load_task(config.task)
         reward_fn = reward_fn or make_reward(config.task.reward, train_data)
         if model is None:
-            model, tokenizer = load_policy(config)
+            m = config.model
+            model, tokenizer = load_policy(m.spec, m.dtype, m.device)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.train_data, self.eval_data = train_data, eval_data
         self.reward_fn = reward_fn
@@ -104,6 +107,7 @@ class Trainer:
         extra = {"num_training_steps": config.train.steps * g.num_iterations} if g.lr_scheduler == "cosine" else {}
         self.scheduler = schedule[g.lr_scheduler](self.optimizer, num_warmup_steps=g.warmup_steps, **extra)
         self.step, self.num_tokens = 0, 0
+        self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
 
     # -- one step ---------------------------------------------------------------------------------------------------
@@ -134,16 +138,18 @@ class Trainer:
 
     def update(self, batch: Batch) -> dict:
         """num_iterations optimizer updates on `batch`; returns the loss metrics (averaged over the updates)."""
-        g, temperature = self.config.grpo, self.config.sampling.temperature
+        g, temperature, engine = self.config.grpo, self.config.sampling.temperature, self.config.engine
         trees = [RolloutTree(group) for group in batch.rollouts]
         trained = [t for t in trees if g.beta > 0 or g.entropy_coef > 0 or
                    any(r.advantages.any() and r.weights.any() for r in t.rollouts)]
         if trained and g.num_iterations > 1:  # the sampling policy's logprobs, before the first update
-            old = replay_logprobs(self.model, trained, temperature=temperature).logprobs
+            old = replay_logprobs(self.model, trained, temperature=temperature, engine=engine,
+                                  force=self.force).logprobs
             for r, lp in zip(_rollouts(trained), old):
                 r.old_logprobs = lp
         if trained and g.beta > 0:
-            ref = replay_logprobs(self.ref_model, trained, temperature=temperature).logprobs
+            ref = replay_logprobs(self.ref_model, trained, temperature=temperature, engine=engine,
+                                  force=self.force).logprobs
             for r, lp in zip(_rollouts(trained), ref):
                 r.ref_logprobs = lp
         loss_fn = GRPOLoss(g.epsilon, g.epsilon_high, g.beta, g.entropy_coef)
@@ -151,13 +157,15 @@ class Trainer:
         for _ in range(g.num_iterations):
             for p in self.params:  # zeros, not None: AdamW then moves every parameter as TRL's would
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-            result = accumulate(self.model, trained, loss_fn, g.micro_batch_prompts, temperature) if trained else None
+            loss_fn.stats = LossStats()  # the clip, KL and entropy sums of this update (losses.py)
+            result = accumulate(self.model, trained, loss_fn, g.micro_batch_prompts, temperature, engine,
+                                self.force) if trained else None
             grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
             history.append({"loss": result.loss if result else 0.0, "grad_norm": grad_norm, "learning_rate": lr,
-                            **(loss_metrics(_rollouts(trained), result, g) if result else {})})
+                            **(loss_fn.stats.metrics() if result else {})})
         out = {k: sum(h[k] for h in history) / len(history) for k in history[-1]}
         stats = sum((t.stats for t in trees[1:]), trees[0].stats)
         out.update({"tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
@@ -215,6 +223,7 @@ class Trainer:
         run_dir.mkdir(parents=True, exist_ok=True)
         self.config.train.output_dir = str(run_dir)
         self.config.save(run_dir / "config.yaml")
+        self.force = self.check_family(run_dir)
         log = MetricsLog(run_dir, truncate_after=self.step)
         stop: list[str] = []
         try:
@@ -253,6 +262,18 @@ class Trainer:
         if found is None or found.name != f"step-{self.step:06d}":
             self.save(run_dir)
 
+    def check_family(self, run_dir: Path) -> bool:
+        """`check.self_check.ensure_supported` on the policy, its verdicts kept in run_dir/self_check.json
+        (written atomically); True when the family is unregistered and passed (the engine then runs it forced)."""
+        path = run_dir / SELF_CHECK
+        verdicts = json.loads(path.read_text()) if path.is_file() else {}
+        known = dict(verdicts)
+        try:
+            return ensure_supported(self.model, self.config.engine, verdicts, log=self.console.print)
+        finally:  # a failed verdict is kept too: the refusal is the same on the next try
+            if verdicts != known:
+                write_atomic(path, json.dumps(verdicts, indent=1))
+
     def save(self, run_dir: Path) -> Path:
         return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
                                keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens})
@@ -264,97 +285,14 @@ class Trainer:
 
 # -- pieces ---------------------------------------------------------------------------------------------------------
 
-def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, temperature: float) -> ReplayResult:
-    """`replay_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once); gradients
-    accumulate in param.grad. Returns the results merged (rollouts in tree order, losses summed)."""
+def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, temperature: float,
+               engine: EngineConfig = EngineConfig(), force: bool = False) -> ReplayResult:
+    """`replay_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once), with the
+    run's `engine` section; gradients accumulate in param.grad. Returns the results merged (`ReplayResult.merge`)."""
     size = micro_batch_prompts or len(trees)
-    parts = [replay_backward(model, trees[i : i + size], loss, temperature=temperature)
-             for i in range(0, len(trees), size)]
-    return ReplayResult(
-        logprobs=[lp for p in parts for lp in p.logprobs],
-        entropy=[e for p in parts for e in p.entropy],
-        loss=sum(p.loss for p in parts),
-        stats=sum((p.stats for p in parts[1:]), parts[0].stats),
-    )
-
-
-def loss_metrics(rollouts: list[Rollout], result: ReplayResult, g) -> dict:
-    """TRL's token means over the trained positions (loss_mask 1): entropy, clip_ratio/*, and kl when beta > 0.
-
-    ratio = exp(logp - old_logp) (1 without old logprobs); low clip: ratio < 1 - epsilon where A < 0; high clip:
-    ratio > 1 + epsilon_high where A > 0; kl: the k3 estimator exp(ref - logp) - (ref - logp) - 1."""
-    mask = torch.cat([r.loss_mask for r in rollouts]).bool()
-    logp = torch.cat(result.logprobs).double()[mask]
-    n = max(int(mask.sum()), 1)
-    adv = torch.cat([r.advantages for r in rollouts])[mask]
-    old = torch.cat([r.old_logprobs for r in rollouts])[mask] if rollouts[0].old_logprobs is not None else logp
-    ratio = torch.exp(logp - old)
-    low = (ratio < 1 - g.epsilon) & (adv < 0)
-    high = (ratio > 1 + g.epsilon_high) & (adv > 0)
-    out = {"entropy": torch.cat(result.entropy)[mask].sum().item() / n, "clip_ratio/low_mean": low.sum().item() / n,
-           "clip_ratio/high_mean": high.sum().item() / n, "clip_ratio/region_mean": (low | high).sum().item() / n}
-    if g.beta > 0:
-        delta = torch.cat([r.ref_logprobs for r in rollouts])[mask] - logp
-        out["kl"] = (torch.exp(delta) - delta - 1).sum().item() / n
-    return out
-
-
-def score(reward_fn, tokenizer, items: list[dict], samples: list[list[Sample]]) -> torch.Tensor:
-    """[B] float32 rewards of the decoded completions, group-major; every item key is passed as a column (TRL)."""
-    expanded = [(item, s) for item, group in zip(items, samples) for s in group]
-    return compute_rewards(
-        [reward_fn], None,
-        prompts=[build_messages(item["question"]) for item, _ in expanded],
-        completions=[tokenizer.decode(s.completion_ids, skip_special_tokens=True) for _, s in expanded],
-        completion_ids=[s.completion_ids for _, s in expanded],
-        columns={key: [item[key] for item, _ in expanded] for key in items[0]},
-    )
-
-
-@torch.no_grad()
-def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None) -> dict:
-    """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
-
-    data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
-    task.reward, see `rewards.make_reward`); progress: called as progress(done, total) after each batch of
-    answers. Returns eval/accuracy (mean score in [0, 1], partial credit
-    included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s."""
-    t0 = time.perf_counter()
-    if data is None:
-        data = load_task(config.task)[1]
-    reward_fn = reward_fn or make_reward(config.task.reward, data)
-    items = [data[i] for i in range(len(data))]
-    prompts = [chat_prompt_ids(tokenizer, build_messages(item["question"])) for item in items]
-    completions = greedy_completions(model, prompts, config.sampling.max_new_tokens, eos_token_ids(model, tokenizer),
-                                     progress=progress)
-    samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]
-    scores = score(reward_fn, tokenizer, items, samples)
-    return {"eval/accuracy": scores.mean().item(), "eval/frac_correct": (scores == 1).float().mean().item(),
-            "eval/mean_length": sum(map(len, completions)) / len(completions), "time/eval_s": time.perf_counter() - t0}
-
-
-@torch.no_grad()
-def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
-                       batch_size: int = EVAL_BATCH, progress=None) -> list[list[int]]:
-    """Greedy completions (ending with their EOS if any) of `prompts`, `batch_size` at a time, left-padded with an
-    EOS id under an attention mask (HF generate; on SmolLM2 this gave the same tokens as decoding each prompt alone,
-    2.4x faster on 2 CPU cores). progress(done, total) is called before the first batch and after each."""
-    pad, out = min(eos), []
-    for i in range(0, len(prompts), batch_size):
-        if progress is not None:
-            progress(i, len(prompts))
-        chunk = prompts[i : i + batch_size]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
-        generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                   eos_token_id=sorted(eos), pad_token_id=pad)[:, width:].tolist()
-        for row in generated:
-            end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
-            out.append(row[: end + 1])
-    if progress is not None:
-        progress(len(out), len(prompts))
-    return out
+    return ReplayResult.merge([replay_backward(model, trees[i : i + size], loss, temperature=temperature,
+                                               engine=engine, force=force)
+                               for i in range(0, len(trees), size)])
 
 
 def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
@@ -366,16 +304,6 @@ def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(seed, -1 - epoch)))
         out.append(int(perm[pos]))
     return out
-
-
-def eos_token_ids(model, tokenizer) -> set[int]:
-    """The tokenizer's EOS id plus the model's generation_config EOS ids (an int or a list)."""
-    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
-    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-    ids |= set(gen) if isinstance(gen, (list, tuple)) else ({gen} if gen is not None else set())
-    if not ids:
-        raise ValueError("neither the tokenizer nor the model's generation_config defines an EOS token id")
-    return ids
 
 
 def _mix(seed: int, k: int) -> int:
@@ -408,68 +336,10 @@ def _stop_on_signals(stop: list, console: Console):
             signal.signal(s, h)
 
 
-# -- entry points for cli.py ------------------------------------------------------------------------------------
-
-def parse_train_args(argv: list[str]) -> tuple[Config, str | None]:
-    """`[--config FILE] [--resume RUN_DIR] [--section.field VALUE ...]` -> (config, resume).
-
-    With --resume and no --config, the run's own config.yaml is the base; train.output_dir becomes RUN_DIR.
-    Raises ValueError for a bad argument (see config.apply_overrides), FileNotFoundError for a missing file."""
-    named, overrides, i = {"--config": None, "--resume": None}, [], 0
-    while i < len(argv):
-        key, eq, value = argv[i].partition("=")
-        if key in named:
-            if not eq:
-                if i + 1 >= len(argv):
-                    raise ValueError(f"{key} needs a value")
-                value, i = argv[i + 1], i + 1
-            named[key] = value
-        else:
-            overrides.append(argv[i])
-        i += 1
-    resume, path = named["--resume"], named["--config"]
-    if resume is not None and path is None:
-        path = Path(resume) / "config.yaml"
-    if path is not None and not Path(path).is_file():
-        raise FileNotFoundError(f"config file {path} does not exist")
-    config = Config.from_yaml(path, overrides) if path else Config.from_dict(apply_overrides({}, overrides))
-    if resume is not None:
-        config.train.output_dir = str(resume)
-    return config, resume
-
-
-def load_policy(config: Config):
-    """(model, tokenizer) of model.spec in model.dtype on model.device. Raises ValueError without a tokenizer."""
-    model, tokenizer = load_model(config.model.spec, dtype=getattr(torch, config.model.dtype))
-    device = config.model.device
-    model.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
-    if tokenizer is None:
-        raise ValueError(f"model.spec={config.model.spec!r} comes without a tokenizer; training and evaluation "
-                         "need one (tiny:<arch> models are for tests)")
-    return model, tokenizer
-
+# -- entry point for cli.py -------------------------------------------------------------------------------------
 
 def train(config: Config, resume: str | None = None) -> Path:
     """Build the model, task and trainer from `config` and train; returns the run folder."""
     return Trainer(config).fit(resume)
 
 
-def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
-    """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
-    held-out split; prints and returns the metrics."""
-    data = load_task(config.task)[1]  # the task, its reward and the checkpoint's folder before the model's load
-    reward_fn = make_reward(config.task.reward, data)
-    if checkpoint is not None and not Path(checkpoint).is_dir():
-        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
-                                "folder)")
-    model, tokenizer = load_policy(config)
-    if checkpoint is not None:
-        load_weights(model, checkpoint)
-    metrics = evaluate(model, tokenizer, config, data, reward_fn)
-    table = Table(title=f"held-out {config.task.name} ({config.task.eval_size} items)")
-    table.add_column("metric")
-    table.add_column("value", justify="right")
-    for key, value in metrics.items():
-        table.add_row(key, f"{value:.4g}")
-    Console().print(table)
-    return metrics

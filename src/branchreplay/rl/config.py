@@ -4,50 +4,51 @@
     sampling: SamplingConfig   (from sampling.py) how completions are sampled
     task:     TaskConfig       (from tasks.py) which reasoning-gym dataset, split sizes
     grpo:     GRPOConfig       the objective and the optimizer (TRL GRPOConfig names)
+    engine:   EngineConfig     (from engine/config.py) packing, chunking, replay; passed to every engine call
     train:    TrainConfig      steps, seed, run folder, checkpoint and eval cadence
 
 Precedence: command line > YAML file > dataclass defaults (as torchtitan's config manager). A YAML file holds one
 mapping per section; the command line overrides one field with `--section.field value` or `--section.field=value`.
-Values are parsed to the field's declared type (bool: true/false/yes/no/1/0; tuples, lists and dicts as YAML, e.g.
-`--sampling.branching "[[0,2],[8,2]]"`). Unknown sections and keys are errors that list the valid ones.
+Values are parsed to the field's declared type (bool: true/false/yes/no/1/0; a closed choice must be one of its
+Literal values; tuples, lists and dicts as YAML, e.g. `--sampling.branching "[[0,2],[8,2]]"`). Unknown sections and
+keys are errors that list the valid ones. `parse_args` is the one parser of `train` and `eval`; every field's help
+is its metadata (`fields.help_of`), printed by `help_text`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import re
 import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import yaml
 
-from .losses import LOSS_TYPES
+from ..engine import EngineConfig
+from ..fields import accepted, check, choice, help_of
+from ..losses import LossType
 from .sampling import SamplingConfig
 from .tasks import TaskConfig
 
-DTYPES = ("float32", "bfloat16", "float16", "float64")
-SCALE_REWARDS = ("group", "batch", "none")
-LR_SCHEDULERS = ("cosine", "constant")
-
-
-def _help(text: str):
-    return {"help": text}
+DType = Literal["float32", "bfloat16", "float16", "float64"]
+ScaleRewards = Literal["group", "batch", "none"]
+LRScheduler = Literal["cosine", "constant"]
 
 
 @dataclass
 class ModelConfig:
     """The policy model (the reference model for the KL penalty is a frozen copy of its initial weights)."""
 
-    spec: str = field(default="smollm2", metadata=_help(
+    spec: str = field(default="smollm2", metadata=help_of(
         "model to train, as models.load_model: 'smollm2' (default, SmolLM2-135M-Instruct), 'tiny:<arch>', a "
         "save_pretrained folder, a .gguf file or a hub id 'org/name'"))
-    dtype: str = field(default="float32", metadata=_help(f"parameter dtype, one of {', '.join(DTYPES)}"))
-    device: str = field(default="auto", metadata=_help("torch device; 'auto' = cuda if available, else cpu"))
+    dtype: DType = field(default="float32", metadata=help_of("parameter dtype"))
+    device: str = field(default="auto", metadata=help_of("torch device; 'auto' = cuda if available, else cpu"))
 
     def __post_init__(self):
-        _choice("model.dtype", self.dtype, DTYPES)
+        choice("model.dtype", self.dtype, DType)
 
 
 @dataclass
@@ -58,76 +59,76 @@ class GRPOConfig:
     `num_iterations` optimizer updates on them (TRL's mu).
     """
 
-    num_generations: int = field(default=8, metadata=_help(
+    num_generations: int = field(default=8, metadata=help_of(
         "G, completions per prompt, >= 2 (a group of one has zero advantage: nothing to learn; TRL also requires "
         "2); must equal the product of sampling.branching"))
-    prompts_per_step: int = field(default=4, metadata=_help("prompts (groups) per step, >= 1"))
-    loss_type: str = field(default="dapo", metadata=_help(
-        f"loss normalisation, one of {', '.join(LOSS_TYPES)} (TRL meanings; see losses.token_weights)"))
-    scale_rewards: str = field(default="group", metadata=_help(
+    prompts_per_step: int = field(default=4, metadata=help_of("prompts (groups) per step, >= 1"))
+    loss_type: LossType = field(default="dapo", metadata=help_of(
+        "loss normalisation (TRL meanings; see losses.token_weights)"))
+    scale_rewards: ScaleRewards = field(default="group", metadata=help_of(
         "advantage scaling: 'group' divides by the group's reward std, 'batch' by the step's, 'none' not at all "
         "(Dr. GRPO)"))
-    epsilon: float = field(default=0.2, metadata=_help("lower clip range of the ratio, in (0, 1)"))
-    epsilon_high: float | None = field(default=None, metadata=_help(
+    epsilon: float = field(default=0.2, metadata=help_of("lower clip range of the ratio, in (0, 1)"))
+    epsilon_high: float | None = field(default=None, metadata=help_of(
         "upper clip range, > 0; default (null) = epsilon; DAPO uses 0.28"))
-    beta: float = field(default=0.0, metadata=_help(
+    beta: float = field(default=0.0, metadata=help_of(
         "k3 KL coefficient against the initial model, >= 0 (0 = no reference model is kept)"))
-    entropy_coef: float = field(default=0.0, metadata=_help("entropy bonus coefficient, >= 0 (0 = off)"))
-    num_iterations: int = field(default=1, metadata=_help(
+    entropy_coef: float = field(default=0.0, metadata=help_of("entropy bonus coefficient, >= 0 (0 = off)"))
+    num_iterations: int = field(default=1, metadata=help_of(
         "optimizer updates per batch of samples (TRL mu), >= 1; > 1 computes old logprobs before the first one"))
-    mask_truncated_completions: bool = field(default=False, metadata=_help(
+    mask_truncated_completions: bool = field(default=False, metadata=help_of(
         "exclude completions that hit sampling.max_new_tokens without EOS from the loss and its normaliser"))
-    max_grad_norm: float = field(default=1.0, metadata=_help("gradient clipping norm, > 0"))
-    learning_rate: float = field(default=1e-6, metadata=_help("peak AdamW learning rate, > 0"))
-    weight_decay: float = field(default=0.0, metadata=_help("AdamW weight decay, >= 0"))
-    warmup_steps: int = field(default=0, metadata=_help("linear warmup, in optimizer updates, >= 0"))
-    lr_scheduler: str = field(default="cosine", metadata=_help(
-        f"learning-rate decay after warmup, one of {', '.join(LR_SCHEDULERS)} (cosine decays to 0 at the end)"))
-    micro_batch_prompts: int = field(default=0, metadata=_help(
+    max_grad_norm: float = field(default=1.0, metadata=help_of("gradient clipping norm, > 0"))
+    learning_rate: float = field(default=1e-6, metadata=help_of("peak AdamW learning rate, > 0"))
+    weight_decay: float = field(default=0.0, metadata=help_of("AdamW weight decay, >= 0"))
+    warmup_steps: int = field(default=0, metadata=help_of("linear warmup, in optimizer updates, >= 0"))
+    lr_scheduler: LRScheduler = field(default="cosine", metadata=help_of(
+        "learning-rate decay after warmup (cosine decays to 0 at the end)"))
+    micro_batch_prompts: int = field(default=0, metadata=help_of(
         "prompt groups per forward/backward call, >= 0 (0 = all of the step's); the gradient does not depend "
         "on it, only memory does"))
 
     def __post_init__(self):
-        _choice("grpo.loss_type", self.loss_type, LOSS_TYPES)
-        _choice("grpo.scale_rewards", self.scale_rewards, SCALE_REWARDS)
-        _choice("grpo.lr_scheduler", self.lr_scheduler, LR_SCHEDULERS)
+        choice("grpo.loss_type", self.loss_type, LossType)
+        choice("grpo.scale_rewards", self.scale_rewards, ScaleRewards)
+        choice("grpo.lr_scheduler", self.lr_scheduler, LRScheduler)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
-        _check("grpo.num_generations", self.num_generations >= 2, ">= 2", self.num_generations)
-        _check("grpo.prompts_per_step", self.prompts_per_step >= 1, ">= 1", self.prompts_per_step)
-        _check("grpo.epsilon", 0 < self.epsilon < 1, "in (0, 1)", self.epsilon)
-        _check("grpo.epsilon_high", self.epsilon_high > 0, "> 0", self.epsilon_high)
-        _check("grpo.beta", self.beta >= 0, ">= 0", self.beta)
-        _check("grpo.entropy_coef", self.entropy_coef >= 0, ">= 0", self.entropy_coef)
-        _check("grpo.num_iterations", self.num_iterations >= 1, ">= 1", self.num_iterations)
-        _check("grpo.max_grad_norm", self.max_grad_norm > 0, "> 0", self.max_grad_norm)
-        _check("grpo.learning_rate", self.learning_rate > 0, "> 0", self.learning_rate)
-        _check("grpo.weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
-        _check("grpo.warmup_steps", self.warmup_steps >= 0, ">= 0", self.warmup_steps)
-        _check("grpo.micro_batch_prompts", self.micro_batch_prompts >= 0, ">= 0", self.micro_batch_prompts)
+        check("grpo.num_generations", self.num_generations >= 2, ">= 2", self.num_generations)
+        check("grpo.prompts_per_step", self.prompts_per_step >= 1, ">= 1", self.prompts_per_step)
+        check("grpo.epsilon", 0 < self.epsilon < 1, "in (0, 1)", self.epsilon)
+        check("grpo.epsilon_high", self.epsilon_high > 0, "> 0", self.epsilon_high)
+        check("grpo.beta", self.beta >= 0, ">= 0", self.beta)
+        check("grpo.entropy_coef", self.entropy_coef >= 0, ">= 0", self.entropy_coef)
+        check("grpo.num_iterations", self.num_iterations >= 1, ">= 1", self.num_iterations)
+        check("grpo.max_grad_norm", self.max_grad_norm > 0, "> 0", self.max_grad_norm)
+        check("grpo.learning_rate", self.learning_rate > 0, "> 0", self.learning_rate)
+        check("grpo.weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
+        check("grpo.warmup_steps", self.warmup_steps >= 0, ">= 0", self.warmup_steps)
+        check("grpo.micro_batch_prompts", self.micro_batch_prompts >= 0, ">= 0", self.micro_batch_prompts)
 
 
 @dataclass
 class TrainConfig:
     """The run: how long, where it is written, how often it is saved and evaluated."""
 
-    steps: int = field(default=100, metadata=_help("training steps (sampling rounds), >= 1"))
-    seed: int = field(default=0, metadata=_help(
+    steps: int = field(default=100, metadata=help_of("training steps (sampling rounds), >= 1"))
+    seed: int = field(default=0, metadata=help_of(
         "seed of prompt order and sampling; the same seed gives the same run, resumed or not"))
-    output_dir: str = field(default="runs/default", metadata=_help(
+    output_dir: str = field(default="runs/default", metadata=help_of(
         "run folder: config.yaml, metrics.jsonl, checkpoints/, plot; must not hold another run's checkpoints"))
-    save_steps: int = field(default=50, metadata=_help(
+    save_steps: int = field(default=50, metadata=help_of(
         "checkpoint every this many steps, >= 0 (0 = only at the end and on interruption)"))
-    keep_checkpoints: int = field(default=2, metadata=_help(
+    keep_checkpoints: int = field(default=2, metadata=help_of(
         "newest checkpoints kept, >= 1 (a SmolLM2 checkpoint with AdamW state is about 1.6 GB)"))
-    eval_steps: int = field(default=50, metadata=_help(
+    eval_steps: int = field(default=50, metadata=help_of(
         "held-out evaluation every this many steps (0 = only before and after training, -1 = never)"))
 
     def __post_init__(self):
-        _check("train.steps", self.steps >= 1, ">= 1", self.steps)
-        _check("train.save_steps", self.save_steps >= 0, ">= 0", self.save_steps)
-        _check("train.keep_checkpoints", self.keep_checkpoints >= 1, ">= 1", self.keep_checkpoints)
-        _check("train.eval_steps", self.eval_steps >= -1, ">= -1", self.eval_steps)
+        check("train.steps", self.steps >= 1, ">= 1", self.steps)
+        check("train.save_steps", self.save_steps >= 0, ">= 0", self.save_steps)
+        check("train.keep_checkpoints", self.keep_checkpoints >= 1, ">= 1", self.keep_checkpoints)
+        check("train.eval_steps", self.eval_steps >= -1, ">= -1", self.eval_steps)
 
 
 SECTIONS: dict[str, type] = {
@@ -135,8 +136,18 @@ SECTIONS: dict[str, type] = {
     "sampling": SamplingConfig,
     "task": TaskConfig,
     "grpo": GRPOConfig,
+    "engine": EngineConfig,
     "train": TrainConfig,
 }
+
+RUN_DEFAULTS = {"engine": {"unknown_family": "self-check"}}
+"""Defaults of a run that differ from the section's own (a library call of the engine refuses an unregistered family;
+`train` checks it against the naive reference first)."""
+
+
+def _section(name: str, values: dict | None = None):
+    """Section `name` built from `values` over `RUN_DEFAULTS` and the dataclass defaults."""
+    return SECTIONS[name](**{**RUN_DEFAULTS.get(name, {}), **(values or {})})
 
 
 @dataclass
@@ -147,6 +158,7 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    engine: EngineConfig = field(default_factory=lambda: _section("engine"))
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self):
@@ -177,7 +189,7 @@ class Config:
             for key in values:
                 if key not in hints:
                     raise ValueError(f"unknown key '{name}.{key}'; valid keys of '{name}': {', '.join(known)}")
-            sections[name] = section_cls(**{k: _coerce(v, hints[k], f"{name}.{k}") for k, v in values.items()})
+            sections[name] = _section(name, {k: _coerce(v, hints[k], f"{name}.{k}") for k, v in values.items()})
         return cls(**sections)
 
     @classmethod
@@ -224,49 +236,59 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 
 
 def help_text() -> str:
-    """One line per field: `--section.field  (type, default) help`, for the command's --help."""
-    lines = []
+    """One line per field: `--section.field  (type, default) help`, for the command's --help (the help is the
+    field's metadata, `fields.help_of`)."""
+    lines, defaults = [], Config()
     for section, cls in SECTIONS.items():
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            kind = getattr(hints[f.name], "__name__", str(hints[f.name]))
-            lines.append(f"--{section}.{f.name}  ({kind}, default {_plain(default)!r})  {field_help(cls, f)}")
+            default = getattr(getattr(defaults, section), f.name)
+            lines.append(f"--{section}.{f.name}  ({_kind(hints[f.name])}, default {_plain(default)!r})  "
+                         f"{f.metadata.get('help', '')}")
     return "\n".join(lines)
 
 
-def field_help(cls: type, f: dataclasses.Field) -> str:
-    """A field's help: its metadata 'help', else its `name: ...` entry of the class docstring (reused classes), with
-    its continuation lines (indented deeper) and without reST markup (``x`` and :func:`x` become x)."""
-    if "help" in f.metadata:
-        return f.metadata["help"]
-    lines = (cls.__doc__ or "").splitlines()
-    for i, line in enumerate(lines):
-        match = re.match(rf"^(\s*){f.name}:\s*(.+)$", line)
-        if match:
-            indent, text = len(match.group(1)), [match.group(2).strip()]
-            for more in lines[i + 1:]:
-                if not more.strip() or len(more) - len(more.lstrip()) <= indent:
-                    break
-                text.append(more.strip())
-            return re.sub(r"(:\w+:)?`+([^`]+)`+", r"\2", " ".join(text))
-    return ""
+def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resume")) -> tuple[Config, dict]:
+    """`[--config FILE] [--resume RUN_DIR | --checkpoint DIR] [--section.field VALUE ...]` -> (config, {option:
+    value or None} for each of `options`), the one parser of `train` (--config, --resume) and `eval` (--config,
+    --checkpoint). Options take `--name value` or `--name=value`.
+
+    With --resume and no --config, the run's own config.yaml is the base; train.output_dir becomes RUN_DIR.
+    Raises ValueError for a bad argument (see `apply_overrides`), FileNotFoundError for a missing file."""
+    named, overrides, i = dict.fromkeys(options), [], 0
+    while i < len(argv):
+        key, eq, value = argv[i].partition("=")
+        if key in named:
+            if not eq:
+                if i + 1 >= len(argv):
+                    raise ValueError(f"{key} needs a value")
+                value, i = argv[i + 1], i + 1
+            named[key] = value
+        else:
+            overrides.append(argv[i])
+        i += 1
+    resume, path = named.get("--resume"), named.get("--config")
+    if resume is not None and path is None:
+        path = Path(resume) / "config.yaml"
+    if path is not None and not Path(path).is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    config = Config.from_yaml(path, overrides) if path else Config.from_dict(apply_overrides({}, overrides))
+    if resume is not None:
+        config.train.output_dir = str(resume)
+    return config, named
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
 
-def _choice(name: str, value, accepted: tuple) -> None:
-    if value not in accepted:
-        raise ValueError(f"{name}={value!r} is not valid; accepted values: {', '.join(accepted)}")
-
-
-def _check(name: str, ok: bool, accepted: str, value) -> None:
-    if not ok:
-        raise ValueError(f"{name}={value!r} is out of range; it must be {accepted}")
-
-
 def _field_types(cls: type) -> dict[str, type]:
     return typing.get_type_hints(cls)
+
+
+def _kind(tp) -> str:
+    """A field type for people: `int`, `float | None`, `one of 'keep', 'replay', 'auto'`."""
+    if typing.get_origin(tp) is Literal:
+        return "one of " + ", ".join(repr(v) for v in accepted(tp))
+    return getattr(tp, "__name__", str(tp).replace("typing.", ""))
 
 
 def _parse_cli(text: str, tp) -> object:
@@ -279,6 +301,9 @@ def _parse_cli(text: str, tp) -> object:
 def _coerce(value, tp, name: str):
     """`value` as type `tp` (int, float, bool, str, X | None, tuple/list/dict); ValueError naming the field."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin is Literal:
+        choice(name, value, tp)
+        return value
     if origin in (typing.Union, types.UnionType):
         if value is None and type(None) in args:
             return None

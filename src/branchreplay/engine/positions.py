@@ -91,30 +91,12 @@ def rope_thresholds(model) -> dict[str, int]:
     return out
 
 
-def reset_dynamic_rope(model) -> None:
-    """Put every dynamic rotary embedding of `model` back to its state after loading (original frequencies, no
-    cached length), so that a forward's frequencies depend only on its own length, not on earlier calls."""
-    for module in length_dependent_rotaries(model):
-        _reset_dynamic(module)
-
-
 def _reset_dynamic(module) -> None:
     for layer_type, rope_type in _types_of(module).items():
         if "dynamic" in rope_type:
             prefix = "" if layer_type is None else f"{layer_type}_"
             setattr(module, f"{prefix}inv_freq", getattr(module, f"{prefix}original_inv_freq").clone())
             setattr(module, f"{prefix}max_seq_len_cached", module.original_max_seq_len)
-
-
-def max_positions(config) -> int | None:
-    """The most positions a rollout of this model may have: `max_position_embeddings` (GPT-2's `n_positions`), or
-    None when the config sets no limit or scales its rotary encoding past it (dynamic NTK extrapolates by design)."""
-    parameters = getattr(config, "rope_parameters", None) or {}
-    kinds = [parameters.get("rope_type")] if "rope_type" in parameters else [
-        p.get("rope_type") for p in parameters.values() if isinstance(p, dict)]
-    if kinds and all(k is not None and "dynamic" in k for k in kinds):
-        return None
-    return getattr(config, "max_position_embeddings", None)
 
 
 def _snapshot(module) -> dict:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 
 import torch
 
-from .tree import Node, Rollout, RolloutTree
+from ..models import head_dim
+from ..tree import Node, Rollout, RolloutTree
 
 FORMULA = ("3 * (2 * N_nonembedding * positions + 4 * n_layers * d_attn * attention_keys + 2 * hidden * vocab * "
            "head_rows); attention_keys = sum over computed positions of (position + 1); backward = 2 x forward; "
@@ -53,8 +54,7 @@ class ModelShape:
         skip = {id(p) for m in (embed, head) for p in m.parameters()}
         n = sum(p.numel() for p in model.parameters() if id(p) not in skip and p.dim() >= 2)
         c = model.config
-        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-        return cls(n, c.num_hidden_layers, c.num_attention_heads * head_dim, c.hidden_size, c.vocab_size)
+        return cls(n, c.num_hidden_layers, c.num_attention_heads * head_dim(c), c.hidden_size, c.vocab_size)
 
 
 @dataclass(frozen=True)

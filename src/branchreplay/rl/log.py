@@ -11,6 +11,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+
 class MetricsLog:
     """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
     TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports. Lines of steps after `truncate_after` (written

@@ -69,7 +69,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _write_atomic(root / "latest", name)
+    write_atomic(root / "latest", name)
     _fsync(root)
     for old in _complete(root)[:-keep]:
         if old.name != name:
@@ -143,7 +143,7 @@ def _set_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def _write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".tmp-{path.name}-", dir=path.parent)
     with os.fdopen(fd, "w") as f:
         f.write(text)

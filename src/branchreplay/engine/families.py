@@ -9,8 +9,9 @@ which and how the model's forward takes a custom mask. A family not listed here 
 (`UnsupportedModelError`): running it through the engine could be silently wrong; `branchreplay verify --model PATH
 --force` checks one against the naive reference.
 
-`cache.PrefixCache` is the transformers `Cache` the engine passes to the model: it serves the ancestors' state
-(tensors that require grad, so gradients flow back to the ancestors) and hands out each new node's state.
+A family outside the registry is refused, or, with `EngineConfig.unknown_family="self-check"`, checked against the
+naive reference on the user's own model before training (`check/self_check.py`); an unknown family with recurrent
+or hybrid layers is always refused.
 """
 
 from __future__ import annotations
@@ -18,6 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from ..models import head_dim
+from .head import decoder_and_head
+from .recurrent import layer_kinds
 
 
 class UnsupportedModelError(ValueError):
@@ -64,13 +69,13 @@ FAMILIES: dict[str, Family] = {
     # when set, slides every layer
     "phi3": Family("phi3", mask_mapping=False, uniform_window=True),
     # attention logit softcapping (eager attention only in transformers) and final logit softcapping (applied by
-    # the engine's LM head, state/head.py); Gemma3: Gemma3ForCausalLM (text only)
+    # the engine's LM head, engine/head.py); Gemma3: Gemma3ForCausalLM (text only)
     "gemma2": Family("gemma2", mask_mapping=True),
     "gemma3_text": Family("gemma3_text", mask_mapping=True),
     # mixture of experts: see the Family docstring (router aux loss excluded, output_router_logits refused)
     "qwen3_moe": Family("qwen3_moe", mask_mapping=False, uniform_window=True),
     "mixtral": Family("mixtral", mask_mapping=False, uniform_window=True),
-    # recurrent and hybrid families (state/recurrent.py); their packs hold one node, so mask_mapping is unused
+    # recurrent and hybrid families (engine/recurrent.py); their packs hold one node, so mask_mapping is unused
     "mamba": Family("mamba", mask_mapping=False, recurrent=True, float32_kernels=True),
     "mamba2": Family("mamba2", mask_mapping=False, recurrent=True, float32_kernels=True),
     "bamba": Family("bamba", mask_mapping=False, recurrent=True, float32_kernels=True),
@@ -160,15 +165,8 @@ def state_bytes_per_token(config, dtype) -> tuple[int, int]:
     if not any(attention):  # Mamba, Mamba2: no attention fields in the config
         return 0, 0
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    per_position = 2 * heads * head_dim * torch.empty((), dtype=dtype).element_size()
+    per_position = 2 * heads * head_dim(config) * torch.empty((), dtype=dtype).element_size()
     windows = layer_windows(config)
     full = sum(per_position for w, a in zip(windows[:n], attention) if a and w is None)
     sliding = sum(per_position * (w - 1) for w, a in zip(windows[:n], attention) if a and w is not None)
     return full, sliding
-
-
-# re-exported: the engine's one import point
-from .cache import NodeState, PrefixCache, kept_positions  # noqa: E402, F401
-from .head import HeadMismatchError, LogitTransform, check_head, decoder_and_head  # noqa: E402, F401
-from .recurrent import EngineForwards, layer_kinds  # noqa: E402, F401

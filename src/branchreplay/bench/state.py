@@ -7,18 +7,18 @@ it is given (the K/V kept along the branch's path, which the execution stack hol
 the figure is the largest such total. The prompt runs as one node (chunk_tokens = P): with chunks of c < P tokens
 every chunk on the path keeps its own last W - 1 positions, so a sliding layer holds ceil(P / c) * (W - 1).
 
-    python -m branchreplay.bench_state      # Mistral tiny (W = 16) vs Llama tiny, P = 256, 1024, 4096
+    python -m branchreplay.bench.state      # Mistral tiny (W = 16) vs Llama tiny, P = 256, 1024, 4096
 """
 
 from __future__ import annotations
 
 import torch
 
-from . import engine
-from .engine import EngineConfig, replay_logprobs
-from .models import tiny_model
-from .state import layer_windows, state_bytes_per_token
-from .tree import Rollout, RolloutTree
+from ..engine import EngineConfig, replay_logprobs
+from ..engine.cache import observe_states
+from ..engine.families import layer_windows, state_bytes_per_token
+from ..models import tiny_model
+from ..tree import Rollout, RolloutTree
 
 
 def kept_state_bytes(model, prompt_tokens: int, branches: int = 2, branch_tokens: int = 8, seed: int = 0) -> int:
@@ -34,18 +34,12 @@ def kept_state_bytes(model, prompt_tokens: int, branches: int = 2, branch_tokens
         for _ in range(branches)
     ]
     seen: list[int] = []
-    original = engine.PrefixCache
 
-    class RecordingCache(original):
-        def __init__(self, ancestors, *args, **kwargs):
-            seen.append(sum(t.numel() * t.element_size() for state in ancestors for layer in state for t in layer))
-            super().__init__(ancestors, *args, **kwargs)
+    def record(ancestors):
+        seen.append(sum(t.numel() * t.element_size() for state in ancestors for layer in state for t in layer))
 
-    engine.PrefixCache = RecordingCache
-    try:
+    with observe_states(record):
         replay_logprobs(model, RolloutTree(rollouts), engine=EngineConfig(chunk_tokens=prompt_tokens))
-    finally:
-        engine.PrefixCache = original
     return max(seen)
 
 

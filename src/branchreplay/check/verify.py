@@ -1,6 +1,6 @@
 """`branchreplay verify`: the execution stack against the naive per-rollout reference, on trees of every shape.
 
-For each shape in `scenarios.SHAPES` (shared prompt, branches of branches, identical / prefix / empty completion,
+For each shape in `shapes.SHAPES` (shared prompt, branches of branches, identical / prefix / empty completion,
 forest of prompts, multi-turn, random), and for every length at which the model or the engine changes how it
 computes (`length_thresholds`: the engine's chunk, a sliding window, an attention chunk, a rotary encoding whose
 frequencies switch with the length), a tree whose rollouts straddle it: the same model runs the naive reference
@@ -20,19 +20,22 @@ The bound (README, docs/support.md):
 
 from __future__ import annotations
 
+import contextlib
 import copy
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
-from .engine import EngineConfig, replay_backward, replay_logprobs
-from .losses import GRPOLoss
+from ..engine import EngineConfig, replay_backward, replay_logprobs
+from ..engine.families import FAMILIES, layer_windows
+from ..engine.positions import rope_thresholds
+from ..losses import GRPOLoss
+from ..models import max_positions
+from ..tree import RolloutTree
 from .numerics import keep_float64
-from .positions import max_positions, rope_thresholds
 from .reference import max_rel_grad_err, naive_backward
-from .scenarios import SHAPES, around_length, around_window, make_rollouts
-from .state import FAMILIES, layer_windows
-from .tree import RolloutTree
+from .shapes import SHAPES, around_length, around_window, make_rollouts
 
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
 FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32
@@ -95,17 +98,17 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
                  force: bool = False) -> tuple[list[ShapeResult], dict[str, str]]:
     """Naive vs replay on every shape, every length threshold and `random_trees` random trees for `model`.
 
-    float64 models get `keep_float64` (HF's RMSNorm would otherwise round to float32, on both sides alike); a
-    float32 or bfloat16 model is also compared with a float64 copy of itself (the module docstring's bound).
-    `force` runs a family that is not in the registry (the engine then guesses it: `state.generic_family`).
+    float64 models run under `keep_float64` (HF's RMSNorm would otherwise round to float32, on both sides alike);
+    a float32 or bfloat16 model is also compared with a float64 copy of itself (the module docstring's bound).
+    `force` runs a family that is not in the registry (the engine then guesses it: `families.generic_family`).
     Returns (one result per tree, {threshold name: why it has no tree} for thresholds past the model's positions).
     Raises: UnsupportedModelError for a family the engine does not know (unless `force`)."""
-    dtype = next(model.parameters()).dtype
-    if dtype == torch.float64:
-        keep_float64(model)
-        reference64 = None
-    else:
-        reference64 = keep_float64_copy(model)
+    float64 = next(model.parameters()).dtype == torch.float64
+    with keep_float64(model) if float64 else float64_copy(model) as numerics:
+        return _verify(model, None if float64 else numerics, seed, random_trees, temperature, force)
+
+
+def _verify(model, reference64, seed, random_trees, temperature, force):
     family = FAMILIES.get(model.config.model_type)
     float32_kernels = family is not None and family.float32_kernels  # SSM scans etc. in float32 (Family)
     tolerance = FLOAT32_KERNELS_TOLERANCE if float32_kernels else FLOAT64_TOLERANCE
@@ -147,11 +150,13 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
     return results, skipped
 
 
-def keep_float64_copy(model):
-    """A float64 copy of `model` with `keep_float64` (the truth that float32 / bfloat16 errors are measured from)."""
+@contextlib.contextmanager
+def float64_copy(model) -> Iterator[torch.nn.Module]:
+    """A float64 copy of `model` under `keep_float64` while inside (the truth that float32 / bfloat16 errors are
+    measured from)."""
     reference = copy.deepcopy(model).double()
-    keep_float64(reference)
-    return reference
+    with keep_float64(reference):
+        yield reference
 
 
 def _naive(model, rollouts, loss, temperature):

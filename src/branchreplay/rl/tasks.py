@@ -2,7 +2,7 @@
 
 A task is a procedurally generated reasoning-gym dataset (offline, deterministic given a seed). Each item is a dict
 with ``question`` (str), ``answer`` (str, the gold answer) and ``metadata`` (dict); ``dataset.score_answer(answer,
-item)`` grades an extracted answer in [0, 1] (see :mod:`branchreplay.rewards`).
+item)`` grades an extracted answer in [0, 1] (see `branchreplay.rl.rewards`).
 
 The default task and its configuration were chosen by measuring SmolLM2-135M-Instruct's base accuracy
 (``scripts/measure_base_accuracy.py``, results in ``docs/default_task.md``): the base model must be neither always
@@ -13,12 +13,14 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import reasoning_gym
 from reasoning_gym.dataset import ProceduralDataset
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import extract_answer as _rg_extract_answer
+
+from ..fields import help_of
 
 SYSTEM_PROMPT = "Think briefly, then give the final answer inside <answer></answer> tags."
 
@@ -52,29 +54,24 @@ _SHOWN_TASKS = 30  # how many known task names an "unknown task" error lists
 
 @dataclass
 class TaskConfig:
-    """Which reasoning-gym dataset to train on, and how big the splits are.
+    """Which reasoning-gym dataset to train on, how big the splits are, and how completions are scored."""
 
-    Attributes:
-        name: a reasoning-gym dataset name (see :func:`known_tasks`).
-        size: number of training examples.
-        eval_size: number of held-out examples.
-        seed: seed of the training split; the held-out split uses ``seed + EVAL_SEED_OFFSET``.
-        config: keyword arguments for the dataset's config class, passed as
-            ``reasoning_gym.create_dataset(name, size=, seed=, **config)``. None (the default) means
-            DEFAULT_TASK_CONFIG for the default task and reasoning-gym's own defaults (``{}``) for any other, so
-            that changing only ``name`` never carries the default task's keys over to another dataset.
-        reward: the reward of a completion: "task" (the dataset's own score_answer on the <answer> content),
-            "math_verify" (math-verify equivalence with the item's answer), or "package.module:function", a
-            function with TRL's reward signature (keyword arguments prompts, completions, completion_ids and the
-            dataset columns; returns one float or None per completion). Training and evaluation both use it.
-    """
-
-    name: str = DEFAULT_TASK
-    size: int = 512
-    eval_size: int = 64
-    seed: int = 0
-    config: dict | None = None
-    reward: str = "task"
+    name: str = field(default=DEFAULT_TASK, metadata=help_of(
+        "a reasoning-gym dataset name (`known_tasks()` lists them)"))
+    size: int = field(default=512, metadata=help_of("number of training examples"))
+    eval_size: int = field(default=64, metadata=help_of("number of held-out examples"))
+    seed: int = field(default=0, metadata=help_of(
+        f"seed of the training split; the held-out split uses seed + {EVAL_SEED_OFFSET}"))
+    config: dict | None = field(default=None, metadata=help_of(
+        "keyword arguments for the dataset's config class, passed as reasoning_gym.create_dataset(name, size=, "
+        "seed=, **config). None (the default) means DEFAULT_TASK_CONFIG for the default task and reasoning-gym's "
+        "own defaults ({}) for any other, so that changing only name never carries the default task's keys over to "
+        "another dataset."))
+    reward: str = field(default="task", metadata=help_of(
+        "the reward of a completion: 'task' (the dataset's own score_answer on the <answer> content), "
+        "'math_verify' (math-verify equivalence with the item's answer), or 'package.module:function', a function "
+        "with TRL's reward signature (keyword arguments prompts, completions, completion_ids and the dataset "
+        "columns; returns one float or None per completion). Training and evaluation both use it"))
 
     def dataset_kwargs(self) -> dict:
         """The keyword arguments for the dataset's config class (``config`` with None resolved)."""

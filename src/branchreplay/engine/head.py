@@ -1,4 +1,5 @@
-"""The LM head as the families' ForCausalLM forwards apply it: logits = transform(lm_head(hidden)).
+"""The LM head: logprobs and entropy at the positions that carry a loss, in checkpointed chunks, with the logits as
+the families' ForCausalLM forwards compute them: logits = transform(lm_head(hidden)).
 
 The engine runs the decoder (the base model) itself and applies the output projection only at positions that carry
 a loss, so every transform that a ForCausalLM forward applies to `lm_head(hidden)` has to be applied here too. They
@@ -17,6 +18,7 @@ import weakref
 from dataclasses import dataclass
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 
 class HeadMismatchError(ValueError):
@@ -91,6 +93,40 @@ def check_head(model, tokens: int = 4) -> None:
         raise HeadMismatchError(
             f"{model.config.model_type}: {type(model).__name__} computes its logits differently from the engine's LM "
             f"head ({transform}): relative difference {err:.2e} on {tokens} tokens. Its forward applies a logit "
-            "transform that branchreplay.state.head does not read; add it there (and a test) before training"
+            "transform that branchreplay.engine.head does not read; add it there (and a test) before training"
         )
     _checked.setdefault(model, set()).add(transform)
+
+
+def token_logprobs(head, transform: LogitTransform, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
+                   chunk_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """[N, H] hidden, [N] targets -> logprobs [N], entropy [N], `chunk_tokens` rows at a time; under autograd each
+    chunk is checkpointed, so its [chunk, V] logits exist only while that chunk is computed (forward or backward)."""
+    targets = targets.to(hidden.device)
+    outs = []
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
+        if torch.is_grad_enabled():
+            outs.append(checkpoint(head_logprobs, head, h, t, temperature, transform, use_reentrant=False))
+        else:
+            outs.append(head_logprobs(head, h, t, temperature, transform))
+    return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, transform: LogitTransform):
+    """log softmax(transform(head(hidden)) / temperature) at `targets`, and the entropy of that distribution.
+    [N, H], [N] -> [N], [N]. `transform` runs in the model's dtype, as transformers' ForCausalLM computes it;
+    half-precision logits are upcast to float32.
+
+    The logprob is the target's logit minus the row's logsumexp, as TRL's `selective_log_softmax`
+    (trl/trainer/utils.py) computes it for float32: on SmolLM2 in float32 (45-token chat prompt, 4 sampled
+    completions) its gradient is 4.8e-5 from float64 where `log_softmax(...).gather(...)` is 5.1e-4 (the naive
+    per-rollout HF computation: 5.3e-4); docs/support.md. The entropy keeps the full log-softmax."""
+    logits = transform(head(hidden))
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    logits = logits / temperature
+    logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    logp_all = torch.log_softmax(logits, dim=-1)  # [N, V]
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logprobs, entropy

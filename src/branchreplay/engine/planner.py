@@ -16,9 +16,14 @@ plus fixed bytes: the parameters' gradients and the LM head's working chunk. Mea
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 import torch
+
+from ..models import max_positions
+from ..tree import Node
+
 
 @dataclass(frozen=True)
 class MemoryModel:
@@ -74,15 +79,82 @@ def saved_bytes(params: list[torch.Tensor], fn) -> int:
     return sum(seen.values())
 
 
-def default_budget(device: torch.device) -> int:
-    """90% of the free memory of `device` (CUDA: torch.cuda.mem_get_info; CPU: MemAvailable of /proc/meminfo)."""
+def available_memory_bytes(device: torch.device) -> int | None:
+    """Bytes `device` can still allocate: CUDA's free memory (torch.cuda.mem_get_info), on the CPU the MemAvailable
+    of /proc/meminfo; None where neither can be read. The one reader of available memory (planner, benchmark)."""
     if device.type == "cuda":
-        return int(torch.cuda.mem_get_info(device)[0] * 0.9)
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(int(line.split()[1]) * 1024 * 0.9)
-    raise RuntimeError("cannot read MemAvailable from /proc/meminfo; set EngineConfig.memory_budget")
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def default_budget(device: torch.device) -> int:
+    """90% of `available_memory_bytes(device)`. Raises RuntimeError where it cannot be read."""
+    available = available_memory_bytes(device)
+    if available is None:
+        raise RuntimeError("cannot read the available memory (MemAvailable of /proc/meminfo); set "
+                           "EngineConfig.memory_budget")
+    return int(available * 0.9)
+
+
+_fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dtype, probe scale): MemoryModel}
+
+
+def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
+    """The `MemoryModel` of `model` for a tree of `tokens` physical positions, fitted once per model, dtype and
+    scale (a weak cache: nothing is kept on the model) from three probe forwards: s-2s tokens against 2s-6s, with
+    s = 256 for trees of 4096 positions or more (the sizes whose kernels real steps use: SDPA picks its path by
+    size), else s = 16 (cheap, and a small tree's memory is small whatever the fit). The probes never pass the
+    model's position limit (GPT-2's learned table): s is at most max_position_embeddings // 7, and a model with
+    fewer than 7 positions, whose trees are a few tokens, gets the fixed bytes only.
+
+    forward(nodes, P, ancestors) -> (hidden [S, H], cache): the engine's pack forward; split: the model runs split
+    prefix attention (`attention.PrefixSplit`)."""
+    head = model.get_output_embeddings().weight
+    scale = 256 if tokens >= 4096 else 16
+    limit = max_positions(model.config)
+    if limit is not None:
+        scale = min(scale, limit // 7)  # the largest probe runs s tokens against 6s: 7s positions
+    fitted = _fitted.setdefault(model, {})
+    if (head.dtype, scale) not in fitted:
+        fitted[head.dtype, scale] = _fit(model, forward, scale, split)
+    return fitted[head.dtype, scale]
+
+
+def _fit(model, forward, s: int, split: bool) -> MemoryModel:
+    """Fit a, b and s of `MemoryModel` from the saved bytes of three probes of scale `s` (none for s = 0)."""
+    head = model.get_output_embeddings().weight
+    vocab, dtype = head.shape[0], head.dtype
+    params = list(model.parameters())
+    g = torch.Generator().manual_seed(0)
+
+    def probe(S, P):
+        prefix = Node(torch.randint(0, vocab, (P,), generator=g), 0, [])
+        with torch.no_grad():
+            _, cache = forward([prefix], 0, [])
+        state = [tuple(t.detach().requires_grad_(True) for t in layer) for layer in cache.node_state(0, P)]
+        node = Node(torch.randint(0, vocab, (S,), generator=g), P, [])
+        leaves = [t for layer in state for t in layer]  # counted as state, not as activations
+        return saved_bytes(params + leaves, lambda: forward([node], P, [state])), state
+
+    per_token = per_key = state_per_token = 0.0
+    if s > 0:
+        b1, state = probe(s, 2 * s)
+        b2, _ = probe(2 * s, 2 * s)
+        b3, _ = probe(s, 6 * s)
+        per_key = max(b3 - b1, 0) / (4 * s)
+        per_token = max((b2 - b1) / s - per_key, 0.0)
+        state_per_token = sum(t.numel() * t.element_size() for layer in state for t in layer) / (2 * s)
+    elem = torch.finfo(dtype).bits // 8
+    grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+    head_per_row = 3 * vocab * max(elem, 4)  # logits, log-softmax, its gradient
+    return MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem, split=split)
 
 
 def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: bool = False,

@@ -1,0 +1,142 @@
+"""Numerics shared by the reference and the engine in exactness checks.
+
+Hugging Face's RMSNorm (Llama, Qwen2, Qwen3, Mistral, ...) casts its input to float32 even in a float64 model:
+`hidden_states.to(torch.float32)`. Both the naive reference and the execution stack then round to float32 there,
+but at slightly different inputs (the sum of the same terms in another order), which turns 1e-16 differences into
+1e-7 ones. `keep_float64` makes those norms compute in float64, on both sides alike, so that a float64 check
+measures the engine and not that cast. The formula is unchanged: weight * x / sqrt(mean(x^2) + eps).
+
+Gemma's RMSNorm (Gemma, Gemma2, Gemma3; q/k norms included) computes x / sqrt(mean(x^2) + eps) * (1 + weight)
+with x and weight cast to float32: patched the same way, same formula, in float64. Gemma2 runs eager attention
+(transformers has no SDPA path with attention logit softcapping), whose softmax is taken in float32
+(`softmax(..., dtype=torch.float32)`); its `eager_attention_forward` (module function of the Gemma2 / Gemma3 model
+files: every such model of the process is affected while `keep_float64` is active, float64 inputs only) is
+replaced by the same computation
+with the softmax in the input's dtype: scores * scaling, softcap * tanh(scores / softcap), + additive mask,
+softmax, dropout, @ values.
+
+The mixture-of-experts routers of Mixtral and Qwen3-MoE take their softmax in float32 too: patched to the same
+formula in float64 (router logits, softmax, top-k, renormalised top-k weights where the model renormalises).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+
+def _rms_norm_float64(module, hidden_states: torch.Tensor) -> torch.Tensor:
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return module.weight * (hidden_states * torch.rsqrt(variance + module.variance_epsilon))
+
+
+def _gemma_rms_norm_float64(module, x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * (1.0 + module.weight)
+
+
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+"""RMSNorm classes computing x / sqrt(mean(x^2) + eps) * (1 + weight) (attribute `eps`)."""
+
+EAGER_FLOAT32_SOFTMAX = ("transformers.models.gemma2.modeling_gemma2", "transformers.models.gemma3.modeling_gemma3")
+"""Model files whose `eager_attention_forward(module, q, k, v, mask, dropout, scaling, softcap)` takes its softmax
+in float32 (checked against transformers 5.24)."""
+
+
+def _eager_attention_float64(original):
+    """`original` (a Gemma2 / Gemma3 `eager_attention_forward`) with its softmax in float64 for float64 inputs."""
+
+    def eager_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None, softcap=None,
+                                **kwargs):
+        if query.dtype != torch.float64:
+            return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                            softcap=softcap, **kwargs)
+        repeat_kv = sys.modules[original.__module__].repeat_kv
+        key_states = repeat_kv(key, module.num_key_value_groups)
+        value_states = repeat_kv(value, module.num_key_value_groups)
+        scaling = module.head_dim**-0.5 if scaling is None else scaling
+        weights = torch.matmul(query, key_states.transpose(2, 3)) * scaling
+        if softcap is not None:
+            weights = torch.tanh(weights / softcap) * softcap
+        if attention_mask is not None:
+            weights = weights + attention_mask
+        weights = F.dropout(torch.softmax(weights, dim=-1), p=dropout, training=module.training)
+        return torch.matmul(weights, value_states).transpose(1, 2).contiguous(), weights
+
+    eager_attention_forward.branchreplay_float64 = True
+    return eager_attention_forward
+
+
+def _top_k_router_float64(module, hidden_states: torch.Tensor):
+    router_logits = F.linear(hidden_states.reshape(-1, module.hidden_dim), module.weight)  # [N, E]
+    top_value, top_index = torch.topk(torch.softmax(router_logits, dim=-1), module.top_k, dim=-1)  # [N, k]
+    if getattr(module, "norm_topk_prob", True):  # Mixtral always renormalises
+        top_value = top_value / top_value.sum(dim=-1, keepdim=True)
+    return router_logits, top_value, top_index
+
+
+MOE_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter")
+"""Router classes returning (logits, top-k softmax weights, top-k indices), softmax in float32."""
+
+
+def _float64_formula(module):
+    """The float64 formula for `module`, or None when it has no float32 cast that `keep_float64` lifts."""
+    name = type(module).__name__
+    if name.endswith("RMSNorm") and hasattr(module, "variance_epsilon") and not name.startswith("Gemma"):
+        return _rms_norm_float64
+    if name in GEMMA_NORMS and hasattr(module, "eps"):
+        return _gemma_rms_norm_float64
+    if name in MOE_ROUTERS:
+        return _top_k_router_float64
+    return None
+
+
+def _in_float64(module, formula, original):
+    """An instance `forward` for `module`: `formula` for float64 input, its own `original` forward otherwise."""
+
+    def forward(x, *args, **kwargs):
+        if x.dtype != torch.float64:
+            return original(x, *args, **kwargs)
+        return formula(module, x)
+
+    forward.branchreplay_float64 = True
+    return forward
+
+
+@contextlib.contextmanager
+def keep_float64(model) -> Iterator[int]:
+    """While inside, the model's RMSNorm modules compute in float64 when their input is float64: Llama-style ones
+    (class name ending in "RMSNorm", attribute `variance_epsilon`, output `weight * normed`) and Gemma's
+    (`GEMMA_NORMS`, output `normed * (1 + weight)`); likewise the MoE routers (`MOE_ROUTERS`) and, for a Gemma2 /
+    Gemma3 model, the eager attention softmax (see the module docstring). Yields how many modules compute in float64.
+
+    On exit every module and module function it touched is restored (nested use on the same model leaves what the
+    outer one set); other models of the process are never affected, except that a Gemma2 / Gemma3 model file's
+    function runs the float64 softmax for float64 inputs while inside."""
+    touched_modules, touched_files, count = [], [], 0
+    try:
+        for module in model.modules():
+            formula = _float64_formula(module)
+            if formula is None:
+                continue
+            count += 1
+            if not getattr(module.forward, "branchreplay_float64", False):
+                touched_modules.append((module, vars(module).get("forward")))
+                module.forward = _in_float64(module, formula, module.forward)
+        for file in sorted({type(m).__module__ for m in model.modules()} & set(EAGER_FLOAT32_SOFTMAX)):
+            hf = sys.modules[file]
+            if not getattr(hf.eager_attention_forward, "branchreplay_float64", False):
+                touched_files.append((hf, hf.eager_attention_forward))
+                hf.eager_attention_forward = _eager_attention_float64(hf.eager_attention_forward)
+        yield count
+    finally:
+        for module, previous in reversed(touched_modules):
+            if previous is None:
+                del module.forward
+            else:
+                module.forward = previous
+        for hf, previous in reversed(touched_files):
+            hf.eager_attention_forward = previous

@@ -1,0 +1,137 @@
+"""First use of a model family outside the registry: the engine against the naive reference on the user's own model.
+
+`EngineConfig.unknown_family="self-check"` (the default of `train`) runs, before the first step, the naive
+reference (`reference.naive_backward`) and the engine (`engine.replay_backward`, the family as
+`families.generic_family` guesses it) on a small random tree of a few hundred tokens (a shared prompt with
+branches of branches, old and reference logprobs off-policy so that clipping and KL are exercised), both in the
+model's dtype (float64 models under `numerics.keep_float64` on both sides); a bfloat16 / float16 model is checked
+on a float32 copy of itself (freed afterwards), since two half-precision computations in different orders differ
+by 1e-2 (measured 1.3e-2 to 2.2e-2 on tiny GPT-NeoX), as much as a 5% error in the logits would make (6.5e-2),
+while in float32 they differ by 1e-6. It refuses the model with the measured error when the max relative
+gradient error exceeds the bound (`BOUNDS`), and otherwise lets training run and logs the error. The verdict is
+kept per model class, config and dtype (`verdict_key`); the trainer stores the verdicts in the run folder
+(`self_check.json`), so a resumed run does not check again.
+
+The bounds sit well above the rounding of two orders of summation and below what a structural mistake gives (a
+logit scale off by 5% makes 5.4e-2; a wrong mask or a missing transform, errors of order 1): float64 1e-6 as
+`branchreplay verify`; float32 (and half precision, checked in float32) 1e-3; measured on tiny GPT-NeoX in
+`tests/test_self_check.py`: about 1e-14 and 1e-6.
+A family with recurrent or hybrid layers that the registry does not know is always refused: its state handling
+cannot be guessed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+
+import torch
+
+from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
+from ..engine.families import FAMILIES, family_of
+from ..losses import GRPOLoss
+from ..tree import RolloutTree
+from .numerics import keep_float64
+from .reference import max_rel_grad_err, naive_backward
+from .shapes import branches_of_branches, make_rollouts, shared_prompt
+
+BOUNDS = {torch.float64: 1e-6, torch.float32: 1e-3}
+"""Max relative gradient error of the engine against the naive reference, by the dtype the check runs in."""
+CHECKED_IN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+"""Half-precision models are checked on a float32 copy (module docstring)."""
+RECURRENT_CONFIG_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache",
+                         "linear_num_value_heads", "d_state", "time_step_rank")
+"""Config fields of recurrent layers (SSM state, short convolutions, linear attention) in transformers' configs."""
+
+
+def ensure_supported(model, engine: EngineConfig, verdicts: dict, log=print) -> bool:
+    """Whether the engine must run `model` as an unregistered family (`force=True` in its calls).
+
+    A registered family: False. An unregistered one, per `engine.unknown_family`: "refuse" raises; "self-check"
+    takes the verdict of `verdicts` ({`verdict_key`: {model_class, dtype, max_rel_grad_err, bound, passed}}, the
+    run folder's cache) or runs `self_check` and adds its verdict there, logs it, and returns True when it passed.
+
+    Raises:
+        UnsupportedModelError: "refuse"; recurrent or hybrid layers the registry does not know; or a self-check
+            whose error exceeds the bound (the message gives the measured error and the bound).
+    """
+    if model.config.model_type in FAMILIES:
+        return False
+    if engine.unknown_family == "refuse":
+        family_of(model)  # raises the refusal that names the family and `branchreplay verify --force`
+    _refuse_recurrent(model)
+    dtype = next(model.parameters()).dtype
+    key = verdict_key(model)
+    if key not in verdicts:
+        error, bound = self_check(model), BOUNDS[CHECKED_IN.get(dtype, dtype)]
+        verdicts[key] = {"model_class": type(model).__name__, "dtype": str(dtype).replace("torch.", ""),
+                         "checked_in": str(CHECKED_IN.get(dtype, dtype)).replace("torch.", ""),
+                         "max_rel_grad_err": error, "bound": bound, "passed": error <= bound}
+    verdict = verdicts[key]
+    name = f"{model.config.model_type} ({verdict['model_class']}, {verdict['dtype']})"
+    if not verdict["passed"]:
+        raise UnsupportedModelError(
+            f"{name} is not in the engine's registry and failed its self-check: max relative gradient error "
+            f"{verdict['max_rel_grad_err']:.2e} against the naive per-rollout computation, above the bound "
+            f"{verdict['bound']:.0e}. Do not train it with branchreplay; `branchreplay verify --model PATH --force` "
+            "shows which tree shapes fail")
+    log(f"{name}: not in the engine's registry; self-check passed (max relative gradient error "
+        f"{verdict['max_rel_grad_err']:.2e} against the naive reference, bound {verdict['bound']:.0e})")
+    return True
+
+
+def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
+    """Max relative gradient error (over parameters) of the engine against the naive reference on a small random
+    tree (~220 tokens: a 64-token prompt with 4 completions, and branches of branches), GRPO loss with KL and
+    entropy, off-policy old logprobs; both in the model's dtype (half precision: on a float32 copy), float64
+    under `keep_float64`. The model's `param.grad` is left as it was found (None)."""
+    dtype = next(model.parameters()).dtype
+    if dtype in CHECKED_IN:
+        return self_check(copy.deepcopy(model).to(CHECKED_IN[dtype]), seed, temperature)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    rollouts = make_rollouts(shared_prompt(64, 4, 24, vocab, g) + branches_of_branches(vocab, g), g)
+    loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
+    engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep")  # crosses packs and chunks
+    numerics = keep_float64(model) if dtype == torch.float64 else contextlib.nullcontext()
+    with numerics:
+        tree = RolloutTree(rollouts)
+        current = replay_logprobs(model, tree, temperature=temperature, engine=engine, force=True).logprobs
+        for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
+            noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
+            r.old_logprobs = (lp.double() + noise) * r.loss_mask
+            r.ref_logprobs = (lp.double() - noise) * r.loss_mask
+        naive = _grads(model, lambda: naive_backward(model, rollouts, loss, temperature=temperature))
+        ours = _grads(model, lambda: replay_backward(model, tree, loss, temperature=temperature, engine=engine,
+                                                     force=True))
+    return max_rel_grad_err(ours, naive)
+
+
+def verdict_key(model) -> str:
+    """sha256 of the model class, its config (every field, as JSON) and its parameter dtype."""
+    text = f"{type(model).__module__}.{type(model).__qualname__}|{model.config.to_json_string(use_diff=False)}|" \
+           f"{next(model.parameters()).dtype}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _refuse_recurrent(model) -> None:
+    config = model.config
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    unknown_layers = layer_types - {"full_attention", "sliding_attention"}
+    recurrent_keys = [k for k in RECURRENT_CONFIG_KEYS if getattr(config, k, None) is not None]
+    convs = any(isinstance(m, torch.nn.Conv1d) for m in model.modules())
+    if unknown_layers or recurrent_keys or convs:
+        what = sorted(unknown_layers) or recurrent_keys or ["Conv1d modules"]
+        raise UnsupportedModelError(
+            f"{config.model_type}: not in the engine's registry and has recurrent or hybrid layers ({', '.join(what)}):"
+            " an unknown family's recurrent state cannot be guessed, so it is refused even with "
+            "engine.unknown_family='self-check'; registering it needs its state in engine/recurrent.py")
+
+
+def _grads(model, run) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    run()
+    out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out

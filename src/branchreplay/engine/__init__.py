@@ -1,0 +1,18 @@
+"""The execution stack over a tree of rollouts: exact forward and backward, each unique position computed once.
+
+    replay_backward(model, trees, loss, engine=EngineConfig())   # gradients into param.grad, as the naive sum's
+    replay_logprobs(model, trees)                                # old-policy or reference logprobs, no graph
+
+Modules: `stack` (the traversal), `masks` (tree masks), `head` (LM-head logprobs in checkpointed chunks),
+`planner` (memory model and replay plan), `attention` (split prefix attention), `families` (the registry),
+`cache` (the prefix cache), `recurrent` (SSM / conv state), `positions` (length-dependent rotary encodings),
+`config` (`EngineConfig`).
+"""
+
+from .config import EngineConfig
+from .families import FAMILIES, UnsupportedModelError
+from .head import HeadMismatchError
+from .stack import replay_backward, replay_logprobs
+
+__all__ = ["FAMILIES", "EngineConfig", "HeadMismatchError", "UnsupportedModelError", "replay_backward",
+           "replay_logprobs"]

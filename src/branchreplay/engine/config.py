@@ -1,0 +1,48 @@
+"""How the execution stack runs a tree: `EngineConfig`, the `engine` section of the run config."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ..fields import check, choice, help_of
+
+Replay = Literal["keep", "replay", "auto"]
+UnknownFamily = Literal["refuse", "self-check"]
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the execution stack runs a tree. None of these change the result, only time and memory (and, with
+    `unknown_family`, whether a model outside the registry runs at all). Each field's help is its metadata."""
+
+    max_pack_tokens: int = field(default=256, metadata=help_of(
+        "most tokens of sibling nodes run as one pack (one query sequence against one copy of their prefix K/V), "
+        ">= 1; a longer node runs alone. A pack costs pack^2 attention scores where its nodes need only the sum of "
+        "their lengths^2 / 2, so long nodes run alone; 256 was fastest on CPU for shared prompts of 1k-16k tokens "
+        "with 256-token responses (docs/benchmarks.md)"))
+    chunk_tokens: int = field(default=4096, metadata=help_of(
+        "a node longer than this runs as a chain of chunks of at most this many tokens, each against the K/V of "
+        "the ones before it, >= 1"))
+    head_chunk_tokens: int = field(default=512, metadata=help_of(
+        "rows of the LM head computed at once, >= 1 (memory: head_chunk_tokens x vocab floats)"))
+    replay: Replay = field(default="auto", metadata=help_of(
+        "'keep' holds every pack's activations until its backward; 'replay' holds only the K/V and last hidden "
+        "state it hands to its children and recomputes its forward before its backward (one more forward per "
+        "internal pack); 'auto' keeps what fits engine.memory_budget and replays the internal packs with the "
+        "largest activations (engine/planner.py)"))
+    memory_budget: int | None = field(default=None, metadata=help_of(
+        "bytes for replay='auto', > 0; default (null): 90% of the device's available memory when the step starts"))
+    unknown_family: UnknownFamily = field(default="refuse", metadata=help_of(
+        "a model family outside the registry (engine/families.py): 'refuse' it, or 'self-check' it before the "
+        "first step (the engine against the naive reference on a small random tree of the model itself, refused "
+        "with the measured error above the dtype's bound; the verdict is cached in the run folder). Recurrent or "
+        "hybrid layers of an unknown family are always refused. `train` defaults to 'self-check'"))
+
+    def __post_init__(self):
+        for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):
+            check(f"engine.{name}", getattr(self, name) >= 1, ">= 1", getattr(self, name))
+        choice("engine.replay", self.replay, Replay)
+        choice("engine.unknown_family", self.unknown_family, UnknownFamily)
+        if self.memory_budget is not None:
+            check("engine.memory_budget", self.memory_budget > 0, "> 0 bytes", self.memory_budget)

@@ -1,0 +1,86 @@
+"""Held-out evaluation: greedy answers to the task's held-out split, scored by the task's reward."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ..models import chat_prompt_ids, load_policy
+from .checkpoint import load_weights
+from .config import Config
+from .rewards import make_reward, score
+from .sampling import Sample, eos_token_ids
+from .tasks import build_messages, load_task
+
+EVAL_BATCH = 16  # held-out prompts decoded together
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None) -> dict:
+    """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
+
+    data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
+    task.reward, see `rewards.make_reward`); progress: called as progress(done, total) after each batch of
+    answers. Returns eval/accuracy (mean score in [0, 1], partial credit
+    included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s."""
+    t0 = time.perf_counter()
+    if data is None:
+        data = load_task(config.task)[1]
+    reward_fn = reward_fn or make_reward(config.task.reward, data)
+    items = [data[i] for i in range(len(data))]
+    prompts = [chat_prompt_ids(tokenizer, build_messages(item["question"])) for item in items]
+    completions = greedy_completions(model, prompts, config.sampling.max_new_tokens, eos_token_ids(model, tokenizer),
+                                     progress=progress)
+    samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]
+    scores = score(reward_fn, tokenizer, items, samples)
+    return {"eval/accuracy": scores.mean().item(), "eval/frac_correct": (scores == 1).float().mean().item(),
+            "eval/mean_length": sum(map(len, completions)) / len(completions), "time/eval_s": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                       batch_size: int = EVAL_BATCH, progress=None) -> list[list[int]]:
+    """Greedy completions (ending with their EOS if any) of `prompts`, `batch_size` at a time, left-padded with an
+    EOS id under an attention mask (HF generate; on SmolLM2 this gave the same tokens as decoding each prompt alone,
+    2.4x faster on 2 CPU cores). progress(done, total) is called before the first batch and after each."""
+    pad, out = min(eos), []
+    for i in range(0, len(prompts), batch_size):
+        if progress is not None:
+            progress(i, len(prompts))
+        chunk = prompts[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                   eos_token_id=sorted(eos), pad_token_id=pad)[:, width:].tolist()
+        for row in generated:
+            end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
+            out.append(row[: end + 1])
+    if progress is not None:
+        progress(len(out), len(prompts))
+    return out
+
+
+def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
+    """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
+    held-out split; prints and returns the metrics."""
+    data = load_task(config.task)[1]  # the task, its reward and the checkpoint's folder before the model's load
+    reward_fn = make_reward(config.task.reward, data)
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
+                                "folder)")
+    model, tokenizer = load_policy(config.model.spec, config.model.dtype, config.model.device)
+    if checkpoint is not None:
+        load_weights(model, checkpoint)
+    metrics = evaluate(model, tokenizer, config, data, reward_fn)
+    table = Table(title=f"held-out {config.task.name} ({config.task.eval_size} items)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4g}")
+    Console().print(table)
+    return metrics

@@ -1,0 +1,38 @@
+"""Shared test fixtures and helpers: the gradients of a model, and tiny random models under float64 numerics.
+
+Every exactness test compares the engine with the naive reference (`branchreplay.check.reference`) on the same
+model; float64 models run under `keep_float64` (HF's RMSNorm and a few softmaxes cast to float32 otherwise, on both
+sides alike), held for the test and restored after it.
+"""
+
+import contextlib
+
+import pytest
+import torch
+
+from branchreplay.check.numerics import keep_float64
+from branchreplay.models import tiny_model
+
+
+def grads(model) -> list[torch.Tensor]:
+    """A copy of every parameter's gradient, zeros where it has none (imported by the tests: `from conftest import
+    grads`)."""
+    return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+@pytest.fixture
+def keep64():
+    """keep64(model) -> model: `keep_float64` on `model` until the test ends, then restored."""
+    with contextlib.ExitStack() as stack:
+
+        def keep(model):
+            stack.enter_context(keep_float64(model))
+            return model
+
+        yield keep
+
+
+@pytest.fixture
+def tiny64(keep64):
+    """tiny64(arch, dtype=torch.float64, **config) -> `tiny_model(arch, dtype, **config)` under `keep64`."""
+    return lambda arch, dtype=torch.float64, **config: keep64(tiny_model(arch, dtype=dtype, **config))
