@@ -1,5 +1,5 @@
-"""Split prefix attention (`branchreplay.attention`): the prefix block unmasked, the pack's own block masked (or
-causal), merged by log-sum-exp, with a hand-written backward. Checked against finite differences (gradcheck),
+"""Split prefix attention (`branchreplay.engine.attention`): the prefix block unmasked, the pack's own block masked
+(or causal), merged by log-sum-exp, with a hand-written backward. Checked against finite differences (gradcheck),
 against one SDPA call over all keys with the full mask, and inside the engine against the naive reference.
 """
 
@@ -9,7 +9,7 @@ import torch
 import branchreplay.engine.attention as attention
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import make_rollouts, shared_prompt
-from branchreplay.engine import EngineConfig, replay_backward
+from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.families import layer_windows
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
@@ -118,8 +118,14 @@ def test_split_is_scoped_to_the_model_and_loud_when_a_marked_call_is_lost():
     split = attention.PrefixSplit(model, layer_windows(model.config), kinds)
     ids = torch.tensor([[3, 1, 4, 1, 5]])
     before = model(ids).logits
+    second = attention.PrefixSplit(model, layer_windows(model.config), kinds)  # built before either enters
     with split:
         assert model.config._attn_implementation == attention.SPLIT_ATTENTION
+        second.__enter__()
+    assert model.config._attn_implementation == attention.SPLIT_ATTENTION  # the other engine is still inside
+    second.__exit__(None, None, None)
+    assert model.config._attn_implementation == "sdpa"
+    with split:
         with attention.PrefixSplit(model, layer_windows(model.config), kinds):
             pass
         assert model.config._attn_implementation == attention.SPLIT_ATTENTION
@@ -150,6 +156,21 @@ def test_split_is_scoped_to_the_model_and_loud_when_a_marked_call_is_lost():
     setattr(k, PREFIX_ATTR, [k[:, :, :4]])
     with pytest.raises(RuntimeError, match="lost the split mark"):
         wrapper(module, q, k, v, None, scaling=0.3)
+
+
+def test_a_model_that_cannot_switch_keeps_the_masked_path(monkeypatch):
+    """transformers only warns when a class cannot switch its attention; the engine then runs the masked SDPA path
+    (split attention off), still exact, instead of marking masks that plain SDPA would misread."""
+    model = tiny_model("llama", dtype=torch.float64, seed=1)
+    monkeypatch.setattr(model, "set_attn_implementation", lambda implementation: None)
+    kinds = ["attention"] * model.config.num_hidden_layers
+    with attention.PrefixSplit(model, layer_windows(model.config), kinds) as split:
+        assert not split.applies and model.config._attn_implementation == "sdpa"
+    g = torch.Generator().manual_seed(2)
+    rollouts = make_rollouts(shared_prompt(30, 3, 5, model.config.vocab_size, g), g)
+    ours = replay_logprobs(model, RolloutTree(rollouts)).logprobs
+    theirs = naive_backward(model, rollouts, None).logprobs
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) <= 1e-6
 
 
 def test_activation_checkpointing_is_refused():

@@ -145,6 +145,8 @@ def test_replay_logprobs_equals_naive_and_builds_no_graph(tiny64):
     err = max((a - b).abs().max().item() for a, b in zip(out.logprobs, ref.logprobs))
     assert err <= 1e-9
     assert out.stats.rollouts == len(rollouts)
+    empty = replay_logprobs(model, [])
+    assert empty.logprobs == [] and empty.loss == 0.0 and empty.stats.rollouts == 0
 
 
 def test_gradients_accumulate_like_backward(tiny64):

@@ -3,7 +3,7 @@ layers, Qwen3-MoE and Mixtral (mixture of experts), and the bounded sliding-wind
 
 Reference: `naive_backward`, the same HF model on each rollout alone. float64 models run with `keep_float64`
 (Gemma norms, Gemma2's eager softmax and the MoE routers compute in float32 otherwise, on both sides alike).
-The shapes of `scenarios.SHAPES` x {float64, float32} for every family run in tests/test_engine.py
+The shapes of `check.shapes.SHAPES` x {float64, float32} for every family run in tests/test_engine.py
 (`test_replay_equals_naive` is parametrised over TINY_ARCHS, which holds these families); here: branch points
 placed around the sliding window, chunks across it, the mask sizes transformers reads from our cache, the state
 kept per branch, and the registry's refusals.
@@ -154,7 +154,7 @@ def test_mask_sizes_match_transformers_sliding_layer(P, tiny64):
 
 
 def test_sliding_state_is_bounded_by_the_window_not_the_prompt():
-    """bench_state: K/V bytes the engine hands a branch. Mistral (every layer slides, W=16): constant in P;
+    """bench.state: K/V bytes the engine hands a branch. Mistral (every layer slides, W=16): constant in P;
     Llama (full attention): proportional to P; both as `state_bytes_per_token` says."""
     lengths = (64, 256, 1024)
     mistral = tiny_model("mistral", max_position_embeddings=2048)
@@ -255,6 +255,15 @@ def test_keep_float64_patches_gemma_norms_routers_and_eager_softmax():
     assert gemma2.eager_attention_forward is original
     assert all("forward" not in vars(m) for m in model.modules())
     assert torch.equal(model(ids).logits, before)
+    with keep_float64(model):  # a deepcopy made inside computes with its own weights
+        import copy
+
+        twin = copy.deepcopy(model)
+        for p in twin.parameters():
+            p.data.mul_(2)
+        norm = [m for m in twin.modules() if type(m).__name__ == "Gemma2RMSNorm"][0]
+        expected = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps) * (1 + norm.weight)
+        assert torch.equal(norm(x), expected)
     moe = tiny_model("qwen3_moe", dtype=torch.float64)
     routers = [m for m in moe.modules() if type(m).__name__ == "Qwen3MoeTopKRouter"]
     with keep_float64(moe) as patched:

@@ -1,4 +1,4 @@
-"""Exactness of the recurrent and hybrid families (state/recurrent.py): the execution stack equals the naive
+"""Exactness of the recurrent and hybrid families (engine/recurrent.py): the execution stack equals the naive
 per-rollout reference (`naive_backward`: each rollout alone through the unmodified HF forward).
 
 Families: Mamba, Mamba2, Bamba (Mamba2 + attention), FalconH1 (attention and Mamba2 in every layer), Jamba (Mamba +

@@ -1,4 +1,4 @@
-"""The LM head's own transforms (state/head.py): every final-logit transform of a ForCausalLM forward is applied by
+"""The LM head's own transforms (engine/head.py): every final-logit transform of a ForCausalLM forward is applied by
 the engine's head, and one it does not know is refused by name instead of run.
 
 Reference: `naive_backward` (the model's own ForCausalLM forward on each rollout alone). On the main branch before

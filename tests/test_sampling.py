@@ -1,4 +1,4 @@
-"""Tests for branchreplay.sampling: shared-prefill group sampling with an optional branching schedule.
+"""Tests for branchreplay.rl.sampling: shared-prefill group sampling with an optional branching schedule.
 
 Every model is a tiny random config built here (nothing downloaded). The reference for logprobs is the same model
 run on prompt + completion alone, without a cache and unpadded.

@@ -72,28 +72,32 @@ def loss_inputs(rollouts, positions: torch.Tensor, logprobs: torch.Tensor, entro
 class LossStats:
     """Sums a loss records from the tensors it computed, over every (rollout, position) pair it trained (weight > 0),
     so that the metrics are token means of the same ratio, clip and KL values as the loss (TRL's `_compute_loss`
-    logs `clip_ratio/*` from the `coef_1` and advantages it just used). Python floats; counts in tokens.
+    logs `clip_ratio/*` from the `coef_1` and advantages it just used).
 
-    tokens: trained (rollout, position) pairs. clipped_low: ratio < 1 - epsilon_low where A < 0. clipped_high:
-    ratio > 1 + epsilon_high where A > 0. entropy: sum of next-token entropies (nats). kl: sum of the k3 estimates
-    (None when the loss has no KL term).
+    sums: [5] float64 on the loss's device, or None before the first node: trained (rollout, position) pairs; of
+    them, ratio < 1 - epsilon_low where A < 0; ratio > 1 + epsilon_high where A > 0; the sum of next-token
+    entropies (nats); the sum of the k3 KL estimates. Kept on the device (no sync per node) until `metrics`.
+    kl: whether the loss had a KL term.
     """
 
-    tokens: float = 0.0
-    clipped_low: float = 0.0
-    clipped_high: float = 0.0
-    entropy: float = 0.0
-    kl: float | None = None
+    sums: torch.Tensor | None = None
+    kl: bool = False
+
+    def add(self, values: torch.Tensor, kl: bool) -> None:
+        """Add one node's [5] sums (in the order of `sums`)."""
+        values = values.detach().to(torch.float64)
+        self.sums = values if self.sums is None else self.sums + values
+        self.kl = self.kl or kl
 
     def metrics(self) -> dict[str, float]:
         """TRL's names: entropy, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean and, with a KL
         term, kl; each a mean over the trained tokens (0 when there were none)."""
-        n = max(self.tokens, 1.0)
-        out = {"entropy": self.entropy / n, "clip_ratio/low_mean": self.clipped_low / n,
-               "clip_ratio/high_mean": self.clipped_high / n,
-               "clip_ratio/region_mean": (self.clipped_low + self.clipped_high) / n}
-        if self.kl is not None:
-            out["kl"] = self.kl / n
+        tokens, low, high, entropy, kl = (self.sums.tolist() if self.sums is not None else [0.0] * 5)
+        n = max(tokens, 1.0)
+        out = {"entropy": entropy / n, "clip_ratio/low_mean": low / n, "clip_ratio/high_mean": high / n,
+               "clip_ratio/region_mean": (low + high) / n}
+        if self.kl:
+            out["kl"] = kl / n
         return out
 
 
@@ -148,20 +152,13 @@ class GRPOLoss:
         """Add this node's trained tokens, clipped ratios, entropy and KL to `stats` (LossStats)."""
         trained = (x.weights > 0).to(ratio.dtype)  # [k, L']
         ratio, A = ratio.detach().expand_as(trained), x.advantages
-        sums = torch.stack([
+        self.stats.add(torch.stack([
             trained.sum(),
             (((ratio < 1 - self.epsilon_low) & (A < 0)) * trained).sum(),
             (((ratio > 1 + self.epsilon_high) & (A > 0)) * trained).sum(),
             (x.entropy.detach() * trained).sum(),
             (kl.detach() * trained).sum() if kl is not None else trained.new_zeros(()),
-        ]).tolist()  # one device sync per node
-        s = self.stats
-        s.tokens += sums[0]
-        s.clipped_low += sums[1]
-        s.clipped_high += sums[2]
-        s.entropy += sums[3]
-        if kl is not None:
-            s.kl = (s.kl or 0.0) + sums[4]
+        ]), kl is not None)
 
 
 LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo"]

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import types
 from collections.abc import Iterator
 
 import torch
@@ -94,16 +95,17 @@ def _float64_formula(module):
     return None
 
 
-def _in_float64(module, formula, original):
-    """An instance `forward` for `module`: `formula` for float64 input, its own `original` forward otherwise."""
+def _in_float64(self, x, *args, **kwargs):
+    """The instance `forward` of a module under `keep_float64`: its float64 formula for float64 input, its own
+    previous forward otherwise. Bound with types.MethodType, and the pair kept on the module, so that a deepcopy of
+    the model computes with the copy's weights."""
+    formula, original = self._branchreplay_float64
+    if x.dtype != torch.float64:
+        return original(x, *args, **kwargs)
+    return formula(self, x)
 
-    def forward(x, *args, **kwargs):
-        if x.dtype != torch.float64:
-            return original(x, *args, **kwargs)
-        return formula(module, x)
 
-    forward.branchreplay_float64 = True
-    return forward
+_in_float64.branchreplay_float64 = True
 
 
 @contextlib.contextmanager
@@ -115,7 +117,8 @@ def keep_float64(model) -> Iterator[int]:
 
     On exit every module and module function it touched is restored (nested use on the same model leaves what the
     outer one set); other models of the process are never affected, except that a Gemma2 / Gemma3 model file's
-    function runs the float64 softmax for float64 inputs while inside."""
+    function runs the float64 softmax for float64 inputs while inside. A deepcopy of the model made inside computes
+    with its own weights and keeps the float64 forwards (it is not restored)."""
     touched_modules, touched_files, count = [], [], 0
     try:
         for module in model.modules():
@@ -125,7 +128,8 @@ def keep_float64(model) -> Iterator[int]:
             count += 1
             if not getattr(module.forward, "branchreplay_float64", False):
                 touched_modules.append((module, vars(module).get("forward")))
-                module.forward = _in_float64(module, formula, module.forward)
+                module._branchreplay_float64 = (formula, module.forward)
+                module.forward = types.MethodType(_in_float64, module)
         for file in sorted({type(m).__module__ for m in model.modules()} & set(EAGER_FLOAT32_SOFTMAX)):
             hf = sys.modules[file]
             if not getattr(hf.eager_attention_forward, "branchreplay_float64", False):
@@ -134,6 +138,7 @@ def keep_float64(model) -> Iterator[int]:
         yield count
     finally:
         for module, previous in reversed(touched_modules):
+            del module._branchreplay_float64
             if previous is None:
                 del module.forward
             else:

@@ -20,6 +20,9 @@ single masked SDPA call.
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -79,7 +82,7 @@ class _SplitAttention(torch.autograd.Function):
 
 def split_sdpa(original):
     """transformers' sdpa attention function, extended: a mask marked by `own_keys_mask` runs `_SplitAttention`
-    on the pack's own keys / values and the prefix pieces they carry (`state.cache.PREFIX_ATTR`); any other call
+    on the pack's own keys / values and the prefix pieces they carry (`cache.PREFIX_ATTR`); any other call
     goes to `original` unchanged. Returns (attn_output [B, S, h, d], None) as transformers'.
     Raises RuntimeError when the two disagree (keys carrying prefix pieces with an unmarked mask, or the reverse) or
     when the layer asks for what split attention does not do (dropout, softcap, sliding window, position bias,
@@ -113,36 +116,66 @@ mask function with `AttentionMaskInterface`, for the root packs that take transf
 
 class PrefixSplit:
     """Whether `model` runs split prefix attention (`applies`; see the module docstring for the conditions).
-    kinds: per decoder layer "attention", "recurrent" or "hybrid" (`families.layer_kinds`); windows: per layer the
+    kinds: per decoder layer "attention", "recurrent" or "hybrid" (`recurrent.layer_kinds`); windows: per layer the
     sliding window or None (`families.layer_windows`).
 
     As a context manager it switches the model to `SPLIT_ATTENTION` while the engine runs, and back to its own
-    implementation on exit (`set_attn_implementation`, in `finally`): nothing of transformers is replaced, and other
-    models of the process never see it. A model where it does not apply is left untouched."""
+    implementations (the model's and its sub-configs') when the last engine on that model exits (a count per model
+    under a lock: engines nested or in threads share the switch). Nothing of transformers is replaced and other
+    models never see it. A model where it does not apply is left untouched; one whose class cannot switch its
+    attention (transformers then only warns) runs the masked SDPA path instead (`applies` turns False)."""
+
+    _active: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> [engines inside, previous]
+    _lock = threading.Lock()
 
     def __init__(self, model, windows: list[int | None], kinds: list[str]):
         config = model.config
         self.model = model
         self.applies = (
-            getattr(config, "_attn_implementation", None) == "sdpa"
+            getattr(config, "_attn_implementation", None) in ("sdpa", SPLIT_ATTENTION)
             and model.device.type == "cpu"
             and model.dtype in (torch.float32, torch.float64)
             and all(w is None for w in windows)
             and all(k == "attention" for k in kinds)
             and getattr(config, "attn_logit_softcapping", None) is None
         )
-        self.previous: list[str] = []
 
     def __enter__(self) -> PrefixSplit:
-        if self.applies:
+        if not self.applies:
+            return self
+        with self._lock:
+            active = self._active.get(self.model)
+            if active is not None:
+                active[0] += 1
+                return self
+            previous = _implementations(self.model.config)
             _register()
-            self.previous.append(self.model.config._attn_implementation)
             self.model.set_attn_implementation(SPLIT_ATTENTION)
+            if self.model.config._attn_implementation != SPLIT_ATTENTION:
+                self.applies = False  # transformers refused the switch: keep the masked path, which is exact
+                return self
+            self._active[self.model] = [1, previous]
         return self
 
     def __exit__(self, *exc) -> None:
-        if self.applies:
-            self.model.set_attn_implementation(self.previous.pop())
+        if not self.applies:
+            return
+        with self._lock:
+            active = self._active[self.model]
+            active[0] -= 1
+            if active[0] == 0:
+                del self._active[self.model]
+                self.model.set_attn_implementation(active[1])
+
+
+def _implementations(config) -> dict[str, str]:
+    """{"": the model's attention implementation, sub-config name: its own} (the form set_attn_implementation takes)."""
+    out = {"": config._attn_implementation}
+    for name in getattr(config, "sub_configs", {}) or {}:
+        sub = getattr(config, name, None)
+        if sub is not None and getattr(sub, "_attn_implementation", None) is not None:
+            out[name] = sub._attn_implementation
+    return out
 
 
 def _register() -> None:

@@ -34,10 +34,11 @@ class EngineConfig:
     memory_budget: int | None = field(default=None, metadata=help_of(
         "bytes for replay='auto', > 0; default (null): 90% of the device's available memory when the step starts"))
     unknown_family: UnknownFamily = field(default="refuse", metadata=help_of(
-        "a model family outside the registry (engine/families.py): 'refuse' it, or 'self-check' it before the "
-        "first step (the engine against the naive reference on a small random tree of the model itself, refused "
-        "with the measured error above the dtype's bound; the verdict is cached in the run folder). Recurrent or "
-        "hybrid layers of an unknown family are always refused. `train` defaults to 'self-check'"))
+        "what `train` does with a model family outside the registry (engine/families.py): 'refuse' it, or "
+        "'self-check' it before the first step (check/self_check.py: the engine against the naive reference on a "
+        "small random tree of the model itself, refused with the measured error above the dtype's bound; the "
+        "verdict is cached in the run folder). Recurrent or hybrid layers of an unknown family are always refused. "
+        "Read by the trainer; a direct replay_backward call refuses an unknown family unless force=True"))
 
     def __post_init__(self):
         for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):

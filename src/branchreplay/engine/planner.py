@@ -103,12 +103,12 @@ def default_budget(device: torch.device) -> int:
     return int(available * 0.9)
 
 
-_fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dtype, probe scale): MemoryModel}
+_fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dtype, scale, split): MemoryModel}
 
 
 def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
-    """The `MemoryModel` of `model` for a tree of `tokens` physical positions, fitted once per model, dtype and
-    scale (a weak cache: nothing is kept on the model) from three probe forwards: s-2s tokens against 2s-6s, with
+    """The `MemoryModel` of `model` for a tree of `tokens` physical positions, fitted once per model, dtype, scale
+_fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dtype, scale, split): model}
     s = 256 for trees of 4096 positions or more (the sizes whose kernels real steps use: SDPA picks its path by
     size), else s = 16 (cheap, and a small tree's memory is small whatever the fit). The probes never pass the
     model's position limit (GPT-2's learned table): s is at most max_position_embeddings // 7, and a model with
@@ -122,9 +122,9 @@ def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
     if limit is not None:
         scale = min(scale, limit // 7)  # the largest probe runs s tokens against 6s: 7s positions
     fitted = _fitted.setdefault(model, {})
-    if (head.dtype, scale) not in fitted:
-        fitted[head.dtype, scale] = _fit(model, forward, scale, split)
-    return fitted[head.dtype, scale]
+    if (head.dtype, scale, split) not in fitted:
+        fitted[head.dtype, scale, split] = _fit(model, forward, scale, split)
+    return fitted[head.dtype, scale, split]
 
 
 def _fit(model, forward, s: int, split: bool) -> MemoryModel:

@@ -26,10 +26,6 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-LENGTH_DEPENDENT = ("longrope", "dynamic")
-"""Rotary types whose frequencies transformers picks per call from the call's length (see the module docstring)."""
-
-
 def _types_of(module) -> dict[str | None, str]:
     """{layer type or None: rope type} of a rotary embedding module (Gemma-style modules key them by layer type)."""
     rope_type = getattr(module, "rope_type", None)
@@ -39,6 +35,8 @@ def _types_of(module) -> dict[str | None, str]:
 
 
 def _length_dependent(rope_type: str) -> bool:
+    """Whether transformers picks this rotary type's frequencies per call from the call's length: "longrope" and
+    the "dynamic" types (module docstring)."""
     return rope_type == "longrope" or "dynamic" in rope_type
 
 

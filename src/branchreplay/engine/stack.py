@@ -28,7 +28,7 @@ import torch
 
 from ..losses import LossFn, loss_inputs
 from ..models import max_positions
-from ..tree import Node, ReplayResult, RolloutTree
+from ..tree import Node, ReplayResult, RolloutTree, TreeStats
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
 from .config import EngineConfig
@@ -64,7 +64,7 @@ def replay_backward(
         force: run a family that is not in the registry, as `families.generic_family` guesses it (for `branchreplay
             verify --force`, which compares the result with the naive reference; never for training).
     A tree whose rollouts fall in different regimes of a length-dependent rotary encoding (longrope, dynamic NTK:
-    `branchreplay.positions`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
+    `engine/positions.py`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
 
     Raises:
         UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported.
@@ -94,7 +94,7 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     run = _Run(model, temperature, engine, loss, force)
-    results = []
+    results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
     with run.prefix_split:  # the model runs split prefix attention until the last tree is done (attention.py)
         for tree in trees:
             run.check(tree)

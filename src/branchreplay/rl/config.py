@@ -238,11 +238,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def help_text() -> str:
     """One line per field: `--section.field  (type, default) help`, for the command's --help (the help is the
     field's metadata, `fields.help_of`)."""
-    lines, defaults = [], Config()
+    lines = []
     for section, cls in SECTIONS.items():
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):
-            default = getattr(getattr(defaults, section), f.name)
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            default = RUN_DEFAULTS.get(section, {}).get(f.name, default)
             lines.append(f"--{section}.{f.name}  ({_kind(hints[f.name])}, default {_plain(default)!r})  "
                          f"{f.metadata.get('help', '')}")
     return "\n".join(lines)
