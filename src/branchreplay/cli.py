@@ -23,6 +23,8 @@ def _verify(args) -> int:
         print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
         return 0
     dtype = DTYPES[args.dtype]
+    if args.nproc > 1:
+        return _verify_data_parallel(args, dtype)
     try:
         if args.model:
             model, _ = load_model(args.model, dtype=dtype)
@@ -88,6 +90,24 @@ def _verify(args) -> int:
         print(f"state per branch: {full} bytes per prefix token (full-attention layers) + at most {sliding} bytes "
               "(sliding-window layers)")
     return 0 if passed else 1
+
+
+def _verify_data_parallel(args, dtype) -> int:
+    """verify --nproc N: the sharded step on N local gloo processes against the naive reference (one JSON object
+    with --json, else one line); exit 1 when not passed."""
+    from .check.verify import verify_data_parallel
+
+    spec = args.model or f"tiny:{args.arch}"
+    summary = {"arch": args.arch if not args.model else args.model, "dtype": args.dtype,
+               **verify_data_parallel(spec, dtype, args.nproc, args.parallel, seed=args.seed, force=args.force)}
+    if args.json:
+        print(json.dumps(summary))
+    else:
+        print(f"{summary['arch']} {args.dtype}, {args.parallel} on {args.nproc} processes: "
+              f"{'PASSED' if summary['passed'] else 'FAILED'} (max relative grad error "
+              f"{summary['max_rel_grad_err']:.2e}, bound {summary['tolerance']:.0e}; {summary['trees']} trees, "
+              f"imbalance {summary['imbalance']:.2f}, {summary['recomputed_positions']} positions recomputed)")
+    return 0 if summary["passed"] else 1
 
 
 def _int_list(text: str) -> list[int]:
@@ -191,6 +211,10 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--list", action="store_true", help="list the supported families and exit")
     v.add_argument("--force", action="store_true",
                    help="run the check on a family that is not in the registry (the engine guesses its layout)")
+    v.add_argument("--nproc", type=int, default=1,
+                   help="check the data-parallel step on this many local processes (gloo) instead")
+    v.add_argument("--parallel", default="fsdp2", choices=["fsdp2", "ddp"],
+                   help="with --nproc: FSDP2 (per decoder layer) or DDP semantics (replicated)")
     v.set_defaults(func=_verify)
 
     b = sub.add_parser("bench", help="naive, padded batch, prompt sharing and branch replay, side by side in one "

@@ -65,7 +65,7 @@ class MemoryBudgetError(RuntimeError):
 
 def saved_bytes(params: list[torch.Tensor], fn) -> int:
     """Bytes of the distinct storages autograd saves for backward while fn() runs (parameters excluded)."""
-    exclude = {p.untyped_storage().data_ptr() for p in params}
+    exclude = {_storage_ptr(p) for p in params}
     seen: dict[int, int] = {}
 
     def pack(t):
@@ -92,6 +92,16 @@ def available_memory_bytes(device: torch.device) -> int | None:
     except OSError:
         pass
     return None
+
+
+def _storage_ptr(t: torch.Tensor) -> int | None:
+    """The data pointer of a tensor's storage; a sharded DTensor parameter (FSDP2) counts by its local shard. The
+    unsharded copy FSDP2 gathers for a forward is the same in every probe, so it cancels in the fit's differences."""
+    local = t.to_local() if hasattr(t, "to_local") else t
+    try:
+        return local.untyped_storage().data_ptr()
+    except RuntimeError:  # a freed (resharded) storage
+        return None
 
 
 def default_budget(device: torch.device) -> int:

@@ -48,6 +48,7 @@ def replay_backward(
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
     force: bool = False,
+    final_backward: contextlib.AbstractContextManager | None = None,
 ) -> ReplayResult:
     """Forward and backward of `loss` over every rollout of `trees`, each unique position computed once.
 
@@ -62,7 +63,10 @@ def replay_backward(
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
         engine: packing, chunking and replay options (`EngineConfig`).
         force: run a family that is not in the registry, as `families.generic_family` guesses it (for `branchreplay
-            verify --force`, which compares the result with the naive reference; never for training).
+            verify --force`, or after `check.self_check` passed).
+        final_backward: a context entered around the call's LAST backward pass (the root pack of the last tree),
+            which always runs, through every layer (with a zero loss if nothing else flows there). Data parallelism
+            uses it to reduce gradients once per step instead of once per pack (`engine/distributed.py`).
     A tree whose rollouts fall in different regimes of a length-dependent rotary encoding (longrope, dynamic NTK:
     `engine/positions.py`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
 
@@ -72,7 +76,7 @@ def replay_backward(
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
-    return _replay(model, trees, loss, temperature, engine, force)
+    return _replay(model, trees, loss, temperature, engine, force, final_backward)
 
 
 @torch.no_grad()
@@ -89,19 +93,23 @@ def replay_logprobs(
     return _replay(model, trees, None, temperature, engine, force)
 
 
-def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool = False) -> ReplayResult:
+def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool = False,
+            final_backward=None) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     run = _Run(model, temperature, engine, loss, force)
     results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
     with run.prefix_split:  # the model runs split prefix attention until the last tree is done (attention.py)
-        for tree in trees:
+        for t, tree in enumerate(trees):
             run.check(tree)
             # rollouts whose full forwards pick other rotary frequencies run as separate sub-forests (positions.py)
             parts, order = [], []
-            for length, members in regimes(run.rotaries, [len(r) for r in tree.rollouts]):
+            groups = regimes(run.rotaries, [len(r) for r in tree.rollouts])
+            for k, (length, members) in enumerate(groups):
                 sub = tree if len(members) == len(tree.rollouts) else RolloutTree([tree.rollouts[i] for i in members])
+                last = t == len(trees) - 1 and k == len(groups) - 1
+                run.final_backward = final_backward if last and loss is not None else None
                 with held_at_length(model, length, run.rotaries):
                     parts.append(run.run_tree(sub))
                 order += members
@@ -139,6 +147,7 @@ class _Run:
         self.head_chunk_tokens = engine.head_chunk_tokens
         self.replay, self.memory_budget = engine.replay, engine.memory_budget
         self.replay_set: set[int] = set()
+        self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)
         self.model = model
         self.loss = loss
         _check_no_dropout(model)
@@ -191,15 +200,18 @@ class _Run:
     # -- traversal ------------------------------------------------------------------------------------------------
 
     def children(self, parent: Node, ancestors: list[NodeState], parent_h: torch.Tensor | None) -> None:
-        """Run the subtrees under `parent`, pack by pack; on return, the ancestors' leaves hold their gradients."""
-        for pack in self.packs_of(parent):
-            self.pack(pack, parent.end, ancestors, parent_h)
+        """Run the subtrees under `parent`, pack by pack; on return, the ancestors' leaves hold their gradients.
+        The last root pack of the run's final tree is the last backward (post-order): it takes `final_backward`."""
+        packs = self.packs_of(parent)
+        for i, pack in enumerate(packs):
+            final = self.final_backward is not None and not ancestors and i == len(packs) - 1
+            self.pack(pack, parent.end, ancestors, parent_h, final)
 
     def packs_of(self, parent: Node) -> list[list[Node]]:
         """The packs in which `parent`'s children run (one node each in a recurrent family)."""
         return _packs(parent.children, 1 if self.family.recurrent else self.max_pack_tokens)
 
-    def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h) -> None:
+    def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h, final: bool = False) -> None:
         """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
 
         Kept: the pack's autograd graph lives while its subtrees run. Replayed: the first forward runs without a
@@ -240,7 +252,12 @@ class _Run:
             self.loss_value += pack_loss.item()
             outputs.append(pack_loss)
             grads.append(torch.ones_like(pack_loss))
-        if outputs:
+        if final:  # the run's last backward: through every layer, inside `final_backward`
+            if not outputs:
+                outputs, grads = [hidden.sum() * 0], [torch.ones((), dtype=hidden.dtype, device=hidden.device)]
+            with self.final_backward:
+                torch.autograd.backward(outputs, grads)
+        elif outputs:
             torch.autograd.backward(outputs, grads)
 
     def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_h) -> torch.Tensor | None:

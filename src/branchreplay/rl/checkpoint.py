@@ -33,10 +33,13 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, keep: int = 2,
-                    extra: dict | None = None) -> Path:
+                    extra: dict | None = None, full_state: tuple[dict, dict] | None = None) -> Path:
     """Write the checkpoint of `step` atomically, point `latest` at it, delete all but the `keep` newest.
 
-    `extra`: small picklable trainer counters, returned by `load_checkpoint`.
+    `extra`: small picklable trainer counters, returned by `load_checkpoint`. `full_state`: (model, optimizer)
+    full state dicts already gathered from the ranks (`full_state`), for a data-parallel run's rank 0; by default
+    they are read from `model` and `optimizer`. The optimizer state is keyed by parameter name
+    (torch.distributed.checkpoint.state_dict's full format), so any world size resumes it.
     Returns the checkpoint folder. Raises OSError on a write failure (the previous checkpoint stays valid)."""
     root = checkpoints_dir(run_dir)
     root.mkdir(parents=True, exist_ok=True)
@@ -47,12 +50,13 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             leftover.unlink(missing_ok=True)
     name = f"step-{step:06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
+    model_state, optimizer_state = full_state or _full_state(model, optimizer)
     try:
-        safetensors.torch.save_model(model, str(tmp / WEIGHTS))
+        safetensors.torch.save_file(_without_tied(model, model_state), str(tmp / WEIGHTS))
         torch.save(
             {
                 "step": step,
-                "optimizer": optimizer.state_dict(),
+                "optimizer": optimizer_state,
                 "scheduler": scheduler.state_dict(),
                 "rng": _rng_state(),
                 "extra": extra or {},
@@ -100,7 +104,14 @@ def load_weights(model, checkpoint: str | Path) -> None:
             raise FileNotFoundError(f"{path} holds no checkpoint ({WEIGHTS} or checkpoints/latest)")
         path = found
     try:
-        safetensors.torch.load_model(model, str(path / WEIGHTS), strict=True)
+        if any(hasattr(p, "to_local") for p in model.parameters()):  # sharded (FSDP2): every rank reads the file
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+            state = safetensors.torch.load_file(str(path / WEIGHTS))
+            state.update({name: state[kept] for name, kept in _tied_names(model).items() if kept in state})
+            set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
+        else:
+            safetensors.torch.load_model(model, str(path / WEIGHTS), strict=True)
     except RuntimeError as e:
         raise ValueError(f"checkpoint {path} does not fit the model (written for another model.spec?): {e}") from e
 
@@ -110,10 +121,50 @@ def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler) -> tupl
     path = Path(checkpoint)
     load_weights(model, path)
     state = torch.load(path / STATE, weights_only=False)  # our own file: numpy RNG state needs pickle
-    optimizer.load_state_dict(state["optimizer"])
+    saved = state["optimizer"]
+    if all(isinstance(k, str) for k in saved.get("state", {})):  # keyed by parameter name: any world size
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        for p in model.parameters():  # torch initialises the optimizer's state only for parameters without grads
+            p.grad = None
+        set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
+    else:  # keyed by position (checkpoints written before data parallelism)
+        optimizer.load_state_dict(saved)
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return int(state["step"]), state["extra"]
+
+
+def full_state(model, optimizer) -> tuple[dict, dict]:
+    """(model, optimizer) full state dicts on the CPU, keyed by parameter name; a collective on every rank of a
+    data-parallel run (FSDP2 shards are gathered), a plain read in one process."""
+    return _full_state(model, optimizer)
+
+
+def _full_state(model, optimizer) -> tuple[dict, dict]:
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                         get_optimizer_state_dict)
+
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+
+
+def _tied_names(model) -> dict[str, str]:
+    """{name of a parameter that repeats an earlier one (tied weights, e.g. lm_head.weight): the earlier name}."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
+def _without_tied(model, state: dict) -> dict:
+    """`state` with one entry per tensor (safetensors refuses shared storage), contiguous, as `save_model` writes."""
+    tied = _tied_names(model)
+    return {k: v.contiguous() for k, v in state.items() if k not in tied}
 
 
 def _complete(root: Path) -> list[Path]:

@@ -5,6 +5,7 @@
     task:     TaskConfig       (from tasks.py) which reasoning-gym dataset, split sizes
     grpo:     GRPOConfig       the objective and the optimizer (TRL GRPOConfig names)
     engine:   EngineConfig     (from engine/config.py) packing, chunking, replay; passed to every engine call
+    parallel: ParallelConfig   data parallelism over torchrun's processes (FSDP2 or DDP semantics)
     train:    TrainConfig      steps, seed, run folder, checkpoint and eval cadence
 
 Precedence: command line > YAML file > dataclass defaults (as torchtitan's config manager). A YAML file holds one
@@ -35,6 +36,7 @@ from .tasks import TaskConfig
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 ScaleRewards = Literal["group", "batch", "none"]
 LRScheduler = Literal["cosine", "constant"]
+ParallelStrategy = Literal["auto", "fsdp2", "ddp"]
 
 
 @dataclass
@@ -131,12 +133,26 @@ class TrainConfig:
         check("train.eval_steps", self.eval_steps >= -1, ">= -1", self.eval_steps)
 
 
+@dataclass
+class ParallelConfig:
+    """Data parallelism over the processes torchrun starts (engine/distributed.py, engine/sharding.py)."""
+
+    strategy: ParallelStrategy = field(default="auto", metadata=help_of(
+        "'fsdp2' (fully_shard per decoder layer, the rest replicated), 'ddp' (every parameter replicated), or "
+        "'auto': fsdp2 when started by torchrun with more than one process, else one process. Gradients are reduced "
+        "once per step; groups go to ranks by predicted cost. fsdp2 / ddp need torchrun's environment"))
+
+    def __post_init__(self):
+        choice("parallel.strategy", self.strategy, ParallelStrategy)
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "sampling": SamplingConfig,
     "task": TaskConfig,
     "grpo": GRPOConfig,
     "engine": EngineConfig,
+    "parallel": ParallelConfig,
     "train": TrainConfig,
 }
 
@@ -159,6 +175,7 @@ class Config:
     task: TaskConfig = field(default_factory=TaskConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     engine: EngineConfig = field(default_factory=lambda: _section("engine"))
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self):

@@ -38,15 +38,18 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from ..check.self_check import ensure_supported
-from ..engine import EngineConfig, replay_backward, replay_logprobs
+from ..engine import FAMILIES, EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
+from ..engine.distributed import DataParallel
+from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, token_weights
 from ..models import chat_prompt_ids, load_policy
 from ..tree import ReplayResult, Rollout, RolloutTree
 from .advantages import group_advantages, group_std
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .checkpoint import full_state, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from .config import Config
 from .evaluation import evaluate
 from .log import MetricsLog, peak_memory_bytes, progress_info, step_line, summarize
+from .parallel import Ranks, launch
 from .rewards import RewardFunctionError, make_reward, score
 from .sampling import Sample, eos_token_ids, sample_group
 from .tasks import build_messages, load_task
@@ -86,7 +89,9 @@ class Trainer:
 
     def __init__(self, config: Config, model=None, tokenizer=None, train_data=None, eval_data=None, reward_fn=None,
                  console: Console | None = None):
-        self.config, self.console = config, console or Console()
+        self.ranks: Ranks | None = launch(config.parallel.strategy, config.to_dict())  # None: one process
+        self.rank = self.ranks.rank if self.ranks else 0
+        self.config, self.console = config, console or Console(quiet=self.rank != 0)
         if train_data is None:  # the task and its reward first: a typo there should not cost a model load
             train_data, eval_data = load_task(config.task)
         reward_fn = reward_fn or make_reward(config.task.reward, train_data)
@@ -100,6 +105,10 @@ class Trainer:
         self.ref_model = None
         if config.grpo.beta > 0:  # frozen initial weights; copied before any checkpoint is loaded
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
+        self.dp = None
+        if self.ranks is not None:  # after the reference copy: fully_shard changes the model in place
+            strategy = "fsdp2" if config.parallel.strategy == "auto" else config.parallel.strategy
+            self.dp = DataParallel(model, strategy, device=model.device.type)
         g = config.grpo
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = torch.optim.AdamW(self.params, lr=g.learning_rate, weight_decay=g.weight_decay)
@@ -117,13 +126,30 @@ class Trainer:
         cfg, G = self.config, self.config.grpo.num_generations
         items = [self.train_data[i] for i in prompt_indices(len(self.train_data), cfg.grpo.prompts_per_step,
                                                             cfg.train.seed, step)]
-        generator = torch.Generator(self.model.device).manual_seed(_mix(cfg.train.seed, step))
         prompt_ids = [chat_prompt_ids(self.tokenizer, build_messages(item["question"])) for item in items]
-        samples = []
-        for k, ids in enumerate(prompt_ids):
-            self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
-            samples.append(sample_group(self.model, ids, G, cfg.sampling, self.eos_ids, generator))
-        rewards = score(self.reward_fn, self.tokenizer, items, samples)
+        mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
+        samples, rewards, error = {}, {}, None
+        with self.gathered():
+            for k in mine:  # each group its own stream: its samples do not depend on the world size
+                self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
+                generator = torch.Generator(self.model.device).manual_seed(_mix(_mix(cfg.train.seed, step), k))
+                samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids, generator)
+        try:
+            if mine:
+                scores = score(self.reward_fn, self.tokenizer, [items[k] for k in mine], [samples[k] for k in mine])
+                rewards = dict(zip(mine, scores.split(G)))
+        except RewardFunctionError as e:
+            error = str(e)
+        if self.ranks is not None:  # every rank gets the whole batch (token ids, logprobs and rewards: small)
+            parts = self.ranks.gather((samples, rewards, error))
+            error = next((e for _, _, e in parts if e is not None), None)
+            for s_part, r_part, _ in parts:
+                samples.update(s_part)
+                rewards.update(r_part)
+        if error is not None:
+            raise RewardFunctionError(error)
+        samples = [samples[k] for k in range(len(items))]
+        rewards = torch.cat([rewards[k] for k in range(len(items))])
         groups = [i for i, group in enumerate(samples) for _ in group]
         advantages = group_advantages(rewards, groups, cfg.grpo.scale_rewards)
         std = group_std(rewards, groups) if cfg.grpo.scale_rewards != "batch" else rewards.std().expand_as(rewards)
@@ -142,15 +168,18 @@ class Trainer:
         trees = [RolloutTree(group) for group in batch.rollouts]
         trained = [t for t in trees if g.beta > 0 or g.entropy_coef > 0 or
                    any(r.advantages.any() and r.weights.any() for r in t.rollouts)]
-        if trained and g.num_iterations > 1:  # the sampling policy's logprobs, before the first update
-            old = replay_logprobs(self.model, trained, temperature=temperature, engine=engine,
-                                  force=self.force).logprobs
-            for r, lp in zip(_rollouts(trained), old):
+        plan = shard(trained, self.ranks.world_size, self.model.config) if self.ranks and trained else None
+        local = plan.parts[self.rank] if plan else trained  # this rank's trees (engine/sharding.py)
+        if local and g.num_iterations > 1:  # the sampling policy's logprobs, before the first update
+            with self.gathered():
+                old = replay_logprobs(self.model, local, temperature=temperature, engine=engine,
+                                      force=self.force).logprobs
+            for r, lp in zip(_rollouts(local), old):
                 r.old_logprobs = lp
-        if trained and g.beta > 0:
-            ref = replay_logprobs(self.ref_model, trained, temperature=temperature, engine=engine,
+        if local and g.beta > 0:  # the reference model is a full copy on every rank
+            ref = replay_logprobs(self.ref_model, local, temperature=temperature, engine=engine,
                                   force=self.force).logprobs
-            for r, lp in zip(_rollouts(trained), ref):
+            for r, lp in zip(_rollouts(local), ref):
                 r.ref_logprobs = lp
         loss_fn = GRPOLoss(g.epsilon, g.epsilon_high, g.beta, g.entropy_coef)
         history = []
@@ -158,19 +187,46 @@ class Trainer:
             for p in self.params:  # zeros, not None: AdamW then moves every parameter as TRL's would
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
             loss_fn.stats = LossStats()  # the clip, KL and entropy sums of this update (losses.py)
-            result = accumulate(self.model, trained, loss_fn, g.micro_batch_prompts, temperature, engine,
-                                self.force) if trained else None
-            grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
+            if self.dp is None:
+                result = accumulate(self.model, local, loss_fn, g.micro_batch_prompts, temperature, engine,
+                                    self.force) if local else None
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
+            else:  # every rank has the same `trained`: all of them run the collectives, or none
+                result = self.accumulate_sharded(local, loss_fn) if trained else None
+                grad_norm = self.dp.clip_grad_norm_(g.max_grad_norm)
             lr = self.scheduler.get_last_lr()[0]
             self.optimizer.step()
             self.scheduler.step()
             history.append({"loss": result.loss if result else 0.0, "grad_norm": grad_norm, "learning_rate": lr,
                             **(loss_fn.stats.metrics() if result else {})})
         out = {k: sum(h[k] for h in history) / len(history) for k in history[-1]}
+        if plan is not None:
+            out.update({"dist/world_size": self.ranks.world_size, "dist/imbalance": plan.imbalance,
+                        "dist/recomputed_positions": plan.recomputed_positions,
+                        **{f"dist/physical_tokens/rank{r}": n for r, n in enumerate(plan.physical_tokens)}})
         stats = sum((t.stats for t in trees[1:]), trees[0].stats)
         out.update({"tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
                     "tree/token_ratio": stats.token_ratio})
         return out
+
+    def accumulate_sharded(self, local: list[RolloutTree], loss_fn: GRPOLoss) -> ReplayResult:
+        """This rank's trees forward and backward (micro-batched), the gradient reduced once over the ranks; the
+        loss and the loss statistics summed over the ranks (every rank returns the step's totals)."""
+        g = self.config.grpo
+        with self.dp.accumulate():
+            result = accumulate(self.model, local, loss_fn, g.micro_batch_prompts, self.config.sampling.temperature,
+                                self.config.engine, self.force, final_backward=self.dp.final_sync())
+        self.dp.reduce_replicated()
+        sums = loss_fn.stats.sums if loss_fn.stats.sums is not None else torch.zeros(5, dtype=torch.float64)
+        totals = self.ranks.sum([result.loss, *sums.tolist()])
+        result.loss = totals[0]
+        loss_fn.stats.sums = torch.tensor(totals[1:], dtype=torch.float64)
+        loss_fn.stats.kl = g.beta != 0
+        return result
+
+    def gathered(self):
+        """The FSDP2 layers' full parameters while inside (sampling and logprob forwards: any number per rank)."""
+        return self.dp.gathered() if self.dp is not None else contextlib.nullcontext()
 
     def train_step(self, step: int) -> dict | None:
         """generate + update; returns the step's metrics, or None (with a warning) when the reward failed."""
@@ -220,20 +276,22 @@ class Trainer:
             self.step, extra = load_checkpoint(found, self.model, self.optimizer, self.scheduler)
             self.num_tokens = extra.get("num_tokens", 0)
             self.console.print(f"resumed {run_dir} from {found.name}")
-        run_dir.mkdir(parents=True, exist_ok=True)
         self.config.train.output_dir = str(run_dir)
-        self.config.save(run_dir / "config.yaml")
+        if self.rank == 0:  # rank 0 alone writes the run folder
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.config.save(run_dir / "config.yaml")
         self.force = self.check_family(run_dir)
-        log = MetricsLog(run_dir, truncate_after=self.step)
+        log = MetricsLog(run_dir, truncate_after=self.step) if self.rank == 0 else _NoLog()
         stop: list[str] = []
         try:
             with _stop_on_signals(stop, self.console):
                 self._loop(run_dir, log, stop)
         finally:
             log.close()
-        if stop:
+        if self.stopping(stop):
             raise TrainingInterrupted(run_dir, self.step)
-        summarize(self.console, run_dir, log.records)
+        if self.rank == 0:
+            summarize(self.console, run_dir, log.records)
         return run_dir
 
     def _loop(self, run_dir: Path, log: MetricsLog, stop: list) -> None:
@@ -247,7 +305,7 @@ class Trainer:
             if self.step == 0 and not log.records and cfg.eval_steps >= 0:
                 log.write({"step": 0, **self.evaluate()})
                 bar.console.print(step_line(log.records[-1], cfg.steps))
-            while self.step < cfg.steps and not stop:
+            while self.step < cfg.steps and not self.stopping(stop):
                 record = self.train_step(self.step + 1) or {"step": self.step + 1}
                 self.step += 1
                 last = self.step == cfg.steps
@@ -262,9 +320,20 @@ class Trainer:
         if found is None or found.name != f"step-{self.step:06d}":
             self.save(run_dir)
 
+    def stopping(self, stop: list) -> bool:
+        """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
+        return self.ranks.any(bool(stop)) if self.ranks else bool(stop)
+
     def check_family(self, run_dir: Path) -> bool:
         """`check.self_check.ensure_supported` on the policy, its verdicts kept in run_dir/self_check.json
-        (written atomically); True when the family is unregistered and passed (the engine then runs it forced)."""
+        (written atomically); True when the family is unregistered and passed (the engine then runs it forced).
+        Raises UnsupportedModelError for an unregistered family in a data-parallel run (not checked there yet)."""
+        if self.ranks is not None:
+            if self.model.config.model_type not in FAMILIES:
+                raise UnsupportedModelError(
+                    f"{self.model.config.model_type}: not in the engine's registry, and its self-check runs in one "
+                    "process only: run `branchreplay train` once without torchrun to check it")
+            return False
         path = run_dir / SELF_CHECK
         verdicts = json.loads(path.read_text()) if path.is_file() else {}
         known = dict(verdicts)
@@ -275,24 +344,37 @@ class Trainer:
                 write_atomic(path, json.dumps(verdicts, indent=1))
 
     def save(self, run_dir: Path) -> Path:
-        return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
-                               keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens})
+        """The checkpoint of the current step: gathered from every rank, written by rank 0 (atomically)."""
+        state = full_state(self.model, self.optimizer) if self.ranks else None
+        path = run_dir / "checkpoints" / f"step-{self.step:06d}"
+        if self.rank == 0:
+            path = save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
+                                   keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
+                                   full_state=state)
+        if self.ranks:
+            torch.distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
+        return path
 
     def evaluate(self) -> dict:
-        return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.reward_fn,
-                        progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"))
+        """The held-out score (every rank evaluates the whole split, with the full parameters)."""
+        with self.gathered():
+            return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.reward_fn,
+                            progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"))
 
 
 # -- pieces ---------------------------------------------------------------------------------------------------------
 
 def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, temperature: float,
-               engine: EngineConfig = EngineConfig(), force: bool = False) -> ReplayResult:
+               engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None) -> ReplayResult:
     """`replay_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once), with the
-    run's `engine` section; gradients accumulate in param.grad. Returns the results merged (`ReplayResult.merge`)."""
-    size = micro_batch_prompts or len(trees)
+    run's `engine` section; gradients accumulate in param.grad. `final_backward` (data parallelism: the gradient
+    sync) wraps the last micro-batch's last backward. Returns the results merged (`ReplayResult.merge`)."""
+    size = micro_batch_prompts or len(trees) or 1
+    starts = list(range(0, len(trees), size)) or [0]
     return ReplayResult.merge([replay_backward(model, trees[i : i + size], loss, temperature=temperature,
-                                               engine=engine, force=force)
-                               for i in range(0, len(trees), size)])
+                                               engine=engine, force=force,
+                                               final_backward=final_backward if i == starts[-1] else None)
+                               for i in starts])
 
 
 def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
@@ -304,6 +386,19 @@ def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(seed, -1 - epoch)))
         out.append(int(perm[pos]))
     return out
+
+
+class _NoLog:
+    """The metrics log of a rank other than 0: records kept in memory, nothing written."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
 
 
 def _mix(seed: int, k: int) -> int:
@@ -339,7 +434,12 @@ def _stop_on_signals(stop: list, console: Console):
 # -- entry point for cli.py -------------------------------------------------------------------------------------
 
 def train(config: Config, resume: str | None = None) -> Path:
-    """Build the model, task and trainer from `config` and train; returns the run folder."""
-    return Trainer(config).fit(resume)
+    """Build the model, task and trainer from `config` and train; returns the run folder. Under torchrun every rank
+    calls it (rl/parallel.py); the process group is closed at the end."""
+    try:
+        return Trainer(config).fit(resume)
+    finally:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
 
 

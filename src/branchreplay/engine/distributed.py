@@ -1,0 +1,192 @@
+"""Data parallelism for the execution stack on torch.distributed: FSDP2 (`fully_shard` per decoder layer) or DDP
+semantics (replicated parameters), with the gradient reduced ONCE per step although a step runs one backward per
+pack.
+
+FSDP2: every decoder layer is a `fully_shard` unit on a 1-D device mesh. Ranks run different trees, hence different
+numbers of pack forwards and backwards, so no collective may depend on a pack: at the start of a step every layer
+is unsharded once (`unshard()`: one all-gather per layer per step, parameter bytes x (world - 1) / world), with
+`reshard_after_forward=False` and `set_reshard_after_backward(False)` it stays unsharded through every pack, its
+gradient sync is off (`set_requires_gradient_sync(False)`: unsharded gradients accumulate locally) for every
+backward but the step's last, which `replay_backward` runs inside `final_sync()` (its `final_backward`), once on
+every rank and through every layer: each layer then reduce-scatters the step's gradient once, in the same order on
+every rank; the layers are resharded when the step ends. Per-pack all-gathers (`reshard_after_forward=True`) would
+hold less memory but deadlock as soon as two ranks run different numbers of packs. So during a step a rank holds
+the full parameters and full gradients, and between steps (optimizer state included) only its shards: ZeRO-2's
+memory during the step, ZeRO-3's outside it. The parameters outside the layers (embeddings, final norm, LM head,
+which the engine calls directly, outside the decoder layers' forwards) are replicated and their gradients
+all-reduced once per step.
+
+DDP semantics: every parameter is replicated (broadcast from rank 0) and the gradients are all-reduced once per step
+(flattened, one collective). torch's DistributedDataParallel is not used: its reducer expects one backward per
+forward of the wrapped module, and the engine runs many backward passes against one forward of each pack.
+
+Reductions SUM over ranks on every backend: the loss weights are computed over the whole step (`losses.token_weights`
+with the step's counts), so the sum of the ranks' gradients is the single-process gradient. FSDP2 averages on nccl
+and sums on gloo (PyTorch issue 162338): `set_gradient_divide_factor(1.0)` and `set_force_sum_reduction_for_comms`
+make it a sum on both.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
+Strategy = Literal["fsdp2", "ddp"]
+
+
+def decoder_layers(model) -> list[torch.nn.Module]:
+    """The decoder layers of a Hugging Face causal LM (`model.<base>.layers`, GPT-2's `h`). Raises ValueError when
+    the model has neither."""
+    base = getattr(model, model.base_model_prefix)
+    layers = getattr(base, "layers", None) or getattr(base, "h", None)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__}: no decoder layers found (expected .layers or .h on "
+                         f"{type(base).__name__}); FSDP2 needs them to shard per layer")
+    return list(layers)
+
+
+class DataParallel:
+    """`model` data-parallel over the default process group (module docstring). `strategy`: "fsdp2" or "ddp";
+    `device`: the model's device type ("cpu" for gloo: an explicit CPU mesh even on a machine with CUDA, PyTorch
+    issue 132471). Construct it on every rank with the same model configuration."""
+
+    def __init__(self, model, strategy: Strategy, device: str = "cpu"):
+        if not dist.is_initialized():
+            raise RuntimeError("DataParallel needs torch.distributed initialised: start with torchrun (it sets RANK, "
+                               "WORLD_SIZE, MASTER_ADDR) and call branchreplay.engine.distributed.init()")
+        self.model, self.strategy = model, strategy
+        self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
+        self.layers = decoder_layers(model) if strategy == "fsdp2" else []
+        layer_params = {id(p) for layer in self.layers for p in layer.parameters()}
+        self.replicated = [p for p in model.parameters() if id(p) not in layer_params]
+        for p in model.parameters():  # every rank starts from rank 0's weights
+            dist.broadcast(p.data, src=0)
+        if strategy == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            self.mesh = init_device_mesh(device, (self.world_size,))
+            for layer in self.layers:
+                fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
+                layer.set_gradient_divide_factor(1.0)
+                layer.set_force_sum_reduction_for_comms(True)
+                layer.set_reshard_after_backward(False)
+
+    @contextlib.contextmanager
+    def gathered(self) -> Iterator[None]:
+        """While inside, the FSDP2 layers hold their full parameters (one all-gather per layer, on every rank alike),
+        so that forwards and backwards, however many each rank runs (sampling, packs), need no collective;
+        resharded on exit (before the optimizer step, which updates the shards)."""
+        for layer in self.layers:
+            layer.unshard()
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.reshard()
+
+    def no_sync(self):
+        """While inside, backward passes accumulate local gradients without any collective (until `final_sync`)."""
+        return self._gradient_sync(False)
+
+    @contextlib.contextmanager
+    def accumulate(self) -> Iterator[None]:
+        """One step's backward passes: `gathered` and `no_sync` together."""
+        with self.gathered(), self.no_sync():
+            yield
+
+    def final_sync(self):
+        """Around the step's last backward: the FSDP2 layers reduce-scatter the accumulated gradient (a sum)."""
+        return self._gradient_sync(True)
+
+    @contextlib.contextmanager
+    def _gradient_sync(self, enabled: bool) -> Iterator[None]:
+        """The FSDP2 layers' gradient sync set to `enabled` while inside, and to the opposite on exit."""
+        for layer in self.layers:
+            layer.set_requires_gradient_sync(enabled)
+        try:
+            yield
+        finally:
+            for layer in self.layers:
+                layer.set_requires_gradient_sync(not enabled)
+
+    def reduce_replicated(self) -> None:
+        """All-reduce (sum) the gradients of the replicated parameters, in one flattened collective. A parameter
+        without a gradient on a rank counts as zero there."""
+        params = [p for p in self.replicated if p.requires_grad]
+        if not params:
+            return
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            p.grad = flat[offset : offset + n].view_as(p).clone()
+            offset += n
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> float:
+        """Clip the reduced gradients to a total L2 norm of `max_norm`, as torch.nn.utils.clip_grad_norm_ (scale
+        max_norm / (norm + 1e-6) when below 1), with the norm over the whole model: the FSDP2 shards' squares summed
+        over ranks, the replicated parameters counted once. Returns the norm before clipping."""
+        local = torch.zeros((), dtype=torch.float64)
+        replicated = torch.zeros((), dtype=torch.float64)
+        for p in self.model.parameters():
+            if p.grad is None:
+                continue
+            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+            if hasattr(p.grad, "to_local"):
+                local += g.double().pow(2).sum().cpu()
+            else:
+                replicated += g.double().pow(2).sum().cpu()
+        dist.all_reduce(local)
+        norm = float((local + replicated).sqrt())
+        coef = min(max_norm / (norm + 1e-6), 1.0)
+        if coef < 1.0:
+            for p in self.model.parameters():
+                if p.grad is not None:
+                    p.grad.mul_(coef)
+        return norm
+
+    def full_grads(self) -> list[torch.Tensor]:
+        """Every parameter's reduced gradient as a full (unsharded) tensor, zeros where none (for checks)."""
+        out = []
+        for p in self.model.parameters():
+            g = p.grad if p.grad is not None else torch.zeros_like(p)
+            out.append(g.full_tensor() if hasattr(g, "full_tensor") else g)
+        return out
+
+
+def init(backend: str | None = None) -> tuple[int, int]:
+    """`init_process_group` from the torchrun environment (gloo on CPU, nccl when CUDA is available unless
+    `backend`); returns (rank, world_size). Raises RuntimeError without the torchrun environment."""
+    import os
+
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise RuntimeError("no torchrun environment (RANK, WORLD_SIZE): launch with `torchrun --nproc_per_node N "
+                           "-m branchreplay ...`, or drop --parallel.strategy for one process")
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    return dist.get_rank(), dist.get_world_size()
+
+
+def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
+                            force: bool = False):
+    """`replay_backward` of this rank's share of `trees` (`sharding.shard`, the same plan on every rank), the
+    gradient reduced once: afterwards every rank's gradient is the sum over all ranks, i.e. the single-process
+    gradient of all `trees` (FSDP2 layers: this rank's shard of it). Returns (this rank's `ReplayResult`, the
+    `ShardPlan`). Every rank must call it with the same trees."""
+    from .config import EngineConfig
+    from .sharding import shard
+    from .stack import replay_backward
+
+    plan = shard(list(trees), dp.world_size, dp.model.config)
+    with dp.accumulate():
+        result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
+                                 engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync())
+    dp.reduce_replicated()
+    return result, plan

@@ -1,0 +1,206 @@
+"""Data parallelism on 2 CPU processes with gloo (`engine/distributed.py`, `engine/sharding.py`): under FSDP2 and DDP
+semantics the reduced gradient of a step equals the single-process gradient of the same trees, for whole groups,
+uneven groups, one group split over both ranks, and a recurrent family; parameters after 3 AdamW steps too."""
+
+import json
+import os
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.engine.sharding import shard
+from branchreplay.models import tiny_model
+from branchreplay.tree import RolloutTree
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def _trees(case: str, vocab: int, seed: int = 0) -> list[RolloutTree]:
+    g = torch.Generator().manual_seed(seed)
+    sizes = {"four-groups": [(24, 3, 6)] * 4, "one-group-split": [(40, 6, 8)],
+             "uneven-groups": [(60, 4, 10), (10, 2, 4), (20, 3, 5)], "recurrent": [(16, 3, 5)] * 2}[case]
+    return [RolloutTree(make_rollouts(shared_prompt(P, G, R, vocab, g), g)) for P, G, R in sizes]
+
+
+CASES = [("llama", "four-groups", torch.float64), ("llama", "one-group-split", torch.float64),
+         ("llama", "uneven-groups", torch.float32), ("lfm2", "recurrent", torch.float64)]
+
+
+def _worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from branchreplay.check.numerics import keep_float64
+    from branchreplay.check.reference import max_rel_grad_err
+    from branchreplay.engine import replay_backward
+    from branchreplay.engine.distributed import DataParallel, replay_backward_sharded
+    from branchreplay.losses import GRPOLoss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    report = {}
+    try:
+        for arch, case, dtype in CASES:
+            single, model = tiny_model(arch, dtype=dtype, seed=0), tiny_model(arch, dtype=dtype, seed=0)
+            trees = _trees(case, single.config.vocab_size)
+            loss = GRPOLoss(entropy_coef=0.01)
+            with keep_float64(single), keep_float64(model):
+                replay_backward(single, trees, loss)
+                expected = [p.grad.clone() for p in single.parameters()]
+                dp = DataParallel(model, strategy)
+                _, plan = replay_backward_sharded(dp, trees, loss)
+                report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "tol": TOL[dtype],
+                                "physical": plan.physical_tokens, "recomputed": plan.recomputed_positions}
+        # three AdamW steps on 4 groups, against the same steps in one process
+        single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+        dp = DataParallel(model, strategy)
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, model)]
+        loss = GRPOLoss()
+        with keep_float64(single), keep_float64(model):
+            for step in range(3):
+                trees = _trees("four-groups", 256, seed=step)
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
+                replay_backward(single, trees, loss)
+                replay_backward_sharded(dp, trees, loss)
+                for opt in opts:
+                    opt.step()
+        params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+        report["adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in single.parameters()]),
+                                   "tol": 1e-10}
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_sharded_step_equals_single_process(strategy, tmp_path):
+    mp.spawn(_worker, args=(2, _free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert set(report) == {case for _, case, _ in CASES} | {"adamw-3-steps"}
+        for case, r in report.items():
+            assert r["err"] <= r["tol"], f"{strategy} rank {rank} {case}: max relative error {r['err']:.2e}"
+        assert report["one-group-split"]["recomputed"] > 0  # both ranks ran the shared prompt
+
+
+def test_plan_keeps_groups_whole_and_balances_largest_first():
+    config = tiny_model("llama").config
+    trees = _trees("uneven-groups", 256)
+    plan = shard(trees, 2, config)
+    assert sorted(sum(plan.sources, [])) == [0, 1, 2] and plan.recomputed_positions == 0
+    assert plan.sources[0] == [0] and sorted(plan.sources[1]) == [1, 2]  # the largest alone, the two small together
+    split = shard(_trees("one-group-split", 256), 2, config)
+    assert [len(p) for p in split.parts] == [1, 1] and split.recomputed_positions == 40  # the prompt, once more
+    assert sum(len(t.rollouts) for p in split.parts for t in p) == 6
+    with pytest.raises(ValueError, match="rollouts for 8 ranks"):
+        shard(_trees("recurrent", 256)[:1], 8, config)
+
+
+# -- the trainer under torchrun's environment ---------------------------------------------------------------------
+
+def _train_config(tmp_path, steps: int, strategy: str = "auto", run: str = "run"):
+    from test_trainer import make_config
+
+    return make_config(tmp_path, grpo={"prompts_per_step": 3}, parallel={"strategy": strategy},
+                       train={"steps": steps, "output_dir": str(tmp_path / run), "save_steps": 2})
+
+
+def _train_worker(rank: int, world: int, port: int, tmp: str, steps: int, strategy: str, run: str,
+                  resume: bool) -> None:
+    from pathlib import Path
+
+    from test_trainer import make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    try:
+        trainer = make_trainer(_train_config(Path(tmp), steps, strategy, run), dtype=torch.float64)
+        trainer.fit(resume=Path(tmp) / run if resume else None)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _records(run_dir) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, tmp_path):
+    """3 groups on 2 ranks (uneven: one rank runs two): every step's reward, loss and grad norm equal the
+    single-process run's; a checkpoint written at step 2 by 2 ranks resumes on 1 and on 2 processes to the same
+    step-3 metrics as the uninterrupted run."""
+    from test_trainer import make_trainer
+
+    single = make_trainer(_train_config(tmp_path, 3, run="single"), dtype=torch.float64).fit()
+    expected = _records(single)
+    mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 2, strategy, "two", False), nprocs=2, join=True)
+    two = _records(tmp_path / "two")
+    assert two[-1]["dist/world_size"] == 2 and len(two) == 2
+    for ours, theirs in zip(two, expected):
+        for key in ("reward", "loss", "grad_norm", "tree/physical_tokens"):
+            assert abs(ours[key] - theirs[key]) <= 1e-9 * max(1.0, abs(theirs[key])), (key, ours, theirs)
+    import shutil
+
+    shutil.copytree(tmp_path / "two", tmp_path / "again")
+    make_trainer(_train_config(tmp_path, 3, run="two"), dtype=torch.float64).fit(resume=tmp_path / "two")  # on 1
+    mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 3, strategy, "again", True), nprocs=2, join=True)
+    for run in ("two", "again"):
+        last = _records(tmp_path / run)[-1]
+        assert last["step"] == 3
+        for key in ("reward", "loss", "grad_norm"):
+            assert abs(last[key] - expected[-1][key]) <= 1e-9 * max(1.0, abs(expected[-1][key])), (run, key)
+
+
+def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    from branchreplay.rl.parallel import launch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    import torch.distributed as dist
+
+    try:
+        launch("auto", {"train": {"seed": rank}})  # rank 1 was started with another seed
+    except ValueError as e:
+        with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
+            f.write(str(e))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
+    """--parallel.strategy fsdp2 without torchrun, and ranks started with different configurations."""
+    from branchreplay.rl.parallel import launch
+
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert launch("auto", {}) is None
+    with pytest.raises(ValueError, match="parallel.strategy='fsdp2' needs torchrun"):
+        launch("fsdp2", {})
+    mp.spawn(_config_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        assert "ranks [1] were started with a configuration different" in (tmp_path / f"rank{rank}.txt").read_text()
+
+
+def test_cli_verify_on_two_processes(capsys):
+    """`branchreplay verify --nproc 2 --parallel fsdp2 --arch llama --json`: one JSON object, passed, exit 0."""
+    from branchreplay.cli import main
+
+    assert main(["verify", "--nproc", "2", "--parallel", "fsdp2", "--arch", "llama", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is True and out["world_size"] == 2 and out["max_rel_grad_err"] <= 1e-6
+    assert out["recomputed_positions"] > 0  # the second step split one tree over both ranks
