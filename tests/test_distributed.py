@@ -130,6 +130,9 @@ def _train_worker(rank: int, world: int, port: int, tmp: str, steps: int, strate
     try:
         trainer = make_trainer(_train_config(Path(tmp), steps, strategy, run), dtype=torch.float64)
         trainer.fit(resume=Path(tmp) / run if resume else None)
+        metrics = trainer.evaluate()  # sharded: each rank decodes half of the held-out items
+        if rank == 0:
+            (Path(tmp) / f"{run}-eval.json").write_text(json.dumps(metrics))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -146,7 +149,8 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
     step-3 metrics as the uninterrupted run."""
     from test_trainer import make_trainer
 
-    single = make_trainer(_train_config(tmp_path, 3, run="single"), dtype=torch.float64).fit()
+    single_trainer = make_trainer(_train_config(tmp_path, 3, run="single"), dtype=torch.float64)
+    single = single_trainer.fit()
     expected = _records(single)
     mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 2, strategy, "two", False), nprocs=2, join=True)
     two = _records(tmp_path / "two")
@@ -159,6 +163,9 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
     shutil.copytree(tmp_path / "two", tmp_path / "again")
     make_trainer(_train_config(tmp_path, 3, run="two"), dtype=torch.float64).fit(resume=tmp_path / "two")  # on 1
     mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 3, strategy, "again", True), nprocs=2, join=True)
+    held_out = json.loads((tmp_path / "again-eval.json").read_text())
+    for key in ("eval/accuracy", "eval/frac_correct", "eval/mean_length"):
+        assert held_out[key] == single_trainer.evaluate()[key], key  # the sharded eval of the same weights
     for run in ("two", "again"):
         last = _records(tmp_path / run)[-1]
         assert last["step"] == 3
@@ -204,3 +211,41 @@ def test_cli_verify_on_two_processes(capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["passed"] is True and out["world_size"] == 2 and out["max_rel_grad_err"] <= 1e-6
     assert out["recomputed_positions"] > 0  # the second step split one tree over both ranks
+
+
+def test_cli_bench_on_two_processes(capsys):
+    """`branchreplay bench --nproc 2`: naive data parallelism and branchreplay on 2 processes, with the plans."""
+    from branchreplay.cli import main
+
+    assert main(["bench", "--nproc", "2", "--prompt-tokens", "64", "--generations", "8", "--response-tokens", "8",
+                 "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["world_size"] == 2 and [r["method"] for r in out["rows"]] == ["naive", "branchreplay"]
+    assert all(r["seconds"] > 0 and len(r["per_rank_seconds"]) == 2 for r in out["rows"])
+    assert set(out["plan"]) == {"2", "8"} and len(out["plan"]["8"]["physical_tokens"]) == 8
+    assert out["plan"]["2"]["recomputed_positions"] == 64  # one tree, split: the prompt once more
+
+
+def _dying_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    import time
+
+    from branchreplay.rl.parallel import launch
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    ranks = launch("ddp", {}, timeout_s=20)
+    if rank == 1:
+        os._exit(0)  # dies without a word
+    t0 = time.perf_counter()
+    try:
+        ranks.sum([1.0])
+        outcome = "no error"
+    except RuntimeError as e:
+        outcome = f"{type(e).__name__}: {e}"
+    with open(os.path.join(tmp, "rank0.txt"), "w") as f:
+        f.write(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+
+
+def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
+    mp.spawn(_dying_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert outcome != "no error" and float(seconds) <= 30, (seconds, outcome)

@@ -110,6 +110,23 @@ def _verify_data_parallel(args, dtype) -> int:
     return 0 if summary["passed"] else 1
 
 
+def _bench_data_parallel(args) -> int:
+    """bench --nproc N: each scenario configuration data-parallel on N local processes (bench/parallel.py)."""
+    from .bench.parallel import format_data_parallel, run_data_parallel
+    from .bench.scenarios import SCENARIOS, scenario_grid
+
+    names = SCENARIOS if args.scenario == "all" else tuple(args.scenario.split(","))
+    scenarios = scenario_grid(names, args.prompt_tokens, args.generations, args.response_tokens, args.turns,
+                              args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule)
+    results = [run_data_parallel(s, args.nproc, args.parallel, seed=args.seed, max_seconds=args.max_naive_seconds)
+               for s in scenarios]
+    if args.json:
+        print(json.dumps(results[0] if len(results) == 1 else results))
+    else:
+        print("\n\n".join(format_data_parallel(r) for r in results))
+    return 0
+
+
 def _int_list(text: str) -> list[int]:
     """"1024,4096" -> [1024, 4096]; every value must be a positive integer."""
     try:
@@ -130,6 +147,8 @@ def _fork_schedule(text: str) -> list[tuple[int, int]]:
 
 
 def _bench(args) -> int:
+    if args.nproc > 1:
+        return _bench_data_parallel(args)
     from .bench.output import format_table, merge_results, plot
     from .bench.runner import BenchOptions, run_bench
     from .bench.scenarios import SCENARIOS, scenario_grid
@@ -248,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--threads", type=int, default=None,
                    help="torch threads for the run (default: torch's; 1 is faster on an oversubscribed machine)")
     b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--nproc", type=int, default=1,
+                   help="run branchreplay and naive data parallelism on this many local processes (gloo, 1 thread "
+                        "each) and print the shard plan for 8 ranks; float32, CPU")
+    b.add_argument("--parallel", default="fsdp2", choices=["fsdp2", "ddp"], help="with --nproc: the strategy")
     b.add_argument("--dtype", default="float32", choices=list(DTYPES))
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     b.add_argument("--json", action="store_true", help="print one JSON object (rows: one per configuration x method)")

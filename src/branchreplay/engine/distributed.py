@@ -161,16 +161,19 @@ class DataParallel:
         return out
 
 
-def init(backend: str | None = None) -> tuple[int, int]:
+def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
     """`init_process_group` from the torchrun environment (gloo on CPU, nccl when CUDA is available unless
-    `backend`); returns (rank, world_size). Raises RuntimeError without the torchrun environment."""
+    `backend`), collectives timing out after `timeout_s` seconds; returns (rank, world_size). Raises RuntimeError
+    without the torchrun environment."""
+    import datetime
     import os
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("no torchrun environment (RANK, WORLD_SIZE): launch with `torchrun --nproc_per_node N "
                            "-m branchreplay ...`, or drop --parallel.strategy for one process")
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                                timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 
 

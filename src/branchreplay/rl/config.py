@@ -142,8 +142,13 @@ class ParallelConfig:
         "'auto': fsdp2 when started by torchrun with more than one process, else one process. Gradients are reduced "
         "once per step; groups go to ranks by predicted cost. fsdp2 / ddp need torchrun's environment"))
 
+    timeout_s: float = field(default=600.0, metadata=help_of(
+        "seconds a collective waits for the other ranks before the run stops with an error, > 0 (a rank that dies "
+        "stops the others within it; checkpoints are written atomically, so none is left half-written)"))
+
     def __post_init__(self):
         choice("parallel.strategy", self.strategy, ParallelStrategy)
+        check("parallel.timeout_s", self.timeout_s > 0, "> 0 seconds", self.timeout_s)
 
 
 SECTIONS: dict[str, type] = {

@@ -20,25 +20,32 @@ EVAL_BATCH = 16  # held-out prompts decoded together
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None) -> dict:
+def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None, ranks=None) -> dict:
     """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
 
     data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
     task.reward, see `rewards.make_reward`); progress: called as progress(done, total) after each batch of
-    answers. Returns eval/accuracy (mean score in [0, 1], partial credit
-    included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s."""
+    answers; ranks: a data-parallel run's `rl.parallel.Ranks`, which evaluate items rank, rank + world, ... each and
+    gather the scores (every rank returns the same metrics). Returns eval/accuracy (mean score in [0, 1], partial
+    credit included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s."""
     t0 = time.perf_counter()
     if data is None:
         data = load_task(config.task)[1]
     reward_fn = reward_fn or make_reward(config.task.reward, data)
-    items = [data[i] for i in range(len(data))]
+    indices = ranks.mine(len(data)) if ranks is not None else range(len(data))
+    items = [data[i] for i in indices]
     prompts = [chat_prompt_ids(tokenizer, build_messages(item["question"])) for item in items]
     completions = greedy_completions(model, prompts, config.sampling.max_new_tokens, eos_token_ids(model, tokenizer),
                                      progress=progress)
     samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]
-    scores = score(reward_fn, tokenizer, items, samples)
-    return {"eval/accuracy": scores.mean().item(), "eval/frac_correct": (scores == 1).float().mean().item(),
-            "eval/mean_length": sum(map(len, completions)) / len(completions), "time/eval_s": time.perf_counter() - t0}
+    scores = score(reward_fn, tokenizer, items, samples).tolist() if items else []
+    lengths = [len(c) for c in completions]
+    if ranks is not None:
+        parts = ranks.gather((scores, lengths))
+        scores, lengths = [x for p, _ in parts for x in p], [n for _, ln in parts for n in ln]
+    scores_t = torch.tensor(scores)
+    return {"eval/accuracy": scores_t.mean().item(), "eval/frac_correct": (scores_t == 1).float().mean().item(),
+            "eval/mean_length": sum(lengths) / len(lengths), "time/eval_s": time.perf_counter() - t0}
 
 
 @torch.no_grad()

@@ -49,10 +49,11 @@ class Ranks:
         return self.sum([float(flag)])[0] > 0
 
 
-def launch(strategy: str, config: dict) -> Ranks | None:
+def launch(strategy: str, config: dict, timeout_s: float = 600.0) -> Ranks | None:
     """Start data parallelism for `strategy` (`ParallelConfig.strategy`): None for one process ("auto" without
     torchrun, or with a world size of 1), else the initialised `Ranks`, after checking that every rank was started
-    with the same configuration (`config`, the run config as a dict, hashed).
+    with the same configuration (`config`, the run config as a dict, hashed); collectives time out after
+    `timeout_s` seconds (a rank that died stops the others with torch.distributed's error).
 
     Raises ValueError: "fsdp2" / "ddp" without torchrun's environment, or ranks with different configurations."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -61,7 +62,7 @@ def launch(strategy: str, config: dict) -> Ranks | None:
     if "RANK" not in os.environ:
         raise ValueError(f"parallel.strategy={strategy!r} needs torchrun: launch with `torchrun --nproc_per_node N "
                          "-m branchreplay train ...`, or leave parallel.strategy at 'auto' for one process")
-    rank, world = init()
+    rank, world = init(timeout_s=timeout_s)
     ranks = Ranks(rank, world)
     digest = hashlib.sha256(yaml.safe_dump(config, sort_keys=True).encode()).hexdigest()
     digests = ranks.gather(digest)

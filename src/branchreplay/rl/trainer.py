@@ -89,7 +89,8 @@ class Trainer:
 
     def __init__(self, config: Config, model=None, tokenizer=None, train_data=None, eval_data=None, reward_fn=None,
                  console: Console | None = None):
-        self.ranks: Ranks | None = launch(config.parallel.strategy, config.to_dict())  # None: one process
+        self.ranks: Ranks | None = launch(config.parallel.strategy, config.to_dict(),  # None: one process
+                                          config.parallel.timeout_s)
         self.rank = self.ranks.rank if self.ranks else 0
         self.config, self.console = config, console or Console(quiet=self.rank != 0)
         if train_data is None:  # the task and its reward first: a typo there should not cost a model load
@@ -356,10 +357,11 @@ class Trainer:
         return path
 
     def evaluate(self) -> dict:
-        """The held-out score (every rank evaluates the whole split, with the full parameters)."""
+        """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
         with self.gathered():
             return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.reward_fn,
-                            progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"))
+                            progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"),
+                            ranks=self.ranks)
 
 
 # -- pieces ---------------------------------------------------------------------------------------------------------

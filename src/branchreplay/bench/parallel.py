@@ -1,0 +1,139 @@
+"""`branchreplay bench --nproc N`: one step of a scenario data-parallel on N local processes (gloo), branchreplay
+(`engine.distributed`, trees to ranks by `engine.sharding`) side by side with naive data parallelism (rank r runs
+rollouts r, r + N, ... each alone, then one gradient all-reduce), and the shard plan for more ranks.
+
+Wall time of a method = the slowest rank's, between two barriers. A naive rank whose projected time exceeds
+`max_seconds` stops after a sample of its rollouts (at least one) and is scaled by FLOPs (`flops.naive_work`), as
+`runner` does; the row then says estimated. Prompt sharing is not run data-parallel here. Peak memory is not
+measured per rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import tempfile
+import time
+
+import torch
+
+from ..engine.sharding import shard
+from ..tree import RolloutTree
+from . import flops as F
+from .runner import BENCH_MODEL, MODEL_LABEL
+from .scenarios import Scenario
+
+
+def run_data_parallel(scenario: Scenario, nproc: int, strategy: str = "fsdp2", seed: int = 0,
+                      max_seconds: float = 120.0, plan_ranks: int = 8) -> dict:
+    """Both methods on `nproc` processes (one torch thread each). Returns {"model", "world_size", "strategy",
+    "rows": [{method, seconds, estimated, sample_rollouts, speedup, per_rank_seconds}], "plan": the shard plan of
+    the same tree on this world size and on `plan_ranks` ranks (per-rank physical tokens, predicted cost,
+    imbalance, recomputed positions)}."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        mp.spawn(_worker, args=(nproc, port, scenario, strategy, seed, max_seconds, tmp), nprocs=nproc, join=True)
+        reports = [json.loads(open(f"{tmp}/rank{r}.json").read()) for r in range(nproc)]
+    rows = []
+    for method in ("naive", "branchreplay"):
+        per_rank = [r[method]["seconds"] for r in reports]
+        rows.append({"method": method, "seconds": max(per_rank), "per_rank_seconds": per_rank,
+                     "estimated": any(r[method]["estimated"] for r in reports),
+                     "sample_rollouts": sum(r[method]["rollouts_run"] for r in reports)})
+    for row in rows:
+        row["speedup"] = rows[0]["seconds"] / row["seconds"]
+    model = _model(seed)
+    tree = RolloutTree(_rollouts(scenario, model.config.vocab_size, seed))
+    return {"model": MODEL_LABEL, "scenario": scenario.label(), "world_size": nproc, "strategy": strategy,
+            "logical_tokens": tree.stats.logical_tokens, "physical_tokens": tree.stats.physical_tokens,
+            "rows": rows, "plan": {n: _plan(tree, n, model.config) for n in sorted({nproc, plan_ranks})}}
+
+
+def format_data_parallel(result: dict) -> str:
+    """The rows and the plans as lines for people."""
+    lines = [f"{result['model']}; {result['scenario']}: {result['logical_tokens']} logical, "
+             f"{result['physical_tokens']} physical positions; {result['world_size']} processes, {result['strategy']}"]
+    for r in result["rows"]:
+        ranks = ", ".join(f"{s:.1f}" for s in r["per_rank_seconds"])
+        lines.append(f"  {r['method']:<13} {r['seconds']:>9.1f} s{'*' if r['estimated'] else ' '} speedup "
+                     f"{r['speedup']:>6.2f}   per rank: {ranks}")
+    if any(r["estimated"] for r in result["rows"]):
+        lines.append("  * estimated from a sample of each rank's rollouts, scaled by FLOPs")
+    for n, plan in result["plan"].items():
+        if "skipped" in plan:
+            lines.append(f"  plan on {n} ranks: skipped ({plan['skipped']})")
+            continue
+        lines.append(f"  plan on {n} ranks: physical tokens per rank {plan['physical_tokens']}, imbalance "
+                     f"{plan['imbalance']:.2f}, {plan['recomputed_positions']} positions recomputed")
+    return "\n".join(lines)
+
+
+def _plan(tree: RolloutTree, ranks: int, config) -> dict:
+    if len(tree.rollouts) < ranks:
+        return {"skipped": f"{len(tree.rollouts)} rollouts for {ranks} ranks"}
+    plan = shard([tree], ranks, config)
+    return {"physical_tokens": plan.physical_tokens, "predicted_gflop": [c / 1e9 for c in plan.costs],
+            "imbalance": plan.imbalance, "recomputed_positions": plan.recomputed_positions}
+
+
+def _model(seed: int):
+    from ..models import tiny_model
+
+    return tiny_model("llama", dtype=torch.float32, seed=seed, **BENCH_MODEL)
+
+
+def _rollouts(scenario: Scenario, vocab: int, seed: int):
+    from ..check.shapes import make_rollouts
+
+    g = torch.Generator().manual_seed(seed)
+    return make_rollouts(scenario.sequences(vocab, g), g)
+
+
+def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
+    import torch.distributed as dist
+
+    from ..check.reference import naive_backward
+    from ..engine.distributed import DataParallel, replay_backward_sharded
+    from ..losses import GRPOLoss
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    torch.set_num_threads(1)
+    try:
+        loss, report = GRPOLoss(), {}
+        model = _model(seed)
+        rollouts = _rollouts(scenario, model.config.vocab_size, seed)
+        shape = F.ModelShape.of(model)
+        mine = rollouts[rank::world]
+        dist.barrier()
+        t0, run = time.perf_counter(), 0
+        for r in mine:  # naive data parallelism: this rank's rollouts, each alone
+            naive_backward(model, [r], loss)
+            run += 1
+            elapsed = time.perf_counter() - t0
+            if run < len(mine) and elapsed * len(mine) / run > max_seconds:
+                break
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        dist.all_reduce(flat)  # the one gradient reduction of naive data parallelism
+        seconds = time.perf_counter() - t0
+        if run < len(mine):  # estimated: the sample's compute scaled by FLOPs
+            seconds *= F.naive_work(mine).flops(shape) / F.naive_work(mine[:run]).flops(shape)
+        report["naive"] = {"seconds": seconds, "estimated": run < len(mine), "rollouts_run": run}
+        dist.barrier()
+        dp_model = _model(seed)
+        dp = DataParallel(dp_model, strategy)
+        dist.barrier()
+        t0 = time.perf_counter()
+        _, plan = replay_backward_sharded(dp, [RolloutTree(rollouts)], loss)
+        dist.barrier()
+        report["branchreplay"] = {"seconds": time.perf_counter() - t0, "estimated": False,
+                                  "rollouts_run": sum(len(t.rollouts) for t in plan.parts[rank])}
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump(report, f)
+    finally:
+        dist.destroy_process_group()
