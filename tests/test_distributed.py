@@ -249,3 +249,35 @@ def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
     mp.spawn(_dying_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert outcome != "no error" and float(seconds) <= 30, (seconds, outcome)
+
+
+def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    from pathlib import Path
+
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    from test_trainer import EOS, make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    cfg = GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=64, max_position_embeddings=512, hidden_dropout=0.0, attention_dropout=0.0)
+    torch.manual_seed(0)
+    model = GPTNeoXForCausalLM(cfg)
+    model.generation_config.eos_token_id = EOS
+    try:
+        make_trainer(_train_config(Path(tmp), 1, "fsdp2", "neox"), model=model).fit()
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
+    """GPT-NeoX under torchrun: every rank runs the self-check before fully_shard, rank 0 keeps the verdict, and the
+    run trains forced."""
+    mp.spawn(_neox_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    (verdict,) = json.loads((tmp_path / "neox" / "self_check.json").read_text()).values()
+    assert verdict["passed"] and verdict["model_class"] == "GPTNeoXForCausalLM"
+    assert _records(tmp_path / "neox")[-1]["dist/world_size"] == 2

@@ -38,7 +38,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from ..check.self_check import ensure_supported
-from ..engine import FAMILIES, EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
+from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine.distributed import DataParallel
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, token_weights
@@ -107,7 +107,10 @@ class Trainer:
         if config.grpo.beta > 0:  # frozen initial weights; copied before any checkpoint is loaded
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
         self.dp = None
+        self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
         if self.ranks is not None:  # after the reference copy: fully_shard changes the model in place
+            # the self-check runs before sharding, on every rank alike (no collective), its verdict in the run folder
+            self.force = self.check_family(Path(config.train.output_dir))
             strategy = "fsdp2" if config.parallel.strategy == "auto" else config.parallel.strategy
             self.dp = DataParallel(model, strategy, device=model.device.type)
         g = config.grpo
@@ -117,7 +120,6 @@ class Trainer:
         extra = {"num_training_steps": config.train.steps * g.num_iterations} if g.lr_scheduler == "cosine" else {}
         self.scheduler = schedule[g.lr_scheduler](self.optimizer, num_warmup_steps=g.warmup_steps, **extra)
         self.step, self.num_tokens = 0, 0
-        self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
 
     # -- one step ---------------------------------------------------------------------------------------------------
@@ -281,7 +283,8 @@ class Trainer:
         if self.rank == 0:  # rank 0 alone writes the run folder
             run_dir.mkdir(parents=True, exist_ok=True)
             self.config.save(run_dir / "config.yaml")
-        self.force = self.check_family(run_dir)
+        if self.ranks is None:  # data-parallel runs checked before sharding (__init__)
+            self.force = self.check_family(run_dir)
         log = MetricsLog(run_dir, truncate_after=self.step) if self.rank == 0 else _NoLog()
         stop: list[str] = []
         try:
@@ -327,21 +330,16 @@ class Trainer:
 
     def check_family(self, run_dir: Path) -> bool:
         """`check.self_check.ensure_supported` on the policy, its verdicts kept in run_dir/self_check.json
-        (written atomically); True when the family is unregistered and passed (the engine then runs it forced).
-        Raises UnsupportedModelError for an unregistered family in a data-parallel run (not checked there yet)."""
-        if self.ranks is not None:
-            if self.model.config.model_type not in FAMILIES:
-                raise UnsupportedModelError(
-                    f"{self.model.config.model_type}: not in the engine's registry, and its self-check runs in one "
-                    "process only: run `branchreplay train` once without torchrun to check it")
-            return False
+        (written atomically, by rank 0); True when the family is unregistered and passed (the engine then runs it
+        forced). Every rank of a data-parallel run checks (the same tree, the same verdict) before sharding."""
         path = run_dir / SELF_CHECK
         verdicts = json.loads(path.read_text()) if path.is_file() else {}
         known = dict(verdicts)
         try:
             return ensure_supported(self.model, self.config.engine, verdicts, log=self.console.print)
         finally:  # a failed verdict is kept too: the refusal is the same on the next try
-            if verdicts != known:
+            if verdicts != known and self.rank == 0:
+                path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, json.dumps(verdicts, indent=1))
 
     def save(self, run_dir: Path) -> Path:
