@@ -118,11 +118,13 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
             elapsed = time.perf_counter() - t0
             if run < len(mine) and elapsed * len(mine) / run > max_seconds:
                 break
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-        dist.all_reduce(flat)  # the one gradient reduction of naive data parallelism
-        seconds = time.perf_counter() - t0
-        if run < len(mine):  # estimated: the sample's compute scaled by FLOPs
+        seconds = time.perf_counter() - t0  # this rank's compute; estimated: the sample's, scaled by FLOPs
+        if run < len(mine):
             seconds *= F.naive_work(mine).flops(shape) / F.naive_work(mine[:run]).flops(shape)
+        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+        t1 = time.perf_counter()
+        dist.all_reduce(flat)  # the one gradient reduction of naive data parallelism
+        seconds += time.perf_counter() - t1
         report["naive"] = {"seconds": seconds, "estimated": run < len(mine), "rollouts_run": run}
         dist.barrier()
         dp_model = _model(seed)

@@ -162,17 +162,20 @@ class DataParallel:
 
 
 def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:
-    """`init_process_group` from the torchrun environment (gloo on CPU, nccl when CUDA is available unless
-    `backend`), collectives timing out after `timeout_s` seconds; returns (rank, world_size). Raises RuntimeError
-    without the torchrun environment."""
+    """`init_process_group` from the torchrun environment, collectives timing out after `timeout_s` seconds; returns
+    (rank, world_size). gloo on CPU; with CUDA, the device of LOCAL_RANK and "cpu:gloo,cuda:nccl" (CUDA tensors over
+    nccl, the CPU ones: counts, objects, norms, over gloo), unless `backend`. Raises RuntimeError without the
+    torchrun environment. Not run on a GPU yet."""
     import datetime
     import os
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("no torchrun environment (RANK, WORLD_SIZE): launch with `torchrun --nproc_per_node N "
                            "-m branchreplay ...`, or drop --parallel.strategy for one process")
+    if torch.cuda.is_available():  # one GPU per local rank; CPU tensors (counts, small objects) go over gloo
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if not dist.is_initialized():
-        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+        dist.init_process_group(backend or ("cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"),
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return dist.get_rank(), dist.get_world_size()
 

@@ -49,16 +49,17 @@ def tree_cost(tree: RolloutTree, config) -> float:
     return 2.0 * n_params * positions + 4.0 * config.num_hidden_layers * d_attn * keys
 
 
-def shard(trees: list[RolloutTree], world_size: int, config) -> ShardPlan:
-    """Assign `trees` to `world_size` ranks (module docstring). Raises ValueError when the step has fewer rollouts
-    than ranks (some rank would have nothing to run: lower the world size or raise prompts_per_step)."""
+def shard(trees: list[RolloutTree], world_size: int, config, allow_empty: bool = False) -> ShardPlan:
+    """Assign `trees` to `world_size` ranks (module docstring). With fewer rollouts than ranks, some ranks get no
+    tree when `allow_empty` (the trainer then runs an idle tree there, to join the reduction), else ValueError
+    (some rank would have nothing to run: lower the world size or raise prompts_per_step)."""
     rollouts = sum(len(t.rollouts) for t in trees)
-    if rollouts < world_size:
+    if rollouts < world_size and not allow_empty:
         raise ValueError(f"the step has {rollouts} rollouts for {world_size} ranks: every rank needs at least one; "
                          "raise grpo.prompts_per_step or grpo.num_generations, or start fewer processes")
     items = [(tree_cost(t, config), t, i) for i, t in enumerate(trees)]
     recomputed = 0
-    while len(items) < world_size:  # split the most costly tree that has more than one rollout
+    while len(items) < min(world_size, rollouts):  # split the most costly tree that has more than one rollout
         k = max((j for j, (_, t, _) in enumerate(items) if len(t.rollouts) > 1), key=lambda j: items[j][0])
         _, tree, source = items.pop(k)
         halves = _split(tree)

@@ -4,7 +4,9 @@ One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`
   1. take `prompts_per_step` prompts of the train split: epochs of a permutation seeded by (train.seed, epoch), so
      step s always gets the same prompts, resumed or not;
   2. chat-template each prompt and sample G completions with the prompt prefilled once (`sampling.sample_group`),
-     with a torch.Generator seeded by (train.seed, s);
+     each group k with its own torch.Generator seeded by (train.seed, s, k), so that its samples do not depend on
+     the other groups or on the world size (since issue 11; earlier versions drew every group of a step from one
+     generator seeded by (train.seed, s));
   3. decode the completions, score them (`rewards.compute_rewards`), and turn the rewards into group-relative
      advantages (`advantages.group_advantages`);
   4. rollouts = prompt ids + sampled ids (never re-tokenized), loss mask 1 on the completion; per-token weights by
@@ -38,7 +40,7 @@ from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from ..check.self_check import ensure_supported
-from ..engine import EngineConfig, replay_backward, replay_logprobs
+from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
 from ..engine.distributed import DataParallel
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, token_weights
@@ -103,19 +105,28 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.reward_fn = reward_fn
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
+        if self.ranks is not None:
+            rollouts = config.grpo.prompts_per_step * config.grpo.num_generations
+            if rollouts < self.ranks.world_size:
+                raise ValueError(f"a step has {rollouts} rollouts (grpo.prompts_per_step x grpo.num_generations) for "
+                                 f"{self.ranks.world_size} ranks: raise them or start fewer processes")
+            for p in model.parameters():  # every rank starts from rank 0's weights, the reference copy too
+                torch.distributed.broadcast(p.data, src=0)
+            # rank 0 runs the self-check before sharding and tells the others (its verdict in the run folder)
+            self.force = self.check_family(Path(config.train.output_dir))
         self.ref_model = None
-        if config.grpo.beta > 0:  # frozen initial weights; copied before any checkpoint is loaded
+        if config.grpo.beta > 0:  # frozen initial weights; copied before any checkpoint is loaded, and sharding
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
         self.dp = None
-        self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
         if self.ranks is not None:  # after the reference copy: fully_shard changes the model in place
-            # the self-check runs before sharding, on every rank alike (no collective), its verdict in the run folder
-            self.force = self.check_family(Path(config.train.output_dir))
             strategy = "fsdp2" if config.parallel.strategy == "auto" else config.parallel.strategy
             self.dp = DataParallel(model, strategy, device=model.device.type)
         g = config.grpo
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = torch.optim.AdamW(self.params, lr=g.learning_rate, weight_decay=g.weight_decay)
+        # foreach=False: the FSDP2 layers' DTensors and the replicated plain tensors cannot share one foreach kernel
+        self.optimizer = torch.optim.AdamW(self.params, lr=g.learning_rate, weight_decay=g.weight_decay,
+                                           **({"foreach": False} if self.dp is not None else {}))
         schedule = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
         extra = {"num_training_steps": config.train.steps * g.num_iterations} if g.lr_scheduler == "cosine" else {}
         self.scheduler = schedule[g.lr_scheduler](self.optimizer, num_warmup_steps=g.warmup_steps, **extra)
@@ -131,12 +142,17 @@ class Trainer:
                                                             cfg.train.seed, step)]
         prompt_ids = [chat_prompt_ids(self.tokenizer, build_messages(item["question"])) for item in items]
         mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
-        samples, rewards, error = {}, {}, None
+        samples, rewards, error, failure = {}, {}, None, None
         with self.gathered():
-            for k in mine:  # each group its own stream: its samples do not depend on the world size
-                self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
-                generator = torch.Generator(self.model.device).manual_seed(_mix(_mix(cfg.train.seed, step), k))
-                samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids, generator)
+            try:
+                for k in mine:  # each group its own stream: its samples do not depend on the world size
+                    self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
+                    generator = torch.Generator(self.model.device).manual_seed(_mix(_mix(cfg.train.seed, step), k))
+                    samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids, generator)
+            except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+                if self.ranks is None:
+                    raise
+                failure = f"rank {self.rank}: {type(e).__name__}: {e}"
         try:
             if mine:
                 scores = score(self.reward_fn, self.tokenizer, [items[k] for k in mine], [samples[k] for k in mine])
@@ -144,9 +160,12 @@ class Trainer:
         except RewardFunctionError as e:
             error = str(e)
         if self.ranks is not None:  # every rank gets the whole batch (token ids, logprobs and rewards: small)
-            parts = self.ranks.gather((samples, rewards, error))
-            error = next((e for _, _, e in parts if e is not None), None)
-            for s_part, r_part, _ in parts:
+            parts = self.ranks.gather((samples, rewards, error, failure))
+            error = next((e for _, _, e, _ in parts if e is not None), None)
+            failure = next((f for _, _, _, f in parts if f is not None), None)
+            if failure is not None:
+                raise RuntimeError(f"sampling failed on {failure}")
+            for s_part, r_part, _, _ in parts:
                 samples.update(s_part)
                 rewards.update(r_part)
         if error is not None:
@@ -171,7 +190,9 @@ class Trainer:
         trees = [RolloutTree(group) for group in batch.rollouts]
         trained = [t for t in trees if g.beta > 0 or g.entropy_coef > 0 or
                    any(r.advantages.any() and r.weights.any() for r in t.rollouts)]
-        plan = shard(trained, self.ranks.world_size, self.model.config) if self.ranks and trained else None
+        plan = None
+        if self.ranks is not None and trained:
+            plan = shard(trained, self.ranks.world_size, self.model.config, allow_empty=True)
         local = plan.parts[self.rank] if plan else trained  # this rank's trees (engine/sharding.py)
         if local and g.num_iterations > 1:  # the sampling policy's logprobs, before the first update
             with self.gathered():
@@ -216,9 +237,12 @@ class Trainer:
         """This rank's trees forward and backward (micro-batched), the gradient reduced once over the ranks; the
         loss and the loss statistics summed over the ranks (every rank returns the step's totals)."""
         g = self.config.grpo
+        trees = local or [_idle_tree(self.model)]  # a rank without rollouts still joins the one reduction
         with self.dp.accumulate():
-            result = accumulate(self.model, local, loss_fn, g.micro_batch_prompts, self.config.sampling.temperature,
+            result = accumulate(self.model, trees, loss_fn, g.micro_batch_prompts, self.config.sampling.temperature,
                                 self.config.engine, self.force, final_backward=self.dp.final_sync())
+        if not local:
+            result = ReplayResult([], [], 0.0, result.stats)
         self.dp.reduce_replicated()
         sums = loss_fn.stats.sums if loss_fn.stats.sums is not None else torch.zeros(5, dtype=torch.float64)
         totals = self.ranks.sum([result.loss, *sums.tolist()])
@@ -306,7 +330,10 @@ class Trainer:
         task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
         self.status = lambda text: bar.update(task, info=text)
         with bar:
-            if self.step == 0 and not log.records and cfg.eval_steps >= 0:
+            first_eval = self.step == 0 and not log.records and cfg.eval_steps >= 0
+            if self.ranks is not None:  # rank 0 holds the metrics log: its decision is everyone's
+                first_eval = self.ranks.gather(first_eval)[0]
+            if first_eval:
                 log.write({"step": 0, **self.evaluate()})
                 bar.console.print(step_line(log.records[-1], cfg.steps))
             while self.step < cfg.steps and not self.stopping(stop):
@@ -331,14 +358,28 @@ class Trainer:
     def check_family(self, run_dir: Path) -> bool:
         """`check.self_check.ensure_supported` on the policy, its verdicts kept in run_dir/self_check.json
         (written atomically, by rank 0); True when the family is unregistered and passed (the engine then runs it
-        forced). Every rank of a data-parallel run checks (the same tree, the same verdict) before sharding."""
+        forced). In a data-parallel run rank 0 checks before sharding and gathers its verdict to every rank."""
+        if self.ranks is not None:  # rank 0 decides; the others take its verdict (no rank may disagree)
+            outcome = (None, None)
+            if self.rank == 0:
+                try:
+                    outcome = (self._check_family(run_dir), None)
+                except UnsupportedModelError as e:
+                    outcome = (None, str(e))
+            force, error = self.ranks.gather(outcome)[0]
+            if error is not None:
+                raise UnsupportedModelError(error)
+            return force
+        return self._check_family(run_dir)
+
+    def _check_family(self, run_dir: Path) -> bool:
         path = run_dir / SELF_CHECK
         verdicts = json.loads(path.read_text()) if path.is_file() else {}
         known = dict(verdicts)
         try:
             return ensure_supported(self.model, self.config.engine, verdicts, log=self.console.print)
         finally:  # a failed verdict is kept too: the refusal is the same on the next try
-            if verdicts != known and self.rank == 0:
+            if verdicts != known:
                 path.parent.mkdir(parents=True, exist_ok=True)
                 write_atomic(path, json.dumps(verdicts, indent=1))
 
@@ -386,6 +427,14 @@ def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(seed, -1 - epoch)))
         out.append(int(perm[pos]))
     return out
+
+
+def _idle_tree(model) -> RolloutTree:
+    """Two tokens with zero loss weight: the backward of a rank that has no rollouts this step (fewer trained
+    rollouts than ranks) runs through every layer and joins the gradient reduction with zeros."""
+    zeros = [0.0, 0.0]
+    return RolloutTree([Rollout([0, 0], [0, 1], advantages=0.0, weights=zeros, old_logprobs=zeros,
+                                ref_logprobs=zeros)])
 
 
 class _NoLog:
