@@ -2,6 +2,7 @@
 semantics the reduced gradient of a step equals the single-process gradient of the same trees, for whole groups,
 uneven groups, one group split over both ranks, and a recurrent family; parameters after 3 AdamW steps too."""
 
+import datetime
 import json
 import os
 import socket
@@ -16,6 +17,7 @@ from branchreplay.models import tiny_model
 from branchreplay.tree import RolloutTree
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+TIMEOUT = datetime.timedelta(seconds=120)  # a collective that one rank skips fails the test instead of hanging CI
 
 
 def _trees(case: str, vocab: int, seed: int = 0) -> list[RolloutTree]:
@@ -39,7 +41,7 @@ def _worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     torch.set_num_threads(1)
     report = {}
     try:
@@ -112,7 +114,7 @@ def test_plan_keeps_groups_whole_and_balances_largest_first():
 def _train_config(tmp_path, steps: int, strategy: str = "auto", run: str = "run"):
     from test_trainer import make_config
 
-    return make_config(tmp_path, grpo={"prompts_per_step": 3}, parallel={"strategy": strategy},
+    return make_config(tmp_path, grpo={"prompts_per_step": 3}, parallel={"strategy": strategy, "timeout_s": 120},
                        train={"steps": steps, "output_dir": str(tmp_path / run), "save_steps": 2})
 
 
@@ -281,3 +283,44 @@ def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
     (verdict,) = json.loads((tmp_path / "neox" / "self_check.json").read_text()).values()
     assert verdict["passed"] and verdict["model_class"] == "GPTNeoXForCausalLM"
     assert _records(tmp_path / "neox")[-1]["dist/world_size"] == 2
+
+
+def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from branchreplay.check.reference import max_rel_grad_err
+    from branchreplay.engine import replay_backward
+    from branchreplay.engine.distributed import DataParallel
+    from branchreplay.losses import GRPOLoss
+    from branchreplay.rl.trainer import _idle_tree, accumulate
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
+    torch.set_num_threads(1)
+    try:
+        single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+        tree = _trees("four-groups", 256)[0]
+        loss = GRPOLoss(beta=0.04)  # the idle tree carries reference logprobs too
+        for r in tree.rollouts:
+            r.ref_logprobs = torch.zeros(len(r), dtype=torch.float64)
+        replay_backward(single, tree, loss)
+        dp = DataParallel(model, strategy)
+        with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
+            accumulate(model, [tree] if rank == 0 else [_idle_tree(model)], loss, 0, 1.0,
+                       final_backward=dp.final_sync())
+        dp.reduce_replicated()
+        err = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
+        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+            json.dump({"err": err}, f)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
+def test_an_idle_rank_joins_the_reduction_with_zeros(strategy, tmp_path):
+    """A rank without trained rollouts in a step (fewer than ranks) runs the trainer's zero-weight idle tree: the
+    one reduction still happens on every rank and the gradient is the other rank's alone."""
+    mp.spawn(_idle_worker, args=(2, _free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    for rank in range(2):
+        err = json.loads((tmp_path / f"rank{rank}.json").read_text())["err"]
+        assert err <= 1e-10, f"{strategy} rank {rank}: {err:.2e}"
