@@ -6,6 +6,7 @@ import datetime
 import json
 import os
 import socket
+import time
 
 import pytest
 import torch
@@ -248,7 +249,15 @@ def _dying_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
 
 def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
-    mp.spawn(_dying_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    """Rank 1 exits; rank 0's next collective does not hang: gloo raises a RuntimeError (recorded with its time), or,
+    in some runs, aborts the process from its own thread ("terminate called without an active exception")."""
+    t0 = time.perf_counter()
+    try:
+        mp.spawn(_dying_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    except mp.ProcessExitedException as e:  # gloo's abort: stopped, without a Python error
+        assert e.error_index == 0 and e.signal_name == "SIGABRT", e
+        assert time.perf_counter() - t0 <= 60
+        return
     seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
     assert outcome != "no error" and float(seconds) <= 30, (seconds, outcome)
 
