@@ -140,8 +140,7 @@ class ParallelConfig:
     strategy: ParallelStrategy = field(default="auto", metadata=help_of(
         "'fsdp2' (fully_shard per decoder layer, the rest replicated), 'ddp' (every parameter replicated), or "
         "'auto': fsdp2 when started by torchrun with more than one process, else one process. Gradients are reduced "
-        "once per step; groups go to ranks by predicted cost. fsdp2 / ddp need torchrun's environment"))
-
+        "once per optimizer update; groups go to ranks by predicted cost. fsdp2 / ddp need torchrun's environment"))
     timeout_s: float = field(default=600.0, metadata=help_of(
         "seconds a collective waits for the other ranks before the run stops with an error, > 0 (a rank that dies "
         "stops the others within it; checkpoints are written atomically, so none is left half-written)"))
