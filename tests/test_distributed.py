@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 
 from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine.sharding import shard
-from branchreplay.models import tiny_model
+from branchreplay.models import autocast, tiny_model
 from branchreplay.tree import RolloutTree
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -57,6 +57,19 @@ def _worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
                 _, plan = replay_backward_sharded(dp, trees, loss)
                 report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "tol": TOL[dtype],
                                 "physical": plan.physical_tokens, "recomputed": plan.recomputed_positions}
+        # bfloat16 mixed precision (float32 parameters under autocast, models.autocast): whole groups per rank run
+        # the same bfloat16 ops as in one process, so only the float32 sums of the ranks' gradients differ
+        single, model = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+        trees = _trees("four-groups", single.config.vocab_size)
+        loss = GRPOLoss(entropy_coef=0.01)
+        with autocast("bfloat16", "cpu"):
+            replay_backward(single, trees, loss)
+            expected = [p.grad.clone() for p in single.parameters()]
+            dp = DataParallel(model, strategy)
+            replay_backward_sharded(dp, trees, loss)
+        full = dp.full_grads()
+        report["four-groups-bfloat16-autocast"] = {"err": max_rel_grad_err(full, expected), "tol": 1e-5,
+                                                   "dtype": str(full[0].dtype)}
         # three AdamW steps on 4 groups, against the same steps in one process
         single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
         dp = DataParallel(model, strategy)
@@ -91,7 +104,8 @@ def test_sharded_step_equals_single_process(strategy, tmp_path):
     mp.spawn(_worker, args=(2, _free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert set(report) == {case for _, case, _ in CASES} | {"adamw-3-steps"}
+        assert set(report) == {case for _, case, _ in CASES} | {"adamw-3-steps", "four-groups-bfloat16-autocast"}
+        assert report["four-groups-bfloat16-autocast"]["dtype"] == "torch.float32"  # float32 master gradients
         for case, r in report.items():
             assert r["err"] <= r["tol"], f"{strategy} rank {rank} {case}: max relative error {r['err']:.2e}"
         assert report["one-group-split"]["recomputed"] > 0  # both ranks ran the shared prompt

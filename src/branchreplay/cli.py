@@ -23,6 +23,12 @@ def _verify(args) -> int:
         print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
         return 0
     dtype = DTYPES[args.dtype]
+    if args.mixed_precision:
+        if args.dtype not in ("float64", "float32") or args.nproc > 1:
+            print("error: --mixed-precision runs float32 parameters in one process: drop --dtype and --nproc",
+                  file=sys.stderr)
+            return 2
+        dtype = torch.float32
     if args.nproc > 1:
         return _verify_data_parallel(args, dtype)
     try:
@@ -32,11 +38,13 @@ def _verify(args) -> int:
         else:
             model = tiny_model(args.arch, dtype=dtype, seed=args.seed)
             name = args.arch
+        model.to(args.device)
     except (ValueError, FileNotFoundError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        results, uncovered = verify_model(model, seed=args.seed, random_trees=args.random_trees, force=args.force)
+        results, uncovered = verify_model(model, seed=args.seed, random_trees=args.random_trees, force=args.force,
+                                          mixed_precision=args.mixed_precision)
     except UnsupportedModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -51,7 +59,7 @@ def _verify(args) -> int:
     summary = {
         "arch": model.config.model_type,
         "model": name,
-        "dtype": args.dtype,
+        "dtype": f"{args.mixed_precision} autocast, float32 parameters" if args.mixed_precision else args.dtype,
         "max_rel_grad_err": max(r.max_rel_grad_err for r in results),
         "max_abs_logprob_err": max(r.max_abs_logprob_err for r in results),
         "trees": len(results),
@@ -81,7 +89,7 @@ def _verify(args) -> int:
         for name, why in uncovered.items():
             print(f"threshold not covered: {name} ({why})")
         if vs_f64:
-            print(f"{summary['arch']} {args.dtype}: {'PASSED' if passed else 'FAILED'} (max relative grad error "
+            print(f"{summary['arch']} {summary['dtype']}: {'PASSED' if passed else 'FAILED'} (max relative grad error "
                   f"against float64: engine {summary['max_rel_grad_err_vs_f64']:.2e}, naive "
                   f"{summary['naive_rel_grad_err_vs_f64']:.2e}; bound: engine <= 1.5 x naive on every tree)")
         else:
@@ -224,6 +232,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     "(--list shows all)")
     v.add_argument("--model", help="a local HF folder, a .gguf file, or 'smollm2' (overrides --arch)")
     v.add_argument("--dtype", default="float64", choices=list(DTYPES))
+    v.add_argument("--mixed-precision", choices=["bfloat16"],
+                   help="float32 parameters, both computations under torch.autocast in this dtype: what `train "
+                        "--model.dtype bfloat16` runs (instead of --dtype)")
+    v.add_argument("--device", default="cpu", help="torch device of both computations, e.g. cuda")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--random-trees", type=int, default=3)
     v.add_argument("--json", action="store_true", help="print one JSON object")

@@ -31,7 +31,7 @@ from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine.families import FAMILIES, layer_windows
 from ..engine.positions import rope_thresholds
 from ..losses import GRPOLoss
-from ..models import max_positions
+from ..models import autocast, max_positions
 from ..tree import RolloutTree
 from .numerics import keep_float64
 from .reference import max_rel_grad_err, naive_backward
@@ -95,20 +95,27 @@ def _threshold_cases(model, engine: EngineConfig) -> tuple[list, dict[str, str]]
 
 
 def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float = 0.8,
-                 force: bool = False) -> tuple[list[ShapeResult], dict[str, str]]:
+                 force: bool = False, mixed_precision: str | None = None) -> tuple[list[ShapeResult], dict[str, str]]:
     """Naive vs replay on every shape, every length threshold and `random_trees` random trees for `model`.
 
     float64 models run under `keep_float64` (HF's RMSNorm would otherwise round to float32, on both sides alike);
     a float32 or bfloat16 model is also compared with a float64 copy of itself (the module docstring's bound).
+    `mixed_precision` ("bfloat16"): a float32 model whose engine and naive computations both run under
+    `models.autocast` (what `train --model.dtype bfloat16` runs), against its float64 copy by the same bound.
     `force` runs a family that is not in the registry (the engine then guesses it: `families.generic_family`).
     Returns (one result per tree, {threshold name: why it has no tree} for thresholds past the model's positions).
-    Raises: UnsupportedModelError for a family the engine does not know (unless `force`)."""
+    Raises: UnsupportedModelError for a family the engine does not know (unless `force`); ValueError for
+    `mixed_precision` on a model whose parameters are not float32."""
     float64 = next(model.parameters()).dtype == torch.float64
+    if mixed_precision is not None and next(model.parameters()).dtype != torch.float32:
+        raise ValueError(f"mixed precision runs float32 parameters under autocast; the model is "
+                         f"{next(model.parameters()).dtype}")
+    compute = lambda: autocast(mixed_precision or "float32", model.device.type)  # noqa: E731
     with keep_float64(model) if float64 else float64_copy(model) as numerics:
-        return _verify(model, None if float64 else numerics, seed, random_trees, temperature, force)
+        return _verify(model, None if float64 else numerics, seed, random_trees, temperature, force, compute)
 
 
-def _verify(model, reference64, seed, random_trees, temperature, force):
+def _verify(model, reference64, seed, random_trees, temperature, force, compute):
     family = FAMILIES.get(model.config.model_type)
     float32_kernels = family is not None and family.float32_kernels  # SSM scans etc. in float32 (Family)
     tolerance = FLOAT32_KERNELS_TOLERANCE if float32_kernels else FLOAT64_TOLERANCE
@@ -123,15 +130,17 @@ def _verify(model, reference64, seed, random_trees, temperature, force):
     for name, build, threshold in cases:
         rollouts = make_rollouts(build(vocab, g), g)
         tree = RolloutTree(rollouts)
-        current = replay_logprobs(model, tree, temperature=temperature, force=force).logprobs
+        with compute():
+            current = replay_logprobs(model, tree, temperature=temperature, force=force).logprobs
         for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
             r.ref_logprobs = (lp.double() - noise) * r.loss_mask
-        naive, g_naive = _naive(model, rollouts, loss, temperature)
-        model.zero_grad(set_to_none=True)
         engine = EngineConfig(**ENGINE, replay="replay" if len(results) % 2 else "keep")
-        replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine, force=force)
+        with compute():
+            naive, g_naive = _naive(model, rollouts, loss, temperature)
+            model.zero_grad(set_to_none=True)
+            replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine, force=force)
         g_replay = [_grad(p) for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         result = ShapeResult(name, len(rollouts), tree.stats.logical_tokens, tree.stats.physical_tokens,

@@ -12,10 +12,17 @@ The backward calls the kernel's backward on each block with the merged `out` and
 P = exp(scores - lse) and D = rowsum(dout * out) from them, so each block's dK, dV and dQ share are exactly those of
 one attention over all K + S keys.
 
-Used per model (`PrefixSplit.applies`): on the CPU (`aten._scaled_dot_product_flash_attention_for_cpu`), in float32
-or float64, with transformers' "sdpa" attention, every layer full attention (no sliding window, no recurrent or
-hybrid layer), no attention-logit softcap; and per pack when it has a prefix (P > 0). Everything else keeps the
-single masked SDPA call.
+Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 (the block kernels of
+each device: `kernels.py`; the CUDA path has not run on a GPU yet), not under autocast, with transformers' "sdpa"
+attention, every layer full attention (no sliding window, no recurrent or hybrid layer), no attention-logit
+softcap; and per pack when it has a prefix (P > 0). Everything else keeps the single masked SDPA call.
+
+Half precision keeps the masked call although the CPU kernel takes bfloat16: against a float64 copy, bfloat16
+gradients of the GRPO loss scatter by tens of percent, and the tree stays within 1.5x of naive bfloat16's error
+(docs/support.md) only while it runs the same kernel on the same inputs. Measured on tiny Llama (27 trees, a
+bfloat16 model, max ratio of the two errors): masked 1.16 (every tree passed); split in bfloat16 1.61 (2 failed);
+split with float32 kernels and merge 1.52 (1 failed): a more precise attention, but its rounding no longer
+follows naive's, and the ratio is a coin toss on the trees where clipped ratios flip.
 """
 
 from __future__ import annotations
@@ -29,10 +36,10 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import PREFIX_ATTR
+from .kernels import kernels_for
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
-_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 _MARK = "_branchreplay_own_keys"  # attribute of a mask that covers only the pack's own keys
+_SPLIT_DTYPES = {("cpu", torch.float32), ("cpu", torch.float64), ("cuda", torch.float32)}  # (kernels.py)
 
 
 def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -51,31 +58,33 @@ class _SplitAttention(torch.autograd.Function):
     """q [B, h, S, d]; k, v [B, h_kv, S, d] (the pack's own keys; h a multiple of h_kv, grouped as `repeat_kv`);
     own_mask [1, 1, S, S] or None (causal); then n prefix key pieces and n prefix value pieces [B, h_kv, L_i, d],
     root first (the ancestors' states, alive anyway). Returns out [B, h, S, d]. Saved for backward: q, the pack's
-    own k / v and mask, out, lse and the pieces; the concatenated prefix exists only inside forward and backward."""
+    own k / v and mask, out, lse and the pieces; the concatenated prefix exists only inside forward and backward.
+    The block kernels are the device's (`kernels.py`)."""
 
     @staticmethod
     def forward(ctx, q, k, v, own_mask, scale, n, *pieces):
+        kernels = kernels_for(q.device)
         causal = own_mask is None
         kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
-        out_p, lse_p = _flash(q, kp, vp, 0.0, False, scale=scale)
+        out_p, lse_p, saved_p = kernels.forward(q, kp, vp, None, False, scale)
         del kp, vp
-        out_s, lse_s = _flash(q, k, v, 0.0, causal, attn_mask=own_mask, scale=scale)
+        out_s, lse_s, saved_s = kernels.forward(q, k, v, own_mask, causal, scale)
         lse = torch.logaddexp(lse_p, lse_s)  # [B, h, S]
         w_p, w_s = torch.exp(lse_p - lse)[..., None].to(q.dtype), torch.exp(lse_s - lse)[..., None].to(q.dtype)
         out = out_p * w_p + out_s * w_s
         ctx.save_for_backward(q, k, v, own_mask, out, lse, *pieces)
-        ctx.scale, ctx.n = scale, n
+        ctx.scale, ctx.n, ctx.saved = scale, n, (saved_p, saved_s)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, own_mask, out, lse, *pieces = ctx.saved_tensors
-        n, dout = ctx.n, dout.contiguous()
+        kernels = kernels_for(q.device)
+        n, dout, (saved_p, saved_s) = ctx.n, dout.contiguous(), ctx.saved
         kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
-        dq_p, dk_p, dv_p = _flash_backward(dout, q, kp, vp, out, lse, 0.0, False, scale=ctx.scale)
+        dq_p, dk_p, dv_p = kernels.backward(dout, q, kp, vp, None, out, lse, False, ctx.scale, saved_p)
         del kp, vp
-        dq_s, dk_s, dv_s = _flash_backward(dout, q, k, v, out, lse, 0.0, own_mask is None, attn_mask=own_mask,
-                                           scale=ctx.scale)
+        dq_s, dk_s, dv_s = kernels.backward(dout, q, k, v, own_mask, out, lse, own_mask is None, ctx.scale, saved_s)
         sizes = [t.shape[2] for t in pieces[:n]]
         return (dq_p + dq_s, dk_s, dv_s, None, None, None, *dk_p.split(sizes, dim=2), *dv_p.split(sizes, dim=2))
 
@@ -133,8 +142,8 @@ class PrefixSplit:
         self.model = model
         self.applies = (
             getattr(config, "_attn_implementation", None) in ("sdpa", SPLIT_ATTENTION)
-            and model.device.type == "cpu"
-            and model.dtype in (torch.float32, torch.float64)
+            and (model.device.type, model.dtype) in _SPLIT_DTYPES
+            and not torch.is_autocast_enabled(model.device.type)  # mixed precision: masked (module docstring)
             and all(w is None for w in windows)
             and all(k == "attention" for k in kinds)
             and getattr(config, "attn_logit_softcapping", None) is None

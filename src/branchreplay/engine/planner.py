@@ -113,12 +113,13 @@ def default_budget(device: torch.device) -> int:
     return int(available * 0.9)
 
 
-_fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dtype, scale, split): MemoryModel}
+_fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(compute dtype, s, split): MemoryModel}
 
 
 def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
-    """The `MemoryModel` of `model` for a tree of `tokens` physical positions, fitted once per model, dtype, scale
-_fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(dtype, scale, split): model}
+    """The `MemoryModel` of `model` for a tree of `tokens` physical positions, fitted once per model, compute dtype
+    (the parameters', or an active autocast's), scale s and attention path (split or masked), from the bytes that
+    three probe forwards save for backward.
     s = 256 for trees of 4096 positions or more (the sizes whose kernels real steps use: SDPA picks its path by
     size), else s = 16 (cheap, and a small tree's memory is small whatever the fit). The probes never pass the
     model's position limit (GPT-2's learned table): s is at most max_position_embeddings // 7, and a model with
@@ -131,10 +132,12 @@ _fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(d
     limit = max_positions(model.config)
     if limit is not None:
         scale = min(scale, limit // 7)  # the largest probe runs s tokens against 6s: 7s positions
+    device = head.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.dtype
     fitted = _fitted.setdefault(model, {})
-    if (head.dtype, scale, split) not in fitted:
-        fitted[head.dtype, scale, split] = _fit(model, forward, scale, split)
-    return fitted[head.dtype, scale, split]
+    if (compute, scale, split) not in fitted:
+        fitted[compute, scale, split] = _fit(model, forward, scale, split)
+    return fitted[compute, scale, split]
 
 
 def _fit(model, forward, s: int, split: bool) -> MemoryModel:

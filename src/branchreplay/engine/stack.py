@@ -252,13 +252,16 @@ class _Run:
             self.loss_value += pack_loss.item()
             outputs.append(pack_loss)
             grads.append(torch.ones_like(pack_loss))
+        # backward outside an active autocast (its ops take the forward's dtypes; PyTorch's AMP notes advise so)
+        no_autocast = torch.autocast(self.device.type, enabled=False)
         if final:  # the run's last backward: through every layer, inside `final_backward`
             if not outputs:
                 outputs, grads = [hidden.sum() * 0], [torch.ones((), dtype=hidden.dtype, device=hidden.device)]
-            with self.final_backward:
+            with self.final_backward, no_autocast:
                 torch.autograd.backward(outputs, grads)
         elif outputs:
-            torch.autograd.backward(outputs, grads)
+            with no_autocast:
+                torch.autograd.backward(outputs, grads)
 
     def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_h) -> torch.Tensor | None:
         """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode)."""

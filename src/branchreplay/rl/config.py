@@ -46,7 +46,11 @@ class ModelConfig:
     spec: str = field(default="smollm2", metadata=help_of(
         "model to train, as models.load_model: 'smollm2' (default, SmolLM2-135M-Instruct), 'tiny:<arch>', a "
         "save_pretrained folder, a .gguf file or a hub id 'org/name'"))
-    dtype: DType = field(default="float32", metadata=help_of("parameter dtype"))
+    dtype: DType = field(default="float32", metadata=help_of(
+        "float32 or float64: parameters and compute in that dtype; bfloat16: mixed precision, float32 parameters "
+        "(master weights), gradients and AdamW state with the forwards under torch.autocast (as Hugging Face "
+        "Trainer's bf16=True on a float32 model; models.autocast); float16: evaluation only (training it needs "
+        "loss scaling)"))
     device: str = field(default="auto", metadata=help_of("torch device; 'auto' = cuda if available, else cpu"))
 
     def __post_init__(self):

@@ -9,7 +9,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from ..models import chat_prompt_ids, load_policy
+from ..models import autocast, chat_prompt_ids, load_policy
 from .checkpoint import load_weights
 from .config import Config
 from .rewards import make_reward, score
@@ -83,7 +83,8 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
     model, tokenizer = load_policy(config.model.spec, config.model.dtype, config.model.device)
     if checkpoint is not None:
         load_weights(model, checkpoint)
-    metrics = evaluate(model, tokenizer, config, data, reward_fn)
+    with autocast(config.model.dtype, model.device.type):  # as the trainer's held-out eval computes it
+        metrics = evaluate(model, tokenizer, config, data, reward_fn)
     table = Table(title=f"held-out {config.task.name} ({config.task.eval_size} items)")
     table.add_column("metric")
     table.add_column("value", justify="right")

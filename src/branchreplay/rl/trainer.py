@@ -44,7 +44,7 @@ from ..engine import EngineConfig, UnsupportedModelError, replay_backward, repla
 from ..engine.distributed import DataParallel
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, token_weights
-from ..models import chat_prompt_ids, load_policy
+from ..models import autocast, chat_prompt_ids, load_policy
 from ..tree import ReplayResult, Rollout, RolloutTree
 from .advantages import group_advantages, group_std
 from .checkpoint import full_state, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
@@ -98,10 +98,17 @@ class Trainer:
         if train_data is None:  # the task and its reward first: a typo there should not cost a model load
             train_data, eval_data = load_task(config.task)
         reward_fn = reward_fn or make_reward(config.task.reward, train_data)
+        m = config.model
+        if m.dtype == "float16":
+            raise ValueError("model.dtype=float16 cannot train: float16 mixed precision needs loss scaling, which "
+                             "branchreplay does not do; use bfloat16 (same speed, float32's exponent range)")
         if model is None:
-            m = config.model
             model, tokenizer = load_policy(m.spec, m.dtype, m.device)
+        if m.dtype == "bfloat16" and next(model.parameters()).dtype != torch.float32:
+            raise ValueError(f"model.dtype=bfloat16 trains float32 master weights under autocast; the given model's "
+                             f"parameters are {next(model.parameters()).dtype}: pass it in float32")
         self.model, self.tokenizer = model.eval(), tokenizer
+        self.autocast = lambda: autocast(m.dtype, model.device.type)  # bfloat16: mixed precision (models.autocast)
         self.train_data, self.eval_data = train_data, eval_data
         self.reward_fn = reward_fn
         self.eos_ids = eos_token_ids(model, tokenizer)
@@ -143,7 +150,7 @@ class Trainer:
         prompt_ids = [chat_prompt_ids(self.tokenizer, build_messages(item["question"])) for item in items]
         mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
         samples, rewards, error, failure = {}, {}, None, None
-        with self.gathered():
+        with self.gathered(), self.autocast():
             try:
                 for k in mine:  # each group its own stream: its samples do not depend on the world size
                     self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
@@ -195,14 +202,15 @@ class Trainer:
             plan = shard(trained, self.ranks.world_size, self.model.config, allow_empty=True)
         local = plan.parts[self.rank] if plan else trained  # this rank's trees (engine/sharding.py)
         if local and g.num_iterations > 1:  # the sampling policy's logprobs, before the first update
-            with self.gathered():
+            with self.gathered(), self.autocast():
                 old = replay_logprobs(self.model, local, temperature=temperature, engine=engine,
                                       force=self.force).logprobs
             for r, lp in zip(_rollouts(local), old):
                 r.old_logprobs = lp
         if local and g.beta > 0:  # the reference model is a full copy on every rank
-            ref = replay_logprobs(self.ref_model, local, temperature=temperature, engine=engine,
-                                  force=self.force).logprobs
+            with self.autocast():
+                ref = replay_logprobs(self.ref_model, local, temperature=temperature, engine=engine,
+                                      force=self.force).logprobs
             for r, lp in zip(_rollouts(local), ref):
                 r.ref_logprobs = lp
         loss_fn = GRPOLoss(g.epsilon, g.epsilon_high, g.beta, g.entropy_coef)
@@ -212,8 +220,9 @@ class Trainer:
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
             loss_fn.stats = LossStats()  # the clip, KL and entropy sums of this update (losses.py)
             if self.dp is None:
-                result = accumulate(self.model, local, loss_fn, g.micro_batch_prompts, temperature, engine,
-                                    self.force) if local else None
+                with self.autocast():
+                    result = accumulate(self.model, local, loss_fn, g.micro_batch_prompts, temperature, engine,
+                                        self.force) if local else None
                 grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
             else:  # every rank has the same `trained`: all of them run the collectives, or none
                 result = self.accumulate_sharded(local, loss_fn) if trained else None
@@ -238,7 +247,7 @@ class Trainer:
         loss and the loss statistics summed over the ranks (every rank returns the step's totals)."""
         g = self.config.grpo
         trees = local or [_idle_tree(self.model)]  # a rank without rollouts still joins the one reduction
-        with self.dp.accumulate():
+        with self.dp.accumulate(), self.autocast():
             result = accumulate(self.model, trees, loss_fn, g.micro_batch_prompts, self.config.sampling.temperature,
                                 self.config.engine, self.force, final_backward=self.dp.final_sync())
         if not local:
@@ -397,7 +406,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
-        with self.gathered():
+        with self.gathered(), self.autocast():
             return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.reward_fn,
                             progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"),
                             ranks=self.ranks)
