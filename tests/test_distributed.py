@@ -162,8 +162,8 @@ def _records(run_dir) -> list[dict]:
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, tmp_path):
     """3 groups on 2 ranks (uneven: one rank runs two): every step's reward, loss and grad norm equal the
-    single-process run's; a checkpoint written at step 2 by 2 ranks resumes on 1 and on 2 processes to the same
-    step-3 metrics as the uninterrupted run."""
+    single-process run's; a checkpoint written at step 2 by 2 ranks (its optimizer state sharded by DCP) resumes on
+    1 and on 2 processes, and the single-process run's on 2, to the same step-3 metrics as the uninterrupted run."""
     from test_trainer import make_trainer
 
     single_trainer = make_trainer(_train_config(tmp_path, 3, run="single"), dtype=torch.float64)
@@ -177,13 +177,21 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
             assert abs(ours[key] - theirs[key]) <= 1e-9 * max(1.0, abs(theirs[key])), (key, ours, theirs)
     import shutil
 
+    optimizer = tmp_path / "two" / "checkpoints" / "step-000002" / "optimizer"  # DCP: sharded by the ranks
+    assert (optimizer / ".metadata").is_file()
+    assert {p.name for p in optimizer.glob("*.distcp")} == {"__0_0.distcp", "__1_0.distcp"}  # each rank writes
     shutil.copytree(tmp_path / "two", tmp_path / "again")
+    shutil.copytree(single, tmp_path / "from-one")  # the single-process run's step-2 checkpoint, resumed on 2
+    shutil.rmtree(tmp_path / "from-one" / "checkpoints" / "step-000003")
+    (tmp_path / "from-one" / "checkpoints" / "latest").write_text("step-000002")
     make_trainer(_train_config(tmp_path, 3, run="two"), dtype=torch.float64).fit(resume=tmp_path / "two")  # on 1
     mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 3, strategy, "again", True), nprocs=2, join=True)
+    mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 3, strategy, "from-one", True), nprocs=2,
+             join=True)
     held_out = json.loads((tmp_path / "again-eval.json").read_text())
     for key in ("eval/accuracy", "eval/frac_correct", "eval/mean_length"):
         assert held_out[key] == single_trainer.evaluate()[key], key  # the sharded eval of the same weights
-    for run in ("two", "again"):
+    for run in ("two", "again", "from-one"):  # 2 -> 1, 2 -> 2, 1 -> 2
         last = _records(tmp_path / run)[-1]
         assert last["step"] == 3
         for key in ("reward", "loss", "grad_norm"):

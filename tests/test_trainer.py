@@ -262,6 +262,28 @@ def test_keep_checkpoints(tmp_path):
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000002", "step-000003"]
 
 
+def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp_path):
+    """The step folder loads with from_pretrained (the consolidated export, tied weights restored); a checkpoint of
+    the earlier format (the full optimizer state inside trainer_state.pt) resumes to the same optimizer state."""
+    from transformers import AutoModelForCausalLM
+
+    from branchreplay.rl.checkpoint import STATE, load_checkpoint
+
+    trainer = make_trainer(make_config(tmp_path, train={"steps": 2}))
+    run = trainer.fit()
+    folder = latest_checkpoint(run)
+    exported = AutoModelForCausalLM.from_pretrained(folder)
+    for (name, ours), theirs in zip(trainer.model.named_parameters(), exported.parameters()):
+        assert torch.equal(ours, theirs), name
+    state = torch.load(folder / STATE, weights_only=False)
+    state["optimizer"] = trainer.optimizer.state_dict()  # the earlier format, keyed by position
+    torch.save(state, folder / STATE)
+    fresh = make_trainer(make_config(tmp_path, train={"output_dir": str(tmp_path / "fresh")}))
+    assert load_checkpoint(folder, fresh.model, fresh.optimizer, fresh.scheduler)[0] == 2
+    for p, q in zip(trainer.params, fresh.params):
+        assert torch.equal(trainer.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"])
+
+
 def test_failing_reward_skips_the_step(tmp_path):
     calls = []
 

@@ -1,30 +1,49 @@
-"""Atomic training checkpoints in a run folder.
+"""Atomic training checkpoints in a run folder, written by every rank of a data-parallel run together.
 
-    RUN_DIR/checkpoints/step-000010/model.safetensors   model weights (shared tensors, e.g. tied embeddings, once)
-    RUN_DIR/checkpoints/step-000010/trainer_state.pt    step, optimizer, scheduler, python/numpy/torch RNG states
+    RUN_DIR/checkpoints/step-000010/model.safetensors   the consolidated weights (shared tensors, e.g. tied
+                                                        embeddings, once), gathered to rank 0 and written there
+    RUN_DIR/checkpoints/step-000010/config.json         the model's config (and generation_config.json, the
+                                                        tokenizer's files): the folder loads with
+                                                        `AutoModelForCausalLM.from_pretrained` (the export)
+    RUN_DIR/checkpoints/step-000010/optimizer/          the optimizer state, sharded: `torch.distributed.checkpoint`
+                                                        (DCP), each rank writing its own shards (FSDP2), a
+                                                        replicated tensor (DDP) once, by one of the ranks; keyed by
+                                                        parameter name, so any world size loads it (DCP reshards)
+    RUN_DIR/checkpoints/step-000010/trainer_state.pt    step, scheduler, python/numpy/torch RNG states, counters
     RUN_DIR/checkpoints/latest                          text: the name of the newest complete checkpoint
 
-A checkpoint is written into a hidden temporary folder next to its target, every file fsynced, then renamed into
-place (rename is atomic on POSIX), and only then is `latest` replaced (written to a temporary file, fsynced,
-os.replace). A crash at any point leaves either the previous checkpoint or the new one, never a half-written one;
-leftover temporary folders are ignored by `latest_checkpoint` and removed by the next save.
+A checkpoint is written into a hidden temporary folder next to its target (rank 0 creates it and every rank writes
+into it: ranks on several nodes need a shared filesystem), every file fsynced; after a barrier rank 0 renames it
+into place (rename is atomic on POSIX), and only then is `latest` replaced (written to a temporary file, fsynced,
+os.replace). A crash at any point, or a rank that dies during the save, leaves either the previous checkpoint or
+the new one, never a half-written one; leftover temporary folders are ignored by `latest_checkpoint` and removed by
+the next save. Checkpoints written before the optimizer state moved to DCP (a full state dict inside
+trainer_state.pt) still load.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import random
 import re
 import shutil
 import tempfile
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import safetensors.torch
 import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     set_model_state_dict, set_optimizer_state_dict)
 
 _NAME = re.compile(r"^step-(\d+)$")
 WEIGHTS = "model.safetensors"
+OPTIMIZER = "optimizer"
 STATE = "trainer_state.pt"
 
 
@@ -33,52 +52,67 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, keep: int = 2,
-                    extra: dict | None = None, full_state: tuple[dict, dict] | None = None) -> Path:
+                    extra: dict | None = None, tokenizer=None) -> Path:
     """Write the checkpoint of `step` atomically, point `latest` at it, delete all but the `keep` newest.
 
-    `extra`: small picklable trainer counters, returned by `load_checkpoint`. `full_state`: (model, optimizer)
-    full state dicts already gathered from the ranks (`full_state`), for a data-parallel run's rank 0; by default
-    they are read from `model` and `optimizer`. The optimizer state is keyed by parameter name
-    (torch.distributed.checkpoint.state_dict's full format), so any world size resumes it.
-    Returns the checkpoint folder. Raises OSError on a write failure (the previous checkpoint stays valid)."""
+    A collective in a data-parallel run: every rank calls it (the weights are gathered to rank 0, the optimizer
+    shards written by their ranks). `extra`: small picklable trainer counters, returned by `load_checkpoint`;
+    `tokenizer`: saved beside the weights when given, so that the folder is a complete Hugging Face model.
+    Returns the checkpoint folder. Raises OSError on a write failure (the previous checkpoint stays valid); in a
+    data-parallel run the other ranks then raise at their next collective's timeout (parallel.timeout_s)."""
+    distributed = dist.is_initialized()
+    rank = dist.get_rank() if distributed else 0
     root = checkpoints_dir(run_dir)
-    root.mkdir(parents=True, exist_ok=True)
-    for leftover in root.glob(".tmp-*"):  # from a save that crashed
-        if leftover.is_dir():
-            shutil.rmtree(leftover, ignore_errors=True)
-        else:
-            leftover.unlink(missing_ok=True)
     name = f"step-{step:06d}"
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root))
-    model_state, optimizer_state = full_state or _full_state(model, optimizer)
+    tmp = [None]
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for leftover in root.glob(".tmp-*"):  # from a save that crashed
+            if leftover.is_dir():
+                shutil.rmtree(leftover, ignore_errors=True)
+            else:
+                leftover.unlink(missing_ok=True)
+        tmp = [tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)]
+    if distributed:
+        dist.broadcast_object_list(tmp, src=0)
+    tmp = Path(tmp[0])
     try:
-        safetensors.torch.save_file(_without_tied(model, model_state), str(tmp / WEIGHTS))
-        torch.save(
-            {
-                "step": step,
-                "optimizer": optimizer_state,
-                "scheduler": scheduler.state_dict(),
-                "rng": _rng_state(),
-                "extra": extra or {},
-            },
-            tmp / STATE,
-        )
-        for f in tmp.iterdir():
-            _fsync(f)
-        _fsync(tmp)
-        target = root / name
-        if target.exists():  # re-saving a step (e.g. after a resume): replace it
-            shutil.rmtree(target)
-        os.rename(tmp, target)
+        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        with _single_process_quiet():
+            dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp / OPTIMIZER,
+                     no_dist=not distributed)
+        if rank == 0:
+            safetensors.torch.save_file(_without_tied(model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
+            model.config.save_pretrained(tmp)
+            if getattr(model, "generation_config", None) is not None:
+                model.generation_config.save_pretrained(tmp)
+            if hasattr(tokenizer, "save_pretrained"):
+                tokenizer.save_pretrained(tmp)
+            torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state(), "extra": extra or {}},
+                       tmp / STATE)
+        del weights
+        if distributed:
+            dist.barrier()  # every rank's shards are on disk
+        if rank == 0:
+            for f in sorted(tmp.rglob("*"), reverse=True):  # files first, then their folders
+                _fsync(f)
+            _fsync(tmp)
+            target = root / name
+            if target.exists():  # re-saving a step (e.g. after a resume): replace it
+                shutil.rmtree(target)
+            os.rename(tmp, target)
+            write_atomic(root / "latest", name)
+            _fsync(root)
+            for old in _complete(root)[:-keep]:
+                if old.name != name:
+                    shutil.rmtree(old, ignore_errors=True)
     except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
         raise
-    write_atomic(root / "latest", name)
-    _fsync(root)
-    for old in _complete(root)[:-keep]:
-        if old.name != name:
-            shutil.rmtree(old, ignore_errors=True)
-    return target
+    if distributed:
+        dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
+    return root / name
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -105,8 +139,6 @@ def load_weights(model, checkpoint: str | Path) -> None:
         path = found
     try:
         if any(hasattr(p, "to_local") for p in model.parameters()):  # sharded (FSDP2): every rank reads the file
-            from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
             state = safetensors.torch.load_file(str(path / WEIGHTS))
             state.update({name: state[kept] for name, kept in _tied_names(model).items() if kept in state})
             set_model_state_dict(model, state, options=StateDictOptions(full_state_dict=True, strict=True))
@@ -117,36 +149,35 @@ def load_weights(model, checkpoint: str | Path) -> None:
 
 
 def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler) -> tuple[int, dict]:
-    """Restore weights, optimizer, scheduler and RNG states from a checkpoint folder; returns (step, extra)."""
+    """Restore weights, optimizer, scheduler and RNG states from a checkpoint folder, on any world size (every rank
+    of a data-parallel run calls it); returns (step, extra)."""
     path = Path(checkpoint)
     load_weights(model, path)
     state = torch.load(path / STATE, weights_only=False)  # our own file: numpy RNG state needs pickle
-    saved = state["optimizer"]
-    if all(isinstance(k, str) for k in saved.get("state", {})):  # keyed by parameter name: any world size
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
-        for p in model.parameters():  # torch initialises the optimizer's state only for parameters without grads
-            p.grad = None
-        set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
-    else:  # keyed by position (checkpoints written before data parallelism)
-        optimizer.load_state_dict(saved)
+    for p in model.parameters():  # torch initialises the optimizer's state only for parameters without grads
+        p.grad = None
+    if "optimizer" in state:  # written before the optimizer state moved to DCP
+        saved = state["optimizer"]
+        if all(isinstance(k, str) for k in saved.get("state", {})):  # keyed by parameter name
+            set_optimizer_state_dict(model, optimizer, saved, options=StateDictOptions(full_state_dict=True))
+        else:  # keyed by position (before data parallelism)
+            optimizer.load_state_dict(saved)
+    else:
+        template = {"optimizer": get_optimizer_state_dict(model, optimizer)}  # this world size's shapes / shards
+        with _single_process_quiet():
+            dcp.load(template, checkpoint_id=path / OPTIMIZER, no_dist=not dist.is_initialized())
+        set_optimizer_state_dict(model, optimizer, template["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     _set_rng_state(state["rng"])
     return int(state["step"]), state["extra"]
 
 
-def full_state(model, optimizer) -> tuple[dict, dict]:
-    """(model, optimizer) full state dicts on the CPU, keyed by parameter name; a collective on every rank of a
-    data-parallel run (FSDP2 shards are gathered), a plain read in one process."""
-    return _full_state(model, optimizer)
-
-
-def _full_state(model, optimizer) -> tuple[dict, dict]:
-    from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                         get_optimizer_state_dict)
-
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    return get_model_state_dict(model, options=options), get_optimizer_state_dict(model, optimizer, options=options)
+@contextlib.contextmanager
+def _single_process_quiet() -> Iterator[None]:
+    """DCP warns that it "assumes" one process whenever torch.distributed is not initialised: that is our intent."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def _tied_names(model) -> dict[str, str]:
@@ -176,7 +207,7 @@ def _complete(root: Path) -> list[Path]:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / WEIGHTS).is_file() and (path / STATE).is_file()
+    return (path / WEIGHTS).is_file() and (path / STATE).is_file()  # renamed only when complete
 
 
 def _rng_state() -> dict:

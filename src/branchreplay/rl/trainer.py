@@ -47,7 +47,7 @@ from ..losses import GRPOLoss, LossStats, token_weights
 from ..models import autocast, chat_prompt_ids, load_policy
 from ..tree import ReplayResult, Rollout, RolloutTree
 from .advantages import group_advantages, group_std
-from .checkpoint import full_state, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from .config import Config
 from .evaluation import evaluate
 from .log import MetricsLog, peak_memory_bytes, progress_info, step_line, summarize
@@ -393,16 +393,10 @@ class Trainer:
                 write_atomic(path, json.dumps(verdicts, indent=1))
 
     def save(self, run_dir: Path) -> Path:
-        """The checkpoint of the current step: gathered from every rank, written by rank 0 (atomically)."""
-        state = full_state(self.model, self.optimizer) if self.ranks else None
-        path = run_dir / "checkpoints" / f"step-{self.step:06d}"
-        if self.rank == 0:
-            path = save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
-                                   keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
-                                   full_state=state)
-        if self.ranks:
-            torch.distributed.barrier()  # no rank goes on (or exits) before the checkpoint is complete
-        return path
+        """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`)."""
+        return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
+                               keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
+                               tokenizer=self.tokenizer)
 
     def evaluate(self) -> dict:
         """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
