@@ -284,6 +284,45 @@ def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
     assert outcome != "no error" and float(seconds) <= 30, (seconds, outcome)
 
 
+def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    from pathlib import Path
+
+    from test_trainer import byte_reward, make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    def reward(completions, **kwargs):
+        if rank == 1:
+            raise RuntimeError("grader crashed")
+        return byte_reward(completions, **kwargs)
+
+    try:
+        trainer = make_trainer(_train_config(Path(tmp), 1), reward_fn=reward)
+        t0 = time.perf_counter()
+        try:
+            trainer.evaluate()
+            outcome = "no error"
+        except Exception as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}"
+        (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
+    """Rank 1's reward raises during the sharded eval: rank 1 raises it, and rank 0 a RuntimeError naming rank 1,
+    both at once (they used to wait for each other until the collective timeout)."""
+    mp.spawn(_eval_error_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
+    assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes  # the timeout is 120 s
+    assert "grader crashed" in outcomes[1][1]
+    assert outcomes[0][1].startswith("RuntimeError: held-out evaluation failed on rank 1") and "grader crashed" in \
+        outcomes[0][1]
+
+
 def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
     from pathlib import Path
 

@@ -53,9 +53,10 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 class DataParallel:
     """`model` data-parallel over the default process group (module docstring). `strategy`: "fsdp2" or "ddp";
     `device`: the model's device type ("cpu" for gloo: an explicit CPU mesh even on a machine with CUDA, PyTorch
-    issue 132471). Construct it on every rank with the same model configuration."""
+    issue 132471); `broadcast`: start every rank from rank 0's weights (False when the caller already did).
+    Construct it on every rank with the same model configuration."""
 
-    def __init__(self, model, strategy: Strategy, device: str = "cpu"):
+    def __init__(self, model, strategy: Strategy, device: str = "cpu", broadcast: bool = True):
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialised: start with torchrun (it sets RANK, "
                                "WORLD_SIZE, MASTER_ADDR) and call branchreplay.engine.distributed.init()")
@@ -64,7 +65,7 @@ class DataParallel:
         self.layers = decoder_layers(model) if strategy == "fsdp2" else []
         layer_params = {id(p) for layer in self.layers for p in layer.parameters()}
         self.replicated = [p for p in model.parameters() if id(p) not in layer_params]
-        for p in model.parameters():  # every rank starts from rank 0's weights
+        for p in model.parameters() if broadcast else []:  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
         if strategy == "fsdp2":
             from torch.distributed.fsdp import fully_shard

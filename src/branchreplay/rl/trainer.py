@@ -128,7 +128,7 @@ class Trainer:
         self.dp = None
         if self.ranks is not None:  # after the reference copy: fully_shard changes the model in place
             strategy = "fsdp2" if config.parallel.strategy == "auto" else config.parallel.strategy
-            self.dp = DataParallel(model, strategy, device=model.device.type)
+            self.dp = DataParallel(model, strategy, device=model.device.type, broadcast=False)  # broadcast above
         g = config.grpo
         self.params = [p for p in model.parameters() if p.requires_grad]
         # foreach=False: the FSDP2 layers' DTensors and the replicated plain tensors cannot share one foreach kernel
