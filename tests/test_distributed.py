@@ -239,13 +239,15 @@ def test_cli_verify_on_two_processes(capsys):
 
 
 def test_cli_bench_on_two_processes(capsys):
-    """`branchreplay bench --nproc 2`: naive data parallelism and branchreplay on 2 processes, with the plans."""
+    """`branchreplay bench --nproc 2`: naive data parallelism, prompt sharing and branchreplay on 2 processes, with
+    the plans."""
     from branchreplay.cli import main
 
     assert main(["bench", "--nproc", "2", "--prompt-tokens", "64", "--generations", "8", "--response-tokens", "8",
                  "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["world_size"] == 2 and [r["method"] for r in out["rows"]] == ["naive", "branchreplay"]
+    assert out["world_size"] == 2 and [r["method"] for r in out["rows"]] == ["naive", "prompt-sharing", "branchreplay"]
+    assert not any(r["estimated"] for r in out["rows"])  # small enough to run in full
     assert all(r["seconds"] > 0 and len(r["per_rank_seconds"]) == 2 for r in out["rows"])
     assert set(out["plan"]) == {"2", "8"} and len(out["plan"]["8"]["physical_tokens"]) == 8
     assert out["plan"]["2"]["recomputed_positions"] == 64  # one tree, split: the prompt once more

@@ -280,8 +280,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="torch threads for the run (default: torch's; 1 is faster on an oversubscribed machine)")
     b.add_argument("--seed", type=int, default=0)
     b.add_argument("--nproc", type=int, default=1,
-                   help="run branchreplay and naive data parallelism on this many local processes (gloo, 1 thread "
-                        "each) and print the shard plan for 8 ranks; float32, CPU")
+                   help="run naive data parallelism, prompt sharing and branchreplay on this many local processes "
+                        "(gloo, 1 thread each) and print the shard plan for 8 ranks; float32, CPU")
     b.add_argument("--parallel", default="fsdp2", choices=["fsdp2", "ddp"], help="with --nproc: the strategy")
     b.add_argument("--dtype", default="float32", choices=list(DTYPES))
     b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")

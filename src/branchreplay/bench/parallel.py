@@ -1,11 +1,16 @@
-"""`branchreplay bench --nproc N`: one step of a scenario data-parallel on N local processes (gloo), branchreplay
-(`engine.distributed`, trees to ranks by `engine.sharding`) side by side with naive data parallelism (rank r runs
-rollouts r, r + N, ... each alone, then one gradient all-reduce), and the shard plan for more ranks.
+"""`branchreplay bench --nproc N`: one step of a scenario data-parallel on N local processes (gloo), side by side:
 
-Wall time of a method = the slowest rank's, between two barriers. A naive rank whose projected time exceeds
-`max_seconds` stops after a sample of its rollouts (at least one) and is scaled by FLOPs (`flops.naive_work`), as
-`runner` does; the row then says estimated. Prompt sharing is not run data-parallel here. Peak memory is not
-measured per rank.
+    naive           rank r runs rollouts r, r + N, ... each alone, then one gradient all-reduce
+    prompt-sharing  rank r runs the same rollouts with their prompt once per rank (`baselines.prompt_sharing_backward`,
+                    prefix-grouper when installed), then one gradient all-reduce
+    branchreplay    trees to ranks by `engine.sharding`, the gradient reduced once (`engine.distributed`)
+
+and the shard plan for more ranks. Wall time of a method = the slowest rank's, between two barriers. A naive rank
+whose projected time exceeds `max_seconds` stops after a sample of its rollouts (at least one) and is scaled by
+FLOPs (`flops.naive_work`), as `runner` does; a prompt-sharing rank whose estimated peak memory
+(`baselines.prompt_sharing_peak_bytes`) exceeds its share of the available memory runs the largest first k of its
+rollouts that fits, scaled by `flops.prompt_sharing_work`; such rows say estimated. Peak memory is not measured per
+rank.
 """
 
 from __future__ import annotations
@@ -21,14 +26,19 @@ import torch
 from ..engine.sharding import shard
 from ..tree import RolloutTree
 from . import flops as F
+from .baselines import PROMPT_SHARING_LABELS, prefix_grouper_version
 from .runner import BENCH_MODEL, MODEL_LABEL
 from .scenarios import Scenario
 
 
+METHODS = ("naive", "prompt-sharing", "branchreplay")
+
+
 def run_data_parallel(scenario: Scenario, nproc: int, strategy: str = "fsdp2", seed: int = 0,
                       max_seconds: float = 120.0, plan_ranks: int = 8) -> dict:
-    """Both methods on `nproc` processes (one torch thread each). Returns {"model", "world_size", "strategy",
-    "rows": [{method, seconds, estimated, sample_rollouts, speedup, per_rank_seconds}], "plan": the shard plan of
+    """The three methods on `nproc` processes (one torch thread each). Returns {"model", "world_size", "strategy",
+    "prompt_sharing" (its implementation), "rows": [{method, seconds, estimated, sample_rollouts, speedup,
+    per_rank_seconds}] in METHODS order, "plan": the shard plan of
     the same tree on this world size and on `plan_ranks` ranks (per-rank physical tokens, predicted cost,
     imbalance, recomputed positions)}."""
     import torch.multiprocessing as mp
@@ -40,7 +50,7 @@ def run_data_parallel(scenario: Scenario, nproc: int, strategy: str = "fsdp2", s
         mp.spawn(_worker, args=(nproc, port, scenario, strategy, seed, max_seconds, tmp), nprocs=nproc, join=True)
         reports = [json.loads(open(f"{tmp}/rank{r}.json").read()) for r in range(nproc)]
     rows = []
-    for method in ("naive", "branchreplay"):
+    for method in METHODS:
         per_rank = [r[method]["seconds"] for r in reports]
         rows.append({"method": method, "seconds": max(per_rank), "per_rank_seconds": per_rank,
                      "estimated": any(r[method]["estimated"] for r in reports),
@@ -50,6 +60,7 @@ def run_data_parallel(scenario: Scenario, nproc: int, strategy: str = "fsdp2", s
     model = _model(seed)
     tree = RolloutTree(_rollouts(scenario, model.config.vocab_size, seed))
     return {"model": MODEL_LABEL, "scenario": scenario.label(), "world_size": nproc, "strategy": strategy,
+            "prompt_sharing": PROMPT_SHARING_LABELS[_prompt_sharing_impl()].format(version=prefix_grouper_version()),
             "logical_tokens": tree.stats.logical_tokens, "physical_tokens": tree.stats.physical_tokens,
             "rows": rows, "plan": {n: _plan(tree, n, model.config) for n in sorted({nproc, plan_ranks})}}
 
@@ -60,10 +71,11 @@ def format_data_parallel(result: dict) -> str:
              f"{result['physical_tokens']} physical positions; {result['world_size']} processes, {result['strategy']}"]
     for r in result["rows"]:
         ranks = ", ".join(f"{s:.1f}" for s in r["per_rank_seconds"])
-        lines.append(f"  {r['method']:<13} {r['seconds']:>9.1f} s{'*' if r['estimated'] else ' '} speedup "
+        lines.append(f"  {r['method']:<15} {r['seconds']:>9.1f} s{'*' if r['estimated'] else ' '} speedup "
                      f"{r['speedup']:>6.2f}   per rank: {ranks}")
     if any(r["estimated"] for r in result["rows"]):
         lines.append("  * estimated from a sample of each rank's rollouts, scaled by FLOPs")
+    lines.append(f"  prompt-sharing: {result['prompt_sharing']}")
     for n, plan in result["plan"].items():
         if "skipped" in plan:
             lines.append(f"  plan on {n} ranks: skipped ({plan['skipped']})")
@@ -92,6 +104,35 @@ def _rollouts(scenario: Scenario, vocab: int, seed: int):
 
     g = torch.Generator().manual_seed(seed)
     return make_rollouts(scenario.sequences(vocab, g), g)
+
+
+def _prompt_sharing(model, mine, loss, shape, world: int) -> dict:
+    """This rank's rollouts with their prompt once (`baselines.prompt_sharing_backward`), then the gradient
+    all-reduce: {"seconds", "estimated", "rollouts_run"}. The first k rollouts whose estimated peak fits this
+    rank's share of the available memory run (at least one); the time is scaled by FLOPs to all of them."""
+    import torch.distributed as dist
+
+    from ..engine.planner import available_memory_bytes
+    from .baselines import prompt_sharing_backward, prompt_sharing_peak_bytes
+
+    budget = 0.6 * (available_memory_bytes(model.device) or 2**62) / world
+    k = len(mine)
+    while k > 1 and prompt_sharing_peak_bytes(mine[:k], model.config, model.dtype) > budget:
+        k -= 1
+    dist.barrier()
+    t0 = time.perf_counter()
+    prompt_sharing_backward(model, mine[:k], loss, impl=_prompt_sharing_impl())
+    seconds = time.perf_counter() - t0
+    if k < len(mine):
+        seconds *= F.prompt_sharing_work(mine).flops(shape) / F.prompt_sharing_work(mine[:k]).flops(shape)
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    t1 = time.perf_counter()
+    dist.all_reduce(flat)
+    return {"seconds": seconds + time.perf_counter() - t1, "estimated": k < len(mine), "rollouts_run": k}
+
+
+def _prompt_sharing_impl() -> str:
+    return "prefix-grouper" if prefix_grouper_version() else "equivalent"
 
 
 def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
@@ -126,6 +167,8 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
         dist.all_reduce(flat)  # the one gradient reduction of naive data parallelism
         seconds += time.perf_counter() - t1
         report["naive"] = {"seconds": seconds, "estimated": run < len(mine), "rollouts_run": run}
+        model.zero_grad(set_to_none=True)
+        report["prompt-sharing"] = _prompt_sharing(model, mine, loss, shape, world)
         dist.barrier()
         dp_model = _model(seed)
         dp = DataParallel(dp_model, strategy)
