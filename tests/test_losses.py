@@ -36,7 +36,7 @@ def test_loss_statistics_are_token_means_of_the_tensors_the_loss_used():
     delta = torch.cat([r.ref_logprobs for r in rollouts])[mask] - logp
     expected = {"entropy": torch.cat(result.entropy)[mask].mean().item(), "clip_ratio/low_mean": low.double().mean(),
                 "clip_ratio/high_mean": high.double().mean(), "clip_ratio/region_mean": (low | high).double().mean(),
-                "kl": (torch.exp(delta) - delta - 1).mean().item()}
+                "kl": ((torch.exp(delta) - delta - 1) * ratio).mean().item()}  # bias-corrected, as TRL logs it
     assert low.any() and high.any()
     assert set(ours) == set(theirs) == set(expected)
     for key, value in expected.items():

@@ -5,10 +5,11 @@ rollout. A loss is any callable `loss(x: LossInputs) -> scalar Tensor` whose val
 of its values on the nodes (true for every per-token loss summed with weights, which is what GRPO, DAPO, Dr. GRPO,
 BNPO and PPO are once their normalisation is put into the weights: see `token_weights`).
 
-Departures from TRL's GRPOTrainer (trl/trainer/grpo_trainer.py, `_compute_loss`): the normalisation is carried by
-per-token weights computed up front, so a batch split into micro-batches gives the same gradient; the entropy bonus
-(verl's `entropy_coeff`) is an addition; sequence-level importance sampling (GSPO) and two-sided clipping (`delta`)
-are not implemented.
+`GRPOLoss` follows TRL 1.16's GRPOTrainer (trl/trainer/grpo_trainer.py, `_compute_loss`; tests/test_trl.py feeds
+the same batch to both). Departures: the normalisation is carried by per-token weights computed up front, so a
+batch split into micro-batches gives the same gradient (TRL's entropy mean is per micro-batch: equal with one);
+sequence-level importance sampling (GSPO, `importance_sampling_level="sequence"`), `top_entropy_quantile` and the
+loss types cispo, sapo, luspo and vespo are not implemented.
 """
 
 from __future__ import annotations
@@ -105,18 +106,27 @@ class LossStats:
 class GRPOLoss:
     """GRPO's clipped surrogate with the k3 KL penalty and an optional entropy bonus, summed with per-token weights.
 
-    Per position t of rollout i (TRL GRPOTrainer, `_compute_loss`; Shao et al. 2024, DeepSeekMath, eq. 3):
+    Per position t of rollout i (TRL 1.16 GRPOTrainer, `_compute_loss`; Shao et al. 2024, DeepSeekMath, eq. 3):
         ratio = exp(logp - old_logp)
-        l = -min(ratio * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)
-        l += beta * (exp(ref_logp - logp) - (ref_logp - logp) - 1)     # k3 estimator (Schulman, "Approximating KL
-                                                                        # divergence", 2020), as TRL
-        l -= entropy_coef * entropy                                     # verl's `entropy_coeff`
-    loss = sum_i sum_t weights[i, t] * l[i, t].
+        l = -min(min(ratio, delta) * A, clip(ratio, 1 - epsilon_low, 1 + epsilon_high) * A)
+        kl = exp(ref_logp - logp) - (ref_logp - logp) - 1       # k3 estimator (Schulman, "Approximating KL
+                                                                # divergence", 2020), as TRL
+        kl *= ratio                                             # use_bias_correction_kl (DeepSeek-V3.2)
+        l += beta * kl
+    loss = sum_i sum_t weights[i, t] * l[i, t] - entropy_coef * H, where H is the mean entropy over the
+    `entropy_tokens` trained (rollout, position) pairs, as TRL's bonus for every loss_type, or, when
+    `entropy_tokens` is None, sum_i sum_t weights[i, t] * entropy[t] (verl's entropy aggregated like its loss).
 
     Args:
         epsilon_low, epsilon_high: clipping range (TRL `epsilon`, `epsilon_high`; DAPO uses 0.2 / 0.28).
         beta: KL coefficient; ref_logprobs are required when beta != 0.
         entropy_coef: entropy bonus coefficient (0 = off).
+        use_bias_correction_kl: multiply the k3 KL by the (differentiable) importance ratio, TRL 1.16's default;
+            it changes the KL gradient even on-policy, where the ratio's value is 1.
+        delta: upper bound of the ratio in the unclipped term (two-sided clipping, TRL `delta`; INTELLECT-2,
+            Prime Intellect 2025), or None.
+        entropy_tokens: the number of trained (rollout, position) pairs of the whole step, which H averages over
+            (the trainer sets it), or None (above).
     Every call adds to `stats` (`LossStats`) what it computed; set `stats = LossStats()` to start a new count.
     Raises:
         ValueError: beta != 0 but a node has no reference logprobs.
@@ -126,6 +136,9 @@ class GRPOLoss:
     epsilon_high: float = 0.2
     beta: float = 0.0
     entropy_coef: float = 0.0
+    use_bias_correction_kl: bool = True
+    delta: float | None = None
+    entropy_tokens: float | None = None
     stats: LossStats = field(default_factory=LossStats, compare=False, repr=False)
 
     def __call__(self, x: LossInputs) -> torch.Tensor:
@@ -133,19 +146,27 @@ class GRPOLoss:
         old = x.old_logprobs if x.old_logprobs is not None else logp.detach()
         ratio = torch.exp(logp - old)  # [L'] or [k, L']
         clipped = torch.clamp(ratio, 1 - self.epsilon_low, 1 + self.epsilon_high)
+        unclipped = ratio if self.delta is None else torch.clamp(ratio, max=self.delta)
         A = x.advantages  # [k, L']
-        per_token = -torch.minimum(ratio * A, clipped * A)  # [k, L']
+        per_token = -torch.minimum(unclipped * A, clipped * A)  # [k, L']
         kl = None
         if self.beta != 0.0:
             if x.ref_logprobs is None:
                 raise ValueError("GRPOLoss.beta is non-zero but the rollouts carry no ref_logprobs")
             delta = x.ref_logprobs - logp
             kl = torch.exp(delta) - delta - 1
+            if self.use_bias_correction_kl:
+                kl = kl * ratio
             per_token = per_token + self.beta * kl
+        loss = (x.weights * per_token).sum()
         if self.entropy_coef != 0.0:
-            per_token = per_token - self.entropy_coef * x.entropy
+            if self.entropy_tokens is None:
+                entropy_weights = x.weights
+            else:
+                entropy_weights = (x.weights > 0).to(x.entropy.dtype) / max(float(self.entropy_tokens), 1.0)
+            loss = loss - self.entropy_coef * (entropy_weights * x.entropy).sum()
         self._record(x, ratio, kl)
-        return (x.weights * per_token).sum()
+        return loss
 
     @torch.no_grad()
     def _record(self, x: LossInputs, ratio: torch.Tensor, kl: torch.Tensor | None) -> None:

@@ -79,7 +79,15 @@ class GRPOConfig:
         "upper clip range, > 0; default (null) = epsilon; DAPO uses 0.28"))
     beta: float = field(default=0.0, metadata=help_of(
         "k3 KL coefficient against the initial model, >= 0 (0 = no reference model is kept)"))
-    entropy_coef: float = field(default=0.0, metadata=help_of("entropy bonus coefficient, >= 0 (0 = off)"))
+    entropy_coef: float = field(default=0.0, metadata=help_of(
+        "entropy bonus coefficient, >= 0 (0 = off); the bonus is the mean entropy over the step's completion tokens "
+        "for every loss_type, as TRL's"))
+    use_bias_correction_kl: bool = field(default=True, metadata=help_of(
+        "multiply the k3 KL by the importance ratio (TRL's default; DeepSeek-V3.2): the KL gradient changes even "
+        "on-policy; false gives plain k3"))
+    delta: float | None = field(default=None, metadata=help_of(
+        "two-sided clipping (TRL delta; INTELLECT-2): the unclipped ratio is capped at delta, > 0, best above "
+        "1 + epsilon_high; null = off"))
     num_iterations: int = field(default=1, metadata=help_of(
         "optimizer updates per batch of samples (TRL mu), >= 1; > 1 computes old logprobs before the first one"))
     mask_truncated_completions: bool = field(default=False, metadata=help_of(
@@ -106,6 +114,8 @@ class GRPOConfig:
         check("grpo.epsilon_high", self.epsilon_high > 0, "> 0", self.epsilon_high)
         check("grpo.beta", self.beta >= 0, ">= 0", self.beta)
         check("grpo.entropy_coef", self.entropy_coef >= 0, ">= 0", self.entropy_coef)
+        if self.delta is not None:
+            check("grpo.delta", self.delta > 0, "> 0", self.delta)
         check("grpo.num_iterations", self.num_iterations >= 1, ">= 1", self.num_iterations)
         check("grpo.max_grad_norm", self.max_grad_norm > 0, "> 0", self.max_grad_norm)
         check("grpo.learning_rate", self.learning_rate > 0, "> 0", self.learning_rate)

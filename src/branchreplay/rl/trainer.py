@@ -213,7 +213,8 @@ class Trainer:
                                       force=self.force).logprobs
             for r, lp in zip(_rollouts(local), ref):
                 r.ref_logprobs = lp
-        loss_fn = GRPOLoss(g.epsilon, g.epsilon_high, g.beta, g.entropy_coef)
+        loss_fn = GRPOLoss(g.epsilon, g.epsilon_high, g.beta, g.entropy_coef, g.use_bias_correction_kl, g.delta,
+                           entropy_tokens=sum(float(r.loss_mask.sum()) for t in trees for r in t.rollouts))
         history = []
         for _ in range(g.num_iterations):
             for p in self.params:  # zeros, not None: AdamW then moves every parameter as TRL's would
