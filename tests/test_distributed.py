@@ -13,6 +13,7 @@ import torch
 import torch.multiprocessing as mp
 
 from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.engine.distributed import shutdown
 from branchreplay.engine.sharding import shard
 from branchreplay.models import autocast, tiny_model
 from branchreplay.tree import RolloutTree
@@ -45,50 +46,48 @@ def _worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     torch.set_num_threads(1)
     report = {}
-    try:
-        for arch, case, dtype in CASES:
-            single, model = tiny_model(arch, dtype=dtype, seed=0), tiny_model(arch, dtype=dtype, seed=0)
-            trees = _trees(case, single.config.vocab_size)
-            loss = GRPOLoss(entropy_coef=0.01)
-            with keep_float64(single), keep_float64(model):
-                replay_backward(single, trees, loss)
-                expected = [p.grad.clone() for p in single.parameters()]
-                dp = DataParallel(model, strategy)
-                _, plan = replay_backward_sharded(dp, trees, loss)
-                report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "tol": TOL[dtype],
-                                "physical": plan.physical_tokens, "recomputed": plan.recomputed_positions}
-        # bfloat16 mixed precision (float32 parameters under autocast, models.autocast): whole groups per rank run
-        # the same bfloat16 ops as in one process, so only the float32 sums of the ranks' gradients differ
-        single, model = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
-        trees = _trees("four-groups", single.config.vocab_size)
+    for arch, case, dtype in CASES:
+        single, model = tiny_model(arch, dtype=dtype, seed=0), tiny_model(arch, dtype=dtype, seed=0)
+        trees = _trees(case, single.config.vocab_size)
         loss = GRPOLoss(entropy_coef=0.01)
-        with autocast("bfloat16", "cpu"):
+        with keep_float64(single), keep_float64(model):
             replay_backward(single, trees, loss)
             expected = [p.grad.clone() for p in single.parameters()]
             dp = DataParallel(model, strategy)
-            replay_backward_sharded(dp, trees, loss)
-        full = dp.full_grads()
-        report["four-groups-bfloat16-autocast"] = {"err": max_rel_grad_err(full, expected), "tol": 1e-5,
-                                                   "dtype": str(full[0].dtype)}
-        # three AdamW steps on 4 groups, against the same steps in one process
-        single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+            _, plan = replay_backward_sharded(dp, trees, loss)
+            report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "tol": TOL[dtype],
+                            "physical": plan.physical_tokens, "recomputed": plan.recomputed_positions}
+    # bfloat16 mixed precision (float32 parameters under autocast, models.autocast): whole groups per rank run
+    # the same bfloat16 ops as in one process, so only the float32 sums of the ranks' gradients differ
+    single, model = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+    trees = _trees("four-groups", single.config.vocab_size)
+    loss = GRPOLoss(entropy_coef=0.01)
+    with autocast("bfloat16", "cpu"):
+        replay_backward(single, trees, loss)
+        expected = [p.grad.clone() for p in single.parameters()]
         dp = DataParallel(model, strategy)
-        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, model)]
-        loss = GRPOLoss()
-        with keep_float64(single), keep_float64(model):
-            for step in range(3):
-                trees = _trees("four-groups", 256, seed=step)
-                for opt in opts:
-                    opt.zero_grad(set_to_none=True)
-                replay_backward(single, trees, loss)
-                replay_backward_sharded(dp, trees, loss)
-                for opt in opts:
-                    opt.step()
-        params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
-        report["adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in single.parameters()]),
-                                   "tol": 1e-10}
-    finally:
-        dist.destroy_process_group()
+        replay_backward_sharded(dp, trees, loss)
+    full = dp.full_grads()
+    report["four-groups-bfloat16-autocast"] = {"err": max_rel_grad_err(full, expected), "tol": 1e-5,
+                                               "dtype": str(full[0].dtype)}
+    # three AdamW steps on 4 groups, against the same steps in one process
+    single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+    dp = DataParallel(model, strategy)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, model)]
+    loss = GRPOLoss()
+    with keep_float64(single), keep_float64(model):
+        for step in range(3):
+            trees = _trees("four-groups", 256, seed=step)
+            for opt in opts:
+                opt.zero_grad(set_to_none=True)
+            replay_backward(single, trees, loss)
+            replay_backward_sharded(dp, trees, loss)
+            for opt in opts:
+                opt.step()
+    params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+    report["adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in single.parameters()]),
+                               "tol": 1e-10}
+    shutdown()  # on success only, as the product (engine.distributed.shutdown)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
 
@@ -142,17 +141,13 @@ def _train_worker(rank: int, world: int, port: int, tmp: str, steps: int, strate
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    import torch.distributed as dist
 
-    try:
-        trainer = make_trainer(_train_config(Path(tmp), steps, strategy, run), dtype=torch.float64)
-        trainer.fit(resume=Path(tmp) / run if resume else None)
-        metrics = trainer.evaluate()  # sharded: each rank decodes half of the held-out items
-        if rank == 0:
-            (Path(tmp) / f"{run}-eval.json").write_text(json.dumps(metrics))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    trainer = make_trainer(_train_config(Path(tmp), steps, strategy, run), dtype=torch.float64)
+    trainer.fit(resume=Path(tmp) / run if resume else None)
+    metrics = trainer.evaluate()  # sharded: each rank decodes half of the held-out items
+    if rank == 0:
+        (Path(tmp) / f"{run}-eval.json").write_text(json.dumps(metrics))
+    shutdown()  # on success only, as the product (engine.distributed.shutdown)
 
 
 def _records(run_dir) -> list[dict]:
@@ -202,16 +197,13 @@ def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
     from branchreplay.rl.parallel import launch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    import torch.distributed as dist
 
     try:
         launch("auto", {"train": {"seed": rank}})  # rank 1 was started with another seed
-    except ValueError as e:
+    except ValueError as e:  # on every rank alike: both may close the group
         with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
             f.write(str(e))
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    shutdown()
 
 
 def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
@@ -293,25 +285,21 @@ def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    import torch.distributed as dist
 
     def reward(completions, **kwargs):
         if rank == 1:
             raise RuntimeError("grader crashed")
         return byte_reward(completions, **kwargs)
 
+    trainer = make_trainer(_train_config(Path(tmp), 1), reward_fn=reward)
+    t0 = time.perf_counter()
     try:
-        trainer = make_trainer(_train_config(Path(tmp), 1), reward_fn=reward)
-        t0 = time.perf_counter()
-        try:
-            trainer.evaluate()
-            outcome = "no error"
-        except Exception as e:  # noqa: BLE001
-            outcome = f"{type(e).__name__}: {e}"
-        (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        trainer.evaluate()
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    shutdown()  # on success only, as the product (engine.distributed.shutdown)
 
 
 def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
@@ -334,18 +322,14 @@ def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    import torch.distributed as dist
 
     cfg = GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=512, hidden_dropout=0.0, attention_dropout=0.0)
     torch.manual_seed(0)
     model = GPTNeoXForCausalLM(cfg)
     model.generation_config.eos_token_id = EOS
-    try:
-        make_trainer(_train_config(Path(tmp), 1, "fsdp2", "neox"), model=model).fit()
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    make_trainer(_train_config(Path(tmp), 1, "fsdp2", "neox"), model=model).fit()
+    shutdown()  # on success only, as the product (engine.distributed.shutdown)
 
 
 def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
@@ -369,23 +353,21 @@ def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     torch.set_num_threads(1)
-    try:
-        single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
-        tree = _trees("four-groups", 256)[0]
-        loss = GRPOLoss(beta=0.04)  # the idle tree carries reference logprobs too
-        for r in tree.rollouts:
-            r.ref_logprobs = torch.zeros(len(r), dtype=torch.float64)
-        replay_backward(single, tree, loss)
-        dp = DataParallel(model, strategy)
-        with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
-            accumulate(model, [tree] if rank == 0 else [_idle_tree(model)], loss, 0, 1.0,
-                       final_backward=dp.final_sync())
-        dp.reduce_replicated()
-        err = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump({"err": err}, f)
-    finally:
-        dist.destroy_process_group()
+    single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+    tree = _trees("four-groups", 256)[0]
+    loss = GRPOLoss(beta=0.04)  # the idle tree carries reference logprobs too
+    for r in tree.rollouts:
+        r.ref_logprobs = torch.zeros(len(r), dtype=torch.float64)
+    replay_backward(single, tree, loss)
+    dp = DataParallel(model, strategy)
+    with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
+        accumulate(model, [tree] if rank == 0 else [_idle_tree(model)], loss, 0, 1.0,
+                   final_backward=dp.final_sync())
+    dp.reduce_replicated()
+    err = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"err": err}, f)
+    shutdown()  # on success only, as the product (engine.distributed.shutdown)
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])

@@ -139,46 +139,44 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
     import torch.distributed as dist
 
     from ..check.reference import naive_backward
-    from ..engine.distributed import DataParallel, replay_backward_sharded
+    from ..engine.distributed import DataParallel, replay_backward_sharded, shutdown
     from ..losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    try:
-        loss, report = GRPOLoss(), {}
-        model = _model(seed)
-        rollouts = _rollouts(scenario, model.config.vocab_size, seed)
-        shape = F.ModelShape.of(model)
-        mine = rollouts[rank::world]
-        dist.barrier()
-        t0, run = time.perf_counter(), 0
-        for r in mine:  # naive data parallelism: this rank's rollouts, each alone
-            naive_backward(model, [r], loss)
-            run += 1
-            elapsed = time.perf_counter() - t0
-            if run < len(mine) and elapsed * len(mine) / run > max_seconds:
-                break
-        seconds = time.perf_counter() - t0  # this rank's compute; estimated: the sample's, scaled by FLOPs
-        if run < len(mine):
-            seconds *= F.naive_work(mine).flops(shape) / F.naive_work(mine[:run]).flops(shape)
-        flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
-        t1 = time.perf_counter()
-        dist.all_reduce(flat)  # the one gradient reduction of naive data parallelism
-        seconds += time.perf_counter() - t1
-        report["naive"] = {"seconds": seconds, "estimated": run < len(mine), "rollouts_run": run}
-        model.zero_grad(set_to_none=True)
-        report["prompt-sharing"] = _prompt_sharing(model, mine, loss, shape, world)
-        dist.barrier()
-        dp_model = _model(seed)
-        dp = DataParallel(dp_model, strategy)
-        dist.barrier()
-        t0 = time.perf_counter()
-        _, plan = replay_backward_sharded(dp, [RolloutTree(rollouts)], loss)
-        dist.barrier()
-        report["branchreplay"] = {"seconds": time.perf_counter() - t0, "estimated": False,
-                                  "rollouts_run": sum(len(t.rollouts) for t in plan.parts[rank])}
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-    finally:
-        dist.destroy_process_group()
+    loss, report = GRPOLoss(), {}
+    model = _model(seed)
+    rollouts = _rollouts(scenario, model.config.vocab_size, seed)
+    shape = F.ModelShape.of(model)
+    mine = rollouts[rank::world]
+    dist.barrier()
+    t0, run = time.perf_counter(), 0
+    for r in mine:  # naive data parallelism: this rank's rollouts, each alone
+        naive_backward(model, [r], loss)
+        run += 1
+        elapsed = time.perf_counter() - t0
+        if run < len(mine) and elapsed * len(mine) / run > max_seconds:
+            break
+    seconds = time.perf_counter() - t0  # this rank's compute; estimated: the sample's, scaled by FLOPs
+    if run < len(mine):
+        seconds *= F.naive_work(mine).flops(shape) / F.naive_work(mine[:run]).flops(shape)
+    flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
+    t1 = time.perf_counter()
+    dist.all_reduce(flat)  # the one gradient reduction of naive data parallelism
+    seconds += time.perf_counter() - t1
+    report["naive"] = {"seconds": seconds, "estimated": run < len(mine), "rollouts_run": run}
+    model.zero_grad(set_to_none=True)
+    report["prompt-sharing"] = _prompt_sharing(model, mine, loss, shape, world)
+    dist.barrier()
+    dp_model = _model(seed)
+    dp = DataParallel(dp_model, strategy)
+    dist.barrier()
+    t0 = time.perf_counter()
+    _, plan = replay_backward_sharded(dp, [RolloutTree(rollouts)], loss)
+    dist.barrier()
+    report["branchreplay"] = {"seconds": time.perf_counter() - t0, "estimated": False,
+                              "rollouts_run": sum(len(t.rollouts) for t in plan.parts[rank])}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    shutdown()  # after an error the process exits without it (engine.distributed.shutdown)

@@ -217,45 +217,43 @@ def _data_parallel_worker(rank, world, port, spec, dtype, strategy, seed, force,
 
     import torch.distributed as dist
 
-    from ..engine.distributed import DataParallel, replay_backward_sharded
+    from ..engine.distributed import DataParallel, replay_backward_sharded, shutdown
     from ..models import load_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     torch.set_num_threads(1)
-    try:
-        single, _ = load_model(spec, dtype=dtype)
-        model, _ = load_model(spec, dtype=dtype)
-        family = FAMILIES.get(model.config.model_type)
-        tolerance = (FLOAT32_KERNELS_TOLERANCE if family is not None and family.float32_kernels else FLOAT64_TOLERANCE
-                     ) if dtype == torch.float64 else 1e-4
-        g = torch.Generator().manual_seed(seed)
-        vocab = model.config.vocab_size
-        loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
-        forest = [RolloutTree(make_rollouts(build(vocab, g), g)) for name, build in SHAPES.items() if name != "random"]
-        steps = [forest, [RolloutTree(make_rollouts(SHAPES["shared-prompt"](vocab, g), g))]]
-        errors, imbalance, recomputed = [], [], 0
-        numerics = (lambda m: keep_float64(m)) if dtype == torch.float64 else (lambda m: contextlib.nullcontext())
-        with numerics(single), numerics(model):
-            dp = DataParallel(model, strategy)
-            for trees in steps:
-                for tree in trees:  # off-policy, with reference logprobs: clipping and KL are exercised
-                    current = replay_logprobs(single, tree, force=force).logprobs
-                    for r, lp in zip(tree.rollouts, current):
-                        noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
-                        r.old_logprobs = (lp.double() + noise) * r.loss_mask
-                        r.ref_logprobs = (lp.double() - noise) * r.loss_mask
-                single.zero_grad(set_to_none=True)
-                model.zero_grad(set_to_none=True)
-                replay_backward(single, trees, loss, force=force)
-                expected = [_grad(p) for p in single.parameters()]
-                _, plan = replay_backward_sharded(dp, trees, loss, force=force)
-                errors.append(max_rel_grad_err(dp.full_grads(), expected))
-                imbalance.append(plan.imbalance)
-                recomputed += plan.recomputed_positions
-        report = {"max_rel_grad_err": max(errors), "tolerance": tolerance, "trees": len(forest) + 1,
-                  "imbalance": max(imbalance), "recomputed_positions": recomputed}
-        with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-            json.dump(report, f)
-    finally:
-        dist.destroy_process_group()
+    single, _ = load_model(spec, dtype=dtype)
+    model, _ = load_model(spec, dtype=dtype)
+    family = FAMILIES.get(model.config.model_type)
+    tolerance = (FLOAT32_KERNELS_TOLERANCE if family is not None and family.float32_kernels else FLOAT64_TOLERANCE
+                 ) if dtype == torch.float64 else 1e-4
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
+    forest = [RolloutTree(make_rollouts(build(vocab, g), g)) for name, build in SHAPES.items() if name != "random"]
+    steps = [forest, [RolloutTree(make_rollouts(SHAPES["shared-prompt"](vocab, g), g))]]
+    errors, imbalance, recomputed = [], [], 0
+    numerics = (lambda m: keep_float64(m)) if dtype == torch.float64 else (lambda m: contextlib.nullcontext())
+    with numerics(single), numerics(model):
+        dp = DataParallel(model, strategy)
+        for trees in steps:
+            for tree in trees:  # off-policy, with reference logprobs: clipping and KL are exercised
+                current = replay_logprobs(single, tree, force=force).logprobs
+                for r, lp in zip(tree.rollouts, current):
+                    noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
+                    r.old_logprobs = (lp.double() + noise) * r.loss_mask
+                    r.ref_logprobs = (lp.double() - noise) * r.loss_mask
+            single.zero_grad(set_to_none=True)
+            model.zero_grad(set_to_none=True)
+            replay_backward(single, trees, loss, force=force)
+            expected = [_grad(p) for p in single.parameters()]
+            _, plan = replay_backward_sharded(dp, trees, loss, force=force)
+            errors.append(max_rel_grad_err(dp.full_grads(), expected))
+            imbalance.append(plan.imbalance)
+            recomputed += plan.recomputed_positions
+    report = {"max_rel_grad_err": max(errors), "tolerance": tolerance, "trees": len(forest) + 1,
+              "imbalance": max(imbalance), "recomputed_positions": recomputed}
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump(report, f)
+    shutdown()  # after an error the process exits without it (engine.distributed.shutdown)

@@ -181,6 +181,18 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int
     return dist.get_rank(), dist.get_world_size()
 
 
+def shutdown() -> None:
+    """End data parallelism on a rank whose work succeeded: a barrier, then `destroy_process_group`. Without the
+    barrier a rank that finishes first tears down its gloo connections while another still talks to it, and gloo
+    aborts one of them ("terminate called without an active exception", SIGABRT: seen in tests/test_distributed.py
+    twice). After an error, do not call it: a barrier or a destroy while another rank sits in a collective blocks
+    (torchtitan destroys the group only after a successful run, for that reason); the collective timeout then
+    stops the others. A no-op without a process group."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
                             force: bool = False):
     """`replay_backward` of this rank's share of `trees` (`sharding.shard`, the same plan on every rank), the

@@ -41,7 +41,7 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 
 from ..check.self_check import ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
-from ..engine.distributed import DataParallel
+from ..engine.distributed import DataParallel, shutdown
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, token_weights
 from ..models import autocast, chat_prompt_ids, load_policy
@@ -488,11 +488,13 @@ def _stop_on_signals(stop: list, console: Console):
 
 def train(config: Config, resume: str | None = None) -> Path:
     """Build the model, task and trainer from `config` and train; returns the run folder. Under torchrun every rank
-    calls it (rl/parallel.py); the process group is closed at the end."""
+    calls it (rl/parallel.py); the process group is closed after a run that succeeded (`distributed.shutdown`)."""
     try:
-        return Trainer(config).fit(resume)
-    finally:
-        if torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        run_dir = Trainer(config).fit(resume)
+    except TrainingInterrupted:
+        shutdown()  # every rank stopped at the same step, after the checkpoint
+        raise
+    shutdown()
+    return run_dir
 
 
