@@ -272,6 +272,10 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
     trainer = make_trainer(make_config(tmp_path, train={"steps": 2}))
     run = trainer.fit()
     folder = latest_checkpoint(run)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert folder.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700: others may read it
+    assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     exported = AutoModelForCausalLM.from_pretrained(folder)
     for (name, ours), theirs in zip(trainer.model.named_parameters(), exported.parameters()):
         assert torch.equal(ours, theirs), name

@@ -73,6 +73,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             else:
                 leftover.unlink(missing_ok=True)
         tmp = [tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)]
+        os.chmod(tmp[0], 0o777 & ~_umask())  # mkdtemp's 0700 would stay on the renamed checkpoint
     if distributed:
         dist.broadcast_object_list(tmp, src=0)
     tmp = Path(tmp[0])
@@ -95,6 +96,8 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             dist.barrier()  # every rank's shards are on disk
         if rank == 0:
             for f in sorted(tmp.rglob("*"), reverse=True):  # files first, then their folders
+                if f.is_file():
+                    os.chmod(f, 0o666 & ~_umask())  # as open() makes them (safetensors writes 0600)
                 _fsync(f)
             _fsync(tmp)
             target = root / name
@@ -232,6 +235,12 @@ def write_atomic(path: Path, text: str) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync(path: Path) -> None:
