@@ -7,15 +7,20 @@ until the prediction fits `memory_budget`. Leaf packs are never replayed: nothin
 
 Memory model (bytes), fitted per model from probe forwards that count the tensors autograd saves for backward
 (`torch.autograd.graph.saved_tensors_hooks`; parameters excluded):
-    activations(S query tokens, P prefix tokens) = a * S + b * (P + S) + mask entries * mask element bytes
-        (mask entries: S * (P + S); with split prefix attention, S * S for a pack of siblings, 0 for one node)
+    activations(S query tokens, P prefix tokens) = a * S + b * (P + S) + mask entries * mask element bytes + c
+        (mask entries: S * (P + S); with split prefix attention, S * S for a pack of siblings, 0 for one node;
+        c: bytes every pack saves whatever its size, e.g. under autocast its own half-precision copy of the
+        weights, 2 bytes per parameter of the matmuls)
     node state (K/V handed to children)         = s * L per node of L tokens, twice (leaf and its gradient)
-plus fixed bytes: the parameters' gradients and the LM head's working chunk. Measured against
-`measure_peak_bytes` on tiny Llamas (tests/test_planner.py), the prediction is an upper bound within 1.6x.
+plus fixed bytes: the parameters' gradients and the LM head's working chunk (and under autocast one half-precision
+copy of the matrices). Measured against `measure_peak_bytes` on tiny Llamas (tests/test_planner.py), the
+prediction is an upper bound within 1.6x; under bfloat16 autocast 1.02x (keep) and 1.55x (replay), where it
+was 0.70x before the per-pack constant c and the half-precision copy were modelled.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass, field
 
@@ -29,7 +34,8 @@ from ..tree import Node
 class MemoryModel:
     """Bytes per query token (a), per visible key (b), per position of handed-on state (s), per row of the LM
     head's working chunk; fixed bytes (parameter gradients still to allocate); bytes per mask entry; whether the
-    model runs split prefix attention (`attention.PrefixSplit`), whose mask covers only the pack's own keys."""
+    model runs split prefix attention (`attention.PrefixSplit`), whose mask covers only the pack's own keys;
+    bytes per pack (c)."""
 
     per_token: float
     per_key: float
@@ -38,6 +44,7 @@ class MemoryModel:
     fixed_bytes: int
     mask_bytes_per_entry: int
     split: bool = False
+    per_pack: float = 0.0
 
     def activations(self, S: int, P: int, packed: bool) -> float:
         """Bytes saved for backward by a pack of S tokens against P prefix tokens (`packed`: more than one node),
@@ -47,7 +54,7 @@ class MemoryModel:
             entries = S * S if packed else 0
         else:
             entries = S * (P + S) if packed or P > 0 else 0
-        return self.per_token * S + self.per_key * (P + S) + self.mask_bytes_per_entry * entries
+        return self.per_token * S + self.per_key * (P + S) + self.mask_bytes_per_entry * entries + self.per_pack
 
 
 @dataclass
@@ -166,8 +173,16 @@ def _fit(model, forward, s: int, split: bool) -> MemoryModel:
         state_per_token = sum(t.numel() * t.element_size() for layer in state for t in layer) / (2 * s)
     elem = torch.finfo(dtype).bits // 8
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
+    device = head.device.type
+    if torch.is_autocast_enabled(device):  # one more half-precision copy of the matrices, outside any pack: the
+        # casts and weight gradients of the backward in flight (measured on tiny Llama: 0.92x the peak without it)
+        half = torch.finfo(torch.get_autocast_dtype(device)).bits // 8
+        grads += half * sum(p.numel() for p in params if p.dim() >= 2)
     head_per_row = 3 * vocab * max(elem, 4)  # logits, log-softmax, its gradient
-    return MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem, split=split)
+    memory = MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem, split=split)
+    if s > 0:  # what the first probe saved beyond its size-proportional terms: the per-pack constant c
+        memory = dataclasses.replace(memory, per_pack=max(b1 - memory.activations(s, 2 * s, False), 0.0))
+    return memory
 
 
 def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: bool = False,
