@@ -14,7 +14,7 @@ from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import SHAPES, make_rollouts
 from branchreplay.engine import EngineConfig, replay_backward
 from branchreplay.engine import kernels
-from branchreplay.engine.attention import PrefixSplit
+from branchreplay.engine.attention import CUDA_SPLIT, PrefixSplit
 from branchreplay.engine.families import layer_windows
 from branchreplay.engine.recurrent import layer_kinds
 from branchreplay.losses import GRPOLoss
@@ -63,10 +63,11 @@ def test_cuda_wrapper_matches_the_operators_meta_kernels():
     q = torch.empty(B, h, S, d, device="meta")
     k, v = torch.empty(B, h_kv, L, d, device="meta"), torch.empty(B, h_kv, L, d, device="meta")
     mask = torch.empty(1, 1, S, L, device="meta")
-    out, lse, saved = kernels._cuda_forward(q, k, v, mask, False, d**-0.5)
-    assert out.shape == (B, h, S, d) and lse.shape == (B, h, S) and saved[0] == (B, h, 32)
-    dq, dk, dv = kernels._cuda_backward(out, q, k, v, mask, out, lse, False, d**-0.5, saved)
-    assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
+    for block_mask, lse_shape in ((mask, (B, h, 32)), (None, (B, h_kv, 64))):  # own block; prefix block, folded
+        out, lse, saved = kernels._cuda_forward(q, k, v, block_mask, False, d**-0.5)
+        assert out.shape == (B, h, S, d) and lse.shape == (B, h, S) and saved[0] == lse_shape
+        dq, dk, dv = kernels._cuda_backward(out, q, k, v, block_mask, out, lse, False, d**-0.5, saved)
+        assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
 def test_cuda_wrapper_through_the_engine_equals_naive(monkeypatch, keep64):
@@ -76,6 +77,7 @@ def test_cuda_wrapper_through_the_engine_equals_naive(monkeypatch, keep64):
     monkeypatch.setattr(kernels, "_efficient", fake_efficient)
     monkeypatch.setattr(kernels, "_efficient_backward", fake_efficient_backward)
     monkeypatch.setitem(kernels._KERNELS, "cpu", kernels.Kernels(kernels._cuda_forward, kernels._cuda_backward))
+    # (on the CPU the split path needs no opt-in: only CUDA's, which has not run on a GPU yet, does)
     model = keep64(tiny_model("llama", dtype=torch.float64))
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads exercised
     assert PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)).applies
@@ -95,11 +97,12 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @pytest.mark.cuda
 @cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
-def test_split_attention_on_cuda_equals_naive(arch):
-    """float32 on CUDA: the split path (memory-efficient kernels) against naive, and against float64 on the CPU
-    by the 1.5x bound."""
+def test_split_attention_on_cuda_equals_naive(arch, monkeypatch):
+    """float32 on CUDA: the split path (memory-efficient kernels, opted in) against naive, and against float64 by
+    the 1.5x bound."""
     from branchreplay.check.verify import verify_model
 
+    monkeypatch.setenv(CUDA_SPLIT, "1")
     model = tiny_model(arch, dtype=torch.float32).cuda()
     assert PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)).applies
     results, _ = verify_model(model, random_trees=2)

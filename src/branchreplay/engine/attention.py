@@ -12,8 +12,9 @@ The backward calls the kernel's backward on each block with the merged `out` and
 P = exp(scores - lse) and D = rowsum(dout * out) from them, so each block's dK, dV and dQ share are exactly those of
 one attention over all K + S keys.
 
-Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 (the block kernels of
-each device: `kernels.py`; the CUDA path has not run on a GPU yet), not under autocast, with transformers' "sdpa"
+Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 when opted in with
+`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; the CUDA path has not run on a GPU yet), not under
+autocast, with transformers' "sdpa"
 attention, every layer full attention (no sliding window, no recurrent or hybrid layer), no attention-logit
 softcap; and per pack when it has a prefix (P > 0). Everything else keeps the single masked SDPA call.
 
@@ -27,6 +28,7 @@ follows naive's, and the ratio is a coin toss on the trees where clipped ratios 
 
 from __future__ import annotations
 
+import os
 import threading
 import weakref
 
@@ -40,6 +42,9 @@ from .kernels import kernels_for
 
 _MARK = "_branchreplay_own_keys"  # attribute of a mask that covers only the pack's own keys
 _SPLIT_DTYPES = {("cpu", torch.float32), ("cpu", torch.float64), ("cuda", torch.float32)}  # (kernels.py)
+CUDA_SPLIT = "BRANCHREPLAY_CUDA_SPLIT_ATTENTION"
+"""Environment variable: "1" opts CUDA into split prefix attention. Off by default until scripts/gpu_check.sh has
+passed on a GPU (its kernels have not run yet); without it CUDA takes the masked SDPA path, which is exact."""
 
 
 def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -143,6 +148,7 @@ class PrefixSplit:
         self.applies = (
             getattr(config, "_attn_implementation", None) in ("sdpa", SPLIT_ATTENTION)
             and (model.device.type, model.dtype) in _SPLIT_DTYPES
+            and (model.device.type != "cuda" or os.environ.get(CUDA_SPLIT) == "1")
             and not torch.is_autocast_enabled(model.device.type)  # mixed precision: masked (module docstring)
             and all(w is None for w in windows)
             and all(k == "attention" for k in kinds)

@@ -13,11 +13,15 @@ hands its backward (nothing on the CPU).
 - CUDA: `aten._scaled_dot_product_efficient_attention` (memory-efficient / xformers kernel, Rabe & Staats 2021) with
   `compute_log_sumexp=True`, and its backward, for both blocks: it takes float32 (the flash kernel takes only half
   precision) and an additive bias. Its quirks, handled here as PyTorch's own SDPA dispatch handles them
-  (aten/src/ATen/native/transformers/): no grouped heads (K/V are expanded, their gradients summed per group),
-  a log-sum-exp padded to a multiple of 32 queries (sliced for the merge, re-padded for the backward), and a bias
-  whose row stride is a multiple of 16 elements (padded, then sliced). NOT RUN YET: no GPU was available; the
-  wrapper's logic is tested on the CPU against an emulation of the kernel's contract
-  (tests/test_kernels.py), the kernel itself only by `scripts/gpu_check.sh` and the tests marked `cuda`.
+  (aten/src/ATen/native/transformers/):
+  - no grouped heads: for the unmasked prefix block the query heads of a KV head are folded into one longer query
+    sequence, so the prefix K/V are never copied; for the pack's own block K/V are expanded and their gradients
+    summed per group;
+  - a log-sum-exp padded to a multiple of 32 queries: sliced for the merge, re-padded for the backward;
+  - a bias whose row stride is a multiple of 16 elements: padded, then sliced.
+  NOT RUN YET: no GPU was available, so CUDA takes this path only when opted in (`attention.CUDA_SPLIT`). The
+  wrapper's logic is tested on the CPU against the operators' meta kernels and an emulation of the kernel's
+  contract (tests/test_kernels.py); the kernel itself only by `scripts/gpu_check.sh` and the tests marked `cuda`.
 """
 
 from __future__ import annotations
@@ -59,21 +63,42 @@ def _cpu_backward(dout, q, k, v, mask, out, lse, causal, scale, saved):
 
 def _cuda_forward(q, k, v, mask, causal, scale):
     groups = q.shape[1] // k.shape[1]
+    fold = groups > 1 and mask is None and not causal  # the unmasked prefix block: no copies of K / V
     bias = _aligned_bias(mask, q.shape[0], q.shape[1])
-    out, lse, seed, offset = _efficient(q, _expand_heads(k, groups), _expand_heads(v, groups), bias, True, 0.0, causal,
-                                        scale=scale)
-    return out, lse[..., : q.shape[2]], (lse.shape, seed, offset)
+    qk, kk, vk = (_fold(q, groups), k, v) if fold else (q, _expand_heads(k, groups), _expand_heads(v, groups))
+    out, lse, seed, offset = _efficient(qk, kk, vk, bias, True, 0.0, causal, scale=scale)
+    S = qk.shape[2]
+    return _unfold(out, q.shape), lse[..., :S].reshape(q.shape[:3]), (lse.shape, seed, offset, fold)
 
 
 def _cuda_backward(dout, q, k, v, mask, out, lse, causal, scale, saved):
-    lse_shape, seed, offset = saved
+    lse_shape, seed, offset, fold = saved
     groups = q.shape[1] // k.shape[1]
+    if fold:
+        qk, kk, vk, dout, out, lse = _fold(q, groups), k, v, _fold(dout, groups), _fold(out, groups), \
+            lse.reshape(*k.shape[:2], -1)
+    else:
+        qk, kk, vk = q, _expand_heads(k, groups), _expand_heads(v, groups)
     padded = lse.new_zeros(lse_shape)
     padded[..., : lse.shape[-1]] = lse  # the merged log-sum-exp; the padding rows are no queries
     dq, dk, dv, _ = _efficient_backward(
-        dout, q, _expand_heads(k, groups), _expand_heads(v, groups), _aligned_bias(mask, q.shape[0], q.shape[1]),
-        out, padded, seed, offset, 0.0, [True, True, True, False], causal, scale=scale)
+        dout, qk, kk, vk, _aligned_bias(mask, q.shape[0], q.shape[1]), out, padded, seed, offset, 0.0,
+        [True, True, True, False], causal, scale=scale)
+    if fold:
+        return _unfold(dq, q.shape), dk, dv
     return dq, _sum_heads(dk, groups), _sum_heads(dv, groups)
+
+
+def _fold(x: torch.Tensor, groups: int) -> torch.Tensor:
+    """[B, h_kv * groups, S, d] -> [B, h_kv, groups * S, d]: the query heads of one KV head as one longer query
+    sequence (`repeat_kv`'s grouping), valid for a block without a mask, where every query sees every key."""
+    B, h, S, d = x.shape
+    return x.reshape(B, h // groups, groups * S, d)
+
+
+def _unfold(x: torch.Tensor, shape) -> torch.Tensor:
+    """The inverse of `_fold` (a no-op for an unfolded block)."""
+    return x.reshape(shape)
 
 
 def _expand_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
