@@ -123,12 +123,23 @@ def test_grpo_loss_and_gradient_equal_trl(trl_trainers, loss_type, bias_correcti
     assert max_rel_grad_err(tree_grads, naive_grads) <= 1e-10
 
 
-def test_bias_correction_changes_the_gradient_on_policy(trl_trainers):
-    """The corrected KL differs from plain k3 in its gradient even where every ratio is 1 (TRL's docs): a test of
-    the two options above that could not tell them apart would pass for the wrong reason."""
+def test_on_policy_bias_correction_equals_trl_and_changes_the_gradient(trl_trainers):
+    """On-policy (no old logprobs: every ratio is 1 in value), ours equals TRL with the KL corrected and plain, and
+    the two differ in their gradient (TRL's docs): a test of the option that could not tell them apart would pass
+    for the wrong reason."""
     prompt, completions, mask, advantages, old, ref = _batch()
     batch = (prompt, completions, mask, advantages, None, ref)
-    trainer = trl_trainers["dapo"]
-    _, with_correction = _trl_loss_and_grads(trainer, batch, True)
-    _, without = _trl_loss_and_grads(trainer, batch, False)
-    assert max_rel_grad_err(with_correction, without) > 1e-3
+    trainer, grads_of = trl_trainers["dapo"], {}
+    for correction in (True, False):
+        trl_loss, grads_of[correction] = _trl_loss_and_grads(trainer, batch, correction)
+        rollouts = _rollouts(_batch(), "dapo")
+        for r in rollouts:
+            r.old_logprobs = None
+        loss = GRPOLoss(EPS_LOW, EPS_HIGH, BETA, ENTROPY, use_bias_correction_kl=correction, delta=DELTA,
+                        entropy_tokens=sum(float(r.loss_mask.sum()) for r in rollouts))
+        model = tiny_model("llama", dtype=torch.float64)
+        with keep_float64(model):
+            ours = replay_backward(model, RolloutTree(rollouts), loss)
+        assert abs(ours.loss - trl_loss) <= 1e-6
+        assert max_rel_grad_err(grads(model), grads_of[correction]) <= 1e-5
+    assert max_rel_grad_err(grads_of[True], grads_of[False]) > 1e-3

@@ -165,7 +165,7 @@ class GRPOLoss:
             else:
                 entropy_weights = (x.weights > 0).to(x.entropy.dtype) / max(float(self.entropy_tokens), 1.0)
             loss = loss - self.entropy_coef * (entropy_weights * x.entropy).sum()
-        self._record(x, ratio, kl)
+        self._record(x, unclipped, kl)  # TRL's clip_ratio metrics use the ratio after `delta`
         return loss
 
     @torch.no_grad()
