@@ -313,6 +313,41 @@ def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
         outcomes[0][1]
 
 
+def _save_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    from pathlib import Path
+
+    import branchreplay.rl.checkpoint as checkpoint
+    from test_trainer import make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    trainer = make_trainer(_train_config(Path(tmp), 1))
+    checkpoint._write_rank0 = disk_full  # rank 0's files fail, after every rank wrote its optimizer shards
+    t0 = time.perf_counter()
+    try:
+        trainer.save(Path(tmp) / "run")
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    shutdown()
+
+
+def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path):
+    """No half-written checkpoint, and no rank waits for the collective timeout (120 s) to learn of it."""
+    mp.spawn(_save_error_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
+    assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes
+    assert "No space left on device" in outcomes[0][1]
+    assert outcomes[1][1].startswith("RuntimeError: writing the checkpoint failed on rank 0"), outcomes[1]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not [p for p in checkpoints.iterdir() if p.name != "latest"] if checkpoints.exists() else True
+
+
 def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
     from pathlib import Path
 

@@ -279,13 +279,29 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
     exported = AutoModelForCausalLM.from_pretrained(folder)
     for (name, ours), theirs in zip(trainer.model.named_parameters(), exported.parameters()):
         assert torch.equal(ours, theirs), name
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    import shutil
+
+    shutil.rmtree(folder / "optimizer")
     state = torch.load(folder / STATE, weights_only=False)
-    state["optimizer"] = trainer.optimizer.state_dict()  # the earlier format, keyed by position
-    torch.save(state, folder / STATE)
-    fresh = make_trainer(make_config(tmp_path, train={"output_dir": str(tmp_path / "fresh")}))
-    assert load_checkpoint(folder, fresh.model, fresh.optimizer, fresh.scheduler)[0] == 2
-    for p, q in zip(trainer.params, fresh.params):
-        assert torch.equal(trainer.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"])
+    by_name = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+                                       options=StateDictOptions(full_state_dict=True))
+    for earlier in (trainer.optimizer.state_dict(), by_name):  # keyed by position (before data parallelism), by name
+        state["optimizer"] = earlier
+        torch.save(state, folder / STATE)
+        assert latest_checkpoint(run) == folder
+        fresh = make_trainer(make_config(tmp_path, train={"output_dir": str(tmp_path / "fresh")}))
+        assert load_checkpoint(folder, fresh.model, fresh.optimizer, fresh.scheduler)[0] == 2
+        for p, q in zip(trainer.params, fresh.params):
+            assert torch.equal(trainer.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"])
+
+
+def test_a_checkpoint_copied_without_its_dcp_metadata_is_not_complete(tmp_path):
+    trainer = make_trainer(make_config(tmp_path, train={"steps": 1}))
+    run = trainer.fit()
+    (latest_checkpoint(run) / "optimizer" / ".metadata").unlink()
+    assert latest_checkpoint(run) is None
 
 
 def test_failing_reward_skips_the_step(tmp_path):

@@ -59,21 +59,26 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     shards written by their ranks). `extra`: small picklable trainer counters, returned by `load_checkpoint`;
     `tokenizer`: saved beside the weights when given, so that the folder is a complete Hugging Face model.
     Returns the checkpoint folder. Raises OSError on a write failure (the previous checkpoint stays valid); in a
-    data-parallel run the other ranks then raise at their next collective's timeout (parallel.timeout_s)."""
+    data-parallel run every rank raises (the others a RuntimeError naming the rank), except for a failure inside
+    DCP's own collectives, which the others see at the collective timeout (parallel.timeout_s)."""
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     root = checkpoints_dir(run_dir)
     name = f"step-{step:06d}"
-    tmp = [None]
+    tmp, error = [None], None
     if rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        for leftover in root.glob(".tmp-*"):  # from a save that crashed
-            if leftover.is_dir():
-                shutil.rmtree(leftover, ignore_errors=True)
-            else:
-                leftover.unlink(missing_ok=True)
-        tmp = [tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)]
-        os.chmod(tmp[0], 0o777 & ~_umask())  # mkdtemp's 0700 would stay on the renamed checkpoint
+        try:
+            root.mkdir(parents=True, exist_ok=True)
+            for leftover in root.glob(".tmp-*"):  # from a save that crashed
+                if leftover.is_dir():
+                    shutil.rmtree(leftover, ignore_errors=True)
+                else:
+                    leftover.unlink(missing_ok=True)
+            tmp = [tempfile.mkdtemp(prefix=f".tmp-{name}-", dir=root)]
+            os.chmod(tmp[0], 0o777 & ~_umask())  # mkdtemp's 0700 would stay on the renamed checkpoint
+        except OSError as e:
+            error = e
+    _agree(error)
     if distributed:
         dist.broadcast_object_list(tmp, src=0)
     tmp = Path(tmp[0])
@@ -82,40 +87,71 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
         with _single_process_quiet():
             dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp / OPTIMIZER,
                      no_dist=not distributed)
+        error = None
         if rank == 0:
-            safetensors.torch.save_file(_without_tied(model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
-            model.config.save_pretrained(tmp)
-            if getattr(model, "generation_config", None) is not None:
-                model.generation_config.save_pretrained(tmp)
-            if hasattr(tokenizer, "save_pretrained"):
-                tokenizer.save_pretrained(tmp)
-            torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state(), "extra": extra or {}},
-                       tmp / STATE)
+            try:
+                _write_rank0(tmp, model, weights, tokenizer, scheduler, step, extra)
+            except OSError as e:
+                error = e
         del weights
-        if distributed:
-            dist.barrier()  # every rank's shards are on disk
+        _agree(error)  # every rank's shards and rank 0's files are on disk, or every rank raises
         if rank == 0:
-            for f in sorted(tmp.rglob("*"), reverse=True):  # files first, then their folders
-                if f.is_file():
-                    os.chmod(f, 0o666 & ~_umask())  # as open() makes them (safetensors writes 0600)
-                _fsync(f)
-            _fsync(tmp)
-            target = root / name
-            if target.exists():  # re-saving a step (e.g. after a resume): replace it
-                shutil.rmtree(target)
-            os.rename(tmp, target)
-            write_atomic(root / "latest", name)
-            _fsync(root)
-            for old in _complete(root)[:-keep]:
-                if old.name != name:
-                    shutil.rmtree(old, ignore_errors=True)
+            try:
+                _publish(tmp, root, name, keep)
+            except OSError as e:
+                error = e
+        _agree(error)  # no rank goes on (or exits) before the checkpoint is in place
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
-    if distributed:
-        dist.barrier()  # no rank goes on (or exits) before the checkpoint is in place
     return root / name
+
+
+def _write_rank0(tmp: Path, model, weights: dict, tokenizer, scheduler, step: int, extra: dict | None) -> None:
+    """Rank 0's files: the consolidated weights, the configs, the tokenizer, the trainer state."""
+    safetensors.torch.save_file(_without_tied(model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
+    model.config.save_pretrained(tmp)
+    if getattr(model, "generation_config", None) is not None:
+        model.generation_config.save_pretrained(tmp)
+    if hasattr(tokenizer, "save_pretrained"):
+        tokenizer.save_pretrained(tmp)
+    torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state(), "extra": extra or {}},
+               tmp / STATE)
+
+
+def _publish(tmp: Path, root: Path, name: str, keep: int) -> None:
+    """fsync the temporary folder, rename it into place, point `latest` at it, prune to the `keep` newest."""
+    for f in sorted(tmp.rglob("*"), reverse=True):  # files first, then their folders
+        if f.is_file():
+            os.chmod(f, 0o666 & ~_umask())  # as open() makes them (safetensors writes 0600)
+        _fsync(f)
+    _fsync(tmp)
+    target = root / name
+    if target.exists():  # re-saving a step (e.g. after a resume): replace it
+        shutil.rmtree(target)
+    os.rename(tmp, target)
+    write_atomic(root / "latest", name)
+    _fsync(root)
+    for old in _complete(root)[:-keep]:
+        if old.name != name:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _agree(error: BaseException | None) -> None:
+    """Raise on every rank when any rank failed (in place of a barrier): the failing rank its own error, the others
+    a RuntimeError naming it. One process: raise `error` if any."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RuntimeError(f"writing the checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:
@@ -210,7 +246,11 @@ def _complete(root: Path) -> list[Path]:
 
 
 def _is_complete(path: Path) -> bool:
-    return (path / WEIGHTS).is_file() and (path / STATE).is_file()  # renamed only when complete
+    """Renamed into place only when complete; a copy that lost the DCP metadata is not (a folder without an
+    optimizer/ subfolder is of the earlier format, its optimizer state inside trainer_state.pt)."""
+    optimizer = path / OPTIMIZER
+    return ((path / WEIGHTS).is_file() and (path / STATE).is_file()
+            and (not optimizer.exists() or (optimizer / ".metadata").is_file()))
 
 
 def _rng_state() -> dict:
