@@ -124,3 +124,12 @@ def test_verify_float32_and_bfloat16_measure_both_sides_from_float64(dtype, caps
     assert 0 < out["max_rel_grad_err_vs_f64"] <= 1.5 * out["naive_rel_grad_err_vs_f64"]
     if dtype == "float32":
         assert out["max_rel_grad_err"] <= 1e-4  # the tiny config's engine-vs-naive bound still holds
+
+
+def test_verify_refuses_flags_it_would_ignore(capsys):
+    """--mixed-precision with --dtype or --nproc, and --nproc with a device other than the CPU: exit 2, naming the
+    flag (they used to be ignored silently)."""
+    assert main(["verify", "--mixed-precision", "bfloat16", "--dtype", "float32"]) == 2
+    assert "drop --dtype" in capsys.readouterr().err
+    assert main(["verify", "--nproc", "2", "--device", "cuda"]) == 2
+    assert "drop --device cuda" in capsys.readouterr().err

@@ -108,3 +108,18 @@ def test_engine_section_typed_choices_and_every_field_helped():
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{section}.{f.name} has no help in its metadata"
+
+
+def test_resuming_a_run_from_before_use_bias_correction_kl_keeps_its_objective(tmp_path):
+    """A run saved before the option existed trained with plain k3: its resume keeps it (with a warning) unless
+    the command line chooses; a run that saved the option gets what it saved."""
+    data = Config.from_dict({"grpo": {"beta": 0.04}}).to_dict()
+    del data["grpo"]["use_bias_correction_kl"]
+    (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
+    with pytest.warns(UserWarning, match="predates grpo.use_bias_correction_kl"):
+        config, _ = parse_args(["--resume", str(tmp_path)])
+    assert config.grpo.use_bias_correction_kl is False
+    config, _ = parse_args(["--resume", str(tmp_path), "--grpo.use_bias_correction_kl", "true"])
+    assert config.grpo.use_bias_correction_kl is True
+    Config.from_dict({"grpo": {"beta": 0.04}}).save(tmp_path / "config.yaml")
+    assert parse_args(["--resume", str(tmp_path)])[0].grpo.use_bias_correction_kl is True

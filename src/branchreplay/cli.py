@@ -22,13 +22,15 @@ def _verify(args) -> int:
         print("supported families: " + ", ".join(sorted(FAMILIES)))
         print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
         return 0
-    dtype = DTYPES[args.dtype]
-    if args.mixed_precision:
-        if args.dtype not in ("float64", "float32") or args.nproc > 1:
-            print("error: --mixed-precision runs float32 parameters in one process: drop --dtype and --nproc",
-                  file=sys.stderr)
-            return 2
-        dtype = torch.float32
+    if args.mixed_precision and (args.dtype is not None or args.nproc > 1):
+        print("error: --mixed-precision runs float32 parameters in one process: drop --dtype and --nproc",
+              file=sys.stderr)
+        return 2
+    if args.nproc > 1 and args.device != "cpu":
+        print(f"error: --nproc runs gloo processes on the CPU; drop --device {args.device}", file=sys.stderr)
+        return 2
+    args.dtype = args.dtype or "float64"
+    dtype = torch.float32 if args.mixed_precision else DTYPES[args.dtype]
     if args.nproc > 1:
         return _verify_data_parallel(args, dtype)
     try:
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--arch", default="llama", help="tiny random config, e.g. llama, mistral, gemma2, mixtral "
                                                     "(--list shows all)")
     v.add_argument("--model", help="a local HF folder, a .gguf file, or 'smollm2' (overrides --arch)")
-    v.add_argument("--dtype", default="float64", choices=list(DTYPES))
+    v.add_argument("--dtype", default=None, choices=list(DTYPES), help="parameter dtype (default float64)")
     v.add_argument("--mixed-precision", choices=["bfloat16"],
                    help="float32 parameters, both computations under torch.autocast in this dtype: what `train "
                         "--model.dtype bfloat16` runs (instead of --dtype)")

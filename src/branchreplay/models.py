@@ -291,7 +291,8 @@ HALF_PRECISION = ("bfloat16", "float16")
 
 
 def autocast(dtype: str, device_type: str):
-    """The context of a run's forwards (sampling, logprobs, the engine's forward and backward) for model.dtype
+    """The context of a run's forwards (sampling, logprobs, the engine; its backward passes run with autocast off,
+    in the dtypes of their forwards) for model.dtype
     `dtype`: `torch.autocast(device_type, dtype)` for bfloat16 / float16 over float32 parameters, else a no-op.
 
     Mixed precision as Hugging Face Trainer's `bf16=True` (TRL's default) runs it on a float32 model, and as

@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -308,10 +309,25 @@ def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resum
         path = Path(resume) / "config.yaml"
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
+    if resume is not None and path == Path(resume) / "config.yaml":
+        overrides = _keep_objective(path, overrides)
     config = Config.from_yaml(path, overrides) if path else Config.from_dict(apply_overrides({}, overrides))
     if resume is not None:
         config.train.output_dir = str(resume)
     return config, named
+
+
+def _keep_objective(path: Path, overrides: list[str]) -> list[str]:
+    """A resumed run whose config.yaml predates grpo.use_bias_correction_kl (added with TRL 1.16's default, true)
+    keeps the plain k3 KL it was trained with, with a warning, unless the command line sets it."""
+    saved = (yaml.safe_load(Path(path).read_text()) or {}).get("grpo") or {}
+    named = any(arg.split("=", 1)[0] == "--grpo.use_bias_correction_kl" for arg in overrides)
+    if "use_bias_correction_kl" in saved or named or not saved.get("beta"):
+        return overrides
+    warnings.warn(f"{path} predates grpo.use_bias_correction_kl: resuming with false, the plain k3 KL this run "
+                  "was trained with (pass --grpo.use_bias_correction_kl true to switch to TRL's default)",
+                  stacklevel=3)
+    return [*overrides, "--grpo.use_bias_correction_kl=false"]
 
 
 # -- helpers ------------------------------------------------------------------------------------------------------
