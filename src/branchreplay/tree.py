@@ -156,8 +156,9 @@ class ReplayResult:
     """Output of a forward (and backward) over rollouts: the engine's `replay_backward` / `replay_logprobs` and the
     naive reference `check.reference.naive_backward`. One entry per rollout of each tree, in order.
 
-    logprobs: per rollout, [T] float32 detached logprobs at trainable positions (loss_mask 1), 0 elsewhere.
-    entropy: per rollout, [T] float32 detached next-token entropy (nats) at the same positions, 0 elsewhere.
+    logprobs: per rollout, [T] detached logprobs at trainable positions (loss_mask 1), 0 elsewhere; float64 for a
+        float64 model, else float32.
+    entropy: per rollout, [T] detached next-token entropy (nats) at the same positions, 0 elsewhere; same dtype.
     loss: the loss summed over the trees (a Python float; 0.0 without a loss).
     stats: tree sizes summed over the trees.
     predicted_peak_bytes: the planner's prediction of the step's peak memory (largest over the trees; None without

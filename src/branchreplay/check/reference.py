@@ -63,9 +63,10 @@ def rows_logprobs(logits: torch.Tensor, rows: torch.Tensor, targets: torch.Tenso
 
 
 def per_position(values: torch.Tensor, positions: torch.Tensor, T: int) -> torch.Tensor:
-    """[n] values at `positions` of a rollout of T tokens -> [T] float32 on the CPU, 0 elsewhere (detached)."""
-    out = torch.zeros(T, dtype=torch.float32)
-    out[positions] = values.detach().float().cpu()
+    """[n] values at `positions` of a rollout of T tokens -> [T] on the CPU, 0 elsewhere (detached): float64 for
+    float64 values, else float32 (as `ReplayResult`)."""
+    out = torch.zeros(T, dtype=torch.float64 if values.dtype == torch.float64 else torch.float32)
+    out[positions] = values.detach().cpu().to(out.dtype)
     return out
 
 

@@ -174,8 +174,9 @@ class _Run:
             self.replay_set = step_plan.replay
             peak, replayed = step_plan.predicted_peak_bytes, len(step_plan.replay)
         self.tree = tree
-        self.logprobs = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
-        self.entropy = [torch.zeros(len(r), dtype=torch.float32) for r in tree.rollouts]
+        kept = torch.float64 if self.dtype == torch.float64 else torch.float32  # ReplayResult's dtype
+        self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
+        self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
         self.loss_value = 0.0
         self.children(root, ancestors=[], parent_h=None)
         return ReplayResult(self.logprobs, self.entropy, self.loss_value, tree.stats, peak, replayed)
@@ -311,8 +312,8 @@ class _Run:
         logprobs, entropy = token_logprobs(self.head, self.transform, predictors[positions.to(self.device)],
                                            node.tokens[positions], self.temperature, self.head_chunk_tokens)
         for i in node.rollouts:
-            self.logprobs[i][s + positions] = logprobs.detach().float().cpu()
-            self.entropy[i][s + positions] = entropy.detach().float().cpu()
+            self.logprobs[i][s + positions] = logprobs.detach().cpu().to(self.logprobs[i].dtype)
+            self.entropy[i][s + positions] = entropy.detach().cpu().to(self.entropy[i].dtype)
         if self.loss is None:
             return None
         return self.loss(loss_inputs(rollouts, s + positions, logprobs, entropy))
