@@ -225,3 +225,46 @@ def token_weights(
         return [m / (B * max_completion_length) for m in masks]
     n = num_items_in_batch if num_items_in_batch is not None else active
     return [m / max(float(n), 1.0) for m in masks]
+
+
+DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust"]
+DPO_LOSS_TYPES: tuple[str, ...] = typing.get_args(DPOLossType)
+
+
+def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor,
+             ref_rejected_logps: torch.Tensor, *, beta: float = 0.1, loss_type: str = "sigmoid",
+             label_smoothing: float = 0.0, chosen_tokens: torch.Tensor | None = None,
+             rejected_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-pair DPO losses [B] from summed completion logprobs [B] (nats) of the policy and the frozen reference,
+    as TRL 1.16's DPOTrainer (`_compute_loss`, f_divergence_type="reverse_kl"), with delta = (chosen_logps -
+    ref_chosen_logps) - (rejected_logps - ref_rejected_logps):
+
+        sigmoid  -log sigmoid(beta * delta)                                  Rafailov et al. 2023, DPO
+        hinge    relu(1 - beta * delta)                                      Zhao et al. 2023, SLiC
+        ipo      (delta' - 1 / (2 beta))^2, delta' of per-token means        Azar et al. 2023, IPO, eq. 17 (TRL
+                 (chosen_tokens, rejected_tokens: completion lengths)        normalises by the completion lengths)
+        robust   (-(1 - e) log sigmoid(beta delta) + e log sigmoid(-beta delta)) / (1 - 2e), e = label_smoothing
+                                                                             Chowdhury et al. 2024, rDPO
+
+    Over a tree, `engine.sequence.replay_sequence_backward` computes the summed logprobs and the exact gradient.
+    Raises ValueError: unknown loss_type, beta <= 0, label_smoothing outside [0, 0.5) for robust, or ipo without
+    the completion lengths."""
+    if loss_type not in DPO_LOSS_TYPES:
+        raise ValueError(f"DPO loss_type '{loss_type}' is unknown; choose one of {', '.join(DPO_LOSS_TYPES)}")
+    if beta <= 0:
+        raise ValueError(f"DPO beta must be > 0, got {beta}")
+    chosen, rejected = chosen_logps - ref_chosen_logps, rejected_logps - ref_rejected_logps
+    if loss_type == "sigmoid":
+        return -torch.nn.functional.logsigmoid(beta * (chosen - rejected))
+    if loss_type == "hinge":
+        return torch.relu(1 - beta * (chosen - rejected))
+    if loss_type == "ipo":
+        if chosen_tokens is None or rejected_tokens is None:
+            raise ValueError("DPO loss_type 'ipo' needs chosen_tokens and rejected_tokens (completion lengths)")
+        delta = chosen / chosen_tokens.clamp(min=1) - rejected / rejected_tokens.clamp(min=1)
+        return (delta - 1 / (2 * beta)) ** 2
+    if not 0.0 <= label_smoothing < 0.5:
+        raise ValueError(f"DPO label_smoothing must be in [0, 0.5) for 'robust', got {label_smoothing}")
+    z = beta * (chosen - rejected)
+    logsigmoid = torch.nn.functional.logsigmoid
+    return (-(1 - label_smoothing) * logsigmoid(z) + label_smoothing * logsigmoid(-z)) / (1 - 2 * label_smoothing)

@@ -2,11 +2,13 @@
 
     replay_backward(model, trees, loss, engine=EngineConfig())   # gradients into param.grad, as the naive sum's
     replay_logprobs(model, trees)                                # old-policy or reference logprobs, no graph
+    sequence.replay_sequence_backward(model, trees, loss_of_sums)  # a loss of summed logprobs (DPO), two passes
 
 Modules: `stack` (the traversal), `masks` (tree masks), `head` (LM-head logprobs in checkpointed chunks),
 `planner` (memory model and replay plan), `attention` (split prefix attention), `families` (the registry),
 `cache` (the prefix cache), `recurrent` (SSM / conv state), `positions` (length-dependent rotary encodings),
-`config` (`EngineConfig`).
+`config` (`EngineConfig`), `sequence` (losses of whole sequences), `kernels` (split attention's block kernels),
+`sharding` and `distributed` (data parallelism).
 """
 
 from .config import EngineConfig
