@@ -181,6 +181,23 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int
     return dist.get_rank(), dist.get_world_size()
 
 
+def raise_together(error: BaseException | None, what: str) -> None:
+    """Raise on every rank when any rank failed at `what` (a collective: every rank calls it, in place of a barrier):
+    the failing rank its own `error`, the others a RuntimeError "`what` failed on rank R: ...", so that no rank
+    waits for the collective timeout in the next collective. Without a process group, raise `error` if any."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    errors = [None] * dist.get_world_size()
+    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    if error is not None:
+        raise error
+    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
+    if failed:
+        raise RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+
+
 def shutdown() -> None:
     """End data parallelism on a rank whose work succeeded: a barrier, then `destroy_process_group`. Without the
     barrier a rank that finishes first tears down its gloo connections while another still talks to it, and gloo

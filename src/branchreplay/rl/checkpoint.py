@@ -41,6 +41,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from ..engine.distributed import raise_together
+
 _NAME = re.compile(r"^step-(\d+)$")
 WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer"
@@ -78,7 +80,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             os.chmod(tmp[0], 0o777 & ~_umask())  # mkdtemp's 0700 would stay on the renamed checkpoint
         except OSError as e:
             error = e
-    _agree(error)
+    raise_together(error, "writing the checkpoint")
     if distributed:
         dist.broadcast_object_list(tmp, src=0)
     tmp = Path(tmp[0])
@@ -94,13 +96,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             except OSError as e:
                 error = e
         del weights
-        _agree(error)  # every rank's shards and rank 0's files are on disk, or every rank raises
+        # every rank's shards and rank 0's files are on disk, or every rank raises
+        raise_together(error, "writing the checkpoint")
         if rank == 0:
             try:
                 _publish(tmp, root, name, keep)
             except OSError as e:
                 error = e
-        _agree(error)  # no rank goes on (or exits) before the checkpoint is in place
+        raise_together(error, "writing the checkpoint")  # no rank goes on before the checkpoint is in place
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -136,22 +139,6 @@ def _publish(tmp: Path, root: Path, name: str, keep: int) -> None:
     for old in _complete(root)[:-keep]:
         if old.name != name:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _agree(error: BaseException | None) -> None:
-    """Raise on every rank when any rank failed (in place of a barrier): the failing rank its own error, the others
-    a RuntimeError naming it. One process: raise `error` if any."""
-    if not dist.is_initialized():
-        if error is not None:
-            raise error
-        return
-    errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
-    if error is not None:
-        raise error
-    failed = [(r, e) for r, e in enumerate(errors) if e is not None]
-    if failed:
-        raise RuntimeError(f"writing the checkpoint failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
 def latest_checkpoint(run_dir: str | Path) -> Path | None:

@@ -9,6 +9,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from ..engine.distributed import raise_together
 from ..models import autocast, chat_prompt_ids, load_policy
 from .checkpoint import load_weights
 from .config import Config
@@ -41,18 +42,14 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
         samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]
         scores = score(reward_fn, tokenizer, items, samples).tolist() if items else []
         lengths, error = [len(c) for c in completions], None
-    except Exception as e:  # noqa: BLE001 (re-raised below, on every rank: the others would wait in the gather)
+    except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait in the gather)
         if ranks is None:
             raise
         scores, lengths, error = [], [], e
     if ranks is not None:
-        parts = ranks.gather((scores, lengths, None if error is None else f"{type(error).__name__}: {error}"))
-        failed = [(r, message) for r, (_, _, message) in enumerate(parts) if message is not None]
-        if failed:
-            if error is not None:
-                raise error
-            raise RuntimeError(f"held-out evaluation failed on rank {failed[0][0]}: {failed[0][1]}")
-        scores, lengths = [x for p, _, _ in parts for x in p], [n for _, ln, _ in parts for n in ln]
+        raise_together(error, "held-out evaluation")
+        parts = ranks.gather((scores, lengths))
+        scores, lengths = [x for p, _ in parts for x in p], [n for _, ln in parts for n in ln]
     scores_t = torch.tensor(scores)
     return {"eval/accuracy": scores_t.mean().item(), "eval/frac_correct": (scores_t == 1).float().mean().item(),
             "eval/mean_length": sum(lengths) / len(lengths), "time/eval_s": time.perf_counter() - t0}
