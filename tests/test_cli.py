@@ -133,3 +133,18 @@ def test_verify_refuses_flags_it_would_ignore(capsys):
     assert "drop --dtype" in capsys.readouterr().err
     assert main(["verify", "--nproc", "2", "--device", "cuda"]) == 2
     assert "drop --device cuda" in capsys.readouterr().err
+
+
+def test_verify_loss_dpo_passes_and_fails_a_wrong_gradient(capsys, monkeypatch):
+    """`verify --loss dpo --json`: every DPO loss type on pair trees, passed at float64; a second pass that
+    doubles its loss (a wrong dL/ds) is caught: exit 1."""
+    import branchreplay.engine.sequence as sequence
+
+    assert main(["verify", "--arch", "llama", "--loss", "dpo", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is True and out["loss"] == "dpo" and out["max_rel_grad_err"] <= 1e-10
+    original = sequence._weighted_logprobs
+    monkeypatch.setattr(sequence, "_weighted_logprobs", lambda x: 2 * original(x))
+    assert main(["verify", "--arch", "llama", "--loss", "dpo", "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["passed"] is False
+    assert main(["verify", "--loss", "dpo", "--nproc", "2"]) == 2

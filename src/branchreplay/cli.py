@@ -15,13 +15,17 @@ DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.
 
 
 def _verify(args) -> int:
-    from .check.verify import verify_model
+    from .check.verify import verify_dpo, verify_model
     from .models import RECURRENT_ARCHS, TINY_ARCHS, load_model, tiny_model
 
     if args.list:
         print("supported families: " + ", ".join(sorted(FAMILIES)))
         print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
         return 0
+    if args.loss == "dpo" and (args.mixed_precision or args.nproc > 1):
+        print("error: --loss dpo checks one process without autocast: drop --mixed-precision and --nproc",
+              file=sys.stderr)
+        return 2
     if args.mixed_precision and (args.dtype is not None or args.nproc > 1):
         print("error: --mixed-precision runs float32 parameters in one process: drop --dtype and --nproc",
               file=sys.stderr)
@@ -45,8 +49,11 @@ def _verify(args) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
-        results, uncovered = verify_model(model, seed=args.seed, random_trees=args.random_trees, force=args.force,
-                                          mixed_precision=args.mixed_precision)
+        if args.loss == "dpo":
+            results, uncovered = verify_dpo(model, seed=args.seed, force=args.force), {}
+        else:
+            results, uncovered = verify_model(model, seed=args.seed, random_trees=args.random_trees,
+                                              force=args.force, mixed_precision=args.mixed_precision)
     except UnsupportedModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -61,6 +68,7 @@ def _verify(args) -> int:
     summary = {
         "arch": model.config.model_type,
         "model": name,
+        "loss": args.loss,
         "dtype": f"{args.mixed_precision} autocast, float32 parameters" if args.mixed_precision else args.dtype,
         "max_rel_grad_err": max(r.max_rel_grad_err for r in results),
         "max_abs_logprob_err": max(r.max_abs_logprob_err for r in results),
@@ -234,6 +242,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     "(--list shows all)")
     v.add_argument("--model", help="a local HF folder, a .gguf file, or 'smollm2' (overrides --arch)")
     v.add_argument("--dtype", default=None, choices=list(DTYPES), help="parameter dtype (default float64)")
+    v.add_argument("--loss", default="grpo", choices=["grpo", "dpo"],
+                   help="grpo: the GRPO loss on trees of every shape; dpo: every DPO loss type on pair trees "
+                        "(engine.sequence); ppo and rloo are not implemented yet")
     v.add_argument("--mixed-precision", choices=["bfloat16"],
                    help="float32 parameters, both computations under torch.autocast in this dtype: what `train "
                         "--model.dtype bfloat16` runs (instead of --dtype)")

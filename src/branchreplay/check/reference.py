@@ -80,3 +80,23 @@ def max_rel_grad_err(grads: list[torch.Tensor], reference: list[torch.Tensor]) -
         for g, r in zip(grads, reference)
     ]
     return max(errs, default=0.0)
+
+
+def naive_sequence_backward(model, rollouts: list[Rollout], loss, *, temperature: float = 1.0
+                            ) -> tuple[float, torch.Tensor]:
+    """For each rollout alone: model(input_ids [1, T]).logits, its logprobs at the trainable positions (as
+    `rows_logprobs`) summed under autograd into s_i; then `loss(s)` (s [N] float64) and `.backward()`. The
+    reference of `engine.sequence.replay_sequence_backward`. Returns (the loss value, s detached)."""
+    sums = []
+    for r in rollouts:
+        _fresh_rotary(model)
+        ids = r.token_ids.to(model.device)[None]  # [1, T]
+        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+        positions = (r.loss_mask > 0).nonzero().squeeze(1)
+        lp, _ = rows_logprobs(logits, (positions - 1).to(model.device), ids[0, positions.to(model.device)],
+                              temperature)
+        sums.append(lp.double().sum())
+    s = torch.stack(sums)
+    value = loss(s)
+    value.backward()
+    return value.item(), s.detach().cpu()

@@ -30,11 +30,12 @@ import torch
 from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine.families import FAMILIES, layer_windows
 from ..engine.positions import rope_thresholds
-from ..losses import GRPOLoss
+from ..engine.sequence import replay_sequence_backward
+from ..losses import DPO_LOSS_TYPES, GRPOLoss, dpo_loss
 from ..models import autocast, max_positions
-from ..tree import RolloutTree
+from ..tree import Rollout, RolloutTree
 from .numerics import keep_float64
-from .reference import max_rel_grad_err, naive_backward
+from .reference import max_rel_grad_err, naive_backward, naive_sequence_backward
 from .shapes import SHAPES, around_length, around_window, make_rollouts
 
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
@@ -157,6 +158,65 @@ def _verify(model, reference64, seed, random_trees, temperature, force, compute)
             )
         results.append(result)
     return results, skipped
+
+
+def verify_dpo(model, seed: int = 0, pairs: int = 3, force: bool = False) -> list[ShapeResult]:
+    """DPO over pair trees (`engine.sequence.replay_sequence_backward` with `losses.dpo_loss`) against the naive
+    per-sequence computation (`reference.naive_sequence_backward`), for every DPO loss type: `pairs` pairs of one
+    tree each, the prompt a node and the two responses branches, sharing a response prefix in every other pair.
+    The bound is `verify_model`'s for the model's dtype; "logprob err" is the largest error of a summed logprob.
+    Raises UnsupportedModelError for a family the engine does not know (unless `force`)."""
+    float64 = next(model.parameters()).dtype == torch.float64
+    vocab = model.config.vocab_size
+    with keep_float64(model) if float64 else float64_copy(model) as numerics:
+        reference64 = None if float64 else numerics
+        results = []
+        for loss_type in DPO_LOSS_TYPES:
+            g = torch.Generator().manual_seed(seed)
+            trees = [RolloutTree(_pair(vocab, g, shared=k % 2 == 0)) for k in range(pairs)]
+            rollouts = [r for t in trees for r in t.rollouts]
+            ref = -20.0 - 20.0 * torch.rand(len(rollouts), generator=g, dtype=torch.float64)
+            lengths = torch.stack([r.loss_mask.sum() for r in rollouts]).double()
+
+            def loss(s, ref=ref, lengths=lengths, loss_type=loss_type):
+                return dpo_loss(s[0::2], s[1::2], ref[0::2], ref[1::2], beta=0.3, loss_type=loss_type,
+                                label_smoothing=0.1, chosen_tokens=lengths[0::2],
+                                rejected_tokens=lengths[1::2]).mean()
+
+            model.zero_grad(set_to_none=True)
+            _, naive_sums = naive_sequence_backward(model, rollouts, loss)
+            g_naive = [_grad(p) for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            _, sums, _ = replay_sequence_backward(model, trees, loss, engine=EngineConfig(**ENGINE), force=force)
+            g_tree = [_grad(p) for p in model.parameters()]
+            model.zero_grad(set_to_none=True)
+            stats = sum((t.stats for t in trees[1:]), trees[0].stats)
+            result = ShapeResult(f"dpo-{loss_type}", len(rollouts), stats.logical_tokens, stats.physical_tokens,
+                                 max_rel_grad_err(g_tree, g_naive), (sums - naive_sums).abs().max().item(), False)
+            if reference64 is None:
+                result.passed = result.max_rel_grad_err <= FLOAT64_TOLERANCE
+            else:
+                reference64.zero_grad(set_to_none=True)
+                _, sums64 = naive_sequence_backward(reference64, rollouts, loss)
+                g64 = [_grad(p) for p in reference64.parameters()]
+                reference64.zero_grad(set_to_none=True)
+                result.max_rel_grad_err_vs_f64 = max_rel_grad_err(g_tree, g64)
+                result.naive_rel_grad_err_vs_f64 = max_rel_grad_err(g_naive, g64)
+                result.passed = (
+                    result.max_rel_grad_err_vs_f64 <= VS_FLOAT64_FACTOR * result.naive_rel_grad_err_vs_f64
+                    and (sums - sums64).abs().max() <= VS_FLOAT64_FACTOR * (naive_sums - sums64).abs().max() + 1e-5)
+            results.append(result)
+    return results
+
+
+def _pair(vocab: int, g: torch.Generator, shared: bool) -> list[Rollout]:
+    """[chosen, rejected]: a prompt of 8-40 tokens, responses of 1-12 tokens after a shared 1-6 (or none)."""
+    def ids(lo, hi):
+        return torch.randint(0, vocab, (int(torch.randint(lo, hi + 1, (), generator=g)),), generator=g).tolist()
+
+    prompt, common = ids(8, 40), ids(1, 6) if shared else []
+    return [Rollout(prompt + common + tail, loss_mask=[0] * len(prompt) + [1] * (len(common) + len(tail)))
+            for tail in (ids(1, 12), ids(1, 12))]
 
 
 @contextlib.contextmanager
