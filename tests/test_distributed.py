@@ -5,7 +5,6 @@ uneven groups, one group split over both ranks, and a recurrent family; paramete
 import datetime
 import json
 import os
-import socket
 import time
 
 import pytest
@@ -13,7 +12,7 @@ import torch
 import torch.multiprocessing as mp
 
 from branchreplay.check.shapes import make_rollouts, shared_prompt
-from branchreplay.engine.distributed import shutdown
+from branchreplay.engine.distributed import free_port, shutdown
 from branchreplay.engine.sharding import shard
 from branchreplay.models import autocast, tiny_model
 from branchreplay.tree import RolloutTree
@@ -92,15 +91,11 @@ def _worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
         json.dump(report, f)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_sharded_step_equals_single_process(strategy, tmp_path):
-    mp.spawn(_worker, args=(2, _free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_worker, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         report = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert set(report) == {case for _, case, _ in CASES} | {"adamw-3-steps", "four-groups-bfloat16-autocast"}
@@ -164,7 +159,7 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
     single_trainer = make_trainer(_train_config(tmp_path, 3, run="single"), dtype=torch.float64)
     single = single_trainer.fit()
     expected = _records(single)
-    mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 2, strategy, "two", False), nprocs=2, join=True)
+    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), 2, strategy, "two", False), nprocs=2, join=True)
     two = _records(tmp_path / "two")
     assert two[-1]["dist/world_size"] == 2 and len(two) == 2
     for ours, theirs in zip(two, expected):
@@ -180,8 +175,8 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
     shutil.rmtree(tmp_path / "from-one" / "checkpoints" / "step-000003")
     (tmp_path / "from-one" / "checkpoints" / "latest").write_text("step-000002")
     make_trainer(_train_config(tmp_path, 3, run="two"), dtype=torch.float64).fit(resume=tmp_path / "two")  # on 1
-    mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 3, strategy, "again", True), nprocs=2, join=True)
-    mp.spawn(_train_worker, args=(2, _free_port(), str(tmp_path), 3, strategy, "from-one", True), nprocs=2,
+    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), 3, strategy, "again", True), nprocs=2, join=True)
+    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), 3, strategy, "from-one", True), nprocs=2,
              join=True)
     held_out = json.loads((tmp_path / "again-eval.json").read_text())
     for key in ("eval/accuracy", "eval/frac_correct", "eval/mean_length"):
@@ -215,7 +210,7 @@ def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
     assert launch("auto", {}) is None
     with pytest.raises(ValueError, match="parallel.strategy='fsdp2' needs torchrun"):
         launch("fsdp2", {})
-    mp.spawn(_config_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_config_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         assert "ranks [1] were started with a configuration different" in (tmp_path / f"rank{rank}.txt").read_text()
 
@@ -269,7 +264,7 @@ def test_a_rank_that_dies_stops_the_others_within_the_timeout(tmp_path):
     in some runs, aborts the process from its own thread ("terminate called without an active exception")."""
     t0 = time.perf_counter()
     try:
-        mp.spawn(_dying_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+        mp.spawn(_dying_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     except mp.ProcessExitedException as e:  # gloo's abort: stopped, without a Python error
         assert e.error_index == 0 and e.signal_name == "SIGABRT", e
         assert time.perf_counter() - t0 <= 60
@@ -305,7 +300,7 @@ def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
 def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
     """Rank 1's reward raises during the sharded eval: rank 1 raises it, and rank 0 a RuntimeError naming rank 1,
     both at once (they used to wait for each other until the collective timeout)."""
-    mp.spawn(_eval_error_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_eval_error_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes  # the timeout is 120 s
     assert "grader crashed" in outcomes[1][1]
@@ -339,7 +334,7 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
 def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path):
     """No half-written checkpoint, and no rank waits for the collective timeout (120 s) to learn of it."""
-    mp.spawn(_save_error_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_save_error_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes
     assert "No space left on device" in outcomes[0][1]
@@ -370,7 +365,7 @@ def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
 def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
     """GPT-NeoX under torchrun: every rank runs the self-check before fully_shard, rank 0 keeps the verdict, and the
     run trains forced."""
-    mp.spawn(_neox_worker, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_neox_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     (verdict,) = json.loads((tmp_path / "neox" / "self_check.json").read_text()).values()
     assert verdict["passed"] and verdict["model_class"] == "GPTNeoXForCausalLM"
     assert _records(tmp_path / "neox")[-1]["dist/world_size"] == 2
@@ -409,7 +404,7 @@ def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> N
 def test_an_idle_rank_joins_the_reduction_with_zeros(strategy, tmp_path):
     """A rank without trained rollouts in a step (fewer than ranks) runs the trainer's zero-weight idle tree: the
     one reduction still happens on every rank and the gradient is the other rank's alone."""
-    mp.spawn(_idle_worker, args=(2, _free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_idle_worker, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         err = json.loads((tmp_path / f"rank{rank}.json").read_text())["err"]
         assert err <= 1e-10, f"{strategy} rank {rank}: {err:.2e}"

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import tempfile
 import time
 
 import torch
 
+from ..engine.distributed import free_port
 from ..engine.sharding import shard
 from ..tree import RolloutTree
 from . import flops as F
@@ -43,9 +43,7 @@ def run_data_parallel(scenario: Scenario, nproc: int, strategy: str = "fsdp2", s
     imbalance, recomputed positions)}."""
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_worker, args=(nproc, port, scenario, strategy, seed, max_seconds, tmp), nprocs=nproc, join=True)
         reports = [json.loads(open(f"{tmp}/rank{r}.json").read()) for r in range(nproc)]

@@ -21,13 +21,8 @@ def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, tempe
     call it has seen, so without the reset a rollout's logprobs would depend on the ones run before it."""
     logprobs, entropy, total = [], [], 0.0
     for r in rollouts:
-        _fresh_rotary(model)
-        ids = r.token_ids.to(model.device)[None]  # [1, T]
         with torch.set_grad_enabled(loss is not None and torch.is_grad_enabled()):
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [T-1, V]: position t predicts t + 1
-            positions = (r.loss_mask > 0).nonzero().squeeze(1)  # >= 1: loss_mask[0] is 0
-            rows = (positions - 1).to(model.device)
-            lp, ent = rows_logprobs(logits, rows, ids[0, positions.to(model.device)], temperature)
+            positions, lp, ent = _alone(model, r, temperature)
             logprobs.append(per_position(lp, positions, len(r)))
             entropy.append(per_position(ent, positions, len(r)))
             if loss is not None and positions.numel() > 0:
@@ -36,6 +31,17 @@ def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, tempe
                     value.backward()
                 total += value.item()
     return ReplayResult(logprobs, entropy, total, RolloutTree(rollouts).stats)
+
+
+def _alone(model, r: Rollout, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One rollout alone through the model: its trainable positions [n] (>= 1: loss_mask[0] is 0) and the logprobs
+    and entropies there ([n], [n], `rows_logprobs`), under the caller's grad mode."""
+    _fresh_rotary(model)
+    ids = r.token_ids.to(model.device)[None]  # [1, T]
+    logits = model(input_ids=ids, use_cache=False).logits[0, :-1]  # [T-1, V]: position t predicts t + 1
+    positions = (r.loss_mask > 0).nonzero().squeeze(1)
+    lp, ent = rows_logprobs(logits, (positions - 1).to(model.device), ids[0, positions.to(model.device)], temperature)
+    return positions, lp, ent
 
 
 def _fresh_rotary(model) -> None:
@@ -87,16 +93,7 @@ def naive_sequence_backward(model, rollouts: list[Rollout], loss, *, temperature
     """For each rollout alone: model(input_ids [1, T]).logits, its logprobs at the trainable positions (as
     `rows_logprobs`) summed under autograd into s_i; then `loss(s)` (s [N] float64) and `.backward()`. The
     reference of `engine.sequence.replay_sequence_backward`. Returns (the loss value, s detached)."""
-    sums = []
-    for r in rollouts:
-        _fresh_rotary(model)
-        ids = r.token_ids.to(model.device)[None]  # [1, T]
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-        positions = (r.loss_mask > 0).nonzero().squeeze(1)
-        lp, _ = rows_logprobs(logits, (positions - 1).to(model.device), ids[0, positions.to(model.device)],
-                              temperature)
-        sums.append(lp.double().sum())
-    s = torch.stack(sums)
+    s = torch.stack([_alone(model, r, temperature)[1].double().sum() for r in rollouts])
     value = loss(s)
     value.backward()
     return value.item(), s.detach().cpu()

@@ -150,12 +150,7 @@ def _verify(model, reference64, seed, random_trees, temperature, force, compute)
             result.passed = result.max_rel_grad_err <= tolerance and result.max_abs_logprob_err <= 10 * tolerance
         else:
             naive64, g64 = _naive(reference64, rollouts, loss, temperature)
-            result.max_rel_grad_err_vs_f64 = max_rel_grad_err(g_replay, g64)
-            result.naive_rel_grad_err_vs_f64 = max_rel_grad_err(g_naive, g64)
-            result.passed = (
-                result.max_rel_grad_err_vs_f64 <= VS_FLOAT64_FACTOR * result.naive_rel_grad_err_vs_f64
-                and _logprob_err(replay, naive64) <= VS_FLOAT64_FACTOR * _logprob_err(naive, naive64) + 1e-5
-            )
+            _judge_vs_f64(result, g_replay, g_naive, g64, _logprob_err(replay, naive64), _logprob_err(naive, naive64))
         results.append(result)
     return results, skipped
 
@@ -200,13 +195,20 @@ def verify_dpo(model, seed: int = 0, pairs: int = 3, force: bool = False) -> lis
                 _, sums64 = naive_sequence_backward(reference64, rollouts, loss)
                 g64 = [_grad(p) for p in reference64.parameters()]
                 reference64.zero_grad(set_to_none=True)
-                result.max_rel_grad_err_vs_f64 = max_rel_grad_err(g_tree, g64)
-                result.naive_rel_grad_err_vs_f64 = max_rel_grad_err(g_naive, g64)
-                result.passed = (
-                    result.max_rel_grad_err_vs_f64 <= VS_FLOAT64_FACTOR * result.naive_rel_grad_err_vs_f64
-                    and (sums - sums64).abs().max() <= VS_FLOAT64_FACTOR * (naive_sums - sums64).abs().max() + 1e-5)
+                _judge_vs_f64(result, g_tree, g_naive, g64, (sums - sums64).abs().max().item(),
+                              (naive_sums - sums64).abs().max().item())
             results.append(result)
     return results
+
+
+def _judge_vs_f64(result: ShapeResult, g_tree, g_naive, g64, tree_logprob_err: float,
+                  naive_logprob_err: float) -> None:
+    """Fill `result`'s float64 errors and its verdict by the module docstring's bound: the tree no farther from
+    float64 than naive is, times VS_FLOAT64_FACTOR, in its gradients and (plus 1e-5 nats) its logprobs."""
+    result.max_rel_grad_err_vs_f64 = max_rel_grad_err(g_tree, g64)
+    result.naive_rel_grad_err_vs_f64 = max_rel_grad_err(g_naive, g64)
+    result.passed = (result.max_rel_grad_err_vs_f64 <= VS_FLOAT64_FACTOR * result.naive_rel_grad_err_vs_f64
+                     and tree_logprob_err <= VS_FLOAT64_FACTOR * naive_logprob_err + 1e-5)
 
 
 def _pair(vocab: int, g: torch.Generator, shared: bool) -> list[Rollout]:
@@ -252,14 +254,13 @@ def verify_data_parallel(spec: str, dtype: torch.dtype, nproc: int, strategy: st
     ("tiny:llama") or a model path. Returns {"passed", "max_rel_grad_err", "world_size", "strategy", "trees",
     "tolerance"}; float64 bound as `verify_model`'s, float32 1e-4 (the tiny configs' engine-vs-naive bound)."""
     import json
-    import socket
     import tempfile
 
     import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    from ..engine.distributed import free_port
+
+    port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
         mp.spawn(_data_parallel_worker, args=(nproc, port, spec, dtype, strategy, seed, force, tmp), nprocs=nproc,
                  join=True)

@@ -181,6 +181,15 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int
     return dist.get_rank(), dist.get_world_size()
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, for MASTER_PORT of local processes (verify and bench --nproc)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def raise_together(error: BaseException | None, what: str) -> None:
     """Raise on every rank when any rank failed at `what` (a collective: every rank calls it, in place of a barrier):
     the failing rank its own `error`, the others a RuntimeError "`what` failed on rank R: ...", so that no rank
