@@ -210,3 +210,33 @@ def test_prompt_sharing_falls_back_to_the_equivalent_without_the_package(monkeyp
     assert b.ps_impl == "equivalent" and "prefix-grouper-equivalent" in b.ps_label
     with pytest.raises(ImportError, match="pip install prefix-grouper"):
         Bench(BenchOptions(prompt_sharing="prefix-grouper"))
+
+
+SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             intermediate_size=128, vocab_size=256, max_position_embeddings=4096)
+
+
+def test_bench_ppo_and_dpo_rows_exact_and_cheaper():
+    """bench --loss ppo | dpo on a small model: every method's gradient equals naive's within float32's 1e-4
+    (policy and critic for PPO; the float64 exactness of both paths is test_algorithms' and test_dpo's), and the
+    tree's FLOPs are below naive's (DPO's count its extra forward pass)."""
+    from branchreplay.bench.objectives import format_objective_table, run_dpo, run_ppo
+    from branchreplay.bench.scenarios import Scenario
+
+    rows = run_ppo([Scenario("shared-prompt", 48, generations=3, response_tokens=8)], SMALL, torch.float32)
+    rows += run_dpo([40], [6], 2, SMALL, torch.float32)
+    assert [r["method"] for r in rows] == ["naive", "branchreplay", "naive", "padded", "branchreplay"]
+    for r in rows:
+        assert r["max_rel_grad_err"] <= 1e-4, r
+    tree = [r for r in rows if r["method"] == "branchreplay"]
+    assert all(r["flop_ratio"] > 1 for r in tree)
+    dpo = rows[2:]
+    assert dpo[2]["physical_tokens"] == 2 * (40 + 6 + 6) and dpo[0]["physical_tokens"] == 4 * (40 + 6)
+    assert "dpo-pairs" in format_objective_table("dpo", dpo, "header")
+
+
+def test_bench_loss_cli_refuses_what_it_would_ignore(capsys):
+    from branchreplay.cli import main
+
+    assert main(["bench", "--loss", "dpo", "--nproc", "2"]) == 2
+    assert "drop --nproc" in capsys.readouterr().err

@@ -143,8 +143,30 @@ def test_verify_loss_dpo_passes_and_fails_a_wrong_gradient(capsys, monkeypatch):
     assert main(["verify", "--arch", "llama", "--loss", "dpo", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["passed"] is True and out["loss"] == "dpo" and out["max_rel_grad_err"] <= 1e-10
-    original = sequence._weighted_logprobs
-    monkeypatch.setattr(sequence, "_weighted_logprobs", lambda x: 2 * original(x))
+    original = sequence._linear
+    monkeypatch.setattr(sequence, "_linear", lambda x: 2 * original(x))
     assert main(["verify", "--arch", "llama", "--loss", "dpo", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["passed"] is False
     assert main(["verify", "--loss", "dpo", "--nproc", "2"]) == 2
+
+
+@pytest.mark.parametrize("loss", ["ppo", "rloo"])
+def test_verify_loss_ppo_and_rloo_pass_and_catch_a_wrong_critic_or_ratio(loss, capsys, monkeypatch):
+    """`verify --loss ppo` checks the policy and a critic made from the model (rows <shape>/critic), `--loss rloo`
+    the sequence-level ratio; both pass at float64 on a recurrent family, and a wrong gradient is caught: the
+    critic's values doubled in the engine only (ppo), the second pass's weights doubled (rloo)."""
+    import branchreplay.engine.sequence as sequence
+    import branchreplay.engine.stack as stack
+
+    assert main(["verify", "--arch", "lfm2", "--loss", loss, "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is True and out["loss"] == loss and out["max_rel_grad_err"] <= 1e-10
+    if loss == "ppo":
+        original = stack.token_values
+        monkeypatch.setattr(stack, "token_values", lambda head, rows: 2 * original(head, rows))
+    else:
+        original = sequence._linear
+        monkeypatch.setattr(sequence, "_linear", lambda x: 2 * original(x))
+    assert main(["verify", "--arch", "llama", "--loss", loss, "--json"]) == 1
+    assert json.loads(capsys.readouterr().out)["passed"] is False
+    assert main(["verify", "--loss", loss, "--nproc", "2"]) == 2

@@ -26,6 +26,9 @@ def _verify(args) -> int:
         print("error: --loss dpo checks one process without autocast: drop --mixed-precision and --nproc",
               file=sys.stderr)
         return 2
+    if args.loss != "grpo" and args.nproc > 1:
+        print(f"error: --nproc checks the data-parallel GRPO step; drop it for --loss {args.loss}", file=sys.stderr)
+        return 2
     if args.mixed_precision and (args.dtype is not None or args.nproc > 1):
         print("error: --mixed-precision runs float32 parameters in one process: drop --dtype and --nproc",
               file=sys.stderr)
@@ -53,7 +56,8 @@ def _verify(args) -> int:
             results, uncovered = verify_dpo(model, seed=args.seed, force=args.force), {}
         else:
             results, uncovered = verify_model(model, seed=args.seed, random_trees=args.random_trees,
-                                              force=args.force, mixed_precision=args.mixed_precision)
+                                              force=args.force, mixed_precision=args.mixed_precision,
+                                              loss=args.loss)
     except UnsupportedModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -165,6 +169,8 @@ def _fork_schedule(text: str) -> list[tuple[int, int]]:
 
 
 def _bench(args) -> int:
+    if args.loss != "grpo":
+        return _bench_objective(args)
     if args.nproc > 1:
         return _bench_data_parallel(args)
     from .bench.output import format_table, merge_results, plot
@@ -190,6 +196,39 @@ def _bench(args) -> int:
     if args.plot:
         plot(result, args.plot)
     print(json.dumps(result) if args.json else format_table(result))
+    return 0
+
+
+def _bench_objective(args) -> int:
+    """bench --loss ppo | dpo: naive against branch replay (and DPO's padded batch) for that objective
+    (bench/objectives.py)."""
+    from .bench.objectives import format_objective_table, run_dpo, run_ppo
+    from .bench.runner import BENCH_MODEL, MODEL_LABEL
+    from .bench.scenarios import SCENARIOS, scenario_grid
+
+    if args.nproc > 1 or args.from_json or args.plot:
+        print(f"error: --loss {args.loss} runs in one process and prints its table: drop --nproc, --from-json and "
+              "--plot", file=sys.stderr)
+        return 2
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    dtype = DTYPES[args.dtype]
+    try:
+        if args.loss == "ppo":
+            names = list(SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
+            scenarios = scenario_grid(names, args.prompt_tokens, args.generations, args.response_tokens, args.turns,
+                                      args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule)
+            rows = run_ppo(scenarios, BENCH_MODEL, dtype, args.seed, log)
+        else:
+            rows = run_dpo(args.prompt_tokens or [4096], args.response_tokens, args.pairs, BENCH_MODEL, dtype,
+                           args.seed, log)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    header = f"{MODEL_LABEL}, {args.dtype}, cpu, {torch.get_num_threads()} threads"
+    print(json.dumps({"loss": args.loss, "model": MODEL_LABEL, "rows": rows}) if args.json
+          else format_objective_table(args.loss, rows, header))
     return 0
 
 
@@ -242,9 +281,10 @@ def main(argv: list[str] | None = None) -> int:
                                                     "(--list shows all)")
     v.add_argument("--model", help="a local HF folder, a .gguf file, or 'smollm2' (overrides --arch)")
     v.add_argument("--dtype", default=None, choices=list(DTYPES), help="parameter dtype (default float64)")
-    v.add_argument("--loss", default="grpo", choices=["grpo", "dpo"],
-                   help="grpo: the GRPO loss on trees of every shape; dpo: every DPO loss type on pair trees "
-                        "(engine.sequence); ppo and rloo are not implemented yet")
+    v.add_argument("--loss", default="grpo", choices=["grpo", "ppo", "rloo", "dpo"],
+                   help="grpo: the GRPO loss on trees of every shape; ppo: PPO's policy loss and a critic made from "
+                        "the model (its value loss; rows <shape>/critic); rloo: RLOO's sequence-level loss "
+                        "(engine.sequence); dpo: every DPO loss type on pair trees (engine.sequence)")
     v.add_argument("--mixed-precision", choices=["bfloat16"],
                    help="float32 parameters, both computations under torch.autocast in this dtype: what `train "
                         "--model.dtype bfloat16` runs (instead of --dtype)")
@@ -263,6 +303,12 @@ def main(argv: list[str] | None = None) -> int:
 
     b = sub.add_parser("bench", help="naive, padded batch, prompt sharing and branch replay, side by side in one "
                                       "process (same model, rollouts and loss)")
+    b.add_argument("--loss", default="grpo", choices=["grpo", "ppo", "dpo"],
+                   help="grpo: the four methods below; ppo: one PPO update (policy and critic), naive against branch "
+                        "replay, on the scenarios; dpo: preference pairs of a --prompt-tokens prompt (default 4096) "
+                        "and two --response-tokens responses, naive, TRL's padded batch and branch replay "
+                        "(bench/objectives.py)")
+    b.add_argument("--pairs", type=int, default=2, help="--loss dpo: preference pairs per step")
     b.add_argument("--scenario", default="shared-prompt",
                    help="shared-prompt, multi-turn, tree-sampled, a comma list of them, or all")
     b.add_argument("--prompt-tokens", type=_int_list, default=None,

@@ -30,6 +30,8 @@ class Rollout:
         old_logprobs: [T] finite logprobs under the policy that sampled the rollout (PPO ratio), or None
             (on-policy).
         ref_logprobs: [T] finite logprobs under the reference model (KL penalty), or None.
+        returns: [T] finite value targets of a critic (PPO: GAE advantages + values), or None.
+        old_values: [T] finite values of the critic before the update (PPO's value clipping), or None.
         group: id of the group (prompt) the rollout belongs to; used for advantages, not by the tree.
     Raises:
         ValueError: naming the field: token_ids empty or not 1-D (a [B, T] batch), a per-position field of another
@@ -43,6 +45,8 @@ class Rollout:
     weights: torch.Tensor | list[float] | None = None
     old_logprobs: torch.Tensor | list[float] | None = None
     ref_logprobs: torch.Tensor | list[float] | None = None
+    returns: torch.Tensor | list[float] | None = None
+    old_values: torch.Tensor | list[float] | None = None
     group: int | str | None = None
 
     def __post_init__(self):
@@ -75,14 +79,15 @@ class Rollout:
         if torch.any((self.weights != 0) & (self.loss_mask == 0)):
             raise ValueError("Rollout.weights is non-zero where loss_mask is 0; zero it there or set loss_mask to 1")
         self.old_logprobs = _per_position(self.old_logprobs, T, "old_logprobs", default=None)
-        self.ref_logprobs = _per_position(self.ref_logprobs, T, "ref_logprobs", default=None)
-        for name in ("old_logprobs", "ref_logprobs"):
+        for name in ("ref_logprobs", "returns", "old_values"):
+            setattr(self, name, _per_position(getattr(self, name), T, name, default=None))
+        for name in ("old_logprobs", "ref_logprobs", "returns", "old_values"):
             values = getattr(self, name)
             if values is not None and not torch.isfinite(values).all():
                 t = int((~torch.isfinite(values)).nonzero()[0])
                 raise ValueError(
-                    f"Rollout.{name}[{t}] is {values[t].item()}: logprobs must be finite (they enter the ratio and "
-                    "the KL); recompute them, or pass 0 at positions that carry no loss"
+                    f"Rollout.{name}[{t}] is {values[t].item()}: it must be finite (it enters the loss); recompute "
+                    "it, or pass 0 at positions that carry no loss"
                 )
 
     def __len__(self) -> int:
@@ -164,6 +169,8 @@ class ReplayResult:
     predicted_peak_bytes: the planner's prediction of the step's peak memory (largest over the trees; None without
         a loss, and for the reference).
     replayed_packs: number of packs replayed (recomputed before their backward).
+    values: a critic's (`value.is_value_model`) per rollout [T] values at the trainable positions, 0 elsewhere,
+        same dtype as logprobs; its logprobs and entropy are then empty lists. None for a policy.
     """
 
     logprobs: list[torch.Tensor]
@@ -172,6 +179,7 @@ class ReplayResult:
     stats: TreeStats
     predicted_peak_bytes: float | None = None
     replayed_packs: int = 0
+    values: list[torch.Tensor] | None = None
 
     @classmethod
     def merge(cls, parts: list[ReplayResult]) -> ReplayResult:
@@ -187,6 +195,7 @@ class ReplayResult:
             stats=sum((p.stats for p in parts[1:]), parts[0].stats),
             predicted_peak_bytes=max(peaks) if peaks else None,
             replayed_packs=sum(p.replayed_packs for p in parts),
+            values=[v for p in parts for v in p.values or []] if any(p.values is not None for p in parts) else None,
         )
 
 

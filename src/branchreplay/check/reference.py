@@ -11,6 +11,7 @@ import torch
 
 from ..losses import LossFn, loss_inputs
 from ..tree import ReplayResult, Rollout, RolloutTree
+from ..value import is_value_model
 
 
 def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, temperature: float = 1.0) -> ReplayResult:
@@ -18,7 +19,12 @@ def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, tempe
     trainable positions, `.backward()` (skipped when `loss` is None). Same outputs as `replay_backward`.
 
     A dynamic-NTK rotary embedding is reset before each rollout: transformers keeps the frequencies of the longest
-    call it has seen, so without the reset a rollout's logprobs would depend on the ones run before it."""
+    call it has seen, so without the reset a rollout's logprobs would depend on the ones run before it.
+
+    A critic (`value.is_value_model`): score(decoder(input_ids)) per position, as TRL's `get_reward`, the value of
+    position t read at t - 1; its `ReplayResult` holds `values`, as the engine's."""
+    if is_value_model(model):
+        return _naive_values(model, rollouts, loss)
     logprobs, entropy, total = [], [], 0.0
     for r in rollouts:
         with torch.set_grad_enabled(loss is not None and torch.is_grad_enabled()):
@@ -31,6 +37,27 @@ def naive_backward(model, rollouts: list[Rollout], loss: LossFn | None, *, tempe
                     value.backward()
                 total += value.item()
     return ReplayResult(logprobs, entropy, total, RolloutTree(rollouts).stats)
+
+
+def _naive_values(model, rollouts: list[Rollout], loss: LossFn | None) -> ReplayResult:
+    values, total = [], 0.0
+    decoder = getattr(model, model.base_model_prefix)
+    for r in rollouts:
+        with torch.set_grad_enabled(loss is not None and torch.is_grad_enabled()):
+            _fresh_rotary(model)
+            ids = r.token_ids.to(model.device)[None]  # [1, T]
+            v = model.score(decoder(input_ids=ids, use_cache=False).last_hidden_state)[0, :-1, 0]  # [T-1]
+            positions = (r.loss_mask > 0).nonzero().squeeze(1)
+            v = v[(positions - 1).to(model.device)]
+            if v.dtype in (torch.float16, torch.bfloat16):
+                v = v.float()
+            values.append(per_position(v, positions, len(r)))
+            if loss is not None and positions.numel() > 0:
+                value = loss(loss_inputs([r], positions, None, None, values=v))
+                if value.requires_grad:
+                    value.backward()
+                total += value.item()
+    return ReplayResult([], [], total, RolloutTree(rollouts).stats, values=values)
 
 
 def _alone(model, r: Rollout, temperature: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,3 +124,18 @@ def naive_sequence_backward(model, rollouts: list[Rollout], loss, *, temperature
     value = loss(s)
     value.backward()
     return value.item(), s.detach().cpu()
+
+
+def naive_function_backward(model, rollouts: list[Rollout], loss, *, temperature: float = 1.0) -> float:
+    """For each rollout alone: its logprobs and entropies at the trainable positions (as `rows_logprobs`) under
+    autograd, placed into [T] float64 vectors (0 elsewhere); then `loss(logprobs, entropies)` and `.backward()`.
+    The reference of `engine.sequence.replay_function_backward`. Returns the loss value."""
+    logprobs, entropy = [], []
+    for r in rollouts:
+        positions, lp, ent = _alone(model, r, temperature)
+        where = positions.to(lp.device)
+        logprobs.append(torch.zeros(len(r), dtype=torch.float64, device=lp.device).index_put((where,), lp.double()))
+        entropy.append(torch.zeros(len(r), dtype=torch.float64, device=lp.device).index_put((where,), ent.double()))
+    value = loss([x.cpu() for x in logprobs], [x.cpu() for x in entropy])
+    value.backward()
+    return value.item()

@@ -30,10 +30,11 @@ import torch
 from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine.families import FAMILIES, layer_windows
 from ..engine.positions import rope_thresholds
-from ..engine.sequence import replay_sequence_backward
-from ..losses import DPO_LOSS_TYPES, GRPOLoss, dpo_loss
+from ..engine.sequence import replay_sequence_backward, sequence_sums
+from ..losses import DPO_LOSS_TYPES, GRPOLoss, ValueLoss, dpo_loss, rloo_loss
 from ..models import autocast, max_positions
 from ..tree import Rollout, RolloutTree
+from ..value import ValueModel
 from .numerics import keep_float64
 from .reference import max_rel_grad_err, naive_backward, naive_sequence_backward
 from .shapes import SHAPES, around_length, around_window, make_rollouts
@@ -96,33 +97,52 @@ def _threshold_cases(model, engine: EngineConfig) -> tuple[list, dict[str, str]]
 
 
 def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float = 0.8,
-                 force: bool = False, mixed_precision: str | None = None) -> tuple[list[ShapeResult], dict[str, str]]:
+                 force: bool = False, mixed_precision: str | None = None, loss: str = "grpo"
+                 ) -> tuple[list[ShapeResult], dict[str, str]]:
     """Naive vs replay on every shape, every length threshold and `random_trees` random trees for `model`.
 
     float64 models run under `keep_float64` (HF's RMSNorm would otherwise round to float32, on both sides alike);
     a float32 or bfloat16 model is also compared with a float64 copy of itself (the module docstring's bound).
     `mixed_precision` ("bfloat16"): a float32 model whose engine and naive computations both run under
     `models.autocast` (what `train --model.dtype bfloat16` runs), against its float64 copy by the same bound.
+    `loss`: "grpo" (GRPOLoss with its KL and entropy terms), "ppo" (PPO's clipped policy loss with per-token
+    advantages, and a critic made from the model, `value.ValueModel.from_policy`, with `ValueLoss`: two results per
+    tree, the critic's named "<shape>/critic", its "logprob err" that of the values), "rloo" (`losses.rloo_loss`,
+    RLOO's sequence-level ratio, through `engine.sequence`; "logprob err" that of the summed logprobs).
     `force` runs a family that is not in the registry (the engine then guesses it: `families.generic_family`).
     Returns (one result per tree, {threshold name: why it has no tree} for thresholds past the model's positions).
     Raises: UnsupportedModelError for a family the engine does not know (unless `force`); ValueError for
-    `mixed_precision` on a model whose parameters are not float32."""
+    `mixed_precision` on a model whose parameters are not float32, or an unknown `loss`."""
+    if loss not in ("grpo", "ppo", "rloo"):
+        raise ValueError(f"verify loss={loss!r} is not valid; accepted values: grpo, ppo, rloo (dpo: verify_dpo)")
     float64 = next(model.parameters()).dtype == torch.float64
     if mixed_precision is not None and next(model.parameters()).dtype != torch.float32:
         raise ValueError(f"mixed precision runs float32 parameters under autocast; the model is "
                          f"{next(model.parameters()).dtype}")
     compute = lambda: autocast(mixed_precision or "float32", model.device.type)  # noqa: E731
-    with keep_float64(model) if float64 else float64_copy(model) as numerics:
-        return _verify(model, None if float64 else numerics, seed, random_trees, temperature, force, compute)
+    with contextlib.ExitStack() as stack:
+        reference64 = None if float64 else stack.enter_context(float64_copy(model))
+        models = [(model, reference64)]
+        if loss == "ppo":  # the critic, and its float64 copy: the same decoder and head
+            critic = ValueModel.from_policy(model, seed=seed).eval()
+            models.append((critic, None if float64 else stack.enter_context(float64_copy(critic))))
+        for m, _ in models:
+            if float64:
+                stack.enter_context(keep_float64(m))
+        return _verify(models, seed, random_trees, temperature, force, compute, loss)
 
 
-def _verify(model, reference64, seed, random_trees, temperature, force, compute):
+def _verify(models, seed, random_trees, temperature, force, compute, objective):
+    model = models[0][0]
     family = FAMILIES.get(model.config.model_type)
     float32_kernels = family is not None and family.float32_kernels  # SSM scans etc. in float32 (Family)
     tolerance = FLOAT32_KERNELS_TOLERANCE if float32_kernels else FLOAT64_TOLERANCE
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
-    loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
+    if objective == "ppo":
+        losses = [GRPOLoss(epsilon_low=0.2, epsilon_high=0.2), ValueLoss(cliprange_value=0.2, coef=0.1)]
+    else:
+        losses = [GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)]
     cases = [(name, build, None) for name, build in SHAPES.items() if name != "random"]
     threshold_cases, skipped = _threshold_cases(model, EngineConfig(**ENGINE))
     cases += threshold_cases
@@ -138,21 +158,68 @@ def _verify(model, reference64, seed, random_trees, temperature, force, compute)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
             r.ref_logprobs = (lp.double() - noise) * r.loss_mask
         engine = EngineConfig(**ENGINE, replay="replay" if len(results) % 2 else "keep")
-        with compute():
-            naive, g_naive = _naive(model, rollouts, loss, temperature)
-            model.zero_grad(set_to_none=True)
-            replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine, force=force)
-        g_replay = [_grad(p) for p in model.parameters()]
-        model.zero_grad(set_to_none=True)
-        result = ShapeResult(name, len(rollouts), tree.stats.logical_tokens, tree.stats.physical_tokens,
-                             max_rel_grad_err(g_replay, g_naive), _logprob_err(replay, naive), False, threshold)
-        if reference64 is None:
-            result.passed = result.max_rel_grad_err <= tolerance and result.max_abs_logprob_err <= 10 * tolerance
-        else:
-            naive64, g64 = _naive(reference64, rollouts, loss, temperature)
-            _judge_vs_f64(result, g_replay, g_naive, g64, _logprob_err(replay, naive64), _logprob_err(naive, naive64))
-        results.append(result)
+        if objective == "rloo":
+            results.append(_check_rloo(models[0], rollouts, tree, name, threshold, temperature, engine, force,
+                                       compute, tolerance, g))
+            continue
+        if objective == "ppo":  # per-token advantages (GAE's), value targets, values at sampling moved (clipping)
+            with compute():
+                values = replay_logprobs(models[1][0], tree, engine=engine, force=force).values
+            for r, v in zip(rollouts, values):
+                r.advantages = torch.randn(len(r), generator=g, dtype=torch.float64) * r.loss_mask
+                r.returns = (v.double() + torch.randn(len(r), generator=g, dtype=torch.float64)) * r.loss_mask
+                r.old_values = (v.double() + 0.3 * torch.randn(len(r), generator=g, dtype=torch.float64)) \
+                    * r.loss_mask
+        for (m, m64), loss, suffix in zip(models, losses, ("", "/critic")):
+            results.append(_check(m, m64, rollouts, tree, loss, f"{name}{suffix}", threshold, temperature, engine,
+                                  force, compute, tolerance))
     return results, skipped
+
+
+def _check(model, reference64, rollouts, tree, loss, name, threshold, temperature, engine, force, compute,
+           tolerance) -> ShapeResult:
+    """One tree of `verify_model`: the engine against naive (and both against float64), by the module's bound."""
+    with compute():
+        naive, g_naive = _naive(model, rollouts, loss, temperature)
+        model.zero_grad(set_to_none=True)
+        replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine, force=force)
+    g_replay = [_grad(p) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    result = ShapeResult(name, len(rollouts), tree.stats.logical_tokens, tree.stats.physical_tokens,
+                         max_rel_grad_err(g_replay, g_naive), _logprob_err(replay, naive), False, threshold)
+    if reference64 is None:
+        result.passed = result.max_rel_grad_err <= tolerance and result.max_abs_logprob_err <= 10 * tolerance
+    else:
+        naive64, g64 = _naive(reference64, rollouts, loss, temperature)
+        _judge_vs_f64(result, g_replay, g_naive, g64, _logprob_err(replay, naive64), _logprob_err(naive, naive64))
+    return result
+
+
+def _check_rloo(models, rollouts, tree, name, threshold, temperature, engine, force, compute, tolerance,
+                g) -> ShapeResult:
+    """One tree of `verify_model(loss="rloo")`: leave-one-out advantages over the tree's rollouts (one group),
+    old sums moved off-policy so that some ratios clip, `rloo_loss` through `replay_sequence_backward` against
+    `naive_sequence_backward`."""
+    model, reference64 = models
+    rewards = torch.rand(len(rollouts), generator=g, dtype=torch.float64)
+    n = max(len(rollouts) - 1, 1)
+    advantages = rewards - (rewards.sum() - rewards) / n  # leave-one-out, the tree one group
+    with compute():
+        sums = sequence_sums(replay_logprobs(model, tree, temperature=temperature, force=force).logprobs, rollouts)
+    # ratios well inside the clip range or well outside it (|log ratio| 0.05 or 0.8, margins of 0.15 nats or more):
+    # a summed bfloat16 logprob is off by ~0.05 nats, so no rounding can flip a clipping decision between the engine
+    # and naive, and both branches of the clip are exercised
+    offsets = torch.tensor([0.05, -0.8, -0.05, 0.8], dtype=torch.float64)
+    old = sums + offsets[torch.arange(len(rollouts)) % 4]
+
+    def loss(s):
+        return rloo_loss(s, old, advantages, epsilon_low=0.2, epsilon_high=0.28)
+
+    trees = [tree]
+    result = _sequence_check(model, reference64, rollouts, trees, loss, name, engine, force, compute, tolerance,
+                             temperature)
+    result.threshold = threshold
+    return result
 
 
 def verify_dpo(model, seed: int = 0, pairs: int = 3, force: bool = False) -> list[ShapeResult]:
@@ -178,27 +245,37 @@ def verify_dpo(model, seed: int = 0, pairs: int = 3, force: bool = False) -> lis
                                 label_smoothing=0.1, chosen_tokens=lengths[0::2],
                                 rejected_tokens=lengths[1::2]).mean()
 
-            model.zero_grad(set_to_none=True)
-            _, naive_sums = naive_sequence_backward(model, rollouts, loss)
-            g_naive = [_grad(p) for p in model.parameters()]
-            model.zero_grad(set_to_none=True)
-            _, sums, _ = replay_sequence_backward(model, trees, loss, engine=EngineConfig(**ENGINE), force=force)
-            g_tree = [_grad(p) for p in model.parameters()]
-            model.zero_grad(set_to_none=True)
-            stats = sum((t.stats for t in trees[1:]), trees[0].stats)
-            result = ShapeResult(f"dpo-{loss_type}", len(rollouts), stats.logical_tokens, stats.physical_tokens,
-                                 max_rel_grad_err(g_tree, g_naive), (sums - naive_sums).abs().max().item(), False)
-            if reference64 is None:
-                result.passed = result.max_rel_grad_err <= FLOAT64_TOLERANCE
-            else:
-                reference64.zero_grad(set_to_none=True)
-                _, sums64 = naive_sequence_backward(reference64, rollouts, loss)
-                g64 = [_grad(p) for p in reference64.parameters()]
-                reference64.zero_grad(set_to_none=True)
-                _judge_vs_f64(result, g_tree, g_naive, g64, (sums - sums64).abs().max().item(),
-                              (naive_sums - sums64).abs().max().item())
-            results.append(result)
+            results.append(_sequence_check(model, reference64, rollouts, trees, loss, f"dpo-{loss_type}",
+                                           EngineConfig(**ENGINE), force, contextlib.nullcontext,
+                                           FLOAT64_TOLERANCE))
     return results
+
+
+def _sequence_check(model, reference64, rollouts, trees, loss, name, engine, force, compute, tolerance,
+                    temperature: float = 1.0) -> ShapeResult:
+    """A loss of summed logprobs over `trees` against the naive per-sequence computation (and float64)."""
+    with compute():
+        model.zero_grad(set_to_none=True)
+        _, naive_sums = naive_sequence_backward(model, rollouts, loss, temperature=temperature)
+        g_naive = [_grad(p) for p in model.parameters()]
+        model.zero_grad(set_to_none=True)
+        _, sums, _ = replay_sequence_backward(model, trees, loss, temperature=temperature, engine=engine,
+                                              force=force)
+    g_tree = [_grad(p) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    stats = sum((t.stats for t in trees[1:]), trees[0].stats)
+    result = ShapeResult(name, len(rollouts), stats.logical_tokens, stats.physical_tokens,
+                         max_rel_grad_err(g_tree, g_naive), (sums - naive_sums).abs().max().item(), False)
+    if reference64 is None:
+        result.passed = result.max_rel_grad_err <= tolerance
+    else:
+        reference64.zero_grad(set_to_none=True)
+        _, sums64 = naive_sequence_backward(reference64, rollouts, loss, temperature=temperature)
+        g64 = [_grad(p) for p in reference64.parameters()]
+        reference64.zero_grad(set_to_none=True)
+        _judge_vs_f64(result, g_tree, g_naive, g64, (sums - sums64).abs().max().item(),
+                      (naive_sums - sums64).abs().max().item())
+    return result
 
 
 def _judge_vs_f64(result: ShapeResult, g_tree, g_naive, g64, tree_logprob_err: float,
@@ -239,6 +316,9 @@ def _naive(model, rollouts, loss, temperature):
 
 
 def _logprob_err(a, b) -> float:
+    """Largest |difference| of two results' logprobs (a critic's: values)."""
+    if a.values is not None:
+        return max((x - y).abs().max().item() for x, y in zip(a.values, b.values))
     return max((x - y).abs().max().item() for x, y in zip(a.logprobs, b.logprobs))
 
 

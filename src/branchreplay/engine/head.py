@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..value import is_value_model
+
 
 class HeadMismatchError(ValueError):
     """The model's ForCausalLM computes its logits in a way that `LogitTransform` does not reproduce."""
@@ -58,10 +60,14 @@ def logit_transform(config) -> LogitTransform:
 
 
 def decoder_and_head(model):
-    """(decoder, lm_head, transform): the base model returning final-normed hidden states [B, S, H], the output
+    """(decoder, head, transform): the base model returning final-normed hidden states [B, S, H], the output
     projection H -> V (its `weight` gives the head's dtype, device and vocabulary size), and the `LogitTransform`
-    that the model's ForCausalLM applies after it."""
-    return getattr(model, model.base_model_prefix), model.get_output_embeddings(), logit_transform(model.config)
+    that the model's ForCausalLM applies after it. For a critic (`value.is_value_model`) the head is its scalar
+    `score`, H -> 1, with no transform."""
+    decoder = getattr(model, model.base_model_prefix)
+    if is_value_model(model):
+        return decoder, model.score, LogitTransform()
+    return decoder, model.get_output_embeddings(), logit_transform(model.config)
 
 
 _checked: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> the transforms verified on it
@@ -76,6 +82,8 @@ def check_head(model, tokens: int = 4) -> None:
         HeadMismatchError: they differ (beyond 1e-5 relative in float32/64, 1e-2 in half precision): the family
             transforms its logits in a way this module does not know.
     """
+    if is_value_model(model):  # the critic's head is its own `score`: nothing else to reproduce
+        return
     decoder, head, transform = decoder_and_head(model)
     if transform in _checked.get(model, ()):
         return
@@ -111,6 +119,13 @@ def token_logprobs(head, transform: LogitTransform, hidden: torch.Tensor, target
         else:
             outs.append(head_logprobs(head, h, t, temperature, transform))
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
+
+
+def token_values(head, hidden: torch.Tensor) -> torch.Tensor:
+    """[N, H] hidden -> [N] values of a critic's scalar `head`, float32 for half-precision weights (no chunking: the
+    head's output is one number per row)."""
+    values = head(hidden).squeeze(-1)
+    return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
 
 
 def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, transform: LogitTransform):

@@ -28,6 +28,7 @@ import torch
 
 from ..models import max_positions
 from ..tree import Node
+from .head import decoder_and_head
 
 
 @dataclass(frozen=True)
@@ -134,7 +135,7 @@ def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
 
     forward(nodes, P, ancestors) -> (hidden [S, H], cache): the engine's pack forward; split: the model runs split
     prefix attention (`attention.PrefixSplit`)."""
-    head = model.get_output_embeddings().weight
+    head = decoder_and_head(model)[1].weight
     scale = 256 if tokens >= 4096 else 16
     limit = max_positions(model.config)
     if limit is not None:
@@ -149,8 +150,8 @@ def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
 
 def _fit(model, forward, s: int, split: bool) -> MemoryModel:
     """Fit a, b and s of `MemoryModel` from the saved bytes of three probes of scale `s` (none for s = 0)."""
-    head = model.get_output_embeddings().weight
-    vocab, dtype = head.shape[0], head.dtype
+    head = decoder_and_head(model)[1].weight
+    vocab, dtype = model.config.vocab_size, head.dtype
     params = list(model.parameters())
     g = torch.Generator().manual_seed(0)
 
@@ -178,7 +179,7 @@ def _fit(model, forward, s: int, split: bool) -> MemoryModel:
         # casts and weight gradients of the backward in flight (measured on tiny Llama: 0.92x the peak without it)
         half = torch.finfo(torch.get_autocast_dtype(device)).bits // 8
         grads += half * sum(p.numel() for p in params if p.dim() >= 2)
-    head_per_row = 3 * vocab * max(elem, 4)  # logits, log-softmax, its gradient
+    head_per_row = 3 * head.shape[0] * max(elem, 4)  # logits, log-softmax, its gradient (a critic's: 1 value)
     memory = MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem, split=split)
     if s > 0:  # what the first probe saved beyond its size-proportional terms: the per-pack constant c
         memory = dataclasses.replace(memory, per_pack=max(b1 - memory.activations(s, 2 * s, False), 0.0))

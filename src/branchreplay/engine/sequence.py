@@ -1,17 +1,21 @@
-"""Losses of whole sequences over the tree: a function of each rollout's summed logprob (DPO; sequence-level
-importance ratios), exactly, in two passes of the execution stack.
+"""Losses of whole sequences over the tree: any function of the rollouts' per-token logprobs and entropies (DPO and
+RLOO on summed logprobs; GSPO's sequence-level importance ratios), exactly, in two passes of the execution stack.
 
-A token-level loss is a sum over the nodes, so one pass computes it (`stack.replay_backward`). A loss of the
-sequence sums s_i = sum_t loss_mask[i, t] * logp[i, t] is not: the derivative at a token depends on the whole
-rollout. By the chain rule, dL/dtheta = sum_i (dL/ds_i) ds_i/dtheta, so
+A token-level loss is a sum over the nodes, so one pass computes it (`stack.replay_backward`). A loss that couples
+the tokens of a rollout is not: the derivative at a token depends on the whole rollout. By the chain rule, with
+logp[i, t] and H[i, t] the logprob and entropy at position t of rollout i,
+dL/dtheta = sum_i sum_t (dL/dlogp[i, t]) dlogp[i, t]/dtheta + (dL/dH[i, t]) dH[i, t]/dtheta, so
 
-    pass 1  `replay_logprobs` (no graph): s_i for every rollout;
-            c_i = dL/ds_i by autograd on the scalar function L(s);
-    pass 2  `replay_backward` of the linear loss sum_i c_i s_i: its gradient is dL/dtheta.
+    pass 1  `replay_logprobs` (no graph): logp and H of every rollout;
+            g = dL/dlogp and h = dL/dH by autograd on the scalar function L of them (float64 leaves);
+    pass 2  `replay_backward` of the linear loss sum_i sum_t g[i, t] logp[i, t] + h[i, t] H[i, t]: its gradient
+            is dL/dtheta.
 
-Pass 2 recomputes the logprobs of pass 1 with the same weights, so the two agree to the last bit on a given device
+Pass 2 recomputes the values of pass 1 with the same weights, so the two agree to the last bit on a given device
 and dtype (pass 1's are kept in float64 for a float64 model, in float32 otherwise: `ReplayResult`). The cost
-over a token-level loss is one forward pass without a graph.
+over a token-level loss is one forward pass without a graph; a caller that already ran that pass (the old-policy
+logprobs of the first update) hands it in and skips it. A loss of the summed logprobs s_i = sum_t loss_mask[i, t]
+logp[i, t] (`replay_sequence_backward`) is the special case g[i, t] = (dL/ds_i) loss_mask[i, t], h = 0.
 """
 
 from __future__ import annotations
@@ -28,36 +32,93 @@ from .stack import replay_backward, replay_logprobs
 SequenceLoss = Callable[[torch.Tensor], torch.Tensor]
 """[N] float64 summed logprobs (nats) of the N rollouts of all the trees, in order -> scalar loss."""
 
+TokenFunctionLoss = Callable[[list[torch.Tensor], list[torch.Tensor]], torch.Tensor]
+"""(per rollout [T] float64 logprobs, per rollout [T] float64 entropies; both 0 where loss_mask is 0, and the loss
+must not depend on them there) of the N rollouts of all the trees, in order -> scalar loss."""
+
+
+def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss: TokenFunctionLoss, *,
+                             temperature: float = 1.0, engine: EngineConfig = EngineConfig(), force: bool = False,
+                             first: ReplayResult | None = None, final_backward=None
+                             ) -> tuple[float, ReplayResult, ReplayResult]:
+    """Gradients of `loss`(logprobs, entropies) into `param.grad`, as its `.backward()` on the naive per-rollout
+    logprobs would give them (module docstring).
+
+    `first`: pass 1's result under the current weights (a `replay_logprobs` of the same trees the caller ran, e.g.
+    the old-policy pass of the first update): pass 1 is then skipped. `final_backward` as `replay_backward`.
+    Returns (the loss value, pass 1's result, pass 2's). Each rollout's `weights` and advantages are ignored (the
+    loss decides); only `loss_mask` positions enter. Same errors as `replay_backward`; raises ValueError when `loss`
+    does not return a finite scalar, or `first` has another number of rollouts.
+    """
+    trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
+    rollouts = [r for t in trees for r in t.rollouts]
+    if first is None:
+        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force)
+    if len(first.logprobs) != len(rollouts):
+        raise ValueError(f"first holds {len(first.logprobs)} rollouts, the trees {len(rollouts)}")
+    logprobs = [lp.double().clone().requires_grad_(True) for lp in first.logprobs]
+    entropy = [e.double().clone().requires_grad_(True) for e in first.entropy]
+    value = loss(logprobs, entropy)
+    if value.dim() != 0 or not torch.isfinite(value):
+        raise ValueError(f"the loss must return a finite scalar, got {value!r}")
+    grads = torch.autograd.grad(value, logprobs + entropy, allow_unused=True)
+    n = len(rollouts)
+    g = [torch.zeros_like(lp) if d is None else d for lp, d in zip(logprobs, grads[:n])]
+    h = [torch.zeros_like(e) if d is None else d for e, d in zip(entropy, grads[n:])]
+    second = _linear_backward(model, trees, g, h, temperature, engine, force, final_backward)
+    return float(value.detach()), first, second
+
 
 def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss: SequenceLoss, *,
                              temperature: float = 1.0, engine: EngineConfig = EngineConfig(),
-                             force: bool = False) -> tuple[float, torch.Tensor, ReplayResult]:
+                             force: bool = False, sums: torch.Tensor | None = None,
+                             final_backward=None) -> tuple[float, torch.Tensor, ReplayResult]:
     """Gradients of `loss`(s) into `param.grad`, where s [N] are the rollouts' summed logprobs over their
     loss_mask, as `loss(s).backward()` on the naive per-rollout sums would give them (module docstring).
 
-    Returns (the loss value, s [N] float64, pass 2's `ReplayResult`). Each rollout's `weights` are ignored (the
-    loss sets them); `loss_mask` selects the summed positions. Same arguments and errors as `replay_backward`;
-    raises ValueError when `loss` does not return a finite scalar.
+    Returns (the loss value, s [N] float64, pass 2's `ReplayResult`). `sums`: s under the current weights when the
+    caller already has them (`sequence_sums` of a `replay_logprobs` it ran, e.g. the old-policy pass of the first
+    update, or with the full parameters of a sharded model): pass 1 is then skipped. `final_backward` as
+    `replay_backward`. Same arguments and errors as `replay_backward`; raises ValueError when `loss` does not return
+    a finite scalar.
     """
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
-    first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force)
     rollouts = [r for t in trees for r in t.rollouts]
-    s = torch.stack([(lp.double() * r.loss_mask).sum() for lp, r in zip(first.logprobs, rollouts)])
+    if sums is None:
+        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force)
+        sums = sequence_sums(first.logprobs, rollouts)
+    s = torch.as_tensor(sums, dtype=torch.float64)
+    if s.shape != (len(rollouts),):
+        raise ValueError(f"sums has shape {tuple(s.shape)}, expected ({len(rollouts)},): one per rollout")
     leaf = s.clone().requires_grad_(True)
     value = loss(leaf)
     if value.dim() != 0 or not torch.isfinite(value):
         raise ValueError(f"the sequence loss must return a finite scalar, got {value!r}")
-    (coefficients,) = torch.autograd.grad(value, leaf)
-    linear, k = [], 0
-    for t in trees:
-        weighted = [Rollout(r.token_ids, loss_mask=r.loss_mask, weights=coefficients[k + i] * r.loss_mask)
-                    for i, r in enumerate(t.rollouts)]
-        linear.append(RolloutTree(weighted))
-        k += len(t.rollouts)
-    second = replay_backward(model, linear, _weighted_logprobs, temperature=temperature, engine=engine, force=force)
+    (c,) = torch.autograd.grad(value, leaf)
+    g = [c[i] * r.loss_mask for i, r in enumerate(rollouts)]  # dL/dlogp[i, t] = dL/ds_i on the summed positions
+    h = [torch.zeros(len(r), dtype=torch.float64) for r in rollouts]
+    second = _linear_backward(model, trees, g, h, temperature, engine, force, final_backward)
     return float(value.detach()), s, second
 
 
-def _weighted_logprobs(x: LossInputs) -> torch.Tensor:
-    """sum over the node's rollouts and positions of c_i * logp (the weights carry c_i)."""
-    return (x.weights * x.logprobs).sum()
+def sequence_sums(logprobs: list[torch.Tensor], rollouts: list[Rollout]) -> torch.Tensor:
+    """[N] float64: each rollout's logprobs [T] (a `ReplayResult`'s) summed over its loss_mask (differentiable)."""
+    return torch.stack([(lp.double() * r.loss_mask).sum() for lp, r in zip(logprobs, rollouts)])
+
+
+def _linear_backward(model, trees: list[RolloutTree], g: list[torch.Tensor], h: list[torch.Tensor], temperature,
+                     engine, force, final_backward) -> ReplayResult:
+    """Pass 2: `replay_backward` of sum_i sum_t g[i, t] logp[i, t] + h[i, t] H[i, t] (per rollout [T] coefficients,
+    in the trees' rollout order), the coefficients riding on each rollout's weights and advantages."""
+    linear, k = [], 0
+    for t in trees:
+        linear.append(RolloutTree([Rollout(r.token_ids, loss_mask=r.loss_mask, weights=g[k + i] * r.loss_mask,
+                                           advantages=h[k + i] * r.loss_mask) for i, r in enumerate(t.rollouts)]))
+        k += len(t.rollouts)
+    return replay_backward(model, linear, _linear, temperature=temperature, engine=engine, force=force,
+                           final_backward=final_backward)
+
+
+def _linear(x: LossInputs) -> torch.Tensor:
+    """sum over the node's rollouts and positions of g * logp + h * H (the weights carry g, the advantages h)."""
+    return (x.weights * x.logprobs).sum() + (x.advantages * x.entropy).sum()

@@ -29,11 +29,12 @@ import torch
 from ..losses import LossFn, loss_inputs
 from ..models import max_positions
 from ..tree import Node, ReplayResult, RolloutTree, TreeStats
+from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
 from .config import EngineConfig
 from .families import family_of, layer_windows
-from .head import check_head, decoder_and_head, token_logprobs
+from .head import check_head, decoder_and_head, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .planner import default_budget, memory_model, plan
 from .positions import held_at_length, length_dependent_rotaries, regimes
@@ -120,8 +121,10 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
 def _in_order(result: ReplayResult, order: list[int]) -> ReplayResult:
     """`result` of rollouts `order` (sub-forests one after another) with its per-rollout lists in rollout order."""
     position = {i: k for k, i in enumerate(order)}
-    result.logprobs = [result.logprobs[position[i]] for i in range(len(order))]
-    result.entropy = [result.entropy[position[i]] for i in range(len(order))]
+    for name in ("logprobs", "entropy", "values"):
+        values = getattr(result, name)
+        if values:
+            setattr(result, name, [values[position[i]] for i in range(len(order))])
     return result
 
 
@@ -139,7 +142,8 @@ class _Run:
         self.prefix_split = PrefixSplit(model, self.windows, self.kinds)
         self.dtype = self.head.weight.dtype
         self.device = self.head.weight.device
-        self.vocab_size = self.head.weight.shape[0]
+        self.critic = is_value_model(model)  # a value model: values at the trained positions (value.py)
+        self.vocab_size = model.config.vocab_size if self.critic else self.head.weight.shape[0]
         self.temperature = temperature
         self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
         self.max_pack_tokens = engine.max_pack_tokens
@@ -175,10 +179,12 @@ class _Run:
             peak, replayed = step_plan.predicted_peak_bytes, len(step_plan.replay)
         self.tree = tree
         kept = torch.float64 if self.dtype == torch.float64 else torch.float32  # ReplayResult's dtype
-        self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
+        self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]  # a critic's values
         self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
         self.loss_value = 0.0
         self.children(root, ancestors=[], parent_h=None)
+        if self.critic:
+            return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs)
         return ReplayResult(self.logprobs, self.entropy, self.loss_value, tree.stats, peak, replayed)
 
     def check(self, tree: RolloutTree) -> None:
@@ -296,9 +302,9 @@ class _Run:
     # -- one node's loss -----------------------------------------------------------------------------------------
 
     def node_loss(self, node: Node, hidden: torch.Tensor, parent_h: torch.Tensor | None) -> torch.Tensor | None:
-        """Logprobs of the node's trainable positions, recorded per rollout, and the loss on them (None if none).
-
-        Position t of the node is predicted by hidden[t - 1], and position 0 by the parent's last hidden state."""
+        """Logprobs of the node's trainable positions (a critic's values), recorded per rollout, and the loss on them
+        (None if none). Position t of the node is predicted by hidden[t - 1], and position 0 by the parent's last
+        hidden state; a critic's value of position t is read from the same hidden state (value.py)."""
         rollouts = [self.tree.rollouts[i] for i in node.rollouts]
         s, e = node.start, node.end
         trainable = torch.stack([r.loss_mask[s:e] for r in rollouts]).amax(0) > 0  # [L]
@@ -309,8 +315,16 @@ class _Run:
             predictors = torch.cat([hidden[:1], hidden[:-1]])
         else:
             predictors = torch.cat([parent_h[None], hidden[:-1]])
-        logprobs, entropy = token_logprobs(self.head, self.transform, predictors[positions.to(self.device)],
-                                           node.tokens[positions], self.temperature, self.head_chunk_tokens)
+        rows = predictors[positions.to(self.device)]
+        if self.critic:
+            values = token_values(self.head, rows)
+            for i in node.rollouts:
+                self.logprobs[i][s + positions] = values.detach().cpu().to(self.logprobs[i].dtype)
+            if self.loss is None:
+                return None
+            return self.loss(loss_inputs(rollouts, s + positions, None, None, values=values))
+        logprobs, entropy = token_logprobs(self.head, self.transform, rows, node.tokens[positions], self.temperature,
+                                           self.head_chunk_tokens)
         for i in node.rollouts:
             self.logprobs[i][s + positions] = logprobs.detach().cpu().to(self.logprobs[i].dtype)
             self.entropy[i][s + positions] = entropy.detach().cpu().to(self.entropy[i].dtype)

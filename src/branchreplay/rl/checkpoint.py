@@ -10,6 +10,8 @@
                                                         replicated tensor (DDP) once, by one of the ranks; keyed by
                                                         parameter name, so any world size loads it (DCP reshards)
     RUN_DIR/checkpoints/step-000010/trainer_state.pt    step, scheduler, python/numpy/torch RNG states, counters
+    RUN_DIR/checkpoints/step-000010/critic/             PPO's value model: model.safetensors, config.json,
+                                                        optimizer/ and trainer_state.pt (its scheduler), as above
     RUN_DIR/checkpoints/latest                          text: the name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary folder next to its target (rank 0 creates it and every rank writes
@@ -47,6 +49,7 @@ _NAME = re.compile(r"^step-(\d+)$")
 WEIGHTS = "model.safetensors"
 OPTIMIZER = "optimizer"
 STATE = "trainer_state.pt"
+CRITIC = "critic"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -54,12 +57,13 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
 
 
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, keep: int = 2,
-                    extra: dict | None = None, tokenizer=None) -> Path:
+                    extra: dict | None = None, tokenizer=None, critic: tuple | None = None) -> Path:
     """Write the checkpoint of `step` atomically, point `latest` at it, delete all but the `keep` newest.
 
     A collective in a data-parallel run: every rank calls it (the weights are gathered to rank 0, the optimizer
     shards written by their ranks). `extra`: small picklable trainer counters, returned by `load_checkpoint`;
     `tokenizer`: saved beside the weights when given, so that the folder is a complete Hugging Face model.
+    `critic`: (value model, its optimizer, its scheduler), written into critic/ of the same checkpoint.
     Returns the checkpoint folder. Raises OSError on a write failure (the previous checkpoint stays valid); in a
     data-parallel run every rank raises (the others a RuntimeError naming the rank), except for a failure inside
     DCP's own collectives, which the others see at the collective timeout (parallel.timeout_s)."""
@@ -85,17 +89,17 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
         dist.broadcast_object_list(tmp, src=0)
     tmp = Path(tmp[0])
     try:
-        weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        with _single_process_quiet():
-            dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=tmp / OPTIMIZER,
-                     no_dist=not distributed)
+        weights = _save_optimizer(tmp, model, optimizer, distributed)
+        critic_weights = _save_optimizer(tmp / CRITIC, critic[0], critic[1], distributed) if critic else None
         error = None
         if rank == 0:
             try:
                 _write_rank0(tmp, model, weights, tokenizer, scheduler, step, extra)
+                if critic:
+                    _write_rank0(tmp / CRITIC, critic[0], critic_weights, None, critic[2], step, None)
             except OSError as e:
                 error = e
-        del weights
+        del weights, critic_weights
         # every rank's shards and rank 0's files are on disk, or every rank raises
         raise_together(error, "writing the checkpoint")
         if rank == 0:
@@ -109,6 +113,16 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             shutil.rmtree(tmp, ignore_errors=True)
         raise
     return root / name
+
+
+def _save_optimizer(folder: Path, model, optimizer, distributed: bool) -> dict:
+    """Every rank: the optimizer's shards into folder/optimizer (DCP); returns the model's full state dict (rank 0
+    writes it)."""
+    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    with _single_process_quiet():
+        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder / OPTIMIZER,
+                 no_dist=not distributed)
+    return weights
 
 
 def _write_rank0(tmp: Path, model, weights: dict, tokenizer, scheduler, step: int, extra: dict | None) -> None:
@@ -174,10 +188,18 @@ def load_weights(model, checkpoint: str | Path) -> None:
         raise ValueError(f"checkpoint {path} does not fit the model (written for another model.spec?): {e}") from e
 
 
-def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler) -> tuple[int, dict]:
+def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler, critic: tuple | None = None
+                    ) -> tuple[int, dict]:
     """Restore weights, optimizer, scheduler and RNG states from a checkpoint folder, on any world size (every rank
-    of a data-parallel run calls it); returns (step, extra)."""
+    of a data-parallel run calls it); returns (step, extra). `critic`: (value model, optimizer, scheduler) restored
+    from critic/. Raises FileNotFoundError when `critic` is given and the checkpoint has none (a run started
+    with another algorithm)."""
     path = Path(checkpoint)
+    if critic is not None:
+        if not (path / CRITIC / WEIGHTS).is_file():
+            raise FileNotFoundError(f"{path} holds no critic/: the run was not trained with algorithm=ppo; resume it "
+                                    "with its own algorithm")
+        load_checkpoint(path / CRITIC, *critic)
     load_weights(model, path)
     state = torch.load(path / STATE, weights_only=False)  # our own file: numpy RNG state needs pickle
     for p in model.parameters():  # torch initialises the optimizer's state only for parameters without grads
@@ -237,7 +259,8 @@ def _is_complete(path: Path) -> bool:
     optimizer/ subfolder is of the earlier format, its optimizer state inside trainer_state.pt)."""
     optimizer = path / OPTIMIZER
     return ((path / WEIGHTS).is_file() and (path / STATE).is_file()
-            and (not optimizer.exists() or (optimizer / ".metadata").is_file()))
+            and (not optimizer.exists() or (optimizer / ".metadata").is_file())
+            and (not (path / CRITIC).exists() or _is_complete(path / CRITIC)))
 
 
 def _rng_state() -> dict:

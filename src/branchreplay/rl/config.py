@@ -1,15 +1,22 @@
 """Run configuration: one dataclass per concern, composed into `Config`.
 
+    algorithm: grpo | ppo | rloo | reinforce_pp | dpo   (top level) what the advantages and the loss are
     model:    ModelConfig      which causal LM, in which dtype, on which device
     sampling: SamplingConfig   (from sampling.py) how completions are sampled
     task:     TaskConfig       (from tasks.py) which reasoning-gym dataset, split sizes
-    grpo:     GRPOConfig       the objective and the optimizer (TRL GRPOConfig names)
+    grpo:     GRPOConfig       sampling counts, clip range and optimizer of every algorithm (TRL GRPOConfig names)
+    ppo:      PPOConfig        the critic, GAE and the value loss (algorithm: ppo; TRL PPOConfig names)
+    rloo:     RLOOConfig       RLOO's options (algorithm: rloo; TRL RLOOConfig names)
+    reinforce_pp: ReinforcePPConfig  REINFORCE++'s options (algorithm: reinforce_pp; verl's names)
+    dpo:      DPOConfig        the preference file and the DPO loss (algorithm: dpo; TRL DPOConfig names)
     engine:   EngineConfig     (from engine/config.py) packing, chunking, replay; passed to every engine call
     parallel: ParallelConfig   data parallelism over torchrun's processes (FSDP2 or DDP semantics)
     train:    TrainConfig      steps, seed, run folder, checkpoint and eval cadence
 
 Precedence: command line > YAML file > dataclass defaults (as torchtitan's config manager). A YAML file holds one
-mapping per section; the command line overrides one field with `--section.field value` or `--section.field=value`.
+mapping per section (and `algorithm: NAME`); the command line overrides one field with `--section.field value` or
+`--section.field=value`, and the algorithm with `--algorithm NAME`. Each algorithm starts from TRL's defaults for
+its trainer where they differ from GRPO's (`ALGORITHM_DEFAULTS`).
 Values are parsed to the field's declared type (bool: true/false/yes/no/1/0; a closed choice must be one of its
 Literal values; tuples, lists and dicts as YAML, e.g. `--sampling.branching "[[0,2],[8,2]]"`). Unknown sections and
 keys are errors that list the valid ones. `parse_args` is the one parser of `train` and `eval`; every field's help
@@ -30,7 +37,7 @@ import yaml
 
 from ..engine import EngineConfig
 from ..fields import accepted, check, choice, help_of
-from ..losses import LossType
+from ..losses import DPOLossType, LossType
 from .sampling import SamplingConfig
 from .tasks import TaskConfig
 
@@ -38,6 +45,9 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 ScaleRewards = Literal["group", "batch", "none"]
 LRScheduler = Literal["cosine", "constant"]
 ParallelStrategy = Literal["auto", "fsdp2", "ddp"]
+ImportanceSamplingLevel = Literal["token", "sequence"]
+Algorithm = Literal["grpo", "ppo", "rloo", "reinforce_pp", "dpo"]
+KLEstimator = Literal["k1", "k3"]
 
 
 @dataclass
@@ -77,7 +87,8 @@ class GRPOConfig:
         "(Dr. GRPO)"))
     epsilon: float = field(default=0.2, metadata=help_of("lower clip range of the ratio, in (0, 1)"))
     epsilon_high: float | None = field(default=None, metadata=help_of(
-        "upper clip range, > 0; default (null) = epsilon; DAPO uses 0.28"))
+        "upper clip range, > 0; default (null) = epsilon; DAPO uses 0.28; loss_type cispo: the largest importance "
+        "weight (MiniMax-M1's eps_max)"))
     beta: float = field(default=0.0, metadata=help_of(
         "k3 KL coefficient against the initial model, >= 0 (0 = no reference model is kept)"))
     entropy_coef: float = field(default=0.0, metadata=help_of(
@@ -89,6 +100,16 @@ class GRPOConfig:
     delta: float | None = field(default=None, metadata=help_of(
         "two-sided clipping (TRL delta; INTELLECT-2): the unclipped ratio is capped at delta, > 0, best above "
         "1 + epsilon_high; null = off"))
+    sapo_temperature_pos: float = field(default=1.0, metadata=help_of(
+        "loss_type sapo: the gate's temperature where the advantage is positive, > 0 (TRL)"))
+    sapo_temperature_neg: float = field(default=1.05, metadata=help_of(
+        "loss_type sapo: the gate's temperature elsewhere, > 0 (TRL)"))
+    importance_sampling_level: ImportanceSamplingLevel = field(default="token", metadata=help_of(
+        "token: one ratio per token; sequence: every token of a completion takes the exp of its mean log-ratio "
+        "(GSPO, Zheng et al. 2025; TRL's option; losses.gspo_loss, one extra forward without a graph per update)"))
+    top_entropy_quantile: float = field(default=1.0, metadata=help_of(
+        "keep in the policy term only the tokens whose entropy is in the top quantile of the step's completion "
+        "tokens, in [0, 1] (TRL; Wang et al. 2025, Beyond the 80/20 rule, recommend 0.2; 1 = every token)"))
     num_iterations: int = field(default=1, metadata=help_of(
         "optimizer updates per batch of samples (TRL mu), >= 1; > 1 computes old logprobs before the first one"))
     mask_truncated_completions: bool = field(default=False, metadata=help_of(
@@ -107,6 +128,7 @@ class GRPOConfig:
         choice("grpo.loss_type", self.loss_type, LossType)
         choice("grpo.scale_rewards", self.scale_rewards, ScaleRewards)
         choice("grpo.lr_scheduler", self.lr_scheduler, LRScheduler)
+        choice("grpo.importance_sampling_level", self.importance_sampling_level, ImportanceSamplingLevel)
         if self.epsilon_high is None:
             self.epsilon_high = self.epsilon
         check("grpo.num_generations", self.num_generations >= 2, ">= 2", self.num_generations)
@@ -118,11 +140,114 @@ class GRPOConfig:
         if self.delta is not None:
             check("grpo.delta", self.delta > 0, "> 0", self.delta)
         check("grpo.num_iterations", self.num_iterations >= 1, ">= 1", self.num_iterations)
+        check("grpo.sapo_temperature_pos", self.sapo_temperature_pos > 0, "> 0", self.sapo_temperature_pos)
+        check("grpo.sapo_temperature_neg", self.sapo_temperature_neg > 0, "> 0", self.sapo_temperature_neg)
+        check("grpo.top_entropy_quantile", 0 <= self.top_entropy_quantile <= 1, "in [0, 1]",
+              self.top_entropy_quantile)
         check("grpo.max_grad_norm", self.max_grad_norm > 0, "> 0", self.max_grad_norm)
         check("grpo.learning_rate", self.learning_rate > 0, "> 0", self.learning_rate)
         check("grpo.weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)
         check("grpo.warmup_steps", self.warmup_steps >= 0, ">= 0", self.warmup_steps)
         check("grpo.micro_batch_prompts", self.micro_batch_prompts >= 0, ">= 0", self.micro_batch_prompts)
+
+
+@dataclass
+class PPOConfig:
+    """PPO with a learned critic (algorithm: ppo). Names and defaults of TRL's PPOConfig (trl 0.24,
+    trl/trainer/ppo_config.py; PPO is not in TRL 1.x). The rest of the objective comes from the grpo section:
+    num_generations completions per prompt (TRL samples 1; more share the prompt in the tree), prompts_per_step,
+    mask_truncated_completions and the optimizer fields; its epsilon, epsilon_high, delta, beta, entropy_coef,
+    loss_type, scale_rewards and num_iterations do not apply (cliprange, kl_coef, a token mean, GAE and
+    num_ppo_epochs do; TRL's PPO has no entropy bonus)."""
+
+    value_model: str | None = field(default=None, metadata=help_of(
+        "the critic's initial decoder, a model spec as model.spec (its own scalar head is drawn fresh); null = a "
+        "copy of the policy (value.ValueModel.from_policy)"))
+    kl_coef: float = field(default=0.05, metadata=help_of(
+        "per-token KL penalty against the reference model in the reward, >= 0 (TRL kl_coef)"))
+    kl_estimator: KLEstimator = field(default="k1", metadata=help_of(
+        "k1: logp - ref_logp; k3: (r - 1) - log r with r = exp(ref_logp - logp) (Schulman 2020; TRL kl_estimator)"))
+    cliprange: float = field(default=0.2, metadata=help_of("policy ratio clip range, in (0, 1)"))
+    cliprange_value: float = field(default=0.2, metadata=help_of(
+        "value clip range around the values at sampling, > 0"))
+    vf_coef: float = field(default=0.1, metadata=help_of("value loss coefficient, > 0"))
+    gamma: float = field(default=1.0, metadata=help_of("discount factor per token, in [0, 1]"))
+    lam: float = field(default=0.95, metadata=help_of("GAE lambda, in [0, 1]"))
+    whiten_rewards: bool = field(default=False, metadata=help_of(
+        "whiten the per-token rewards over the step before GAE (TRL whiten_rewards; the mean is kept)"))
+    num_ppo_epochs: int = field(default=4, metadata=help_of(
+        "optimizer updates on each batch of samples, >= 1 (TRL num_ppo_epochs, with num_mini_batches=1)"))
+    missing_eos_penalty: float | None = field(default=None, metadata=help_of(
+        "subtracted from the reward of a completion that ends without EOS, >= 0; null = none"))
+
+    def __post_init__(self):
+        choice("ppo.kl_estimator", self.kl_estimator, KLEstimator)
+        check("ppo.kl_coef", self.kl_coef >= 0, ">= 0", self.kl_coef)
+        check("ppo.cliprange", 0 < self.cliprange < 1, "in (0, 1)", self.cliprange)
+        check("ppo.cliprange_value", self.cliprange_value > 0, "> 0", self.cliprange_value)
+        check("ppo.vf_coef", self.vf_coef > 0, "> 0", self.vf_coef)
+        check("ppo.gamma", 0 <= self.gamma <= 1, "in [0, 1]", self.gamma)
+        check("ppo.lam", 0 <= self.lam <= 1, "in [0, 1]", self.lam)
+        check("ppo.num_ppo_epochs", self.num_ppo_epochs >= 1, ">= 1", self.num_ppo_epochs)
+        if self.missing_eos_penalty is not None:
+            check("ppo.missing_eos_penalty", self.missing_eos_penalty >= 0, ">= 0", self.missing_eos_penalty)
+
+
+@dataclass
+class RLOOConfig:
+    """RLOO (algorithm: rloo), as TRL 1.16's RLOOTrainer (trl/trainer/rloo_trainer.py): a leave-one-out baseline
+    per group, the KL in the reward (grpo.beta times the summed k1 of the sampling policy against the reference;
+    TRL RLOOConfig.beta defaults to 0.05), a sequence-level clipped ratio (grpo.epsilon, epsilon_high), the loss a
+    mean over the completions. grpo.delta, entropy_coef, use_bias_correction_kl and loss_type do not apply (TRL's
+    RLOO has none of them)."""
+
+    normalize_advantages: bool = field(default=False, metadata=help_of(
+        "divide the advantages by their std over the step after centring them (TRL normalize_advantages)"))
+
+
+@dataclass
+class ReinforcePPConfig:
+    """REINFORCE++ (algorithm: reinforce_pp; Hu et al. 2025), as verl's `compute_reinforce_plus_plus_outcome_
+    advantage` and OpenRLHF's `reinforce` estimator: per-token rewards (the task's reward at the last token, minus
+    grpo.beta times the per-token k1 KL against the reference), discounted returns, whitened over every completion
+    token of the step; the token-level clipped loss of the grpo section (epsilon, loss_type)."""
+
+    gamma: float = field(default=1.0, metadata=help_of("discount factor per token, in [0, 1] (verl algorithm.gamma)"))
+
+    def __post_init__(self):
+        check("reinforce_pp.gamma", 0 <= self.gamma <= 1, "in [0, 1]", self.gamma)
+
+
+@dataclass
+class DPOConfig:
+    """DPO over prefix trees (algorithm: dpo): no sampling, preference pairs from a file (`preferences.py`), the
+    prompt one node and chosen / rejected its branches. Names and defaults of TRL 1.16's DPOConfig
+    (trl/trainer/dpo_config.py); simpo as TRL's CPOTrainer (cpo_alpha 0). The optimizer fields come from the grpo
+    section (TRL's DPO learning rate is 1e-6, as ours)."""
+
+    dataset: str | None = field(default=None, metadata=help_of(
+        "local JSONL, JSON or Parquet file of rows with prompt, chosen, rejected (text, or lists of messages); "
+        "required with algorithm=dpo (scripts/make_preference_set.py builds one from the task)"))
+    loss_type: DPOLossType = field(default="sigmoid", metadata=help_of(
+        "sigmoid (DPO), hinge, ipo, robust (label smoothing), simpo (reference-free): losses.dpo_loss"))
+    beta: float = field(default=0.1, metadata=help_of("> 0; the KL strength (ipo: the regulariser tau)"))
+    label_smoothing: float = field(default=0.0, metadata=help_of(
+        "robust and simpo: the probability that a label is flipped, in [0, 0.5)"))
+    simpo_gamma: float = field(default=0.5, metadata=help_of("simpo's target reward margin (TRL CPOConfig)"))
+    pairs_per_step: int = field(default=8, metadata=help_of(
+        "preference pairs per optimizer step, >= 1 (TRL's per_device_train_batch_size)"))
+    max_length: int | None = field(default=1024, metadata=help_of(
+        "tokens of prompt + response kept, from the start (TRL truncation_mode keep_start); null = no limit"))
+    precompute_ref_log_probs: bool = field(default=False, metadata=help_of(
+        "compute the reference logprobs of every pair once before training (TRL's option); false: per step"))
+
+    def __post_init__(self):
+        choice("dpo.loss_type", self.loss_type, DPOLossType)
+        check("dpo.beta", self.beta > 0, "> 0", self.beta)
+        check("dpo.label_smoothing", 0 <= self.label_smoothing < 0.5, "in [0, 0.5)", self.label_smoothing)
+        check("dpo.pairs_per_step", self.pairs_per_step >= 1, ">= 1", self.pairs_per_step)
+        if self.max_length is not None:
+            check("dpo.max_length", self.max_length >= 2, ">= 2", self.max_length)
 
 
 @dataclass
@@ -170,6 +295,10 @@ SECTIONS: dict[str, type] = {
     "sampling": SamplingConfig,
     "task": TaskConfig,
     "grpo": GRPOConfig,
+    "ppo": PPOConfig,
+    "rloo": RLOOConfig,
+    "reinforce_pp": ReinforcePPConfig,
+    "dpo": DPOConfig,
     "engine": EngineConfig,
     "parallel": ParallelConfig,
     "train": TrainConfig,
@@ -180,24 +309,44 @@ RUN_DEFAULTS = {"engine": {"unknown_family": "self-check"}}
 `train` checks it against the naive reference first)."""
 
 
-def _section(name: str, values: dict | None = None):
-    """Section `name` built from `values` over `RUN_DEFAULTS` and the dataclass defaults."""
-    return SECTIONS[name](**{**RUN_DEFAULTS.get(name, {}), **(values or {})})
+ALGORITHM_DEFAULTS: dict[str, dict[str, dict]] = {
+    "rloo": {"grpo": {"beta": 0.05, "num_generations": 2}},  # TRL 1.16 RLOOConfig (trl/trainer/rloo_config.py)
+}
+"""Defaults of an algorithm that differ from GRPO's, where TRL's trainer for it has other ones (a value in the
+YAML file or on the command line wins)."""
+
+
+def _section(name: str, values: dict | None = None, algorithm: str = "grpo"):
+    """Section `name` built from `values` over the algorithm's defaults, `RUN_DEFAULTS` and the dataclass ones."""
+    defaults = {**RUN_DEFAULTS.get(name, {}), **ALGORITHM_DEFAULTS.get(algorithm, {}).get(name, {})}
+    return SECTIONS[name](**{**defaults, **(values or {})})
 
 
 @dataclass
 class Config:
-    """The whole run configuration. Raises ValueError when sections disagree (the message names both fields)."""
+    """The whole run configuration. Raises ValueError when sections disagree (the message names both fields).
 
+    An algorithm's TRL defaults (`ALGORITHM_DEFAULTS`) apply when a config is read (`from_dict`, `from_yaml`, the
+    command line); `Config(algorithm="rloo")` built in Python keeps the sections it is given."""
+
+    algorithm: Algorithm = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    ppo: PPOConfig = field(default_factory=PPOConfig)
+    rloo: RLOOConfig = field(default_factory=RLOOConfig)
+    reinforce_pp: ReinforcePPConfig = field(default_factory=ReinforcePPConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
     engine: EngineConfig = field(default_factory=lambda: _section("engine"))
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
     def __post_init__(self):
+        choice("algorithm", self.algorithm, Algorithm)
+        if self.algorithm == "dpo" and not self.dpo.dataset:
+            raise ValueError("algorithm=dpo trains on preference pairs: set dpo.dataset to a JSONL / Parquet file "
+                             "(scripts/make_preference_set.py writes one from the default task)")
         product = 1
         for _, factor in self.sampling.branching:
             product *= factor
@@ -208,14 +357,19 @@ class Config:
 
     @classmethod
     def from_dict(cls, data: dict | None) -> Config:
-        """Build from {section: {field: value}}; values are coerced to the field types. Raises ValueError for an
-        unknown section or key (listing the valid ones) or a value of the wrong type (naming the field)."""
+        """Build from {"algorithm": name, section: {field: value}}; values are coerced to the field types. Raises
+        ValueError for an unknown section or key (listing the valid ones) or a value of the wrong type (naming the
+        field)."""
         data = data or {}
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a mapping of sections, got {type(data).__name__}")
+        data = dict(data)
+        algorithm = data.pop("algorithm", "grpo")
+        choice("algorithm", algorithm, Algorithm)
         for name in data:
             if name not in SECTIONS:
-                raise ValueError(f"unknown config section '{name}'; valid sections: {', '.join(SECTIONS)}")
+                raise ValueError(f"unknown config section '{name}'; valid sections: {', '.join(SECTIONS)} (and "
+                                 "the top-level 'algorithm')")
         sections = {}
         for name, section_cls in SECTIONS.items():
             values = data.get(name) or {}
@@ -225,8 +379,9 @@ class Config:
             for key in values:
                 if key not in hints:
                     raise ValueError(f"unknown key '{name}.{key}'; valid keys of '{name}': {', '.join(known)}")
-            sections[name] = _section(name, {k: _coerce(v, hints[k], f"{name}.{k}") for k, v in values.items()})
-        return cls(**sections)
+            sections[name] = _section(name, {k: _coerce(v, hints[k], f"{name}.{k}") for k, v in values.items()},
+                                      algorithm)
+        return cls(algorithm=algorithm, **sections)
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Config:
@@ -236,7 +391,7 @@ class Config:
         return cls.from_dict(apply_overrides(data, overrides or []))
 
     def to_dict(self) -> dict:
-        """{section: {field: value}} with YAML-friendly values (tuples become lists)."""
+        """{"algorithm": name, section: {field: value}} with YAML-friendly values (tuples become lists)."""
         return _plain(dataclasses.asdict(self))
 
     def save(self, path: str | Path) -> None:
@@ -245,13 +400,23 @@ class Config:
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
-    """Apply `--section.field value` / `--section.field=value` arguments to {section: {field: value}} (a copy).
+    """Apply `--section.field value` / `--section.field=value` (and `--algorithm NAME`) arguments to {section:
+    {field: value}} (a copy).
 
     Raises ValueError for an argument that is not of that form, a missing value, or an unknown section or key."""
-    data = {k: dict(v or {}) for k, v in data.items()}
+    data = {k: v if k == "algorithm" else dict(v or {}) for k, v in data.items()}
     i = 0
     while i < len(overrides):
         arg = overrides[i]
+        if arg.split("=", 1)[0] == "--algorithm":
+            key, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 >= len(overrides):
+                    raise ValueError("--algorithm needs a value")
+                value, i = overrides[i + 1], i + 1
+            data["algorithm"] = value
+            i += 1
+            continue
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
             raise ValueError(f"unexpected argument '{arg}': overrides look like --section.field=value "
                              f"(sections: {', '.join(SECTIONS)})")
@@ -274,7 +439,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
 def help_text() -> str:
     """One line per field: `--section.field  (type, default) help`, for the command's --help (the help is the
     field's metadata, `fields.help_of`)."""
-    lines = []
+    lines = [f"--algorithm  ({_kind(Algorithm)}, default 'grpo')  what the advantages and the loss are: GRPO's group "
+             "baseline, PPO's critic and GAE, RLOO's leave-one-out baseline, REINFORCE++'s global normalisation, "
+             "DPO on preference pairs"]
     for section, cls in SECTIONS.items():
         hints = _field_types(cls)
         for f in dataclasses.fields(cls):

@@ -59,20 +59,25 @@ def summarize(console: Console, run_dir: Path, records: list[dict]) -> Path:
     table = Table(title=f"run {run_dir}")
     for col in ("metric", "first", "last", "min", "max"):
         table.add_column(col, justify="left" if col == "metric" else "right")
-    for key in ("reward", "eval/accuracy", "eval/frac_correct", "loss", "entropy", "completions/mean_length",
+    for key in ("reward", "rewards/accuracies", "rewards/margins", "eval/accuracy", "eval/frac_correct", "loss",
+                "entropy", "completions/mean_length",
                 "tree/token_ratio", "time/sample_s", "time/train_s", "time/step_s"):
         values = [r[key] for r in records if key in r]
         if values:
             table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
     console.print(table)
     fig, ax = plt.subplots(figsize=(7, 4))
-    for key, label, style in (("reward", "train reward", "-"), ("eval/accuracy", "held-out accuracy", "o-")):
+    plotted = False
+    for key, label, style in (("reward", "train reward", "-"), ("rewards/accuracies", "DPO preference accuracy", "-"),
+                              ("eval/accuracy", "held-out accuracy", "o-")):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
             ax.plot(*zip(*points), style, label=label)
+            plotted = True
     ax.set_xlabel("step")
     ax.set_ylabel("mean score")
-    ax.legend()
+    if plotted:
+        ax.legend()
     ax.grid(alpha=0.3)
     path = run_dir / "training.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -89,18 +94,21 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def progress_info(record: dict) -> str:
-    """One line for the progress bar: reward, loss, tokens per second (logical positions per step second)."""
-    if "reward" not in record:
+    """One line for the progress bar: reward (DPO: the preference accuracy), loss, tokens per second (logical
+    positions per step second)."""
+    if "loss" not in record:
         return "skipped (reward failed)"
     tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
-    return f"reward {record['reward']:.3f}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"
+    head = (f"reward {record['reward']:.3f}" if "reward" in record
+            else f"rewards/accuracies {record['rewards/accuracies']:.3f}")
+    return f"{head}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"
 
 
 def step_line(record: dict, total_steps: int) -> str:
     """One printed line per step (kept above the progress bar): the bar's info, the sampling / training split in
     seconds, and the held-out accuracy when the step evaluated."""
     parts = [f"step {record['step']}/{total_steps}"]
-    if "reward" in record:
+    if "loss" in record:
         parts += [progress_info(record), f"sample {record['time/sample_s']:.1f} s",
                   f"train {record['time/train_s']:.1f} s"]
     elif record["step"] > 0:

@@ -1,4 +1,5 @@
-"""The GRPO training loop, with the loss and its gradients computed over prefix trees (one tree per prompt group).
+"""The training loop of every algorithm (config `algorithm`: grpo, ppo, rloo, reinforce_pp), with the losses and
+their gradients computed over prefix trees (one tree per prompt group).
 
 One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`):
   1. take `prompts_per_step` prompts of the train split: epochs of a permutation seeded by (train.seed, epoch), so
@@ -15,6 +16,11 @@ One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`
      the ratio is against the detached current logprobs, as TRL); beta > 0: reference logprobs of the frozen
      initial model;
   6. per update: `replay_backward` over micro-batches of trees, clip the gradient norm, AdamW, LR schedule.
+Other algorithms (`algorithms.py`): after the old-policy and reference passes (and PPO's critic pass, whose values
+come from the same trees) their estimators set per-token advantages; RLOO's updates run its sequence-level loss in
+two passes (`engine.sequence`), PPO's the clipped policy loss on the policy and `ValueLoss` on the critic, one AdamW
+each with the same schedule and one gradient-norm clip over both (TRL's one optimizer over policy and critic);
+ppo.num_ppo_epochs updates per step. They run in one process for now.
 Departures from TRL: a group whose advantages are all zero (all rewards equal) is skipped in step 6 when beta and
 entropy_coef are 0, since its gradient is exactly zero; so `entropy` and `clip_ratio/*` are over the groups that
 trained. One step = one sampling round (TRL's steps_per_generation = 1) followed by num_iterations updates. The model
@@ -42,16 +48,20 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 from ..check.self_check import ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
 from ..engine.distributed import DataParallel, shutdown
+from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
-from ..losses import GRPOLoss, LossStats, token_weights
+from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_loss, token_weights
 from ..models import autocast, chat_prompt_ids, load_policy
 from ..tree import ReplayResult, Rollout, RolloutTree
+from ..value import ValueModel, check_critic
+from . import algorithms
 from .advantages import group_advantages, group_std
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from .config import Config
 from .evaluation import evaluate
 from .log import MetricsLog, peak_memory_bytes, progress_info, step_line, summarize
 from .parallel import Ranks, launch
+from .preferences import load_preferences, pair_trees
 from .rewards import RewardFunctionError, make_reward, score
 from .sampling import Sample, eos_token_ids, sample_group
 from .tasks import build_messages, load_task
@@ -113,6 +123,12 @@ class Trainer:
         self.reward_fn = reward_fn
         self.eos_ids = eos_token_ids(model, tokenizer)
         self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
+        if self.ranks is not None and config.algorithm != "grpo":
+            raise ValueError(f"algorithm={config.algorithm} runs in one process for now (data parallelism covers "
+                             "grpo): start it without torchrun, or with parallel.strategy left at auto")
+        if self.ranks is not None and config.grpo.importance_sampling_level == "sequence":
+            raise ValueError("grpo.importance_sampling_level=sequence (GSPO) runs in one process for now: start it "
+                             "without torchrun")
         if self.ranks is not None:
             rollouts = config.grpo.prompts_per_step * config.grpo.num_generations
             if rollouts < self.ranks.world_size:
@@ -122,23 +138,45 @@ class Trainer:
                 torch.distributed.broadcast(p.data, src=0)
             # rank 0 runs the self-check before sharding and tells the others (its verdict in the run folder)
             self.force = self.check_family(Path(config.train.output_dir))
+        self.pairs, self.ref_sums = [], {}  # DPO: the preference pairs; their reference sums, by row, when precomputed
+        if config.algorithm == "dpo":
+            self.pairs, _ = load_preferences(config.dpo.dataset, tokenizer, config.dpo.max_length)
         self.ref_model = None
-        if config.grpo.beta > 0:  # frozen initial weights; copied before any checkpoint is loaded, and sharding
+        kl_coef = {"ppo": config.ppo.kl_coef, "dpo": float(config.dpo.loss_type != "simpo")}.get(
+            config.algorithm, config.grpo.beta)
+        if kl_coef > 0:  # frozen initial weights; copied before any checkpoint is loaded, and sharding
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
+        self.critic = None
+        if config.algorithm == "ppo":  # a separate value model initialised from the policy, as TRL's (value.py)
+            base = model if config.ppo.value_model is None else load_policy(config.ppo.value_model, m.dtype,
+                                                                            m.device)[0]
+            self.critic = ValueModel.from_policy(base, seed=config.train.seed).eval()
+            check_critic(self.critic, model)
         self.dp = None
         if self.ranks is not None:  # after the reference copy: fully_shard changes the model in place
             strategy = "fsdp2" if config.parallel.strategy == "auto" else config.parallel.strategy
             self.dp = DataParallel(model, strategy, device=model.device.type, broadcast=False)  # broadcast above
         g = config.grpo
+        self.num_updates = {"ppo": config.ppo.num_ppo_epochs, "dpo": 1}.get(config.algorithm, g.num_iterations)
         self.params = [p for p in model.parameters() if p.requires_grad]
         # foreach=False: the FSDP2 layers' DTensors and the replicated plain tensors cannot share one foreach kernel
-        self.optimizer = torch.optim.AdamW(self.params, lr=g.learning_rate, weight_decay=g.weight_decay,
-                                           **({"foreach": False} if self.dp is not None else {}))
-        schedule = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
-        extra = {"num_training_steps": config.train.steps * g.num_iterations} if g.lr_scheduler == "cosine" else {}
-        self.scheduler = schedule[g.lr_scheduler](self.optimizer, num_warmup_steps=g.warmup_steps, **extra)
+        self.optimizer, self.scheduler = self.optimizer_for(self.params, foreach=self.dp is None)
+        self.critic_params, self.critic_optimizer, self.critic_scheduler = [], None, None
+        if self.critic is not None:  # its own AdamW and schedule, the same as the policy's: one AdamW over both
+            self.critic_params = [p for p in self.critic.parameters() if p.requires_grad]
+            self.critic_optimizer, self.critic_scheduler = self.optimizer_for(self.critic_params)
         self.step, self.num_tokens = 0, 0
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
+
+    def optimizer_for(self, params: list, foreach: bool = True):
+        """AdamW over `params` and its LR schedule (grpo section), stepped once per update."""
+        g = self.config.grpo
+        optimizer = torch.optim.AdamW(params, lr=g.learning_rate, weight_decay=g.weight_decay,
+                                      **({} if foreach else {"foreach": False}))
+        schedule = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
+        extra = {"num_training_steps": self.config.train.steps * self.num_updates} if g.lr_scheduler == "cosine" \
+            else {}
+        return optimizer, schedule[g.lr_scheduler](optimizer, num_warmup_steps=g.warmup_steps, **extra)
 
     # -- one step ---------------------------------------------------------------------------------------------------
 
@@ -192,48 +230,86 @@ class Trainer:
         return Batch(prompt_ids, samples, rollouts, rewards, advantages, std)
 
     def update(self, batch: Batch) -> dict:
-        """num_iterations optimizer updates on `batch`; returns the loss metrics (averaged over the updates)."""
-        g, temperature, engine = self.config.grpo, self.config.sampling.temperature, self.config.engine
+        """The step's optimizer updates on `batch` (grpo.num_iterations, or ppo.num_ppo_epochs); returns the loss
+        metrics (averaged over the updates). The algorithm decides the advantages (GRPO's were set while sampling,
+        the others' need the old-policy, reference and critic passes first: `algorithms`) and the loss."""
+        cfg, temperature, engine = self.config, self.config.sampling.temperature, self.config.engine
+        g, algorithm = cfg.grpo, cfg.algorithm
         trees = [RolloutTree(group) for group in batch.rollouts]
-        trained = [t for t in trees if g.beta > 0 or g.entropy_coef > 0 or
-                   any(r.advantages.any() and r.weights.any() for r in t.rollouts)]
+        quantile = g.top_entropy_quantile < 1 and algorithm in ("grpo", "reinforce_pp")
+        # every group counts in the entropy quantile (TRL's), so none is skipped under it
+        trained = trees if algorithm != "grpo" or quantile else [t for t in trees if _trains(t, g.beta, g.entropy_coef)]
         plan = None
         if self.ranks is not None and trained:
             plan = shard(trained, self.ranks.world_size, self.model.config, allow_empty=True)
         local = plan.parts[self.rank] if plan else trained  # this rank's trees (engine/sharding.py)
-        if local and g.num_iterations > 1:  # the sampling policy's logprobs, before the first update
+        t0 = time.perf_counter()
+        entropy = old = None  # the current policy's entropies (and the old pass), when a pass before the update ran
+        if local and (self.num_updates > 1 or algorithm != "grpo"):  # the sampling policy's, before any update
             with self.gathered(), self.autocast():
-                old = replay_logprobs(self.model, local, temperature=temperature, engine=engine,
-                                      force=self.force).logprobs
-            for r, lp in zip(_rollouts(local), old):
+                old = replay_logprobs(self.model, local, temperature=temperature, engine=engine, force=self.force)
+            for r, lp in zip(_rollouts(local), old.logprobs):
                 r.old_logprobs = lp
-        if local and g.beta > 0:  # the reference model is a full copy on every rank
+            entropy = old.entropy
+        if local and self.ref_model is not None:  # the reference model is a full copy on every rank
             with self.autocast():
                 ref = replay_logprobs(self.ref_model, local, temperature=temperature, engine=engine,
                                       force=self.force).logprobs
             for r, lp in zip(_rollouts(local), ref):
                 r.ref_logprobs = lp
-        loss_fn = GRPOLoss(g.epsilon, g.epsilon_high, g.beta, g.entropy_coef, g.use_bias_correction_kl, g.delta,
-                           entropy_tokens=sum(float(r.loss_mask.sum()) for t in trees for r in t.rollouts))
+        estimated = self.estimate(batch, local)
+        passes_s = time.perf_counter() - t0  # the no-grad passes: old policy, reference, critic values
+        if algorithm in ("rloo", "reinforce_pp") and not quantile:  # all-zero advantages, no KL or entropy: no gradient
+            local = [t for t in local if _trains(t, 0.0, g.entropy_coef)]
+        advantages = [r.advantages.clone() for r in _rollouts(local)] if quantile else None
+        loss_fn = self.policy_loss(trees)
+        value_loss = ValueLoss(cfg.ppo.cliprange_value, cfg.ppo.vf_coef) if self.critic is not None else None
+        old_sums = sequence_sums([r.old_logprobs for r in _rollouts(local)], _rollouts(local)) \
+            if algorithm == "rloo" and local else None
         history = []
-        for _ in range(g.num_iterations):
-            for p in self.params:  # zeros, not None: AdamW then moves every parameter as TRL's would
+        for k in range(self.num_updates):
+            for p in self.params + self.critic_params:  # zeros, not None: AdamW moves every parameter, as TRL's
                 p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
             loss_fn.stats = LossStats()  # the clip, KL and entropy sums of this update (losses.py)
-            if self.dp is None:
-                with self.autocast():
-                    result = accumulate(self.model, local, loss_fn, g.micro_batch_prompts, temperature, engine,
-                                        self.force) if local else None
-                grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
-            else:  # every rank has the same `trained`: all of them run the collectives, or none
+            metrics = {}
+            if quantile:  # this update's entropies: the old-policy pass's (the same weights) for the first one
+                if entropy is None or k > 0:
+                    with self.gathered(), self.autocast():
+                        entropy = replay_logprobs(self.model, local, temperature=temperature, engine=engine,
+                                                  force=self.force).entropy if local else []
+                metrics["entropy_mask/kept"] = self.keep_high_entropy(local, entropy, advantages)
+            if self.dp is not None:  # every rank has the same `trained`: all of them run the collectives, or none
                 result = self.accumulate_sharded(local, loss_fn) if trained else None
                 grad_norm = self.dp.clip_grad_norm_(g.max_grad_norm)
+            else:
+                with self.autocast():
+                    if algorithm == "rloo":
+                        result, rloo_metrics = self.rloo_backward(local, old_sums, len(_rollouts(trees)), first=k == 0)
+                        metrics.update(rloo_metrics)
+                    elif g.importance_sampling_level == "sequence" and algorithm != "ppo":
+                        result = self.gspo_backward(local, loss_fn, old if k == 0 and old is not None else None)
+                    else:
+                        result = accumulate(self.model, local, loss_fn, g.micro_batch_prompts, temperature, engine,
+                                            self.force) if local else None
+                    if value_loss is not None:
+                        value_loss.stats = None
+                        accumulate(self.critic, local, value_loss, g.micro_batch_prompts, temperature, engine,
+                                   self.force)
+                grad_norm = torch.nn.utils.clip_grad_norm_(self.params + self.critic_params, g.max_grad_norm).item()
             lr = self.scheduler.get_last_lr()[0]
-            self.optimizer.step()
-            self.scheduler.step()
+            for optimizer, scheduler in ((self.optimizer, self.scheduler),
+                                         (self.critic_optimizer, self.critic_scheduler)):
+                if optimizer is not None:
+                    optimizer.step()
+                    scheduler.step()
+            if algorithm == "ppo":
+                metrics.update(_ppo_update_metrics(result, local, loss_fn, value_loss))
+            elif algorithm != "rloo" and result is not None:
+                metrics.update(loss_fn.stats.metrics())
             history.append({"loss": result.loss if result else 0.0, "grad_norm": grad_norm, "learning_rate": lr,
-                            **(loss_fn.stats.metrics() if result else {})})
-        out = {k: sum(h[k] for h in history) / len(history) for k in history[-1]}
+                            **metrics})
+        out = {k: sum(h.get(k, 0.0) for h in history) / len(history) for k in history[-1]}
+        out.update({**estimated, "time/logprob_s": passes_s})
         if plan is not None:
             out.update({"dist/world_size": self.ranks.world_size, "dist/imbalance": plan.imbalance,
                         "dist/recomputed_positions": plan.recomputed_positions,
@@ -242,6 +318,100 @@ class Trainer:
         out.update({"tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
                     "tree/token_ratio": stats.token_ratio})
         return out
+
+    def estimate(self, batch: Batch, local: list[RolloutTree]) -> dict:
+        """The advantages of rloo, reinforce_pp and ppo on the rollouts of `local` (all the step's: one process),
+        after the old-policy and reference passes (`algorithms`); returns their metrics. Nothing for grpo."""
+        cfg, rollouts = self.config, _rollouts(local)
+        if cfg.algorithm == "grpo" or not rollouts:
+            return {}
+        if cfg.algorithm == "rloo":
+            return algorithms.rloo(rollouts, batch.rewards, cfg.grpo.beta, cfg.rloo.normalize_advantages)
+        if cfg.algorithm == "reinforce_pp":
+            return algorithms.reinforce_pp(rollouts, batch.rewards, cfg.grpo.beta, cfg.reinforce_pp.gamma)
+        with self.autocast():
+            values = replay_logprobs(self.critic, local, engine=cfg.engine, force=self.force).values
+        ended = [not s.truncated for group in batch.samples for s in group]
+        return algorithms.ppo(rollouts, batch.rewards, ended, values, cfg.ppo)
+
+    def gspo_backward(self, local: list[RolloutTree], loss_fn: GRPOLoss, first: ReplayResult | None
+                      ) -> ReplayResult | None:
+        """One update with sequence-level importance ratios (`losses.gspo_loss`) over `local`, micro-batched, in two
+        passes (`engine.sequence.replay_function_backward`); `first`: the old-policy pass of these trees, which is
+        pass 1 of the first update (the same weights). Returns the merged pass-2 results, their loss the loss."""
+        g, engine, temperature = self.config.grpo, self.config.engine, self.config.sampling.temperature
+        if not local:
+            return None
+        size, results, k = g.micro_batch_prompts or len(local), [], 0
+        for i in range(0, len(local), size):
+            part = local[i : i + size]
+            rollouts = _rollouts(part)
+            n = len(rollouts)
+            head = None if first is None else ReplayResult(first.logprobs[k : k + n], first.entropy[k : k + n], 0.0,
+                                                            first.stats)
+            value, _, result = replay_function_backward(
+                self.model, part, lambda lps, ents, rollouts=rollouts: gspo_loss(lps, ents, rollouts, loss_fn),
+                temperature=temperature, engine=engine, force=self.force, first=head)
+            result.loss = value
+            results.append(result)
+            k += n
+        return ReplayResult.merge(results)
+
+    def keep_high_entropy(self, local: list[RolloutTree], entropy: list[torch.Tensor],
+                          advantages: list[torch.Tensor]) -> float:
+        """grpo.top_entropy_quantile over the step's completion tokens on every rank (`algorithms.
+        keep_high_entropy`); returns the fraction of this rank's tokens kept."""
+        gather = (lambda x: torch.cat(self.ranks.gather(x))) if self.ranks is not None else None
+        return algorithms.keep_high_entropy(_rollouts(local), entropy, advantages,
+                                            self.config.grpo.top_entropy_quantile, gather)
+
+    def policy_loss(self, trees: list[RolloutTree]) -> GRPOLoss:
+        """The token-level clipped loss of the algorithm: GRPO's (with its KL term), REINFORCE++'s (the KL is in the
+        reward), PPO's (cliprange, token mean; the weights set by `algorithms.ppo`); RLOO's is `rloo_loss`."""
+        cfg, g = self.config, self.config.grpo
+        tokens = sum(float(r.loss_mask.sum()) for t in trees for r in t.rollouts)
+        if cfg.algorithm == "ppo":
+            return GRPOLoss(cfg.ppo.cliprange, cfg.ppo.cliprange, 0.0, 0.0, entropy_tokens=tokens)
+        beta = g.beta if cfg.algorithm == "grpo" else 0.0
+        return GRPOLoss(g.epsilon, g.epsilon_high, beta, g.entropy_coef, g.use_bias_correction_kl, g.delta,
+                        entropy_tokens=tokens, loss_type=g.loss_type, sapo_temperature_pos=g.sapo_temperature_pos,
+                        sapo_temperature_neg=g.sapo_temperature_neg)
+
+    def rloo_backward(self, local: list[RolloutTree], old_sums: torch.Tensor, num_sequences: int, first: bool
+                      ) -> tuple[ReplayResult | None, dict]:
+        """One update of RLOO's sequence-level loss over `local`, micro-batched (`engine.sequence`): the first
+        update reuses the old-policy pass as its sums (the same weights), later ones run their own. Returns the
+        merged result (its loss the TRL loss of these rollouts) and TRL's entropy and clip_ratio metrics."""
+        g, engine, temperature = self.config.grpo, self.config.engine, self.config.sampling.temperature
+        if not local:
+            return None, {}
+        size, results, sums, k = g.micro_batch_prompts or len(local), [], [], 0
+        rollouts = _rollouts(local)
+        advantages = torch.tensor([float(r.advantages[0]) for r in rollouts], dtype=torch.float64)
+        for i in range(0, len(local), size):
+            part = local[i : i + size]
+            n = sum(len(t.rollouts) for t in part)
+            old, adv = old_sums[k : k + n], advantages[k : k + n]
+
+            def loss(s, old=old, adv=adv):
+                return rloo_loss(s, old, adv, epsilon_low=g.epsilon, epsilon_high=g.epsilon_high,
+                                 num_sequences=num_sequences)
+
+            value, s, result = replay_sequence_backward(self.model, part, loss, temperature=temperature,
+                                                        engine=engine, force=self.force,
+                                                        sums=old if first else None)
+            result.loss = value
+            results.append(result)
+            sums.append(s)
+            k += n
+        result, s = ReplayResult.merge(results), torch.cat(sums)
+        ratio = torch.exp(s - old_sums)
+        low = ((ratio < 1 - g.epsilon) & (advantages < 0)).double().mean().item()
+        high = ((ratio > 1 + g.epsilon_high) & (advantages > 0)).double().mean().item()
+        masks = [r.loss_mask for r in rollouts]
+        entropy = sum(float((e.double() * m).sum()) for e, m in zip(result.entropy, masks))
+        return result, {"entropy": entropy / max(sum(float(m.sum()) for m in masks), 1.0),
+                        "clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high}
 
     def accumulate_sharded(self, local: list[RolloutTree], loss_fn: GRPOLoss) -> ReplayResult:
         """This rank's trees forward and backward (micro-batched), the gradient reduced once over the ranks; the
@@ -266,7 +436,10 @@ class Trainer:
         return self.dp.gathered() if self.dp is not None else contextlib.nullcontext()
 
     def train_step(self, step: int) -> dict | None:
-        """generate + update; returns the step's metrics, or None (with a warning) when the reward failed."""
+        """generate + update (DPO: `dpo_step`); returns the step's metrics, or None (with a warning) when the reward
+        failed."""
+        if self.config.algorithm == "dpo":
+            return self.dpo_step(step)
         t0 = time.perf_counter()
         try:
             batch = self.generate(step)
@@ -289,10 +462,89 @@ class Trainer:
             "num_tokens": self.num_tokens,
             **metrics,
             "time/sample_s": t1 - t0,
-            "time/train_s": t2 - t1,
+            "time/train_s": t2 - t1,  # the whole update, its no-grad passes (time/logprob_s) included
             "time/step_s": t2 - t0,
             "memory/peak_bytes": peak_memory_bytes(self.model.device),
         }
+
+    def dpo_step(self, step: int) -> dict:
+        """One DPO optimizer step on `dpo.pairs_per_step` pairs (in the seeded order of `prompt_indices`): the
+        reference's summed logprobs (or the precomputed ones), then `dpo_loss` over the pair trees through
+        `engine.sequence` (micro-batched by grpo.micro_batch_prompts trees). Returns TRL DPOTrainer's metrics:
+        rewards/chosen, rewards/rejected (beta x the policy-minus-reference summed logprob; simpo: beta x the mean
+        logprob, as TRL's CPOTrainer), rewards/accuracies, rewards/margins, logps/chosen, logps/rejected (summed)."""
+        cfg, d, g = self.config, self.config.dpo, self.config.grpo
+        t0 = time.perf_counter()
+        picked = [self.pairs[i] for i in prompt_indices(len(self.pairs), d.pairs_per_step, cfg.train.seed, step)]
+        trees, pairs = pair_trees(picked)
+        rollouts = _rollouts(trees)
+        lengths = torch.tensor([float(r.loss_mask.sum()) for r in rollouts], dtype=torch.float64)
+        ref = self.reference_sums(trees, pairs) if self.ref_model is not None else None
+        t1 = time.perf_counter()
+        for p in self.params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+        size, sums, loss_value, k = g.micro_batch_prompts or len(trees), [], 0.0, 0
+        with self.autocast():
+            for i in range(0, len(trees), size):
+                part = trees[i : i + size]
+                n = sum(len(t.rollouts) for t in part)
+                slices = slice(k, k + n)
+
+                def loss(s, slices=slices):
+                    r = ref[slices] if ref is not None else None
+                    per_pair = dpo_loss(s[0::2], s[1::2], r[0::2] if r is not None else None,
+                                        r[1::2] if r is not None else None, beta=d.beta, loss_type=d.loss_type,
+                                        label_smoothing=d.label_smoothing, chosen_tokens=lengths[slices][0::2],
+                                        rejected_tokens=lengths[slices][1::2], simpo_gamma=d.simpo_gamma)
+                    return per_pair.sum() / len(pairs)
+
+                value, s, _ = replay_sequence_backward(self.model, part, loss, engine=cfg.engine, force=self.force)
+                loss_value += value
+                sums.append(s)
+                k += n
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
+        lr = self.scheduler.get_last_lr()[0]
+        self.optimizer.step()
+        self.scheduler.step()
+        t2 = time.perf_counter()
+        s = torch.cat(sums)
+        if d.loss_type == "simpo":
+            rewards = d.beta * s / lengths.clamp(min=1)
+        else:
+            rewards = d.beta * (s - ref)
+        chosen, rejected = rewards[0::2], rewards[1::2]
+        stats = sum((t.stats for t in trees[1:]), trees[0].stats)
+        self.num_tokens += stats.logical_tokens
+        return {
+            "step": step, "loss": loss_value, "grad_norm": grad_norm, "learning_rate": lr,
+            "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+            "rewards/accuracies": (chosen > rejected).double().mean().item(),
+            "rewards/margins": (chosen - rejected).mean().item(),
+            "logps/chosen": s[0::2].mean().item(), "logps/rejected": s[1::2].mean().item(),
+            "num_tokens": self.num_tokens,
+            "tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
+            "tree/token_ratio": stats.token_ratio,
+            "time/sample_s": 0.0, "time/logprob_s": t1 - t0, "time/train_s": t2 - t0, "time/step_s": t2 - t0,
+            "memory/peak_bytes": peak_memory_bytes(self.model.device),
+        }
+
+    def reference_sums(self, trees: list[RolloutTree], pairs: list) -> torch.Tensor:
+        """[2 x pairs] float64 summed completion logprobs of the frozen reference, chosen and rejected interleaved
+        as the trees' rollouts (`preferences.pair_trees`). dpo.precompute_ref_log_probs: every pair's once, on the
+        first call (TRL's option), then looked up by row."""
+        def compute(trees):
+            with self.autocast():
+                logprobs = replay_logprobs(self.ref_model, trees, engine=self.config.engine, force=self.force).logprobs
+            return sequence_sums(logprobs, _rollouts(trees))
+
+        if not self.config.dpo.precompute_ref_log_probs:
+            return compute(trees)
+        if not self.ref_sums:
+            self.status("precomputing the reference logprobs of every preference pair")
+            all_trees, ordered = pair_trees(self.pairs)
+            for p, c, r in zip(ordered, *compute(all_trees).view(-1, 2).unbind(1)):
+                self.ref_sums[p.row] = (float(c), float(r))
+        return torch.tensor([v for p in pairs for v in self.ref_sums[p.row]], dtype=torch.float64)
 
     # -- the run ------------------------------------------------------------------------------------------------------
 
@@ -310,7 +562,8 @@ class Trainer:
             found = latest_checkpoint(run_dir)
             if found is None:
                 raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
-            self.step, extra = load_checkpoint(found, self.model, self.optimizer, self.scheduler)
+            self.step, extra = load_checkpoint(found, self.model, self.optimizer, self.scheduler,
+                                               critic=self.critic_state())
             self.num_tokens = extra.get("num_tokens", 0)
             self.console.print(f"resumed {run_dir} from {found.name}")
         self.config.train.output_dir = str(run_dir)
@@ -397,7 +650,11 @@ class Trainer:
         """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`)."""
         return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
                                keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
-                               tokenizer=self.tokenizer)
+                               tokenizer=self.tokenizer, critic=self.critic_state())
+
+    def critic_state(self) -> tuple | None:
+        """(critic, its optimizer, its scheduler) for the checkpoint, or None without a critic."""
+        return None if self.critic is None else (self.critic, self.critic_optimizer, self.critic_scheduler)
 
     def evaluate(self) -> dict:
         """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
@@ -431,6 +688,27 @@ def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(_mix(seed, -1 - epoch)))
         out.append(int(perm[pos]))
     return out
+
+
+def _trains(tree: RolloutTree, beta: float, entropy_coef: float) -> bool:
+    """Whether a tree has a gradient: a KL or entropy term, or a rollout with a non-zero advantage and weight."""
+    return beta > 0 or entropy_coef > 0 or any(r.advantages.any() and r.weights.any() for r in tree.rollouts)
+
+
+def _ppo_update_metrics(result: ReplayResult | None, local: list[RolloutTree], loss_fn: GRPOLoss,
+                        value_loss: ValueLoss) -> dict:
+    """TRL PPOTrainer's per-update metrics: policy/approxkl_avg (0.5 mean (logp - old_logp)^2), val/ratio (the mean
+    ratio), policy/entropy_avg, policy/clipfrac_avg, loss/policy_avg (this update's token-mean policy loss),
+    loss/value_avg and val/clipfrac_avg. Means over the completion tokens (TRL's include its padding)."""
+    if result is None:
+        return {}
+    rollouts = _rollouts(local)
+    diffs = torch.cat([(lp.double() - r.old_logprobs)[r.loss_mask > 0] for lp, r in zip(result.logprobs, rollouts)])
+    stats = loss_fn.stats.metrics()
+    return {"policy/approxkl_avg": float(0.5 * (diffs ** 2).mean()) if diffs.numel() else 0.0,
+            "val/ratio": float(diffs.exp().mean()) if diffs.numel() else 1.0,
+            "policy/entropy_avg": stats["entropy"], "policy/clipfrac_avg": stats["clip_ratio/region_mean"],
+            "loss/policy_avg": result.loss, **value_loss.value_metrics()}
 
 
 def _idle_tree(model) -> RolloutTree:
