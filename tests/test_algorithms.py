@@ -101,10 +101,10 @@ def test_ppo_critic_and_policy_equal_naive(arch, dtype, keep64):
     assert abs(result.loss - expected.loss) <= TOL[dtype] * abs(expected.loss)
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_rloo_sequence_loss_equals_naive(arch, tiny64):
+@pytest.mark.parametrize("arch, dtype", [(arch, torch.float64) for arch in ARCHS] + [("llama", torch.float32)])
+def test_rloo_sequence_loss_equals_naive(arch, dtype, tiny64):
     """RLOO's sequence-level clipped ratio, off-policy (the sums moved away from the old ones: some ratios clip)."""
-    model = tiny64(arch)
+    model = tiny64(arch, dtype)
     rollouts = _rollouts(model.config.vocab_size)
     algorithms.rloo(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05,
                     normalize_advantages=True)
@@ -121,23 +121,23 @@ def test_rloo_sequence_loss_equals_naive(arch, tiny64):
     expected = grads(model)
     model.zero_grad(set_to_none=True)
     value, s, _ = replay_sequence_backward(model, _trees(rollouts), loss, engine=PACKS)
-    assert (s - expected_sums).abs().max() <= 1e-9
-    assert abs(value - expected_value) <= 1e-6 * abs(expected_value)
+    assert (s - expected_sums).abs().max() <= (1e-9 if dtype == torch.float64 else 1e-3)  # sums of ~20 logprobs
+    assert abs(value - expected_value) <= TOL[dtype] * abs(expected_value)
     err = max_rel_grad_err(grads(model), expected)
-    print(f"rloo {arch}: {err:.1e}")
-    assert err <= 1e-6, f"{arch}: {err:.2e}"
+    print(f"rloo {arch} {dtype}: {err:.1e}")
+    assert err <= TOL[dtype], f"{arch}: {err:.2e}"
 
 
-@pytest.mark.parametrize("arch", ARCHS)
-def test_reinforce_pp_per_token_advantages_equal_naive(arch, tiny64):
-    model = tiny64(arch)
+@pytest.mark.parametrize("arch, dtype", [(arch, torch.float64) for arch in ARCHS] + [("llama", torch.float32)])
+def test_reinforce_pp_per_token_advantages_equal_naive(arch, dtype, tiny64):
+    model = tiny64(arch, dtype)
     rollouts = _rollouts(model.config.vocab_size)
     algorithms.reinforce_pp(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05, gamma=0.9)
     assert len(set(rollouts[0].advantages[rollouts[0].loss_mask > 0].tolist())) > 1  # per token, not per rollout
     result, expected, err = _engine_vs_naive(model, rollouts, lambda: GRPOLoss(0.2, 0.28))
-    print(f"reinforce_pp {arch}: {err:.1e}")
-    assert err <= 1e-6, f"{arch}: {err:.2e}"
-    assert abs(result.loss - expected.loss) <= 1e-6 * abs(expected.loss)
+    print(f"reinforce_pp {arch} {dtype}: {err:.1e}")
+    assert err <= TOL[dtype], f"{arch}: {err:.2e}"
+    assert abs(result.loss - expected.loss) <= TOL[dtype] * abs(expected.loss)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
