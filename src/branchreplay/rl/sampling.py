@@ -129,23 +129,32 @@ def sample_group(
             f"model's max_position_embeddings ({limit}): lower SamplingConfig.max_new_tokens "
             f"(--sampling.max_new_tokens) to at most {max(limit - len(prompt_ids), 0)} or shorten the prompt"
         )
-    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=model.device)
     was_training = model.training
     model.eval()
     try:
-        cache, logits = _prefill(model, prompt_ids)
-        streams = _Streams()
-        for depth in range(config.max_new_tokens):
-            if depth in schedule:
-                logits = streams.fork(schedule[depth], depth, cache, logits)
-            if not streams.live:  # every stream has ended; only forks remain
-                continue
-            tokens, logprobs = _draw(logits, config, generator)
-            tokens = streams.drop_finished(streams.append(tokens, logprobs, eos), cache, tokens)
-            if streams.live and depth < config.max_new_tokens - 1:
-                logits = _decode_one(model, tokens, cache, len(prompt_ids) + depth)
+        cache, logits = prefill(model, prompt_ids)
+        return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
     finally:
         model.train(was_training)
+
+
+@torch.no_grad()
+def sample_from(model, cache, logits: torch.Tensor, position: int, schedule: dict[int, int], config: SamplingConfig,
+                eos_token_ids, generator: torch.Generator | None = None) -> list[Sample]:
+    """The decoding loop of `sample_group` from a prefix already in `cache` (batch 1, `position` tokens) with its
+    [1, V] next-token `logits`: forks by `schedule` ({generated depth: factor}), at most config.max_new_tokens
+    tokens. The cache is consumed (its rows are forked and dropped). The model must be in eval mode."""
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=logits.device)
+    streams = _Streams()
+    for depth in range(config.max_new_tokens):
+        if depth in schedule:
+            logits = streams.fork(schedule[depth], depth, cache, logits)
+        if not streams.live:  # every stream has ended; only forks remain
+            continue
+        tokens, logprobs = _draw(logits, config, generator)
+        tokens = streams.drop_finished(streams.append(tokens, logprobs, eos), cache, tokens)
+        if streams.live and depth < config.max_new_tokens - 1:
+            logits = _decode_one(model, tokens, cache, position + depth)
     return streams.samples
 
 
@@ -190,13 +199,14 @@ class _Streams:
         return tokens[keep]
 
 
-def _prefill(model, prompt_ids: list[int]) -> tuple[DynamicCache, torch.Tensor]:
-    """The prompt once, batch size 1: its cache and the [1, V] float32 logits of the first generated token."""
+def prefill(model, ids: list[int], cache=None, position: int = 0) -> tuple[DynamicCache, torch.Tensor]:
+    """`ids` once, batch size 1, at positions `position` ... after what `cache` holds (a new cache when None): the
+    cache and the [1, V] float32 logits of the next token."""
     device = model.device
-    cache = DynamicCache(config=model.config)
-    out = model(input_ids=torch.tensor([prompt_ids], device=device),
-                position_ids=torch.arange(len(prompt_ids), device=device)[None], cache=cache, use_cache=True,
-                logits_to_keep=1)
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    out = model(input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.arange(position, position + len(ids), device=device)[None], cache=cache,
+                use_cache=True, logits_to_keep=1)
     return cache, out.logits[:, -1].float()
 
 

@@ -1,0 +1,159 @@
+"""Multi-turn environments: what answers an assistant turn (tool results, user feedback), when a trajectory ends,
+and its reward. Small and explicit, after the `verifiers` package's MultiTurnEnv (`env_response`, `is_completed`,
+a rubric) and TRL 1.16's tool calling (plain Python functions with docstrings as tools, `<tool_call>` JSON calls).
+
+    env.reset(item)            -> the opening messages (system, user) for a dataset item
+    env.step(messages, item)   -> EnvResponse(messages, done, reward): after each assistant turn
+    env.final_reward(messages, item) -> float: once the trajectory is done
+
+`ToolEnvironment` runs plain functions as tools. A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
+in the assistant's text (the Hermes / Qwen format of transformers' tool-aware templates). A turn without a call
+ends the trajectory. Every failure becomes the tool's reply to the model, never an exception of the run: a tool
+that raises (its error text), a call that does not parse, an unknown tool, a tool that runs past `timeout_s`, an
+output longer than `max_output_chars` (cut, with a marker). `load_environment("package.module:Class")` builds a
+user environment.
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import json
+import re
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+from transformers.utils import get_json_schema
+
+TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+TRUNCATED = "\n[output truncated]"
+
+
+@dataclass
+class EnvResponse:
+    """The environment's answer to an assistant turn: its messages (role "tool" or "user"; none when done), whether
+    the trajectory is done, and an optional per-turn reward. `tool_calls` and `tool_errors` count this turn's."""
+
+    messages: list[dict]
+    done: bool = False
+    reward: float | None = None
+    tool_calls: int = 0
+    tool_errors: int = 0
+
+
+class Environment(Protocol):
+    """What a multi-turn task implements (module docstring)."""
+
+    def reset(self, item: dict) -> list[dict]: ...
+
+    def step(self, messages: list[dict], item: dict) -> EnvResponse: ...
+
+    def final_reward(self, messages: list[dict], item: dict) -> float: ...
+
+
+class ToolEnvironment:
+    """Tools as plain Python functions with docstrings (their JSON schemas, transformers' `get_json_schema`, are
+    described in the system prompt, which every template renders); the final reward is `reward(messages, item)`.
+
+    Args:
+        tools: functions with type hints and Google-style docstrings (transformers' tool convention).
+        system_prompt: the task's instructions; the tool descriptions and the call format are appended.
+        reward: (messages, item) -> float, the trajectory's final reward.
+        timeout_s: seconds a tool call may run (> 0); past it the model reads an error. The call's thread cannot
+            be killed and finishes in the background.
+        max_output_chars: longest tool output returned (> 0), cut with a marker.
+    Raises ValueError: no tools, two tools with one name, a tool without a docstring or type hints (naming it),
+    or a bad limit.
+    """
+
+    def __init__(self, tools: list[Callable], system_prompt: str, reward: Callable[[list[dict], dict], float],
+                 timeout_s: float = 5.0, max_output_chars: int = 2000):
+        if not tools:
+            raise ValueError("ToolEnvironment needs at least one tool")
+        if timeout_s <= 0 or max_output_chars <= 0:
+            raise ValueError(f"timeout_s ({timeout_s}) and max_output_chars ({max_output_chars}) must be > 0")
+        self.tools: dict[str, Callable] = {}
+        schemas = []
+        for fn in tools:
+            try:
+                schemas.append(get_json_schema(fn))
+            except Exception as e:  # noqa: BLE001 (transformers raises several types for one cause)
+                raise ValueError(f"tool {getattr(fn, '__name__', fn)!r} needs type hints and a docstring with an Args "
+                                 f"section (transformers' get_json_schema: {e})") from e
+            name = schemas[-1]["function"]["name"]
+            if name in self.tools:
+                raise ValueError(f"two tools are named {name!r}")
+            self.tools[name] = fn
+        self.system_prompt = (f"{system_prompt}\n\nYou can call these tools:\n"
+                              + "\n".join(json.dumps(s["function"]) for s in schemas)
+                              + '\nTo call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call> and '
+                                "stop; its result comes back in the next message.")
+        self.reward, self.timeout_s, self.max_output_chars = reward, timeout_s, max_output_chars
+
+    def reset(self, item: dict) -> list[dict]:
+        """The system prompt with the tools, then the item's question as the user's message."""
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": item["question"]}]
+
+    def step(self, messages: list[dict], item: dict) -> EnvResponse:
+        """The tool results of the last assistant message's calls, one tool message each; done without a call."""
+        calls = TOOL_CALL.findall(messages[-1]["content"])
+        if not calls:
+            return EnvResponse([], done=True)
+        replies, errors = [], 0
+        for raw in calls:
+            name, content, failed = self.call(raw)
+            errors += failed
+            replies.append({"role": "tool", "name": name, "content": content})
+        return EnvResponse(replies, tool_calls=len(calls), tool_errors=errors)
+
+    def call(self, raw: str) -> tuple[str, str, bool]:
+        """(tool name or "unknown", the text the model reads, whether the call failed) for one call's JSON."""
+        try:
+            call = json.loads(raw)
+            name, arguments = call["name"], call.get("arguments", {})
+            if not isinstance(arguments, dict):
+                raise TypeError("arguments must be a JSON object")
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            return "unknown", f"error: malformed tool call ({e}); write {{\"name\": ..., \"arguments\": {{...}}}}", True
+        if name not in self.tools:
+            return str(name), f"error: unknown tool {name!r}; the tools are {', '.join(self.tools)}", True
+        result: dict = {}
+
+        def run():
+            try:
+                result["value"] = self.tools[name](**arguments)
+            except Exception as e:  # noqa: BLE001 (the model reads the tool's error)
+                result["error"] = f"{type(e).__name__}: {e}"
+
+        worker = threading.Thread(target=run, daemon=True)
+        worker.start()
+        worker.join(self.timeout_s)
+        if worker.is_alive():
+            return name, f"error: {name} did not answer within {self.timeout_s:g} s", True
+        if "error" in result:
+            return name, f"error: {result['error']}", True
+        text = str(result.get("value"))
+        if len(text) > self.max_output_chars:
+            text = text[: self.max_output_chars] + TRUNCATED
+        return name, text, False
+
+    def final_reward(self, messages: list[dict], item: dict) -> float:
+        return float(self.reward(messages, item))
+
+
+def load_environment(spec: str, **kwargs) -> Environment:
+    """A user environment from "package.module:Class", built with `kwargs`. Raises ValueError naming the spec when it
+    does not import, or the class lacks reset / step / final_reward."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise ValueError(f"environment {spec!r} must look like 'package.module:Class'")
+    try:
+        cls = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"environment {spec!r} does not import: {e}") from e
+    missing = [m for m in ("reset", "step", "final_reward") if not callable(getattr(cls, m, None))]
+    if missing:
+        raise ValueError(f"environment {spec!r} lacks {', '.join(missing)} (rl.environments.Environment)")
+    return cls(**kwargs) if inspect.isclass(cls) else cls
