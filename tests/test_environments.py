@@ -266,3 +266,20 @@ def test_trajectory_limits_end_it():
     cut = sample_trajectories(_chatty_model(), tok, Feedback(), {"question": "hi"}, (3,), truncating, {EOS},
                               torch.Generator().manual_seed(1))
     assert any(t.ended_by == "truncated" and t.truncated for t in cut)
+
+
+def test_calculator_tool_and_task():
+    """The built-in tool task: `calculate` evaluates arithmetic only, the worked example comes before the question,
+    and the reward is the task's verifier on the last reply."""
+    from branchreplay.rl.environments import calculate, calculator
+
+    assert (calculate("12 * (3 + 4)"), calculate("7 / 2"), calculate("-3 + 5")) == (84, 3.5, 2)
+    for bad in ('__import__("os")', "x + 1", "2 ** 10", "True + 1"):
+        with pytest.raises(ValueError, match="only numbers"):
+            calculate(bad)
+    env = calculator(lambda completions, answer, metadata: [float(f"<answer>{answer[0]}</answer>" in completions[0])])
+    opening = env.reset({"question": "What is 2 + 3?"})
+    assert [m["role"] for m in opening] == ["system", "user", "assistant", "tool", "assistant", "user"]
+    reply = env.step(opening[:3], {})  # the example's own call runs
+    assert reply.messages[0]["content"] == "84"
+    assert env.final_reward([{"role": "assistant", "content": "<answer>5</answer>"}], {"answer": "5"}) == 1.0

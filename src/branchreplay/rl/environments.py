@@ -11,14 +11,17 @@ in the assistant's text (the Hermes / Qwen format of transformers' tool-aware te
 ends the trajectory. Every failure becomes the tool's reply to the model, never an exception of the run: a tool
 that raises (its error text), a call that does not parse, an unknown tool, a tool that runs past `timeout_s`, an
 output longer than `max_output_chars` (cut, with a marker). `load_environment("package.module:Class")` builds a
-user environment.
+user environment. `calculator(reward_fn)` is the built-in tool task: the default task's arithmetic with a
+`calculate` tool.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import inspect
 import json
+import operator
 import re
 import threading
 from collections.abc import Callable
@@ -64,12 +67,13 @@ class ToolEnvironment:
         timeout_s: seconds a tool call may run (> 0); past it the model reads an error. The call's thread cannot
             be killed and finishes in the background.
         max_output_chars: longest tool output returned (> 0), cut with a marker.
+        examples: few-shot turns placed between the system prompt and the question (e.g. a worked tool call).
     Raises ValueError: no tools, two tools with one name, a tool without a docstring or type hints (naming it),
     or a bad limit.
     """
 
     def __init__(self, tools: list[Callable], system_prompt: str, reward: Callable[[list[dict], dict], float],
-                 timeout_s: float = 5.0, max_output_chars: int = 2000):
+                 timeout_s: float = 5.0, max_output_chars: int = 2000, examples: list[dict] | None = None):
         if not tools:
             raise ValueError("ToolEnvironment needs at least one tool")
         if timeout_s <= 0 or max_output_chars <= 0:
@@ -91,10 +95,12 @@ class ToolEnvironment:
                               + '\nTo call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call> and '
                                 "stop; its result comes back in the next message.")
         self.reward, self.timeout_s, self.max_output_chars = reward, timeout_s, max_output_chars
+        self.examples = list(examples or [])
 
     def reset(self, item: dict) -> list[dict]:
-        """The system prompt with the tools, then the item's question as the user's message."""
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": item["question"]}]
+        """The system prompt with the tools, the few-shot examples, then the item's question as the user's message."""
+        return [{"role": "system", "content": self.system_prompt}, *self.examples,
+                {"role": "user", "content": item["question"]}]
 
     def step(self, messages: list[dict], item: dict) -> EnvResponse:
         """The tool results of the last assistant message's calls, one tool message each; done without a call."""
@@ -157,3 +163,49 @@ def load_environment(spec: str, **kwargs) -> Environment:
     if missing:
         raise ValueError(f"environment {spec!r} lacks {', '.join(missing)} (rl.environments.Environment)")
     return cls(**kwargs) if inspect.isclass(cls) else cls
+
+
+# -- built-in: arithmetic with a calculator ------------------------------------------------------------------------
+
+_OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv,
+              ast.USub: operator.neg, ast.UAdd: operator.pos}
+
+
+def calculate(expression: str) -> float:
+    """Evaluate an arithmetic expression of numbers, + - * / and parentheses.
+
+    Args:
+        expression: the expression, e.g. "12 * (3 + 4)"
+    """
+    def value(node):
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.left), value(node.right))
+        if isinstance(node, ast.UnaryOp) and type(node.op) in _OPERATORS:
+            return _OPERATORS[type(node.op)](value(node.operand))
+        raise ValueError(f"only numbers, + - * / and parentheses are allowed, not {ast.dump(node)[:40]}")
+
+    result = value(ast.parse(expression, mode="eval").body)
+    return int(result) if float(result).is_integer() else result
+
+
+CALCULATOR_EXAMPLE = [  # one worked call: a 135M model does not call a tool, nor tag its answer, zero-shot
+    {"role": "user", "content": "What is 12 * 7?"},
+    {"role": "assistant", "content": '<tool_call>{"name": "calculate", "arguments": {"expression": "12 * 7"}}'
+                                     "</tool_call>"},
+    {"role": "tool", "name": "calculate", "content": "84"},
+    {"role": "assistant", "content": "12 * 7 = 84. <answer>84</answer>"},
+]
+CALCULATOR_PROMPT = ("Think briefly. You may use the calculator tool. Then give the final answer inside "
+                     "<answer></answer> tags.")
+
+
+def calculator(reward_fn) -> ToolEnvironment:
+    """The built-in tool task: the default task's questions with a `calculate` tool; the final reward is the task's
+    verifier (`reward_fn`, TRL's signature: `rewards.make_reward`) on the last assistant message."""
+    def reward(messages: list[dict], item: dict) -> float:
+        return float(reward_fn(completions=[messages[-1]["content"]], answer=[item["answer"]],
+                               metadata=[item.get("metadata", {})])[0])
+
+    return ToolEnvironment([calculate], CALCULATOR_PROMPT, reward, examples=CALCULATOR_EXAMPLE)
