@@ -1,12 +1,13 @@
 """Measure a model's success on a multi-turn environment before any training (issue 13: choose tasks a 135M model
 can learn by their base success rate, as docs/default_task.md did for the single-turn task).
 
-For each of the first --n held-out questions of the default task, one greedy trajectory (top_k 1) through the
+For each of the first --n held-out questions of the default task (calculator) or --n targets drawn with seed 10 000
+(guess-number), one greedy trajectory (top_k 1) through the
 environment (`rl.trajectories.sample_trajectories`, no branching), at most --max-turns replies of at most
 --max-new-tokens tokens. Prints the success rate (final reward 1), the mean reward, turns, tool calls per
 trajectory, the fraction of tool calls that failed, how trajectories ended, and the time.
 
-Run:  .venv/bin/python scripts/measure_agent_success.py [--env calculator] [--n 32] [--max-turns 3]
+Run:  .venv/bin/python scripts/measure_agent_success.py [--env calculator|guess-number] [--n 32] [--max-turns 3]
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import time
 import torch
 
 from branchreplay.models import load_policy
-from branchreplay.rl.environments import calculator
+from branchreplay.rl.environments import GuessNumber, calculator
 from branchreplay.rl.rewards import make_reward
 from branchreplay.rl.sampling import SamplingConfig, eos_token_ids
 from branchreplay.rl.tasks import TaskConfig, load_task
@@ -28,15 +29,19 @@ from branchreplay.rl.trajectories import sample_trajectories
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="smollm2")
-    parser.add_argument("--env", default="calculator", choices=["calculator"])
+    parser.add_argument("--env", default="calculator", choices=["calculator", "guess-number"])
     parser.add_argument("--n", type=int, default=32)
     parser.add_argument("--max-turns", type=int, default=3)
     parser.add_argument("--max-new-tokens", type=int, default=64)
     args = parser.parse_args()
 
     model, tokenizer = load_policy(args.model)
-    train, held_out = load_task(TaskConfig())
-    env = calculator(make_reward("task", train))
+    if args.env == "calculator":
+        train, held_out = load_task(TaskConfig())
+        env = calculator(make_reward("task", train))
+    else:
+        env = GuessNumber()
+        held_out = env.items(args.n, seed=10_000)
     greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=args.max_new_tokens)
     eos = eos_token_ids(model, tokenizer)
     rewards, turns, calls, errors, ended = [], [], 0, 0, collections.Counter()

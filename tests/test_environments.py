@@ -283,3 +283,27 @@ def test_calculator_tool_and_task():
     reply = env.step(opening[:3], {})  # the example's own call runs
     assert reply.messages[0]["content"] == "84"
     assert env.final_reward([{"role": "assistant", "content": "<answer>5</answer>"}], {"answer": "5"}) == 1.0
+
+
+def test_guess_number_replies_and_reward():
+    from branchreplay.rl.environments import GuessNumber
+
+    env = GuessNumber(1, 10)
+    items = env.items(5, seed=3)
+    assert items == GuessNumber(1, 10).items(5, seed=3) and all(1 <= i["target"] <= 10 for i in items)
+    item = {"question": "guess", "target": 7}
+    opening = env.reset(item)
+    assert opening[-1]["content"].endswith("guess") and opening[1]["content"] == "<answer>5</answer>"
+
+    def reply(text):
+        return env.step([*opening, {"role": "assistant", "content": text}], item)
+
+    assert "higher than 3" in reply("<answer>3</answer>").messages[0]["content"]
+    assert "lower than 9" in reply("maybe <answer>9</answer>").messages[0]["content"]
+    assert "inside <answer></answer>" in reply("seven").messages[0]["content"]
+    right = reply("<answer>7</answer>")
+    assert right.done and not right.messages
+    assert env.final_reward([{"role": "assistant", "content": "<answer>7</answer>"}], item) == 1.0
+    assert env.final_reward([{"role": "assistant", "content": "<answer>6</answer>"}], item) == 0.0
+    with pytest.raises(ValueError, match="low < high"):
+        GuessNumber(5, 5)

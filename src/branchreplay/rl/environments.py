@@ -12,7 +12,7 @@ ends the trajectory. Every failure becomes the tool's reply to the model, never 
 that raises (its error text), a call that does not parse, an unknown tool, a tool that runs past `timeout_s`, an
 output longer than `max_output_chars` (cut, with a marker). `load_environment("package.module:Class")` builds a
 user environment. `calculator(reward_fn)` is the built-in tool task: the default task's arithmetic with a
-`calculate` tool.
+`calculate` tool; `GuessNumber` the built-in feedback task (higher / lower replies).
 """
 
 from __future__ import annotations
@@ -209,3 +209,56 @@ def calculator(reward_fn) -> ToolEnvironment:
                                metadata=[item.get("metadata", {})])[0])
 
     return ToolEnvironment([calculate], CALCULATOR_PROMPT, reward, examples=CALCULATOR_EXAMPLE)
+
+
+# -- built-in: guess the number with higher / lower replies ---------------------------------------------------------
+
+GUESS_PROMPT = ("I am thinking of a whole number from {low} to {high}. Guess it: reply with your guess inside "
+                "<answer></answer> tags. I will say whether the number is higher or lower.")
+ANSWER = re.compile(r"<answer>\s*(-?\d+)\s*</answer>")
+
+
+class GuessNumber:
+    """The built-in feedback task: the item's `target` (a whole number in [low, high]) is guessed over the turns; the
+    user replies "higher", "lower" or, on a reply without a tagged number, how to answer. Done when the guess is
+    right. Final reward 1.0 for a right guess, else 0.0; per-turn reward None. The opening messages hold one worked
+    game (1 to 10)."""
+
+    def __init__(self, low: int = 1, high: int = 10):
+        if low >= high:
+            raise ValueError(f"GuessNumber needs low < high, got {low} and {high}")
+        self.low, self.high = low, high
+
+    def items(self, n: int, seed: int = 0) -> list[dict]:
+        """`n` items {"question", "target"} with targets drawn uniformly by `seed`."""
+        import random
+
+        rng = random.Random(seed)
+        return [{"question": GUESS_PROMPT.format(low=self.low, high=self.high),
+                 "target": rng.randint(self.low, self.high)} for _ in range(n)]
+
+    def reset(self, item: dict) -> list[dict]:
+        """One worked game (a 135M model does not tag a guess zero-shot), then the item's question."""
+        example = GUESS_PROMPT.format(low=1, high=10)
+        return [{"role": "user", "content": example}, {"role": "assistant", "content": "<answer>5</answer>"},
+                {"role": "user", "content": "No, the number is higher than 5. Guess again."},
+                {"role": "assistant", "content": "<answer>7</answer>"},
+                {"role": "user", "content": "Right, it was 7. New game. " + item["question"]}]
+
+    def step(self, messages: list[dict], item: dict) -> EnvResponse:
+        guess = _guess(messages[-1]["content"])
+        if guess is None:
+            return EnvResponse([{"role": "user", "content": "Reply with one whole number inside <answer></answer> "
+                                                            "tags."}])
+        if guess == item["target"]:
+            return EnvResponse([], done=True)
+        hint = "higher" if item["target"] > guess else "lower"
+        return EnvResponse([{"role": "user", "content": f"No, the number is {hint} than {guess}. Guess again."}])
+
+    def final_reward(self, messages: list[dict], item: dict) -> float:
+        return float(_guess(messages[-1]["content"]) == item["target"])
+
+
+def _guess(text: str) -> int | None:
+    found = ANSWER.findall(text)
+    return int(found[-1]) if found else None
