@@ -380,3 +380,20 @@ def test_algorithm_flag_and_trl_defaults():
         Config.from_dict({"algorithm": "a2c"})
     with pytest.raises(ValueError, match="ppo.cliprange"):
         PPOConfig(cliprange=1.5)
+
+
+@pytest.mark.parametrize("algorithm, grpo", [("rloo", {"num_iterations": 2}),
+                                             ("grpo", {"importance_sampling_level": "sequence"})])
+def test_sequence_losses_do_not_depend_on_micro_batching(tmp_path, algorithm, grpo):
+    """RLOO's and GSPO's two-pass updates run per micro-batch of trees (`trainer.micro_batches`): one tree at a
+    time moves the weights as all at once."""
+    from test_trainer import make_trainer
+
+    weights = []
+    for size in (0, 1):
+        trainer = make_trainer(_config(tmp_path / f"{algorithm}{size}", algorithm, train={"steps": 1},
+                                       grpo={**grpo, "num_generations": 4, "micro_batch_prompts": size}))
+        trainer.train_step(1)
+        weights.append([p.detach().clone() for p in trainer.model.parameters()])
+    for a, b in zip(*weights):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -224,3 +224,15 @@ def test_dpo_precomputed_reference_equals_per_step_and_resumes(tmp_path):
     for key in ("loss", "rewards/margins", "grad_norm"):
         a, b, c = ([r[key] for r in runs[k] if r["step"] > 0] for k in ("per_step", "precomputed", "resumed"))
         assert a == pytest.approx(b, rel=1e-6, abs=1e-9) and b == c, key
+
+
+def test_dpo_step_does_not_depend_on_micro_batching(tmp_path):
+    from test_trainer import make_trainer
+
+    data, records = _preference_file(tmp_path), []
+    for size in (0, 1):
+        config = _dpo_config(tmp_path / str(size), data)
+        config.grpo.micro_batch_prompts = size
+        records.append(make_trainer(config).train_step(1))
+    for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
+        assert records[0][key] == pytest.approx(records[1][key], rel=1e-5, abs=1e-7), key

@@ -342,19 +342,15 @@ class Trainer:
         g, engine, temperature = self.config.grpo, self.config.engine, self.config.sampling.temperature
         if not local:
             return None
-        size, results, k = g.micro_batch_prompts or len(local), [], 0
-        for i in range(0, len(local), size):
-            part = local[i : i + size]
+        results = []
+        for part, rows in micro_batches(local, g.micro_batch_prompts):
             rollouts = _rollouts(part)
-            n = len(rollouts)
-            head = None if first is None else ReplayResult(first.logprobs[k : k + n], first.entropy[k : k + n], 0.0,
-                                                            first.stats)
+            head = None if first is None else ReplayResult(first.logprobs[rows], first.entropy[rows], 0.0, first.stats)
             value, _, result = replay_function_backward(
                 self.model, part, lambda lps, ents, rollouts=rollouts: gspo_loss(lps, ents, rollouts, loss_fn),
                 temperature=temperature, engine=engine, force=self.force, first=head)
             result.loss = value
             results.append(result)
-            k += n
         return ReplayResult.merge(results)
 
     def keep_high_entropy(self, local: list[RolloutTree], entropy: list[torch.Tensor],
@@ -385,13 +381,11 @@ class Trainer:
         g, engine, temperature = self.config.grpo, self.config.engine, self.config.sampling.temperature
         if not local:
             return None, {}
-        size, results, sums, k = g.micro_batch_prompts or len(local), [], [], 0
+        results, sums = [], []
         rollouts = _rollouts(local)
         advantages = torch.tensor([float(r.advantages[0]) for r in rollouts], dtype=torch.float64)
-        for i in range(0, len(local), size):
-            part = local[i : i + size]
-            n = sum(len(t.rollouts) for t in part)
-            old, adv = old_sums[k : k + n], advantages[k : k + n]
+        for part, rows in micro_batches(local, g.micro_batch_prompts):
+            old, adv = old_sums[rows], advantages[rows]
 
             def loss(s, old=old, adv=adv):
                 return rloo_loss(s, old, adv, epsilon_low=g.epsilon, epsilon_high=g.epsilon_high,
@@ -403,7 +397,6 @@ class Trainer:
             result.loss = value
             results.append(result)
             sums.append(s)
-            k += n
         result, s = ReplayResult.merge(results), torch.cat(sums)
         ratio = torch.exp(s - old_sums)
         low = ((ratio < 1 - g.epsilon) & (advantages < 0)).double().mean().item()
@@ -483,12 +476,9 @@ class Trainer:
         t1 = time.perf_counter()
         for p in self.params:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
-        size, sums, loss_value, k = g.micro_batch_prompts or len(trees), [], 0.0, 0
+        sums, loss_value = [], 0.0
         with self.autocast():
-            for i in range(0, len(trees), size):
-                part = trees[i : i + size]
-                n = sum(len(t.rollouts) for t in part)
-                slices = slice(k, k + n)
+            for part, slices in micro_batches(trees, g.micro_batch_prompts):
 
                 def loss(s, slices=slices):
                     r = ref[slices] if ref is not None else None
@@ -501,7 +491,6 @@ class Trainer:
                 value, s, _ = replay_sequence_backward(self.model, part, loss, engine=cfg.engine, force=self.force)
                 loss_value += value
                 sums.append(s)
-                k += n
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, g.max_grad_norm).item()
         lr = self.scheduler.get_last_lr()[0]
         self.optimizer.step()
@@ -677,6 +666,17 @@ def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, 
                                                engine=engine, force=force,
                                                final_backward=final_backward if i == starts[-1] else None)
                                for i in starts])
+
+
+def micro_batches(trees: list[RolloutTree], micro_batch_prompts: int):
+    """Consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once): (the trees, the slice of their
+    rollouts among all the trees' rollouts in order), for losses that index per-rollout tensors of the step."""
+    size, k = micro_batch_prompts or len(trees) or 1, 0
+    for i in range(0, len(trees), size):
+        part = trees[i : i + size]
+        n = sum(len(t.rollouts) for t in part)
+        yield part, slice(k, k + n)
+        k += n
 
 
 def prompt_indices(n: int, per_step: int, seed: int, step: int) -> list[int]:
