@@ -255,16 +255,19 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, attn_implementatio
 # -----------------------------------------------------------------------------
 # chat prompts
 
-def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True
-                    ) -> list[int]:
+def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
     """Token ids of `messages` rendered by the tokenizer's chat template, with exactly one BOS at the start.
 
     If the model uses BOS (the tokenizer adds it to plain text, or the template writes it first), the ids start
     with exactly one BOS, never two; otherwise they are the template's ids unchanged. SmolLM2's BOS is
     <|im_start|> (id 1), which the template writes at the start of every message, so later occurrences are kept.
+    tools: JSON schemas for a template that renders tools itself (transformers' `tools=`); None: not passed.
     Raises ValueError if the tokenizer has no chat template.
     """
-    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    extra = {} if tools is None else {"tools": tools}
+    text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                         **extra)
     ids = tokenizer(text, add_special_tokens=False).input_ids
     bos = tokenizer.bos_token_id
     if bos is None or not (ids[:1] == [bos] or tokenizer("a").input_ids[:1] == [bos]):

@@ -153,7 +153,9 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: 
     """Generalised advantage estimation over the completion tokens of one rollout (Schulman et al. 2016; TRL
     PPOTrainer step 6): delta_t = r_t + gamma V_{t+1} - V_t (V after the last token = 0), A_t = delta_t + gamma lam
     A_{t+1}, returns = A + V. rewards, values [T] (values at the completion positions), mask [T] 0/1 -> ([T], [T])
-    float64, 0 outside the mask. The completion tokens are consecutive, as in every sampled rollout."""
+    float64, 0 outside the mask. The recursion runs over the masked tokens only: a multi-turn trajectory's assistant
+    tokens are consecutive steps across the environment turns between them, as verl's
+    `compute_gae_advantage_return` skips its observation tokens."""
     advantages = torch.zeros(mask.shape, dtype=torch.float64)
     positions = mask.nonzero().squeeze(1).tolist()
     next_value = last = 0.0

@@ -4,6 +4,7 @@
     model:    ModelConfig      which causal LM, in which dtype, on which device
     sampling: SamplingConfig   (from sampling.py) how completions are sampled
     task:     TaskConfig       (from tasks.py) which reasoning-gym dataset, split sizes
+    agent:    AgentConfig      (from agent.py) a multi-turn environment and its limits; null = single-turn
     grpo:     GRPOConfig       sampling counts, clip range and optimizer of every algorithm (TRL GRPOConfig names)
     ppo:      PPOConfig        the critic, GAE and the value loss (algorithm: ppo; TRL PPOConfig names)
     rloo:     RLOOConfig       RLOO's options (algorithm: rloo; TRL RLOOConfig names)
@@ -38,7 +39,8 @@ import yaml
 from ..engine import EngineConfig
 from ..fields import accepted, check, choice, help_of
 from ..losses import DPOLossType, LossType
-from .sampling import SamplingConfig
+from .agent import AgentConfig
+from .sampling import SamplingConfig, turn_factor
 from .tasks import TaskConfig
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -294,6 +296,7 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "sampling": SamplingConfig,
     "task": TaskConfig,
+    "agent": AgentConfig,
     "grpo": GRPOConfig,
     "ppo": PPOConfig,
     "rloo": RLOOConfig,
@@ -333,6 +336,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    agent: AgentConfig = field(default_factory=AgentConfig)
     grpo: GRPOConfig = field(default_factory=GRPOConfig)
     ppo: PPOConfig = field(default_factory=PPOConfig)
     rloo: RLOOConfig = field(default_factory=RLOOConfig)
@@ -347,6 +351,11 @@ class Config:
         if self.algorithm == "dpo" and not self.dpo.dataset:
             raise ValueError("algorithm=dpo trains on preference pairs: set dpo.dataset to a JSONL / Parquet file "
                              "(scripts/make_preference_set.py writes one from the default task)")
+        if self.agent.environment is not None:
+            self._check_multi_turn()
+        elif self.sampling.turn_branching:
+            raise ValueError("sampling.turn_branching forks multi-turn trajectories: set agent.environment, or use "
+                             "sampling.branching for a single-turn task")
         product = 1
         for _, factor in self.sampling.branching:
             product *= factor
@@ -354,6 +363,20 @@ class Config:
             raise ValueError(
                 f"sampling.branching={[list(b) for b in self.sampling.branching]} makes {product} samples per prompt "
                 f"but grpo.num_generations={self.grpo.num_generations}: make them equal")
+
+    def _check_multi_turn(self) -> None:
+        if self.algorithm == "dpo":
+            raise ValueError("algorithm=dpo trains on preference pairs, not on an environment: unset agent.environment")
+        if self.sampling.branching:
+            raise ValueError("with agent.environment, forks inside a turn are sampling.turn_branching schedules, e.g. "
+                             "[[[0, 2], [16, 2]], 2]; unset sampling.branching")
+        product = 1
+        for entry in self.sampling.turn_branching:
+            product *= turn_factor(entry)
+        if self.sampling.turn_branching and product != self.grpo.num_generations:
+            raise ValueError(
+                f"sampling.turn_branching={_plain(self.sampling.turn_branching)} makes up to {product} trajectories "
+                f"per item but grpo.num_generations={self.grpo.num_generations}: make them equal")
 
     @classmethod
     def from_dict(cls, data: dict | None) -> Config:

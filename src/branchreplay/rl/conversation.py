@@ -31,21 +31,23 @@ def template_name(tokenizer) -> str:
     return getattr(tokenizer, "name_or_path", None) or type(tokenizer).__name__
 
 
-def message_delta_ids(tokenizer, messages: list[dict], end_of_turn: int | None = None) -> list[int]:
+def message_delta_ids(tokenizer, messages: list[dict], end_of_turn: int | None = None,
+                      tools: list[dict] | None = None) -> list[int]:
     """The token ids the chat template puts after an assistant turn's end-of-turn token for `messages` (e.g. a
     tool result, a user reply), the next assistant generation prompt included.
 
-    end_of_turn: the id that ends an assistant turn (default: the tokenizer's EOS). Raises
+    end_of_turn: the id that ends an assistant turn (default: the tokenizer's EOS); tools: the JSON schemas the
+    conversation was started with, for a template that renders them (`models.chat_prompt_ids`). Raises
     TemplateNotPrefixStableError (naming the template) when the conversation with `messages` does not start with the
     rendering without them, ValueError for empty `messages`."""
     if not messages:
         raise ValueError("message_delta_ids needs at least one message")
     end = tokenizer.eos_token_id if end_of_turn is None else end_of_turn
-    prefix = chat_prompt_ids(tokenizer, DUMMY, add_generation_prompt=False)
+    prefix = chat_prompt_ids(tokenizer, DUMMY, add_generation_prompt=False, tools=tools)
     ends = [i for i, t in enumerate(prefix) if t == end]
     if ends:  # "...<|im_end|>\n": the turn ends at its end-of-turn token, the template's newline belongs to the delta
         prefix = prefix[: ends[-1] + 1]
-    full = chat_prompt_ids(tokenizer, DUMMY + list(messages), add_generation_prompt=True)
+    full = chat_prompt_ids(tokenizer, DUMMY + list(messages), add_generation_prompt=True, tools=tools)
     if full[: len(prefix)] != prefix:
         raise TemplateNotPrefixStableError(
             f"the chat template of {template_name(tokenizer)} renders an assistant turn differently once "
@@ -53,6 +55,18 @@ def message_delta_ids(tokenizer, messages: list[dict], end_of_turn: int | None =
             "built turn by turn; use a prefix-stable template (the model's own usually is: check it with "
             "rl.conversation.message_delta_ids)")
     return full[len(prefix):]
+
+
+def template_renders_tools(tokenizer, tools: list[dict]) -> bool:
+    """Whether the chat template has tool support: passing `tools` (JSON schemas) changes its rendering and names
+    the first tool (Qwen2.5's, Llama 3.1's, Hermes'); SmolLM2's ignores them."""
+    messages = [{"role": "user", "content": "dummy"}]
+    try:
+        with_tools = tokenizer.apply_chat_template(messages, tokenize=False, tools=tools)
+    except Exception:  # noqa: BLE001 (a template or a tokenizer without the argument: no tool support)
+        return False
+    plain = tokenizer.apply_chat_template(messages, tokenize=False)
+    return with_tools != plain and tools[0]["function"]["name"] in with_tools
 
 
 @dataclass
@@ -66,9 +80,10 @@ class Conversation:
     turn_starts: list[int] = field(default_factory=list)
 
     @classmethod
-    def start(cls, tokenizer, messages: list[dict]) -> Conversation:
-        """The opening messages (system, user, tool descriptions) rendered with the generation prompt."""
-        ids = chat_prompt_ids(tokenizer, messages)
+    def start(cls, tokenizer, messages: list[dict], tools: list[dict] | None = None) -> Conversation:
+        """The opening messages (system, user) rendered with the generation prompt; `tools` (JSON schemas) go to a
+        template that renders tools itself."""
+        ids = chat_prompt_ids(tokenizer, messages, tools=tools)
         return cls(list(messages), ids, [0.0] * len(ids))
 
     def add_assistant(self, sampled_ids: list[int], text: str) -> None:
@@ -81,14 +96,16 @@ class Conversation:
         self.loss_mask += [1.0] * len(sampled_ids)
         self.messages.append({"role": "assistant", "content": text})
 
-    def add_environment(self, tokenizer, messages: list[dict], end_of_turn: int | None = None) -> None:
-        """The environment's messages after an assistant turn, as the template's delta (`message_delta_ids`),
-        loss mask 0. The last assistant turn must have ended with its end-of-turn token."""
+    def add_environment(self, tokenizer, messages: list[dict], end_of_turn: int | None = None,
+                        tools: list[dict] | None = None) -> None:
+        """The environment's messages after an assistant turn, as the template's delta (`message_delta_ids`, with
+        the `tools` the conversation started with), loss mask 0. The last assistant turn must have ended with its
+        end-of-turn token."""
         end = tokenizer.eos_token_id if end_of_turn is None else end_of_turn
         if not self.turn_starts or self.ids[-1] != end:
             raise ValueError("environment messages follow a finished assistant turn (its last token the "
                              f"end-of-turn id {end}); a truncated turn ends the trajectory")
-        delta = message_delta_ids(tokenizer, messages, end)
+        delta = message_delta_ids(tokenizer, messages, end, tools)
         self.ids += delta
         self.loss_mask += [0.0] * len(delta)
         self.messages += list(messages)

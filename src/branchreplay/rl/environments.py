@@ -5,6 +5,9 @@ a rubric) and TRL 1.16's tool calling (plain Python functions with docstrings as
     env.reset(item)            -> the opening messages (system, user) for a dataset item
     env.step(messages, item)   -> EnvResponse(messages, done, reward): after each assistant turn
     env.final_reward(messages, item) -> float: once the trajectory is done
+    env.bind(tokenizer)        (optional) called once with the policy's tokenizer before any reset
+    env.template_tools         (optional) JSON schemas the chat template renders (transformers' `tools=`)
+    env.items(n, seed)         (optional) the environment's own dataset items; else the task's (`rl.agent`)
 
 `ToolEnvironment` runs plain functions as tools. A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 in the assistant's text (the Hermes / Qwen format of transformers' tool-aware templates). A turn without a call
@@ -29,6 +32,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from transformers.utils import get_json_schema
+
+from .conversation import template_renders_tools
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TRUNCATED = "\n[output truncated]"
@@ -90,12 +95,24 @@ class ToolEnvironment:
             if name in self.tools:
                 raise ValueError(f"two tools are named {name!r}")
             self.tools[name] = fn
-        self.system_prompt = (f"{system_prompt}\n\nYou can call these tools:\n"
-                              + "\n".join(json.dumps(s["function"]) for s in schemas)
-                              + '\nTo call one, write <tool_call>{"name": NAME, "arguments": {...}}</tool_call> and '
-                                "stop; its result comes back in the next message.")
+        self.instructions, self.schemas = system_prompt, schemas
+        self.template_tools: list[dict] | None = None  # the schemas, once `bind` found a template that renders them
         self.reward, self.timeout_s, self.max_output_chars = reward, timeout_s, max_output_chars
         self.examples = list(examples or [])
+
+    def bind(self, tokenizer) -> None:
+        """Let the tokenizer's chat template render the tools when it has tool support (transformers' `tools=`;
+        `conversation.template_renders_tools`): the schemas then go to the template (`template_tools`) and leave the
+        system prompt. Without it they stay described in the system prompt."""
+        self.template_tools = self.schemas if template_renders_tools(tokenizer, self.schemas) else None
+
+    @property
+    def system_prompt(self) -> str:
+        """The instructions, the tools' schemas unless the template renders them, and the call format."""
+        listed = "" if self.template_tools else ("\n\nYou can call these tools:\n"
+                                                 + "\n".join(json.dumps(s["function"]) for s in self.schemas))
+        return (f"{self.instructions}{listed}\nTo call one, write <tool_call>{{\"name\": NAME, \"arguments\": "
+                "{...}}</tool_call> and stop; its result comes back in the next message.")
 
     def reset(self, item: dict) -> list[dict]:
         """The system prompt with the tools, the few-shot examples, then the item's question as the user's message."""
@@ -201,14 +218,15 @@ CALCULATOR_PROMPT = ("Think briefly. You may use the calculator tool. Then give 
                      "<answer></answer> tags.")
 
 
-def calculator(reward_fn) -> ToolEnvironment:
+def calculator(reward_fn, **kwargs) -> ToolEnvironment:
     """The built-in tool task: the default task's questions with a `calculate` tool; the final reward is the task's
-    verifier (`reward_fn`, TRL's signature: `rewards.make_reward`) on the last assistant message."""
+    verifier (`reward_fn`, TRL's signature: `rewards.make_reward`) on the last assistant message. `kwargs` go to
+    `ToolEnvironment` (timeout_s, max_output_chars)."""
     def reward(messages: list[dict], item: dict) -> float:
         return float(reward_fn(completions=[messages[-1]["content"]], answer=[item["answer"]],
                                metadata=[item.get("metadata", {})])[0])
 
-    return ToolEnvironment([calculate], CALCULATOR_PROMPT, reward, examples=CALCULATOR_EXAMPLE)
+    return ToolEnvironment([calculate], CALCULATOR_PROMPT, reward, examples=CALCULATOR_EXAMPLE, **kwargs)
 
 
 # -- built-in: guess the number with higher / lower replies ---------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Held-out evaluation: greedy answers to the task's held-out split, scored by the task's reward."""
+"""Held-out evaluation: greedy answers to the task's held-out split, scored by the task's reward; for a multi-turn
+task, greedy trajectories scored by its environment (`agent.evaluate_agent`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from rich.table import Table
 
 from ..engine.distributed import raise_together
 from ..models import autocast, chat_prompt_ids, load_policy
+from .agent import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
 from .config import Config
 from .rewards import make_reward, score
@@ -21,14 +23,18 @@ EVAL_BATCH = 16  # held-out prompts decoded together
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None, ranks=None) -> dict:
+def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None, ranks=None, env=None
+             ) -> dict:
     """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
 
     data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
     task.reward, see `rewards.make_reward`); progress: called as progress(done, total) after each batch of
     answers; ranks: a data-parallel run's `rl.parallel.Ranks`, which evaluate items rank, rank + world, ... each and
     gather the scores (every rank returns the same metrics). Returns eval/accuracy (mean score in [0, 1], partial
-    credit included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s."""
+    credit included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s.
+    env: a multi-turn environment (with `data` its held-out items): `agent.evaluate_agent`'s metrics instead."""
+    if env is not None:
+        return evaluate_agent(model, tokenizer, config, env, data, eos_token_ids(model, tokenizer), progress)
     t0 = time.perf_counter()
     if data is None:
         data = load_task(config.task)[1]
@@ -82,17 +88,25 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos
 def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
     """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
     held-out split; prints and returns the metrics."""
-    data = load_task(config.task)[1]  # the task, its reward and the checkpoint's folder before the model's load
-    reward_fn = make_reward(config.task.reward, data)
+    env = None  # the task, its reward and the checkpoint's folder before the model's load
+    if config.agent.environment is not None:
+        env, _, data = load_agent_task(config)
+        reward_fn = None
+    else:
+        data = load_task(config.task)[1]
+        reward_fn = make_reward(config.task.reward, data)
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
                                 "folder)")
     model, tokenizer = load_policy(config.model.spec, config.model.dtype, config.model.device)
     if checkpoint is not None:
         load_weights(model, checkpoint)
+    if env is not None:
+        bind(env, tokenizer)
     with autocast(config.model.dtype, model.device.type):  # as the trainer's held-out eval computes it
-        metrics = evaluate(model, tokenizer, config, data, reward_fn)
-    table = Table(title=f"held-out {config.task.name} ({config.task.eval_size} items)")
+        metrics = evaluate(model, tokenizer, config, data, reward_fn, env=env)
+    name = config.agent.environment or config.task.name
+    table = Table(title=f"held-out {name} ({config.task.eval_size} items)")
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in metrics.items():

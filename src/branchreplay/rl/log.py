@@ -60,8 +60,9 @@ def summarize(console: Console, run_dir: Path, records: list[dict]) -> Path:
     for col in ("metric", "first", "last", "min", "max"):
         table.add_column(col, justify="left" if col == "metric" else "right")
     for key in ("reward", "rewards/accuracies", "rewards/margins", "eval/accuracy", "eval/frac_correct", "loss",
-                "entropy", "completions/mean_length",
-                "tree/token_ratio", "time/sample_s", "time/train_s", "time/step_s"):
+                "entropy", "completions/mean_length", "turns/mean", "tool_calls/mean", "tool_calls/error_rate",
+                "eval/turns_mean", "eval/tool_calls_mean", "tree/token_ratio", "time/sample_s", "time/sample_env_s",
+                "time/train_s", "time/step_s"):
         values = [r[key] for r in records if key in r]
         if values:
             table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))

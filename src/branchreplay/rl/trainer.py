@@ -21,6 +21,11 @@ come from the same trees) their estimators set per-token advantages; RLOO's upda
 two passes (`engine.sequence`), PPO's the clipped policy loss on the policy and `ValueLoss` on the critic, one AdamW
 each with the same schedule and one gradient-norm clip over both (TRL's one optimizer over policy and critic);
 ppo.num_ppo_epochs updates per step. They run in one process for now.
+Multi-turn tasks (agent.environment, `agent.py`): step 2 samples each item's trajectories across turns
+(`trajectories.sample_trajectories`, sampling.turn_branching), the environment's final and per-turn rewards give
+one reward per trajectory, and the group of an item (any size: trajectories may end early) is its baseline; step 4's
+rollouts are the trajectories' ids with the loss mask on the assistant tokens only. An item whose reset fails is
+skipped with a warning.
 Departures from TRL: a group whose advantages are all zero (all rewards equal) is skipped in step 6 when beta and
 entropy_coef are 0, since its gradient is exactly zero; so `entropy` and `clip_ratio/*` are over the groups that
 trained. One step = one sampling round (TRL's steps_per_generation = 1) followed by num_iterations updates. The model
@@ -37,7 +42,7 @@ import signal
 import threading
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -54,7 +59,7 @@ from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_l
 from ..models import autocast, chat_prompt_ids, load_policy
 from ..tree import ReplayResult, Rollout, RolloutTree
 from ..value import ValueModel, check_critic
-from . import algorithms
+from . import agent, algorithms
 from .advantages import group_advantages, group_std
 from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
 from .config import Config
@@ -65,6 +70,7 @@ from .preferences import load_preferences, pair_trees
 from .rewards import RewardFunctionError, make_reward, score
 from .sampling import Sample, eos_token_ids, sample_group
 from .tasks import build_messages, load_task
+from .trajectories import ItemError, sample_trajectories
 
 SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families (check/self_check.py)
 
@@ -80,34 +86,47 @@ class TrainingInterrupted(RuntimeError):
 
 @dataclass
 class Batch:
-    """One step's samples. Groups in prompt order; flat [B] tensors are group-major (B = groups x G).
+    """One step's samples. Groups in prompt (item) order; flat [B] tensors and lists are group-major.
 
-    prompt_ids: per group, the chat-templated prompt ids. samples: per group, G `Sample`s.
-    rollouts: per group, G `Rollout`s with advantages and weights. rewards, advantages: [B] float32.
-    reward_std: [B] std of each sample's group (of the batch with scale_rewards="batch"), as TRL logs it.
+    rollouts: per group, its `Rollout`s with advantages and weights (G of them; a multi-turn group may have fewer).
+    rewards, advantages: [B] float32. reward_std: [B] std of each sample's group (of the batch with
+    scale_rewards="batch"), as TRL logs it. lengths: [B] trained (completion or assistant) tokens per rollout;
+    truncated: [B] whether its last reply hit sampling.max_new_tokens without EOS.
+    Single-turn: prompt_ids (per group, the chat-templated prompt) and samples (per group, G `Sample`s). Multi-turn:
+    trajectories (per group, its `Trajectory`s) and metrics (`agent.trajectory_metrics`, the environment's seconds).
     """
 
-    prompt_ids: list[list[int]]
-    samples: list[list[Sample]]
     rollouts: list[list[Rollout]]
     rewards: torch.Tensor
     advantages: torch.Tensor
     reward_std: torch.Tensor
+    lengths: list[int]
+    truncated: list[bool]
+    prompt_ids: list[list[int]] = field(default_factory=list)
+    samples: list[list[Sample]] = field(default_factory=list)
+    trajectories: list = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
 
 
 class Trainer:
     """GRPO over prefix trees. Everything is built from `config` unless injected (tests inject a tiny model, a
-    character tokenizer, a list of {question, answer, ...} items and a reward function with TRL's signature)."""
+    character tokenizer, a list of {question, answer, ...} items and a reward function with TRL's signature; for a
+    multi-turn task an `env`, `rl.environments.Environment`, which then scores the trajectories)."""
 
     def __init__(self, config: Config, model=None, tokenizer=None, train_data=None, eval_data=None, reward_fn=None,
-                 console: Console | None = None):
+                 console: Console | None = None, env=None):
         self.ranks: Ranks | None = launch(config.parallel.strategy, config.to_dict(),  # None: one process
                                           config.parallel.timeout_s)
         self.rank = self.ranks.rank if self.ranks else 0
         self.config, self.console = config, console or Console(quiet=self.rank != 0)
+        self.env = env
+        if env is None and config.agent.environment is not None:  # before the model: a typo should not cost a load
+            self.env, env_train, env_eval = agent.load_agent_task(config)
+            train_data = env_train if train_data is None else train_data
+            eval_data = env_eval if eval_data is None else eval_data
         if train_data is None:  # the task and its reward first: a typo there should not cost a model load
             train_data, eval_data = load_task(config.task)
-        reward_fn = reward_fn or make_reward(config.task.reward, train_data)
+        reward_fn = reward_fn or (None if self.env is not None else make_reward(config.task.reward, train_data))
         m = config.model
         if m.dtype == "float16":
             raise ValueError("model.dtype=float16 cannot train: float16 mixed precision needs loss scaling, which "
@@ -122,10 +141,14 @@ class Trainer:
         self.train_data, self.eval_data = train_data, eval_data
         self.reward_fn = reward_fn
         self.eos_ids = eos_token_ids(model, tokenizer)
+        if self.env is not None:
+            agent.bind(self.env, tokenizer)
         self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
         if self.ranks is not None and config.algorithm != "grpo":
             raise ValueError(f"algorithm={config.algorithm} runs in one process for now (data parallelism covers "
                              "grpo): start it without torchrun, or with parallel.strategy left at auto")
+        if self.ranks is not None and self.env is not None:
+            raise ValueError("agent.environment (multi-turn) runs in one process for now: start it without torchrun")
         if self.ranks is not None and config.grpo.importance_sampling_level == "sequence":
             raise ValueError("grpo.importance_sampling_level=sequence (GSPO) runs in one process for now: start it "
                              "without torchrun")
@@ -185,6 +208,8 @@ class Trainer:
         cfg, G = self.config, self.config.grpo.num_generations
         items = [self.train_data[i] for i in prompt_indices(len(self.train_data), cfg.grpo.prompts_per_step,
                                                             cfg.train.seed, step)]
+        if self.env is not None:
+            return self.generate_trajectories(step, items)
         prompt_ids = [chat_prompt_ids(self.tokenizer, build_messages(item["question"])) for item in items]
         mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
         samples, rewards, error, failure = {}, {}, None, None
@@ -217,17 +242,58 @@ class Trainer:
             raise RewardFunctionError(error)
         samples = [samples[k] for k in range(len(items))]
         rewards = torch.cat([rewards[k] for k in range(len(items))])
-        groups = [i for i, group in enumerate(samples) for _ in group]
-        advantages = group_advantages(rewards, groups, cfg.grpo.scale_rewards)
-        std = group_std(rewards, groups) if cfg.grpo.scale_rewards != "batch" else rewards.std().expand_as(rewards)
-        masks = [[0.0] * len(ids) + [float(not (cfg.grpo.mask_truncated_completions and s.truncated))] *
-                 len(s.completion_ids) for ids, group in zip(prompt_ids, samples) for s in group]
-        weights = token_weights(masks, cfg.grpo.loss_type, max_completion_length=cfg.sampling.max_new_tokens)
-        flat = [(ids, s, gi) for gi, (ids, group) in enumerate(zip(prompt_ids, samples)) for s in group]
-        rollouts = [[] for _ in samples]
-        for (ids, s, gi), mask, w, a in zip(flat, masks, weights, advantages.tolist()):
-            rollouts[gi].append(Rollout(ids + s.completion_ids, mask, advantages=a, weights=w, group=gi))
-        return Batch(prompt_ids, samples, rollouts, rewards, advantages, std)
+        sequences = [[(ids + s.completion_ids, [0.0] * len(ids) + [1.0] * len(s.completion_ids), s.truncated)
+                      for s in group] for ids, group in zip(prompt_ids, samples)]
+        rollouts, advantages, std = self.group_rollouts(sequences, rewards, cfg.sampling.max_new_tokens)
+        flat = [s for group in samples for s in group]
+        return Batch(rollouts, rewards, advantages, std, [len(s.completion_ids) for s in flat],
+                     [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples)
+
+    def generate_trajectories(self, step: int, items: list[dict]) -> Batch:
+        """A multi-turn step: each item's trajectories (`trajectories.sample_trajectories`, item k's generator seeded
+        by (train.seed, step, k)), one reward each (`agent.trajectory_reward`), group advantages per item. Items whose
+        reset fails (ItemError) are skipped with a warning; raises ItemError when every item was."""
+        cfg, a = self.config, self.config.agent
+        groups, timings = [], {"env_s": 0.0}
+        branching, limit = agent.turn_branching(cfg), agent.context_limit(a, self.model)
+        with self.autocast():
+            for k, item in enumerate(items):
+                self.status(f"step {step}: sampling item {k + 1}/{len(items)}")
+                generator = torch.Generator(self.model.device).manual_seed(_mix(_mix(cfg.train.seed, step), k))
+                try:
+                    groups.append(sample_trajectories(self.model, self.tokenizer, self.env, item, branching,
+                                                      cfg.sampling, self.eos_ids, generator, a.max_turns, limit,
+                                                      a.max_tool_output_tokens, timings))
+                except ItemError as e:
+                    warnings.warn(f"step {step}: item {k} skipped: {e}", RuntimeWarning, stacklevel=2)
+        if not groups:
+            raise ItemError(f"step {step}: every item was skipped (see the warnings above)")
+        flat = [t for g in groups for t in g]
+        rewards = torch.tensor([agent.trajectory_reward(t, a) for t in flat], dtype=torch.float32)
+        sequences = [[(t.conversation.ids, t.conversation.loss_mask, t.truncated) for t in g] for g in groups]
+        rollouts, advantages, std = self.group_rollouts(sequences, rewards, a.max_turns * cfg.sampling.max_new_tokens)
+        return Batch(rollouts, rewards, advantages, std, [int(sum(t.conversation.loss_mask)) for t in flat],
+                     [t.truncated for t in flat], trajectories=groups,
+                     metrics={**agent.trajectory_metrics(groups), "time/sample_env_s": timings["env_s"]})
+
+    def group_rollouts(self, sequences: list[list[tuple]], rewards: torch.Tensor, max_completion_length: int
+                       ) -> tuple[list[list[Rollout]], torch.Tensor, torch.Tensor]:
+        """Per group, its Rollouts from (token ids, loss mask, truncated) in group-major order matching `rewards`
+        [B]: group advantages (grpo.scale_rewards), the reward std TRL logs, loss weights over the WHOLE step
+        (`losses.token_weights`; truncated sequences masked out with grpo.mask_truncated_completions). Returns
+        (rollouts per group, advantages [B], reward_std [B])."""
+        g = self.config.grpo
+        groups = [gi for gi, group in enumerate(sequences) for _ in group]
+        advantages = group_advantages(rewards, groups, g.scale_rewards)
+        std = group_std(rewards, groups) if g.scale_rewards != "batch" else rewards.std().expand_as(rewards)
+        flat = [(ids, [m * float(not (g.mask_truncated_completions and cut)) for m in mask], gi)
+                for gi, group in enumerate(sequences) for ids, mask, cut in group]
+        weights = token_weights([mask for _, mask, _ in flat], g.loss_type,
+                                max_completion_length=max_completion_length)
+        rollouts = [[] for _ in sequences]
+        for (ids, mask, gi), w, adv in zip(flat, weights, advantages.tolist()):
+            rollouts[gi].append(Rollout(ids, mask, advantages=adv, weights=w, group=gi))
+        return rollouts, advantages, std
 
     def update(self, batch: Batch) -> dict:
         """The step's optimizer updates on `batch` (grpo.num_iterations, or ppo.num_ppo_epochs); returns the loss
@@ -331,7 +397,7 @@ class Trainer:
             return algorithms.reinforce_pp(rollouts, batch.rewards, cfg.grpo.beta, cfg.reinforce_pp.gamma)
         with self.autocast():
             values = replay_logprobs(self.critic, local, engine=cfg.engine, force=self.force).values
-        ended = [not s.truncated for group in batch.samples for s in group]
+        ended = [not cut for cut in batch.truncated]
         return algorithms.ppo(rollouts, batch.rewards, ended, values, cfg.ppo)
 
     def gspo_backward(self, local: list[RolloutTree], loss_fn: GRPOLoss, first: ReplayResult | None
@@ -436,25 +502,28 @@ class Trainer:
         t0 = time.perf_counter()
         try:
             batch = self.generate(step)
-        except RewardFunctionError as e:
+        except (RewardFunctionError, ItemError) as e:
             warnings.warn(f"step {step} skipped: {e}", RuntimeWarning, stacklevel=2)
             return None
         t1 = time.perf_counter()
         self.status(f"step {step}: training on {sum(map(len, batch.rollouts))} rollouts")
         metrics = self.update(batch)
         t2 = time.perf_counter()
-        lengths = [len(s.completion_ids) for group in batch.samples for s in group]
+        lengths = batch.lengths
         self.num_tokens += sum(len(r) for group in batch.rollouts for r in group)
+        timing = {"time/sample_model_s": t1 - t0 - batch.metrics["time/sample_env_s"]} if batch.trajectories else {}
         return {
             "step": step,
             "reward": batch.rewards.mean().item(),
             "reward_std": batch.reward_std.mean().item(),
             "frac_reward_zero_std": torch.isclose(batch.reward_std, torch.zeros(())).float().mean().item(),
             "completions/mean_length": sum(lengths) / len(lengths),
-            "completions/clipped_ratio": sum(s.truncated for g in batch.samples for s in g) / len(lengths),
+            "completions/clipped_ratio": sum(batch.truncated) / len(lengths),
             "num_tokens": self.num_tokens,
+            **batch.metrics,
             **metrics,
             "time/sample_s": t1 - t0,
+            **timing,
             "time/train_s": t2 - t1,  # the whole update, its no-grad passes (time/logprob_s) included
             "time/step_s": t2 - t0,
             "memory/peak_bytes": peak_memory_bytes(self.model.device),
@@ -650,7 +719,7 @@ class Trainer:
         with self.gathered(), self.autocast():
             return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.reward_fn,
                             progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"),
-                            ranks=self.ranks)
+                            ranks=self.ranks, env=self.env)
 
 
 # -- pieces ---------------------------------------------------------------------------------------------------------

@@ -1,30 +1,41 @@
 """Multi-turn rollouts with tree sampling across turns: trajectories that share their earlier turns.
 
 For one dataset item, the environment's opening messages are prefilled once. Turn t then samples
-`turn_branching[t]` assistant replies (1 past the list) from the conversation so far; each reply that called for
-an answer gets the environment's messages (`environments.Environment.step`), and its conversation goes on to
-turn t + 1. So with turn_branching (2, 4), 2 first replies are each continued 4 ways after their tool result: up to
-8 trajectories, which share the prompt, and in fours their first turn. The ids are built by `conversation.
+`turn_branching[t]` assistant replies (1 past the list; an entry may be a (depth, factor) schedule that also forks
+inside the turn, `sampling.turn_schedule`) from the conversation so far; each reply that called for an answer gets
+the environment's messages (`environments.Environment.step`), and its conversation goes on to turn t + 1. So with
+turn_branching (2, 4), 2 first replies are each continued 4 ways after their tool result: up to 8 trajectories,
+which share the prompt, and in fours their first turn. The ids are built by `conversation.
 Conversation` (assistant turns as sampled, environment turns as the template's delta), so shared turns are the same
 ids and `tree.RolloutTree` shares their nodes.
 
 KV caches: one per conversation prefix that continues. A child copies its parent's cache (`copy.deepcopy`) and
 prefills only its own new tokens (its reply and the environment's answer): the shared history is never run again.
 A trajectory ends when the environment says done, its reply was cut at sampling.max_new_tokens (no end-of-turn:
-`truncated`), it reached `max_turns` replies, or its next turn would pass `max_context_tokens`.
+`truncated`), it reached `max_turns` replies, or its next turn would pass `max_context_tokens` (the environment's
+answer that would not fit is dropped, so the trajectory ends with its last reply). A tool message longer than
+`max_tool_output_tokens` is cut to that many tokens with a marker before it enters the conversation. An item whose
+`reset` raises, or whose opening messages leave no room for a reply, raises `ItemError` (the trainer skips it).
+With a template that renders tools itself, the environment's `template_tools` (JSON schemas) go to the template.
 """
 
 from __future__ import annotations
 
 import copy
 import math
+import time
 from dataclasses import dataclass, field
 
 import torch
 
 from .conversation import Conversation
-from .environments import Environment
-from .sampling import SamplingConfig, prefill, sample_from
+from .environments import TRUNCATED, Environment
+from .sampling import SamplingConfig, prefill, sample_from, turn_schedule
+
+
+class ItemError(ValueError):
+    """A dataset item that cannot start a trajectory: the environment's reset raised, or the opening messages
+    leave no room for a reply under the context limit. The message names the item."""
 
 
 @dataclass
@@ -43,21 +54,45 @@ class Trajectory:
     ended_by: str = "done"  # done, truncated, max_turns or context
 
 
-@torch.no_grad()
-def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_branching: tuple[int, ...],
-                        config: SamplingConfig, eos_token_ids, generator: torch.Generator | None = None,
-                        max_turns: int = 4, max_context_tokens: int | None = None) -> list[Trajectory]:
-    """The trajectories of `item`, depth first (children of one turn consecutive), at most prod(turn_branching).
+@dataclass
+class Limits:
+    """When a trajectory stops growing (module docstring): assistant replies (>= 1), total tokens (None = no
+    limit), and the tokens one tool message may add (None = no cut)."""
 
-    Raises ValueError: max_turns < 1, a branching factor < 1, or an opening prompt that leaves no room for a reply
-    under `max_context_tokens`."""
-    if max_turns < 1 or any(f < 1 for f in turn_branching):
-        raise ValueError(f"max_turns ({max_turns}) and every turn_branching factor ({turn_branching}) must be >= 1")
-    start = Conversation.start(tokenizer, env.reset(item))
+    max_turns: int = 4
+    max_context_tokens: int | None = None
+    max_tool_output_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+
+
+@torch.no_grad()
+def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_branching: tuple,
+                        config: SamplingConfig, eos_token_ids, generator: torch.Generator | None = None,
+                        max_turns: int = 4, max_context_tokens: int | None = None,
+                        max_tool_output_tokens: int | None = None, timings: dict | None = None) -> list[Trajectory]:
+    """The trajectories of `item`, depth first (children of one turn consecutive), at most the product of the
+    turn_branching factors (`sampling.SamplingConfig.turn_branching`: ints or (depth, factor) schedules).
+
+    timings: when given, timings["env_s"] accumulates the seconds spent in the environment (reset, step,
+    final_reward), the rest of the call being the model's. Raises ItemError (reset failed, or the opening leaves no
+    room for a reply), ValueError for max_turns < 1."""
+    limits = Limits(max_turns, max_context_tokens, max_tool_output_tokens)
+    clock = _Clock(timings)
+    tools = getattr(env, "template_tools", None)
+    try:
+        with clock:
+            opening = env.reset(item)
+    except Exception as e:  # noqa: BLE001 (any failure of a user's reset skips its item)
+        raise ItemError(f"the environment's reset failed for item {_short(item)}: {type(e).__name__}: {e}") from e
+    start = Conversation.start(tokenizer, opening, tools=tools)
     limit = max_context_tokens or math.inf
     if len(start.ids) + config.max_new_tokens > limit:
-        raise ValueError(f"the opening messages take {len(start.ids)} tokens: with sampling.max_new_tokens "
-                         f"({config.max_new_tokens}) more than the context limit ({max_context_tokens})")
+        raise ItemError(f"the opening messages of item {_short(item)} take {len(start.ids)} tokens: with "
+                        f"sampling.max_new_tokens ({config.max_new_tokens}) more than the context limit "
+                        f"({max_context_tokens})")
     was_training = model.training
     model.eval()
     out: list[Trajectory] = []
@@ -66,11 +101,10 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
         todo = [(Trajectory(start, [0.0] * len(start.ids)), cache, logits)]
         while todo:
             parent, cache, logits = todo.pop()
-            f = turn_branching[parent.turns] if parent.turns < len(turn_branching) else 1
             prefix = len(parent.conversation.ids)
             # the decoding consumes its cache (rows forked and dropped): it gets a copy, the children need this one
-            samples = sample_from(model, copy.deepcopy(cache), logits, prefix, {0: f}, config, eos_token_ids,
-                                  generator)
+            samples = sample_from(model, copy.deepcopy(cache), logits, prefix, turn_schedule(turn_branching,
+                                  parent.turns), config, eos_token_ids, generator)
             children = []
             for sample in samples:
                 child = copy.deepcopy(parent)
@@ -78,9 +112,10 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
                 child.conversation.add_assistant(sample.completion_ids, text)
                 child.logprobs += sample.logprobs
                 child.turns += 1
-                nxt = _next(child, sample.truncated, env, item, tokenizer, max_turns, limit, config)
+                nxt = _next(child, sample.truncated, env, item, tokenizer, limits, config, clock, tools)
                 if nxt is None:
-                    child.reward = float(env.final_reward(child.conversation.messages, item))
+                    with clock:
+                        child.reward = float(env.final_reward(child.conversation.messages, item))
                     out.append(child)
                     continue
                 new = child.conversation.ids[prefix:]
@@ -92,14 +127,15 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
     return out
 
 
-def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, tokenizer, max_turns: int,
-          limit: float, config: SamplingConfig):
+def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, tokenizer, limits: Limits,
+          config: SamplingConfig, clock, tools):
     """Whether `child` goes on after its last reply: None when it ends (recorded in `ended_by`), else True after
     the environment's messages were appended."""
     if truncated:
         child.truncated, child.ended_by = True, "truncated"
         return None
-    response = env.step(child.conversation.messages, item)
+    with clock:
+        response = env.step(child.conversation.messages, item)
     child.tool_calls += response.tool_calls
     child.tool_errors += response.tool_errors
     if response.reward is not None:
@@ -107,16 +143,46 @@ def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, toke
     if response.done:
         child.ended_by = "done"
         return None
-    if child.turns >= max_turns:
+    if child.turns >= limits.max_turns:
         child.ended_by = "max_turns"
         return None
     before = len(child.conversation.ids)
-    child.conversation.add_environment(tokenizer, response.messages)
-    if len(child.conversation.ids) + config.max_new_tokens > limit:
+    messages = [_cut(m, tokenizer, limits.max_tool_output_tokens) for m in response.messages]
+    child.conversation.add_environment(tokenizer, messages, tools=tools)
+    if len(child.conversation.ids) + config.max_new_tokens > (limits.max_context_tokens or math.inf):
         child.ended_by = "context"
         child.conversation.ids = child.conversation.ids[:before]  # the environment's reply is not trained on
         child.conversation.loss_mask = child.conversation.loss_mask[:before]
-        child.conversation.messages = child.conversation.messages[: -len(response.messages)]
+        child.conversation.messages = child.conversation.messages[: -len(messages)]
         return None
     child.logprobs += [0.0] * (len(child.conversation.ids) - before)
     return True
+
+
+def _cut(message: dict, tokenizer, max_tokens: int | None) -> dict:
+    """A tool message whose content is longer than `max_tokens` tokens, cut there with the TRUNCATED marker."""
+    if max_tokens is None or message.get("role") != "tool":
+        return message
+    ids = tokenizer(str(message["content"]), add_special_tokens=False).input_ids
+    if len(ids) <= max_tokens:
+        return message
+    return {**message, "content": tokenizer.decode(ids[:max_tokens], skip_special_tokens=True) + TRUNCATED}
+
+
+class _Clock:
+    """Adds the seconds spent inside `with clock:` to timings["env_s"] (nothing when timings is None)."""
+
+    def __init__(self, timings: dict | None):
+        self.timings = timings
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.timings is not None:
+            self.timings["env_s"] = self.timings.get("env_s", 0.0) + time.perf_counter() - self.t0
+
+
+def _short(item: dict) -> str:
+    text = repr(item)
+    return text if len(text) <= 120 else text[:117] + "..."

@@ -1,0 +1,227 @@
+"""Multi-turn training (issue 13): the trainer over environment trajectories on a tiny Llama and a byte-level chat
+template. Checks: rollouts are the trajectories' ids with the loss on assistant tokens only, rewards combine the
+final and per-turn ones as configured, the gradient over the shared-turn trees equals each trajectory run alone,
+runs of GRPO and PPO train with the multi-turn metrics, a failing reset skips its item, tool output is cut to
+agent.max_tool_output_tokens, forks inside a turn, and a template with tool support renders the tools."""
+
+import json
+
+import pytest
+import torch
+
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.losses import GRPOLoss
+from branchreplay.rl.agent import AgentConfig, trajectory_reward
+from branchreplay.rl.config import Config
+from branchreplay.rl.environments import TRUNCATED, EnvResponse, ToolEnvironment
+from branchreplay.rl.sampling import SamplingConfig
+from branchreplay.rl.trainer import Trainer, accumulate, prompt_indices
+from branchreplay.rl.trajectories import sample_trajectories
+from branchreplay.tree import RolloutTree
+from conftest import grads
+from test_environments import EOS, TurnTokenizerWithDecode, _chatty_model
+
+ITEMS = [{"question": f"q{i}", "target": i % 3} for i in range(8)]
+
+
+class Counter:
+    """A user who answers "go on" until the third reply, reporting one tool call per turn (every other one failed);
+    per-turn reward 0.1 per reply; final reward: the number of assistant tokens' text length modulo 3 == target
+    (spread inside a group). reset fails for the item {"question": "broken"}."""
+
+    def reset(self, item):
+        if item["question"] == "broken":
+            raise KeyError("no such puzzle")
+        return [{"role": "user", "content": item["question"]}]
+
+    def step(self, messages, item):
+        n = sum(m["role"] == "assistant" for m in messages)
+        return EnvResponse([{"role": "user", "content": "go on"}], done=n >= 3, reward=0.1, tool_calls=1,
+                           tool_errors=n % 2)
+
+    def final_reward(self, messages, item):
+        text = "".join(m["content"] for m in messages if m["role"] == "assistant")
+        return float(len(text) % 3 == item["target"])
+
+
+def make_config(tmp_path, algorithm="grpo", **sections) -> Config:
+    data = {
+        "algorithm": algorithm,
+        "model": {"spec": "tiny:llama"},
+        "agent": {"environment": "tests.unused:Counter", "max_turns": 4},
+        "sampling": {"temperature": 1.0, "max_new_tokens": 8, "turn_branching": [2, 2]},
+        "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-2, "lr_scheduler": "constant"},
+        "train": {"steps": 2, "output_dir": str(tmp_path / "run"), "save_steps": 0, "eval_steps": -1},
+    }
+    for name, values in sections.items():
+        data.setdefault(name, {}).update(values)
+    return Config.from_dict(data)
+
+
+def make_trainer(config, items=ITEMS, dtype=torch.float32):
+    model = _chatty_model().to(dtype)
+    return Trainer(config, model=model, tokenizer=TurnTokenizerWithDecode(), train_data=items, eval_data=items[:3],
+                   env=Counter())
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def test_rollouts_rewards_and_groups_of_a_multi_turn_step(tmp_path):
+    config = make_config(tmp_path, agent={"turn_reward_weight": 0.5, "turn_reward_reduction": "mean"})
+    batch = make_trainer(config).generate(1)
+    assert len(batch.rollouts) == 2 and all(len(g) == 4 for g in batch.rollouts)
+    for group, trajectories in zip(batch.rollouts, batch.trajectories):
+        for r, t in zip(group, trajectories):
+            assert r.token_ids.tolist() == t.conversation.ids and t.turns == 3
+            assert r.loss_mask.tolist() == t.conversation.loss_mask  # assistant tokens only
+            assert r.group == group[0].group
+    flat = [t for g in batch.trajectories for t in g]
+    assert {len(t.turn_rewards) for t in flat} <= {2, 3}  # a third reply cut at max_new_tokens gets no answer
+    expected = torch.tensor([t.reward + 0.5 * sum(t.turn_rewards) / len(t.turn_rewards) for t in flat])
+    torch.testing.assert_close(batch.rewards, expected)
+    t = flat[0]
+    summed = trajectory_reward(t, AgentConfig(turn_reward_weight=2.0))
+    assert summed == pytest.approx(t.reward + 0.2 * len(t.turn_rewards))
+    for k, group in enumerate(batch.rollouts):  # the baseline is the item's group
+        rewards = batch.rewards[4 * k : 4 * k + 4]
+        if rewards.max() > rewards.min():
+            adv = torch.tensor([r.advantages[0] for r in group], dtype=torch.float32)
+            torch.testing.assert_close(adv, (rewards - rewards.mean()) / (rewards.std() + 1e-4))
+    calls = sum(len(t.turn_rewards) for t in flat)  # one call per answered turn, turns 1 and 3 failing
+    assert batch.metrics["turns/mean"] == 3.0 and batch.metrics["tool_calls/mean"] == calls / len(flat)
+    failed = sum(n % 2 for t in flat for n in range(1, len(t.turn_rewards) + 1))
+    assert batch.metrics["tool_calls/error_rate"] == pytest.approx(failed / calls)
+    done = sum(t.ended_by == "done" for t in flat) / len(flat)
+    assert batch.metrics["agent/ended_by/done"] == done and batch.metrics["time/sample_env_s"] >= 0
+    assert batch.truncated == [t.truncated for t in flat]
+
+
+def test_gradient_over_shared_turns_equals_each_trajectory_alone(tmp_path, keep64):
+    """The trees of a multi-turn step (whole earlier turns shared, loss mask with holes at environment turns) give
+    the naive per-trajectory gradient."""
+    trainer = make_trainer(make_config(tmp_path, grpo={"loss_type": "grpo"}), dtype=torch.float64)
+    keep64(trainer.model)
+    batch = trainer.generate(1)
+    trees = [RolloutTree(group) for group in batch.rollouts]
+    stats = sum((t.stats for t in trees[1:]), trees[0].stats)
+    prompt_only = sum(t.conversation.turn_starts[0] + sum(len(x.conversation.ids) - x.conversation.turn_starts[0]
+                                                          for x in g) for g in batch.trajectories for t in g[:1])
+    assert stats.physical_tokens < prompt_only  # whole first turns shared, not only the prompt
+    trainer.model.zero_grad(set_to_none=True)
+    accumulate(trainer.model, trees, GRPOLoss(), 0, temperature=1.0)
+    tree_grads = grads(trainer.model)
+    trainer.model.zero_grad(set_to_none=True)
+    naive_backward(trainer.model, [r for g in batch.rollouts for r in g], GRPOLoss(), temperature=1.0)
+    err = max_rel_grad_err(tree_grads, grads(trainer.model))
+    assert err <= 1e-9, f"multi-turn trees vs naive: max relative grad error {err:.3e}"
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+def test_multi_turn_runs_train_and_log(tmp_path, algorithm):
+    config = make_config(tmp_path, algorithm, train={"eval_steps": 0})
+    trainer = make_trainer(config)
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    run = trainer.fit()
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert records[0]["step"] == 0 and "eval/turns_mean" in records[0] and records[0]["eval/skipped"] == 0
+    step = records[1]
+    for key in ("turns/mean", "tool_calls/mean", "tool_calls/error_rate", "tree/token_ratio", "time/sample_env_s",
+                "time/sample_model_s", "completions/mean_length"):
+        assert key in step, key
+    assert step["tree/token_ratio"] > 1.0
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+
+
+def test_failing_reset_skips_the_item_and_an_all_failed_step(tmp_path):
+    items = [{"question": "broken", "target": 0}, *ITEMS]
+    config = make_config(tmp_path, grpo={"prompts_per_step": 2})
+    trainer = make_trainer(config, items=items)
+    step = next(s for s in range(1, 20) if 0 in prompt_indices(len(items), 2, 0, s))
+    with pytest.warns(RuntimeWarning, match="no such puzzle"):
+        batch = trainer.generate(step)
+    assert len(batch.rollouts) == 1
+    only_broken = make_trainer(config, items=[items[0]])
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        assert only_broken.train_step(1) is None
+
+
+def test_tool_output_cut_and_forks_inside_a_turn():
+    def echo(text: str) -> str:
+        """Repeat the text many times.
+
+        Args:
+            text: what to repeat
+        """
+        return text * 50
+
+    class Caller(ToolEnvironment):  # the first reply always "calls" the tool, whatever the model wrote
+        def step(self, messages, item):
+            if sum(m["role"] == "assistant" for m in messages) == 1:
+                messages = [*messages[:-1], {"role": "assistant",
+                                             "content": '<tool_call>{"name": "echo", "arguments": {"text": "ab"}}'
+                                                        "</tool_call>"}]
+            return super().step(messages, item)
+
+    env = Caller([echo], "s", reward=lambda m, i: 0.0)
+    tok, model = TurnTokenizerWithDecode(), _chatty_model()
+    config = SamplingConfig(temperature=1.0, max_new_tokens=8)
+    out = sample_trajectories(model, tok, env, {"question": "q"}, (1,), config, {EOS},
+                              torch.Generator().manual_seed(0), max_turns=2, max_tool_output_tokens=5)
+    tool = [m for m in out[0].conversation.messages if m["role"] == "tool"][0]
+    assert tool["content"] == "ababa" + TRUNCATED
+    forked = sample_trajectories(model, tok, Counter(), {"question": "q", "target": 0}, (((0, 2), (3, 2)),),
+                                 SamplingConfig(temperature=1.0, max_new_tokens=12), {EOS},
+                                 torch.Generator().manual_seed(0), max_turns=1)
+    starts = forked[0].conversation.turn_starts[0]
+    first = [t.conversation.ids[starts : starts + 3] for t in forked]
+    assert len(forked) == 4 and first[0] == first[1] and first[2] == first[3]
+
+
+def test_a_template_with_tool_support_renders_the_tools():
+    class ToolTemplate(TurnTokenizerWithDecode):
+        def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True, tools=None):
+            head = "T:" + ",".join(t["function"]["name"] for t in tools) + "$\n" if tools else ""
+            return head + super().apply_chat_template(messages, tokenize, add_generation_prompt)
+
+    def add(a: int, b: int) -> int:
+        """Add two integers.
+
+        Args:
+            a: the first
+            b: the second
+        """
+        return a + b
+
+    plain, native = (ToolEnvironment([add], "calc", reward=lambda m, i: 0.0) for _ in range(2))
+    plain.bind(TurnTokenizerWithDecode())
+    native.bind(ToolTemplate())
+    assert plain.template_tools is None and '"name": "add"' in plain.system_prompt
+    assert native.template_tools == native.schemas and '"name": "add"' not in native.system_prompt
+    out = sample_trajectories(_chatty_model(), ToolTemplate(), native, {"question": "q"}, (1,),
+                              SamplingConfig(max_new_tokens=4), {EOS}, torch.Generator().manual_seed(0))
+    assert out[0].conversation.ids[:6] == ToolTemplate()("T:add$").input_ids
+
+
+def test_multi_turn_config_errors():
+    base = {"agent": {"environment": "calculator"}}
+    with pytest.raises(ValueError, match="set agent.environment"):
+        Config.from_dict({"sampling": {"turn_branching": [2, 4]}})
+    with pytest.raises(ValueError, match="make them equal"):
+        Config.from_dict({**base, "sampling": {"turn_branching": [2, 3]}})
+    with pytest.raises(ValueError, match="unset sampling.branching"):
+        Config.from_dict({**base, "sampling": {"branching": [[0, 8]]}})
+    with pytest.raises(ValueError, match=r"turn_branching\[1\]"):
+        Config.from_dict({**base, "sampling": {"turn_branching": [2, [[0, 2], [0, 2]]]}})
+    with pytest.raises(ValueError, match="agent.environment='calc'"):
+        Config.from_dict({"agent": {"environment": "calc"}})
+    with pytest.raises(ValueError, match="agent.max_turns"):
+        Config.from_dict({"agent": {"max_turns": 0}})
+    ok = Config.from_dict({**base, "sampling": {"turn_branching": [[[0, 2], [16, 2]], 2]}})
+    assert ok.sampling.turn_branching == (((0, 2), (16, 2)), 2)
+    assert Config.from_dict(ok.to_dict()) == ok
