@@ -240,3 +240,25 @@ def test_bench_loss_cli_refuses_what_it_would_ignore(capsys):
 
     assert main(["bench", "--loss", "dpo", "--nproc", "2"]) == 2
     assert "drop --nproc" in capsys.readouterr().err
+
+
+def test_recorded_trajectories_bench_per_item_trees(capsys, tmp_path):
+    """bench --scenario multi-turn --trajectories: the recorded file's trajectories, one tree per item (as the
+    trainer builds them), every method exact; ids past the model's vocabulary are refused by name."""
+    g = torch.Generator().manual_seed(0)
+    first = [{"item": 0, "ids": ids, "loss_mask": mask}  # 3 trajectories sharing their prompt and first turns
+             for ids, mask in agent_trajectories(10, 2, 4, 3, (3, 1), 2048, g)[:3]]
+    rows = first + [{**r, "item": 1} for r in first]  # a second item that opens (and goes on) the same way
+    path = tmp_path / "t.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["bench", "--scenario", "multi-turn", "--trajectories", str(path), "--threads", "1", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    by = {r["method"]: r for r in out["rows"]}
+    assert set(by) == set(METHODS) and all(r["max_rel_grad_err"] <= 1e-4 for r in by.values())
+    assert by["branchreplay"]["label"] == "recorded t.jsonl" and by["branchreplay"]["rollouts"] == 6
+    one_item = RolloutTree([Rollout(r["ids"], r["loss_mask"]) for r in first]).stats.physical_tokens
+    assert by["branchreplay"]["physical_tokens"] == 2 * one_item  # per-item trees: nothing shared across items
+    path.write_text(json.dumps({"ids": [5000], "loss_mask": [1]}) + "\n")
+    assert main(["bench", "--scenario", "multi-turn", "--trajectories", str(path)]) == 2
+    assert "another tokenizer" in capsys.readouterr().err
+    assert main(["bench", "--loss", "ppo", "--trajectories", str(path)]) == 2

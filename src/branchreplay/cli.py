@@ -169,6 +169,10 @@ def _fork_schedule(text: str) -> list[tuple[int, int]]:
 
 
 def _bench(args) -> int:
+    if (args.model or args.trajectories) and (args.loss != "grpo" or args.nproc > 1):
+        print("error: --model and --trajectories run with --loss grpo in one process: drop --nproc and --loss",
+              file=sys.stderr)
+        return 2
     if args.loss != "grpo":
         return _bench_objective(args)
     if args.nproc > 1:
@@ -183,11 +187,13 @@ def _bench(args) -> int:
         else:
             names = list(SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
             scenarios = scenario_grid(names, args.prompt_tokens, args.generations, args.response_tokens, args.turns,
-                                      args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule)
+                                      args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule,
+                                      args.trajectories)
             options = BenchOptions(dtype=DTYPES[args.dtype], device=args.device, seed=args.seed,
                                    methods=tuple(args.methods.split(",")), max_seconds=args.max_naive_seconds,
                                    max_memory_bytes=int(args.max_memory_gib * 2**30) if args.max_memory_gib else None,
-                                   prompt_sharing=args.prompt_sharing, repeats=args.repeats, threads=args.threads)
+                                   prompt_sharing=args.prompt_sharing, repeats=args.repeats, threads=args.threads,
+                                   model=args.model)
             # progress on stderr; stdout carries only the table or the JSON
             result = run_bench(scenarios, options, log=lambda msg: print(msg, file=sys.stderr, flush=True))
     except (OSError, ValueError, ImportError) as e:
@@ -322,6 +328,11 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--tool-tokens", type=int, default=64, help="multi-turn: tokens per tool output (not trained)")
     b.add_argument("--branching", type=_int_list, default=[2, 1, 3],
                    help="multi-turn: fan-outs cycled over the partial trajectories at each turn (uneven tree)")
+    b.add_argument("--trajectories", metavar="FILE.jsonl",
+                   help="multi-turn: trajectories recorded from a real environment (scripts/record_trajectories.py) "
+                        "instead of synthetic ones; bench them with the model that sampled them (--model)")
+    b.add_argument("--model", default=None,
+                   help="grpo: a model spec (e.g. smollm2) instead of the tiny bench Llama")
     b.add_argument("--fork-schedule", type=_fork_schedule, default=[(0, 2), (32, 4)],
                    help="tree-sampled: depth:fanout pairs in response tokens (default 0:2,32:4: 8 responses)")
     b.add_argument("--methods", default="naive,padded,prompt-sharing,branchreplay",

@@ -44,7 +44,7 @@ from ..check.shapes import make_rollouts, shared_prompt
 from ..engine import replay_backward
 from ..engine.planner import available_memory_bytes
 from ..losses import GRPOLoss
-from ..models import tiny_model
+from ..models import load_model, tiny_model
 from ..tree import Rollout, RolloutTree
 from . import flops as F
 from .baselines import (
@@ -52,11 +52,12 @@ from .baselines import (
     padded_backward,
     padded_peak_bytes,
     prefix_grouper_version,
+    prompt_groups,
     prompt_sharing_backward,
     prompt_sharing_peak_bytes,
 )
 from .measure import Measured, measure, tree_build_seconds
-from .scenarios import Scenario
+from .scenarios import Scenario, recorded_items
 
 BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=688, vocab_size=2048, max_position_embeddings=65_536)
@@ -78,6 +79,8 @@ class BenchOptions:
     repeats: timed runs of each full-size method; the minimum time and the maximum peak are kept.
     threads: torch intra-op threads for the run (restored after); None leaves torch's setting. On a machine whose
         cores are oversubscribed, 1 thread can be many times faster than 2 (OpenMP workers wait on each other).
+    model: a model spec (`models.load_model`, e.g. "smollm2") instead of the tiny bench model; the synthetic
+        scenarios draw ids in its vocabulary, recorded trajectories must come from its tokenizer.
     """
 
     dtype: torch.dtype = torch.float32
@@ -89,6 +92,7 @@ class BenchOptions:
     prompt_sharing: str = "auto"
     repeats: int = 1
     threads: int | None = None
+    model: str | None = None
 
     def __post_init__(self):
         unknown = set(self.methods) - set(METHODS)
@@ -121,7 +125,13 @@ class Bench:
     def __init__(self, options: BenchOptions):
         self.o = options
         self.device = torch.device(options.device)
-        self.model = tiny_model("llama", dtype=options.dtype, seed=options.seed, **BENCH_MODEL).to(self.device)
+        if options.model is None:
+            self.model = tiny_model("llama", dtype=options.dtype, seed=options.seed, **BENCH_MODEL)
+            self.label = MODEL_LABEL
+        else:
+            self.model = load_model(options.model, dtype=options.dtype)[0]
+            self.label = options.model
+        self.model = self.model.to(self.device)
         self.shape = F.ModelShape.of(self.model)
         self.loss = GRPOLoss()
         self.max_bytes = options.max_memory_bytes or int(0.6 * (available_memory_bytes(self.device) or 2**62))
@@ -145,7 +155,7 @@ class Bench:
             return padded_backward(self.model, rollouts, self.loss)
         if method == "prompt-sharing":
             return prompt_sharing_backward(self.model, rollouts, self.loss, impl=self.ps_impl)
-        return replay_backward(self.model, RolloutTree(rollouts), self.loss)
+        return replay_backward(self.model, trees_of(rollouts), self.loss)
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
@@ -158,7 +168,7 @@ class Bench:
             return F.padded_work(rollouts)
         if method == "prompt-sharing":
             return F.prompt_sharing_work(rollouts)
-        return F.tree_work(RolloutTree(rollouts))
+        return sum((F.tree_work(t) for t in trees_of(rollouts)), F.NOTHING)
 
     def peak_model(self, method: str, rollouts: list[Rollout]) -> int | None:
         if method == "padded":
@@ -267,7 +277,11 @@ class Bench:
     def config(self, scenario: Scenario, log=None) -> list[dict]:
         g = torch.Generator().manual_seed(self.o.seed)
         rollouts = make_rollouts(scenario.sequences(self.model.config.vocab_size, g), g)
-        stats = RolloutTree(rollouts).stats
+        if scenario.trajectories is not None:  # one tree per recorded item, as the trainer's
+            for r, item in zip(rollouts, recorded_items(scenario.trajectories)):
+                r.group = item
+        trees = trees_of(rollouts)
+        stats = sum((t.stats for t in trees[1:]), trees[0].stats)
         works = {m: self.work(m, rollouts) for m in self.methods}
         flops = {m: w.flops(self.shape) for m, w in works.items()}
         runs: dict[str, _Run] = {}
@@ -328,6 +342,18 @@ class Bench:
         return rows
 
 
+def trees_of(rollouts: list[Rollout]) -> list[RolloutTree]:
+    """One tree per group, as the trainer builds one per prompt or item: by `Rollout.group` when every rollout has
+    one (recorded trajectories: their item; two items may open with the same messages, and their trajectories then
+    share nothing here, as in training), else per distinct prompt (`baselines.prompt_groups`)."""
+    if all(r.group is not None for r in rollouts):
+        groups: dict = {}
+        for r in rollouts:
+            groups.setdefault(r.group, []).append(r)
+        return [RolloutTree(members) for members in groups.values()]
+    return [RolloutTree([rollouts[i] for i in members]) for _, members in prompt_groups(rollouts)]
+
+
 def run_bench(scenarios: list[Scenario], options: BenchOptions = BenchOptions(), log=None) -> dict:
     """Every method of `options` on every scenario configuration, after one warm-up. Returns one dict:
     run-wide fields and `rows`, one per (configuration, method) (keys in the module docstring and `Bench.config`)."""
@@ -348,7 +374,7 @@ def run_bench(scenarios: list[Scenario], options: BenchOptions = BenchOptions(),
 
 def _result(options: BenchOptions, bench: Bench, rows: list[dict]) -> dict:
     return {
-        "model": MODEL_LABEL,
+        "model": bench.label,
         "dtype": str(options.dtype).replace("torch.", ""),
         "device": str(bench.device),
         "threads": torch.get_num_threads(),

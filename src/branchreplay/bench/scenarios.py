@@ -4,7 +4,9 @@ tree-sampled responses from a branching schedule; `Scenario` is one configuratio
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 
@@ -39,6 +41,25 @@ def agent_trajectories(prompt_tokens: int, turns: int, reply_tokens: int, tool_t
     return paths
 
 
+def recorded_trajectories(path: str | Path, vocab: int) -> list[Sequence]:
+    """The (ids, loss mask) of trajectories recorded from a real environment (`scripts/record_trajectories.py`: one
+    JSON object per line with "ids" and "loss_mask"). Raises ValueError for a file without trajectories, or ids the
+    model's vocabulary (`vocab`) does not hold (recorded with another tokenizer: pass its model with --model)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    if not rows:
+        raise ValueError(f"{path} holds no trajectories")
+    top = max(max(r["ids"]) for r in rows)
+    if top >= vocab:
+        raise ValueError(f"{path} holds token id {top}, past the model's vocabulary ({vocab}): it was recorded "
+                         "with another tokenizer; bench it with that model (--model)")
+    return [(r["ids"], r["loss_mask"]) for r in rows]
+
+
+def recorded_items(path: str | Path) -> list:
+    """The item (group) of each recorded trajectory, in file order; None where a row has none."""
+    return [json.loads(line).get("item") for line in Path(path).read_text().splitlines() if line.strip()]
+
+
 def tree_sampled(prompt_tokens: int, response_tokens: int, schedule: tuple[tuple[int, int], ...], vocab: int,
                  g: torch.Generator) -> list[Sequence]:
     """Responses sampled on a branching schedule: one prompt of `prompt_tokens`, every response `response_tokens`
@@ -65,7 +86,8 @@ class Scenario:
     """One benchmark configuration. Sizes in tokens; the fields a scenario does not use are None.
 
     shared-prompt: prompt_tokens, generations, response_tokens.
-    multi-turn: prompt_tokens, turns, reply_tokens, tool_tokens, branching (see `agent_trajectories`).
+    multi-turn: prompt_tokens, turns, reply_tokens, tool_tokens, branching (see `agent_trajectories`); or
+        `trajectories`, a file of recorded ones (`recorded_trajectories`; the sizes are then None).
     tree-sampled: prompt_tokens, response_tokens, fork_schedule ((depth, fan-out), ...; `tree_sampled`).
     """
 
@@ -78,8 +100,11 @@ class Scenario:
     tool_tokens: int | None = None
     branching: tuple[int, ...] | None = None
     fork_schedule: tuple[tuple[int, int], ...] | None = None
+    trajectories: str | None = None
 
     def sequences(self, vocab: int, g: torch.Generator):
+        if self.trajectories is not None:
+            return recorded_trajectories(self.trajectories, vocab)
         if self.name == "shared-prompt":
             return shared_prompt(self.prompt_tokens, self.generations, self.response_tokens, vocab, g)
         if self.name == "multi-turn":
@@ -93,6 +118,8 @@ class Scenario:
     def label(self) -> str:
         if self.name == "shared-prompt":
             return f"P={self.prompt_tokens} G={self.generations} R={self.response_tokens}"
+        if self.trajectories is not None:
+            return f"recorded {Path(self.trajectories).name}"
         if self.name == "multi-turn":
             b = ",".join(map(str, self.branching))
             return (f"P={self.prompt_tokens} turns={self.turns} reply={self.reply_tokens} "
@@ -103,10 +130,11 @@ class Scenario:
 
 def scenario_grid(names=("shared-prompt",), prompt_tokens=None, generations=(8,), response_tokens=(128,),
                   turns=(4,), reply_tokens: int = 96, tool_tokens: int = 64, branching=(2, 1, 3),
-                  fork_schedule=((0, 2), (32, 4))) -> list[Scenario]:
+                  fork_schedule=((0, 2), (32, 4)), trajectories: str | None = None) -> list[Scenario]:
     """Every combination of the listed sizes, per scenario: shared-prompt over prompt_tokens x generations x
     response_tokens, multi-turn over prompt_tokens x turns, tree-sampled over prompt_tokens x response_tokens.
-    prompt_tokens None: each scenario's default (DEFAULT_PROMPT_TOKENS)."""
+    prompt_tokens None: each scenario's default (DEFAULT_PROMPT_TOKENS). `trajectories`: multi-turn is the one
+    configuration of that recorded file instead."""
     out = []
     for name in names:
         if name not in SCENARIOS:
@@ -115,6 +143,8 @@ def scenario_grid(names=("shared-prompt",), prompt_tokens=None, generations=(8,)
         if name == "shared-prompt":
             out += [Scenario(name, P, generations=G, response_tokens=R)
                     for P, G, R in itertools.product(ps, generations, response_tokens)]
+        elif name == "multi-turn" and trajectories is not None:
+            out.append(Scenario(name, 0, trajectories=str(trajectories)))
         elif name == "multi-turn":
             out += [Scenario(name, P, turns=t, reply_tokens=reply_tokens, tool_tokens=tool_tokens,
                              branching=tuple(branching)) for P, t in itertools.product(ps, turns)]
