@@ -36,3 +36,13 @@ def keep64():
 def tiny64(keep64):
     """tiny64(arch, dtype=torch.float64, **config) -> `tiny_model(arch, dtype, **config)` under `keep64`."""
     return lambda arch, dtype=torch.float64, **config: keep64(tiny_model(arch, dtype=dtype, **config))
+
+
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test (restored after): tiny matrices run fastest so, and much faster when other
+    processes keep the cores busy. Modules use it with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

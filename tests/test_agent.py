@@ -13,6 +13,7 @@ from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.losses import GRPOLoss
 from branchreplay.rl.agent import AgentConfig, trajectory_reward
 from branchreplay.rl.config import Config
+from branchreplay.rl.conversation import Conversation
 from branchreplay.rl.environments import TRUNCATED, EnvResponse, ToolEnvironment
 from branchreplay.rl.sampling import SamplingConfig
 from branchreplay.rl.trainer import Trainer, accumulate, prompt_indices
@@ -27,7 +28,7 @@ ITEMS = [{"question": f"q{i}", "target": i % 3} for i in range(8)]
 class Counter:
     """A user who answers "go on" until the third reply, reporting one tool call per turn (every other one failed);
     per-turn reward 0.1 per reply; final reward: the number of assistant tokens' text length modulo 3 == target
-    (spread inside a group). reset fails for the item {"question": "broken"}."""
+    (spread inside a group). reset fails for the item {"question": "broken"}, step for {"question": "bad step"}."""
 
     def reset(self, item):
         if item["question"] == "broken":
@@ -35,6 +36,8 @@ class Counter:
         return [{"role": "user", "content": item["question"]}]
 
     def step(self, messages, item):
+        if item["question"] == "bad step":
+            raise RuntimeError("the puzzle server is down")
         n = sum(m["role"] == "assistant" for m in messages)
         return EnvResponse([{"role": "user", "content": "go on"}], done=n >= 3, reward=0.1, tool_calls=1,
                            tool_errors=n % 2)
@@ -64,12 +67,7 @@ def make_trainer(config, items=ITEMS, dtype=torch.float32):
                    env=Counter())
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_rollouts_rewards_and_groups_of_a_multi_turn_step(tmp_path):
@@ -80,7 +78,7 @@ def test_rollouts_rewards_and_groups_of_a_multi_turn_step(tmp_path):
         for r, t in zip(group, trajectories):
             assert r.token_ids.tolist() == t.conversation.ids and t.turns == 3
             assert r.loss_mask.tolist() == t.conversation.loss_mask  # assistant tokens only
-            assert r.group == group[0].group
+    assert [{r.group for r in group} for group in batch.rollouts] == [{0}, {1}]  # one group per item
     flat = [t for g in batch.trajectories for t in g]
     assert {len(t.turn_rewards) for t in flat} <= {2, 3}  # a third reply cut at max_new_tokens gets no answer
     expected = torch.tensor([t.reward + 0.5 * sum(t.turn_rewards) / len(t.turn_rewards) for t in flat])
@@ -88,14 +86,21 @@ def test_rollouts_rewards_and_groups_of_a_multi_turn_step(tmp_path):
     t = flat[0]
     summed = trajectory_reward(t, AgentConfig(turn_reward_weight=2.0))
     assert summed == pytest.approx(t.reward + 0.2 * len(t.turn_rewards))
+    spread = 0
     for k, group in enumerate(batch.rollouts):  # the baseline is the item's group
         rewards = batch.rewards[4 * k : 4 * k + 4]
+        adv = torch.tensor([r.advantages[0] for r in group], dtype=torch.float32)
         if rewards.max() > rewards.min():
-            adv = torch.tensor([r.advantages[0] for r in group], dtype=torch.float32)
+            spread += 1
             torch.testing.assert_close(adv, (rewards - rewards.mean()) / (rewards.std() + 1e-4))
-    calls = sum(len(t.turn_rewards) for t in flat)  # one call per answered turn, turns 1 and 3 failing
+        else:
+            assert not adv.any()
+    assert spread >= 1, "no group with different rewards: the advantage check did not run"
+    # the calls counted are those whose results the model read: one per "go on" answer, the 1st and 3rd failing
+    read = [sum(m["content"] == "go on" for m in t.conversation.messages) for t in flat]
+    calls = sum(read)
     assert batch.metrics["turns/mean"] == 3.0 and batch.metrics["tool_calls/mean"] == calls / len(flat)
-    failed = sum(n % 2 for t in flat for n in range(1, len(t.turn_rewards) + 1))
+    failed = sum(n % 2 for r in read for n in range(1, r + 1))
     assert batch.metrics["tool_calls/error_rate"] == pytest.approx(failed / calls)
     done = sum(t.ended_by == "done" for t in flat) / len(flat)
     assert batch.metrics["agent/ended_by/done"] == done and batch.metrics["time/sample_env_s"] >= 0
@@ -122,7 +127,7 @@ def test_gradient_over_shared_turns_equals_each_trajectory_alone(tmp_path, keep6
     assert err <= 1e-9, f"multi-turn trees vs naive: max relative grad error {err:.3e}"
 
 
-@pytest.mark.parametrize("algorithm", ["grpo", "ppo"])
+@pytest.mark.parametrize("algorithm", ["grpo", "ppo", "rloo", "reinforce_pp"])
 def test_multi_turn_runs_train_and_log(tmp_path, algorithm):
     config = make_config(tmp_path, algorithm, train={"eval_steps": 0})
     trainer = make_trainer(config)
@@ -138,17 +143,45 @@ def test_multi_turn_runs_train_and_log(tmp_path, algorithm):
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
 
 
-def test_failing_reset_skips_the_item_and_an_all_failed_step(tmp_path):
-    items = [{"question": "broken", "target": 0}, *ITEMS]
+def test_resume_equals_a_straight_run(tmp_path):
+    straight = make_trainer(make_config(tmp_path / "a"))
+    straight.fit()
+    first = make_trainer(make_config(tmp_path / "b", train={"steps": 1}))
+    run = first.fit()
+    resumed = make_trainer(make_config(tmp_path / "b"))
+    resumed.fit(resume=run)
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("broken, message", [({"question": "broken", "target": 0}, "no such puzzle"),
+                                             ({"question": "bad step", "target": 0}, "puzzle server is down")])
+def test_failing_environment_skips_the_item_and_an_all_failed_step(tmp_path, broken, message):
+    items = [broken, *ITEMS]
     config = make_config(tmp_path, grpo={"prompts_per_step": 2})
     trainer = make_trainer(config, items=items)
     step = next(s for s in range(1, 20) if 0 in prompt_indices(len(items), 2, 0, s))
-    with pytest.warns(RuntimeWarning, match="no such puzzle"):
+    with pytest.warns(RuntimeWarning, match=message):
         batch = trainer.generate(step)
     assert len(batch.rollouts) == 1
-    only_broken = make_trainer(config, items=[items[0]])
+    only_broken = make_trainer(config, items=[broken])
     with pytest.warns(RuntimeWarning, match="skipped"):
         assert only_broken.train_step(1) is None
+    with pytest.warns(RuntimeWarning, match=message):
+        metrics = make_trainer(config, items=[broken, ITEMS[0]]).evaluate()  # eval_data = the first 3 items
+    assert metrics["eval/skipped"] == 1 and metrics["eval/turns_mean"] > 0
+
+
+def test_a_reply_ending_on_another_eos_id_ends_the_trajectory():
+    """A model whose generation config adds EOS ids (Qwen's <|endoftext|>, Llama 3.1's <|eom_id|>): a reply that
+    stops on one of them is not the template's end of turn, so no environment turn follows it."""
+    others = set(range(3, 256))  # every text id also ends a reply: most replies end on one of them
+    out = sample_trajectories(_chatty_model(), TurnTokenizerWithDecode(), Counter(), ITEMS[0], (4,),
+                              SamplingConfig(temperature=1.0, max_new_tokens=8), {EOS} | others,
+                              torch.Generator().manual_seed(0), max_turns=3)
+    ends = {t.ended_by for t in out}
+    assert "end_of_sequence" in ends and ends <= {"end_of_sequence", "done"}
+    assert all(t.conversation.ids[-1] in others for t in out if t.ended_by == "end_of_sequence")
 
 
 def test_tool_output_cut_and_forks_inside_a_turn():
@@ -206,6 +239,13 @@ def test_a_template_with_tool_support_renders_the_tools():
     out = sample_trajectories(_chatty_model(), ToolTemplate(), native, {"question": "q"}, (1,),
                               SamplingConfig(max_new_tokens=4), {EOS}, torch.Generator().manual_seed(0))
     assert out[0].conversation.ids[:6] == ToolTemplate()("T:add$").input_ids
+    tok = ToolTemplate()  # later turns' deltas under the tools too: the ids equal the rendering with them
+    conv = Conversation.start(tok, [{"role": "user", "content": "2+3?"}], tools=native.schemas)
+    conv.add_assistant(tok("call add").input_ids + [EOS], "call add")
+    conv.add_environment(tok, [{"role": "tool", "content": "5"}], tools=native.schemas)
+    conv.add_assistant(tok("it is 5").input_ids + [EOS], "it is 5")
+    rendered = tok(tok.apply_chat_template(conv.messages, add_generation_prompt=False, tools=native.schemas))
+    assert conv.ids == rendered.input_ids[: len(conv.ids)] and conv.ids[:6] == tok("T:add$").input_ids
 
 
 def test_multi_turn_config_errors():
@@ -222,6 +262,12 @@ def test_multi_turn_config_errors():
         Config.from_dict({"agent": {"environment": "calc"}})
     with pytest.raises(ValueError, match="agent.max_turns"):
         Config.from_dict({"agent": {"max_turns": 0}})
+    with pytest.raises(ValueError, match="the later forks would never happen"):
+        Config.from_dict({"agent": {"environment": "calculator", "max_turns": 1},
+                          "sampling": {"turn_branching": [2, 4]}})
+    with pytest.raises(ValueError, match="leaves no room for a reply"):
+        Config.from_dict({"agent": {"environment": "calculator", "max_context_tokens": 64},
+                          "sampling": {"max_new_tokens": 64}})
     ok = Config.from_dict({**base, "sampling": {"turn_branching": [[[0, 2], [16, 2]], 2]}})
     assert ok.sampling.turn_branching == (((0, 2), (16, 2)), 2)
     assert Config.from_dict(ok.to_dict()) == ok

@@ -68,13 +68,7 @@ def make_trainer(config, dtype=torch.float32, reward_fn=byte_reward, model=None)
                    reward_fn=reward_fn)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny matrices: one thread is fastest, and much faster when other processes keep the cores busy."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 

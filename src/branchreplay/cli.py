@@ -173,6 +173,9 @@ def _bench(args) -> int:
         print("error: --model and --trajectories run with --loss grpo in one process: drop --nproc and --loss",
               file=sys.stderr)
         return 2
+    if args.trajectories and args.scenario != "multi-turn":
+        print("error: --trajectories are a multi-turn scenario's rollouts: pass --scenario multi-turn", file=sys.stderr)
+        return 2
     if args.loss != "grpo":
         return _bench_objective(args)
     if args.nproc > 1:

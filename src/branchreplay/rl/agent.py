@@ -46,12 +46,14 @@ class AgentConfig:
         "keyword arguments of the environment's class (guess_number: low, high; a user class: its own)"))
     max_turns: int = field(default=4, metadata=help_of("assistant replies per trajectory at most, >= 1"))
     max_context_tokens: int | None = field(default=None, metadata=help_of(
-        "a trajectory's total tokens at most (prompt, replies and environment turns; a turn that would pass it is "
-        "not started), >= 1; null = the model's max_position_embeddings"))
+        "a trajectory's total tokens at most (prompt, replies and environment turns), > sampling.max_new_tokens: a "
+        "reply is started only when sampling.max_new_tokens more tokens fit; null = the model's "
+        "max_position_embeddings"))
     max_tool_output_tokens: int | None = field(default=256, metadata=help_of(
         "tokens of one tool message at most, >= 1, cut with a marker; null = no cut"))
     tool_timeout_s: float = field(default=5.0, metadata=help_of(
-        "seconds a built-in tool call may run, > 0; past it the model reads an error"))
+        "seconds a calculator tool call may run, > 0; past it the model reads an error (a user ToolEnvironment takes "
+        "its own timeout_s in environment_kwargs)"))
     turn_reward_weight: float = field(default=1.0, metadata=help_of(
         "weight of the per-turn rewards in a trajectory's reward: final + weight x reduction(turn rewards)"))
     turn_reward_reduction: TurnRewardReduction = field(default="sum", metadata=help_of(
@@ -116,13 +118,14 @@ def context_limit(config: AgentConfig, model) -> int | None:
 def trajectory_metrics(groups: list[list[Trajectory]]) -> dict:
     """turns/mean, tool_calls/mean (per trajectory), tool_calls/error_rate (failed calls over calls; 0 without
     calls), agent/trajectories (the step's count: groups shrink when trajectories end early) and the fraction of
-    trajectories by how they ended (agent/ended_by/<done | truncated | max_turns | context>)."""
+    trajectories by how they ended (agent/ended_by/<done | truncated | end_of_sequence | max_turns | context>;
+    `trajectories.Trajectory.ended_by`)."""
     flat = [t for g in groups for t in g]
     n = max(len(flat), 1)
     calls = sum(t.tool_calls for t in flat)
     out = {"turns/mean": sum(t.turns for t in flat) / n, "tool_calls/mean": calls / n, "agent/trajectories": len(flat),
            "tool_calls/error_rate": sum(t.tool_errors for t in flat) / calls if calls else 0.0}
-    for reason in ("done", "truncated", "max_turns", "context"):
+    for reason in ("done", "truncated", "end_of_sequence", "max_turns", "context"):
         out[f"agent/ended_by/{reason}"] = sum(t.ended_by == reason for t in flat) / n
     return out
 

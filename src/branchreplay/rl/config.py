@@ -377,6 +377,14 @@ class Config:
             raise ValueError(
                 f"sampling.turn_branching={_plain(self.sampling.turn_branching)} makes up to {product} trajectories "
                 f"per item but grpo.num_generations={self.grpo.num_generations}: make them equal")
+        if len(self.sampling.turn_branching) > self.agent.max_turns:
+            raise ValueError(f"sampling.turn_branching has {len(self.sampling.turn_branching)} turns but "
+                             f"agent.max_turns={self.agent.max_turns}: the later forks would never happen; shorten "
+                             "it or raise agent.max_turns")
+        limit = self.agent.max_context_tokens
+        if limit is not None and limit <= self.sampling.max_new_tokens:
+            raise ValueError(f"agent.max_context_tokens={limit} leaves no room for a reply of "
+                             f"sampling.max_new_tokens={self.sampling.max_new_tokens} after any prompt: raise it")
 
     @classmethod
     def from_dict(cls, data: dict | None) -> Config:

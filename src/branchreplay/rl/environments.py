@@ -146,8 +146,8 @@ class ToolEnvironment:
 
         def run():
             try:
-                result["value"] = self.tools[name](**arguments)
-            except Exception as e:  # noqa: BLE001 (the model reads the tool's error)
+                result["value"] = str(self.tools[name](**arguments))
+            except Exception as e:  # noqa: BLE001 (the model reads the tool's error, its str() failing included)
                 result["error"] = f"{type(e).__name__}: {e}"
 
         worker = threading.Thread(target=run, daemon=True)
@@ -157,7 +157,7 @@ class ToolEnvironment:
             return name, f"error: {name} did not answer within {self.timeout_s:g} s", True
         if "error" in result:
             return name, f"error: {result['error']}", True
-        text = str(result.get("value"))
+        text = result["value"]
         if len(text) > self.max_output_chars:
             text = text[: self.max_output_chars] + TRUNCATED
         return name, text, False

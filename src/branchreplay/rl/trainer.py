@@ -24,8 +24,8 @@ ppo.num_ppo_epochs updates per step. They run in one process for now.
 Multi-turn tasks (agent.environment, `agent.py`): step 2 samples each item's trajectories across turns
 (`trajectories.sample_trajectories`, sampling.turn_branching), the environment's final and per-turn rewards give
 one reward per trajectory, and the group of an item (any size: trajectories may end early) is its baseline; step 4's
-rollouts are the trajectories' ids with the loss mask on the assistant tokens only. An item whose reset fails is
-skipped with a warning.
+rollouts are the trajectories' ids with the loss mask on the assistant tokens only. An item whose environment fails
+(reset, step or final reward raising) is skipped with a warning.
 Departures from TRL: a group whose advantages are all zero (all rewards equal) is skipped in step 6 when beta and
 entropy_coef are 0, since its gradient is exactly zero; so `entropy` and `clip_ratio/*` are over the groups that
 trained. One step = one sampling round (TRL's steps_per_generation = 1) followed by num_iterations updates. The model
@@ -252,7 +252,7 @@ class Trainer:
     def generate_trajectories(self, step: int, items: list[dict]) -> Batch:
         """A multi-turn step: each item's trajectories (`trajectories.sample_trajectories`, item k's generator seeded
         by (train.seed, step, k)), one reward each (`agent.trajectory_reward`), group advantages per item. Items whose
-        reset fails (ItemError) are skipped with a warning; raises ItemError when every item was."""
+        environment fails (ItemError) are skipped with a warning; raises ItemError when every item was."""
         cfg, a = self.config, self.config.agent
         groups, timings = [], {"env_s": 0.0}
         branching, limit = agent.turn_branching(cfg), agent.context_limit(a, self.model)

@@ -11,11 +11,14 @@ ids and `tree.RolloutTree` shares their nodes.
 
 KV caches: one per conversation prefix that continues. A child copies its parent's cache (`copy.deepcopy`) and
 prefills only its own new tokens (its reply and the environment's answer): the shared history is never run again.
-A trajectory ends when the environment says done, its reply was cut at sampling.max_new_tokens (no end-of-turn:
-`truncated`), it reached `max_turns` replies, or its next turn would pass `max_context_tokens` (the environment's
-answer that would not fit is dropped, so the trajectory ends with its last reply). A tool message longer than
+A trajectory ends when the environment says done (or answers with no message), its reply was cut at
+sampling.max_new_tokens (no end-of-turn: `truncated`), its reply ended on an EOS id other than the template's end of
+turn (the tokenizer's EOS: `end_of_sequence`, e.g. Qwen's <|endoftext|>), it reached `max_turns` replies, or its
+next reply could pass `max_context_tokens` (the environment's answer that would not fit is dropped, so the
+trajectory ends with its last reply). A tool message longer than
 `max_tool_output_tokens` is cut to that many tokens with a marker before it enters the conversation. An item whose
-`reset` raises, or whose opening messages leave no room for a reply, raises `ItemError` (the trainer skips it).
+`reset`, `step` or `final_reward` raises, or whose opening messages leave no room for a reply, raises `ItemError`
+(the trainer skips it). `tool_calls` and `tool_errors` count the calls whose results entered the conversation.
 With a template that renders tools itself, the environment's `template_tools` (JSON schemas) go to the template.
 """
 
@@ -51,7 +54,7 @@ class Trajectory:
     tool_calls: int = 0
     tool_errors: int = 0
     truncated: bool = False
-    ended_by: str = "done"  # done, truncated, max_turns or context
+    ended_by: str = "done"  # done, truncated, end_of_sequence, max_turns or context
 
 
 @dataclass
@@ -114,8 +117,7 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
                 child.turns += 1
                 nxt = _next(child, sample.truncated, env, item, tokenizer, limits, config, clock, tools)
                 if nxt is None:
-                    with clock:
-                        child.reward = float(env.final_reward(child.conversation.messages, item))
+                    child.reward = float(_call(clock, env.final_reward, child.conversation.messages, item))
                     out.append(child)
                     continue
                 new = child.conversation.ids[prefix:]
@@ -134,13 +136,13 @@ def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, toke
     if truncated:
         child.truncated, child.ended_by = True, "truncated"
         return None
-    with clock:
-        response = env.step(child.conversation.messages, item)
-    child.tool_calls += response.tool_calls
-    child.tool_errors += response.tool_errors
+    if child.conversation.ids[-1] != tokenizer.eos_token_id:  # another EOS id (Qwen's <|endoftext|>): no turn follows
+        child.ended_by = "end_of_sequence"
+        return None
+    response = _call(clock, env.step, child.conversation.messages, item)
     if response.reward is not None:
         child.turn_rewards.append(float(response.reward))
-    if response.done:
+    if response.done or not response.messages:
         child.ended_by = "done"
         return None
     if child.turns >= limits.max_turns:
@@ -156,7 +158,19 @@ def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, toke
         child.conversation.messages = child.conversation.messages[: -len(messages)]
         return None
     child.logprobs += [0.0] * (len(child.conversation.ids) - before)
+    child.tool_calls += response.tool_calls  # counted once the model reads their results
+    child.tool_errors += response.tool_errors
     return True
+
+
+def _call(clock, method, messages: list[dict], item: dict):
+    """env.step or env.final_reward, timed; any exception becomes an ItemError naming the item (it is skipped)."""
+    try:
+        with clock:
+            return method(messages, item)
+    except Exception as e:  # noqa: BLE001 (a user environment's failure skips its item, never the run)
+        raise ItemError(f"the environment's {method.__name__} failed for item {_short(item)}: "
+                        f"{type(e).__name__}: {e}") from e
 
 
 def _cut(message: dict, tokenizer, max_tokens: int | None) -> dict:
