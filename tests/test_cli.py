@@ -170,3 +170,49 @@ def test_verify_loss_ppo_and_rloo_pass_and_catch_a_wrong_critic_or_ratio(loss, c
     assert main(["verify", "--arch", "llama", "--loss", loss, "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["passed"] is False
     assert main(["verify", "--loss", loss, "--nproc", "2"]) == 2
+
+
+def test_config_files_and_model_specs_that_fail_are_one_line_errors(tmp_path, capsys, monkeypatch):
+    """Issue 14's new-user trips: a YAML syntax error, a YAML list, an unreachable hub id (a relative path without
+    ./), a bad --threads: `error: ...` and exit 2, not a traceback."""
+    import branchreplay.models as models
+
+    broken = tmp_path / "broken.yaml"
+    broken.write_text("grpo:\n  learning_rate: [1e-5\n")
+    assert main(["train", "--config", str(broken)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config file") and "not valid YAML at line" in err and err.count("\n") == 1
+    listed = tmp_path / "list.yaml"
+    listed.write_text("- learning_rate: 1e-5\n")
+    assert main(["eval", "--config", str(listed)]) == 2
+    assert "must hold a mapping of sections" in capsys.readouterr().err
+
+    def offline(spec, *args, **kwargs):
+        raise OSError(f"We couldn't connect to 'https://huggingface.co' to load {spec}")
+
+    monkeypatch.setattr(models, "_load_pretrained", offline)
+    assert main(["eval", "--model.spec", "runs/exported"]) == 2
+    err = capsys.readouterr().err
+    assert "taken for a hub id" in err and "./runs/exported" in err and err.count("\n") == 1
+    assert main(["train", "--threads", "0"]) == 2
+    assert "--threads '0'" in capsys.readouterr().err
+
+
+def test_eval_of_a_run_reads_its_config(tmp_path):
+    """eval --checkpoint RUN_DIR (or one of its checkpoints) takes the run's config.yaml unless --config is given."""
+    from branchreplay.rl.config import Config, parse_args, run_config
+
+    run = tmp_path / "run"
+    (run / "checkpoints" / "step-000002").mkdir(parents=True)
+    Config.from_dict({"task": {"eval_size": 7}, "sampling": {"max_new_tokens": 9}}).save(run / "config.yaml")
+    for folder in (run, run / "checkpoints" / "step-000002"):
+        assert run_config(folder) == run / "config.yaml"
+        config, _ = parse_args(["--checkpoint", str(folder)], ("--config", "--checkpoint"))
+        assert (config.task.eval_size, config.sampling.max_new_tokens) == (7, 9)
+    config, _ = parse_args(["--checkpoint", str(run), "--task.eval_size", "5"], ("--config", "--checkpoint"))
+    assert (config.task.eval_size, config.sampling.max_new_tokens) == (5, 9)  # the command line still wins
+    other = tmp_path / "other.yaml"
+    Config().save(other)
+    config, _ = parse_args(["--checkpoint", str(run), "--config", str(other)], ("--config", "--checkpoint"))
+    assert config.task.eval_size == Config().task.eval_size
+    assert run_config(tmp_path / "elsewhere") is None

@@ -215,3 +215,16 @@ def test_compute_rewards_wraps_raising_function():
 def test_compute_rewards_weight_count_must_match():
     with pytest.raises(ValueError, match="2 reward weights for 1"):
         compute_rewards([const([0.0] * 3)], [1.0, 1.0], **KW)
+
+
+def test_a_reward_module_in_the_current_folder_imports_without_pythonpath(tmp_path, monkeypatch):
+    import sys
+
+    from branchreplay.rl.rewards import load_reward_function
+
+    (tmp_path / "my_rewards_issue14.py").write_text("def length(completions, **kwargs):\n"
+                                                    "    return [float(len(c)) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    path = list(sys.path)
+    fn = load_reward_function("my_rewards_issue14:length")
+    assert fn(completions=["ab", "c"]) == [2.0, 1.0] and sys.path == path  # the path is restored

@@ -18,7 +18,7 @@ from branchreplay.models import tiny_model
 from branchreplay.rl.advantages import group_advantages
 from branchreplay.rl.checkpoint import latest_checkpoint, save_checkpoint
 from branchreplay.rl.config import Config
-from branchreplay.rl.trainer import Trainer, TrainingInterrupted, accumulate, prompt_indices
+from branchreplay.rl.trainer import Trainer, TrainingFailed, TrainingInterrupted, accumulate, prompt_indices
 from branchreplay.tree import RolloutTree
 from conftest import grads
 
@@ -314,6 +314,33 @@ def test_failing_reward_skips_the_step(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     assert "reward" in records[0] and "reward" not in records[1] and "reward" in records[2]
     assert latest_checkpoint(run).name == "step-000003"
+
+
+def test_consecutive_failed_steps_stop_the_run_with_a_checkpoint_of_the_last_good_step(tmp_path):
+    """train.max_failed_steps (3) consecutive skipped steps end the run with TrainingFailed; the checkpoint is the
+    last good step's, so a resume re-runs the failed ones; fewer in a row only skip."""
+    calls = []
+
+    def broken_after_one_step(**kwargs):
+        calls.append(1)
+        if len(calls) > 1:
+            raise KeyError("answer")
+        return byte_reward(**kwargs)
+
+    config = make_config(tmp_path, train={"steps": 6})
+    trainer = make_trainer(config, reward_fn=broken_after_one_step)
+    with pytest.warns(RuntimeWarning, match="skipped"), pytest.raises(TrainingFailed, match=r"steps 2-4 failed.*"
+                                                                      r"KeyError.*max_failed_steps=3.*--resume"):
+        trainer.fit()
+    run = tmp_path / "run"
+    assert latest_checkpoint(run).name == "step-000001" and len(calls) == 4
+    resumed = make_trainer(make_config(tmp_path, train={"steps": 2}))
+    resumed.fit(resume=run)
+    assert [r["step"] for r in _metrics(run)] == [1, 2]  # the failed steps' records are gone, step 2 re-run
+    never = make_trainer(make_config(tmp_path / "b", train={"steps": 4, "max_failed_steps": 0}),
+                         reward_fn=lambda **kw: (_ for _ in ()).throw(KeyError("answer")))
+    with pytest.warns(RuntimeWarning, match="skipped"):
+        never.fit()
 
 
 def test_every_engine_call_takes_the_engine_section(tmp_path, monkeypatch):

@@ -243,26 +243,47 @@ def _bench_objective(args) -> int:
 
 def _train(argv: list[str]) -> int:
     from .rl.config import parse_args
-    from .rl.trainer import TrainingInterrupted, train
+    from .rl.trainer import TrainingFailed, TrainingInterrupted, train
 
-    config, options = parse_args(argv, ("--config", "--resume"))
-    resume = options["--resume"]
+    config, options = parse_args(argv, ("--config", "--resume", "--threads"))
+    _set_threads(options["--threads"])
     try:
-        run_dir = train(config, resume)
+        run_dir = train(config, options["--resume"])
     except TrainingInterrupted as e:
         print(e, file=sys.stderr)
         return 130
+    except TrainingFailed as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     print(f"run folder: {run_dir}")
     return 0
 
 
 def _eval(argv: list[str]) -> int:
-    from .rl.config import parse_args
+    from .rl.config import parse_args, run_config
     from .rl.evaluation import evaluate_cli
+    from .rl.rewards import RewardFunctionError
 
-    config, options = parse_args(argv, ("--config", "--checkpoint"))
-    evaluate_cli(config, options["--checkpoint"])
+    config, options = parse_args(argv, ("--config", "--checkpoint", "--threads"))
+    _set_threads(options["--threads"])
+    checkpoint = options["--checkpoint"]
+    if checkpoint is not None and options["--config"] is None and run_config(checkpoint) is not None:
+        print(f"config: {run_config(checkpoint)} (the run's own; --config FILE to use another)", file=sys.stderr)
+    try:
+        evaluate_cli(config, checkpoint)
+    except RewardFunctionError as e:
+        print(f"error: the held-out evaluation failed: {e}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _set_threads(value: str | None) -> None:
+    """--threads N: torch's intra-op threads for the command (default: torch's own choice)."""
+    if value is None:
+        return
+    if not value.isdigit() or int(value) < 1:
+        raise ValueError(f"--threads {value!r} must be a whole number >= 1")
+    torch.set_num_threads(int(value))
 
 
 def _config_command(command, usage: str, argv: list[str]) -> int:
@@ -276,7 +297,7 @@ def _config_command(command, usage: str, argv: list[str]) -> int:
         return 0
     try:
         return command(argv)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a file that cannot be read, a hub id that cannot be reached
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -366,10 +387,12 @@ def main(argv: list[str] | None = None) -> int:
     b.set_defaults(func=_bench)
 
     t = sub.add_parser("train", help="GRPO post-training with branch replay", add_help=False,
-                       usage="branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--section.field VALUE ...]")
+                       usage="branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--threads N] "
+                             "[--section.field VALUE ...]")
     t.set_defaults(func=_train)
     e = sub.add_parser("eval", help="held-out accuracy of a model or checkpoint", add_help=False,
-                       usage="branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--section.field VALUE ...]")
+                       usage="branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--threads N] "
+                            "[--section.field VALUE ...]")
     e.set_defaults(func=_eval)
 
     args, rest = parser.parse_known_args(argv)

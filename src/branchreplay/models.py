@@ -244,8 +244,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, attn_implementatio
         try:
             model, tokenizer = _load_pretrained(spec, dtype, attn_implementation)
         except OSError as e:
-            raise OSError(f"{spec!r} is not a local path and the hub id could not be reached ({e}); download it "
-                          f"to a local folder and pass that folder, or use '{DEFAULT_MODEL}'") from e
+            raise OSError(f"{spec!r} is not a local folder, so it was taken for a hub id, which could not be "
+                          f"reached ({str(e).splitlines()[0] if str(e) else type(e).__name__}); a relative path "
+                          f"needs ./ (./{spec}) once it exists, a hub model must be downloaded to a local folder "
+                          f"first, or use '{DEFAULT_MODEL}'") from e
     else:
         raise ValueError(f"unknown model spec {spec!r}: expected '{DEFAULT_MODEL}', 'tiny:<arch>' with arch in "
                          f"{TINY_ARCHS}, a folder with config.json, a .gguf file, or a hub id 'org/name'")

@@ -267,12 +267,16 @@ class TrainConfig:
         "newest checkpoints kept, >= 1 (a SmolLM2 checkpoint with AdamW state is about 1.6 GB)"))
     eval_steps: int = field(default=50, metadata=help_of(
         "held-out evaluation every this many steps (0 = only before and after training, -1 = never)"))
+    max_failed_steps: int = field(default=3, metadata=help_of(
+        "stop the run with an error after this many consecutive steps skipped because the reward (or every item's "
+        "environment) failed, >= 0 (0 = never stop); the last good step is checkpointed first"))
 
     def __post_init__(self):
         check("train.steps", self.steps >= 1, ">= 1", self.steps)
         check("train.save_steps", self.save_steps >= 0, ">= 0", self.save_steps)
         check("train.keep_checkpoints", self.keep_checkpoints >= 1, ">= 1", self.keep_checkpoints)
         check("train.eval_steps", self.eval_steps >= -1, ">= -1", self.eval_steps)
+        check("train.max_failed_steps", self.max_failed_steps >= 0, ">= 0", self.max_failed_steps)
 
 
 @dataclass
@@ -418,7 +422,16 @@ class Config:
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> Config:
         """Load a YAML file, then apply `--section.field value` overrides (see `apply_overrides`)."""
         with open(path) as f:
-            data = yaml.safe_load(f) or {}
+            try:
+                data = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                where = getattr(e, "problem_mark", None)
+                at = f" at line {where.line + 1}, column {where.column + 1}" if where is not None else ""
+                raise ValueError(f"config file {path} is not valid YAML{at}: "
+                                 f"{getattr(e, 'problem', None) or e}") from e
+        if not isinstance(data, dict):
+            raise ValueError(f"config file {path} must hold a mapping of sections (model:, grpo:, ...), not a "
+                             f"{type(data).__name__}")
         return cls.from_dict(apply_overrides(data, overrides or []))
 
     def to_dict(self) -> dict:
@@ -488,7 +501,8 @@ def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resum
     value or None} for each of `options`), the one parser of `train` (--config, --resume) and `eval` (--config,
     --checkpoint). Options take `--name value` or `--name=value`.
 
-    With --resume and no --config, the run's own config.yaml is the base; train.output_dir becomes RUN_DIR.
+    With --resume and no --config, the run's own config.yaml is the base; train.output_dir becomes RUN_DIR. With
+    --checkpoint and no --config, the config.yaml of the run holding it (`run_config`), when there is one.
     Raises ValueError for a bad argument (see `apply_overrides`), FileNotFoundError for a missing file."""
     named, overrides, i = dict.fromkeys(options), [], 0
     while i < len(argv):
@@ -505,6 +519,9 @@ def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resum
     resume, path = named.get("--resume"), named.get("--config")
     if resume is not None and path is None:
         path = Path(resume) / "config.yaml"
+    checkpoint = named.get("--checkpoint")
+    if checkpoint is not None and path is None:  # eval of a run: its own config, unless --config is given
+        path = run_config(checkpoint)
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
     if resume is not None and path == Path(resume) / "config.yaml":
@@ -513,6 +530,16 @@ def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resum
     if resume is not None:
         config.train.output_dir = str(resume)
     return config, named
+
+
+def run_config(checkpoint: str | Path) -> Path | None:
+    """The config.yaml of the run that holds `checkpoint` (a run folder, or one of its checkpoints/step-N folders),
+    or None when there is none (a folder from elsewhere)."""
+    folder = Path(checkpoint)
+    for candidate in (folder, folder.parent.parent):
+        if (candidate / "config.yaml").is_file():
+            return candidate / "config.yaml"
+    return None
 
 
 def _keep_objective(path: Path, overrides: list[str]) -> list[str]:

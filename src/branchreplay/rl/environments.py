@@ -21,7 +21,6 @@ user environment. `calculator(reward_fn)` is the built-in tool task: the default
 from __future__ import annotations
 
 import ast
-import importlib
 import inspect
 import json
 import operator
@@ -34,6 +33,7 @@ from typing import Protocol
 from transformers.utils import get_json_schema
 
 from .conversation import template_renders_tools
+from .rewards import import_from_cwd
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TRUNCATED = "\n[output truncated]"
@@ -167,13 +167,14 @@ class ToolEnvironment:
 
 
 def load_environment(spec: str, **kwargs) -> Environment:
-    """A user environment from "package.module:Class", built with `kwargs`. Raises ValueError naming the spec when it
-    does not import, or the class lacks reset / step / final_reward."""
+    """A user environment from "package.module:Class" (imported with the current folder on the path), built with
+    `kwargs`. Raises ValueError naming the spec when it does not import, or the class lacks reset / step /
+    final_reward."""
     module_name, _, attr = spec.partition(":")
     if not module_name or not attr:
         raise ValueError(f"environment {spec!r} must look like 'package.module:Class'")
     try:
-        cls = getattr(importlib.import_module(module_name), attr)
+        cls = getattr(import_from_cwd(module_name), attr)
     except (ImportError, AttributeError) as e:
         raise ValueError(f"environment {spec!r} does not import: {e}") from e
     missing = [m for m in ("reset", "step", "final_reward") if not callable(getattr(cls, m, None))]

@@ -12,6 +12,8 @@ column per function in a [B, n_funcs] float32 tensor with None -> NaN, then ``na
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 import threading
 import warnings
 from collections.abc import Callable
@@ -70,6 +72,8 @@ def math_verify_reward(prompts, completions, completion_ids, answer, **kwargs) -
 def load_reward_function(spec: str) -> Callable:
     """Import a reward function from ``"package.module:function"``.
 
+    The module is imported with the current folder on the path (`import_from_cwd`).
+
     Raises:
         ValueError: ``spec`` is not of the form ``module:attribute``.
         ImportError: the module cannot be imported.
@@ -80,7 +84,7 @@ def load_reward_function(spec: str) -> Callable:
     if not sep or not module_name or not attr or ":" in attr:
         raise ValueError(f"reward function spec {spec!r} must look like 'package.module:function'")
     try:
-        module = importlib.import_module(module_name)
+        module = import_from_cwd(module_name)
     except ImportError as e:
         raise ImportError(f"cannot import module {module_name!r} of reward function spec {spec!r}: {e}") from e
     try:
@@ -90,6 +94,21 @@ def load_reward_function(spec: str) -> Callable:
     if not callable(func):
         raise TypeError(f"{spec!r} is a {type(func).__name__}, not a callable reward function")
     return func
+
+
+def import_from_cwd(module_name: str):
+    """`importlib.import_module`, with the current folder on the path while it imports (as `python -m` has it, and
+    as TRL's scripts find a reward module beside the config): `my_rewards:fn` works without PYTHONPATH. The path is
+    restored afterwards; the module stays imported."""
+    cwd = os.getcwd()
+    added = cwd not in sys.path
+    if added:
+        sys.path.insert(0, cwd)
+    try:
+        return importlib.import_module(module_name)
+    finally:
+        if added:
+            sys.path.remove(cwd)
 
 
 def make_reward(spec: str, dataset: ProceduralDataset) -> Callable:

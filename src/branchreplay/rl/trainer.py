@@ -84,6 +84,16 @@ class TrainingInterrupted(RuntimeError):
         self.run_dir, self.step = run_dir, step
 
 
+class TrainingFailed(RuntimeError):
+    """train.max_failed_steps consecutive steps were skipped (the reward, or every item's environment, failed); the
+    last good step was checkpointed in `run_dir`, so the run resumes from it once the cause is fixed."""
+
+    def __init__(self, run_dir: Path, first: int, last: int, reason: str, limit: int):
+        super().__init__(f"steps {first}-{last} failed ({reason}); stopped after train.max_failed_steps={limit}. "
+                         f"Fix it, then resume from the last good step: branchreplay train --resume {run_dir}")
+        self.run_dir = run_dir
+
+
 @dataclass
 class Batch:
     """One step's samples. Groups in prompt (item) order; flat [B] tensors and lists are group-major.
@@ -189,6 +199,7 @@ class Trainer:
             self.critic_params = [p for p in self.critic.parameters() if p.requires_grad]
             self.critic_optimizer, self.critic_scheduler = self.optimizer_for(self.critic_params)
         self.step, self.num_tokens = 0, 0
+        self.failure: str | None = None  # why the last step was skipped (the warning's text)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
 
     def optimizer_for(self, params: list, foreach: bool = True):
@@ -504,6 +515,7 @@ class Trainer:
             batch = self.generate(step)
         except (RewardFunctionError, ItemError) as e:
             warnings.warn(f"step {step} skipped: {e}", RuntimeWarning, stacklevel=2)
+            self.failure = str(e)
             return None
         t1 = time.perf_counter()
         self.status(f"step {step}: training on {sum(map(len, batch.rollouts))} rollouts")
@@ -657,8 +669,15 @@ class Trainer:
             if first_eval:
                 log.write({"step": 0, **self.evaluate()})
                 bar.console.print(step_line(log.records[-1], cfg.steps))
+            failed = 0  # consecutive skipped steps
             while self.step < cfg.steps and not self.stopping(stop):
-                record = self.train_step(self.step + 1) or {"step": self.step + 1}
+                record = self.train_step(self.step + 1)
+                failed = failed + 1 if record is None else 0
+                if cfg.max_failed_steps and failed >= cfg.max_failed_steps:
+                    self.step -= failed - 1  # the last good step: no update happened since, so its state is this
+                    self.save(run_dir)
+                    raise TrainingFailed(run_dir, self.step + 1, self.step + failed, self.failure, cfg.max_failed_steps)
+                record = record or {"step": self.step + 1}
                 self.step += 1
                 last = self.step == cfg.steps
                 if cfg.eval_steps >= 0 and (last or (cfg.eval_steps and self.step % cfg.eval_steps == 0)):
