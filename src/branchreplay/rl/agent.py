@@ -28,7 +28,7 @@ from ..models import max_positions
 from .environments import GuessNumber, calculator, load_environment
 from .rewards import make_reward
 from .sampling import SamplingConfig
-from .tasks import EVAL_SEED_OFFSET, load_task
+from .tasks import EVAL_SEED_OFFSET, load_task, reward_specs
 from .trajectories import ItemError, Trajectory, sample_trajectories
 
 TurnRewardReduction = Literal["sum", "mean"]
@@ -80,6 +80,8 @@ def load_agent_task(config) -> tuple:
     kwargs = dict(a.environment_kwargs or {})
     splits = None
     if a.environment == "calculator":
+        if len(reward_specs(task.reward)) != 1:
+            raise ValueError(f"agent.environment=calculator scores with one task.reward, got {task.reward!r}")
         splits = load_task(task)
         env = calculator(make_reward(task.reward, splits[0]), timeout_s=a.tool_timeout_s, **kwargs)
     elif a.environment == "guess_number":

@@ -15,9 +15,9 @@ from ..models import autocast, chat_prompt_ids, load_policy
 from .agent import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
 from .config import Config
-from .rewards import make_reward, score
+from .rewards import make_rewards, score
 from .sampling import Sample, eos_token_ids
-from .tasks import build_messages, load_task
+from .tasks import load_task, prompt_messages
 
 EVAL_BATCH = 16  # held-out prompts decoded together
 
@@ -27,26 +27,27 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
              ) -> dict:
     """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
 
-    data: items (default: the task's held-out split, task.eval_size items); reward_fn: TRL-style scorer (default:
-    task.reward, see `rewards.make_reward`); progress: called as progress(done, total) after each batch of
-    answers; ranks: a data-parallel run's `rl.parallel.Ranks`, which evaluate items rank, rank + world, ... each and
-    gather the scores (every rank returns the same metrics). Returns eval/accuracy (mean score in [0, 1], partial
-    credit included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens), time/eval_s.
+    data: items (default: the task's held-out split, task.eval_size items); reward_fn: a `rewards.RewardFunctions`
+    or one TRL-style function (default: task.reward, `rewards.make_rewards`); progress: called as progress(done,
+    total) after each batch of answers; ranks: a data-parallel run's `rl.parallel.Ranks`, which evaluate items rank,
+    rank + world, ... each and gather the scores (every rank returns the same metrics). Returns eval/accuracy (mean
+    score in [0, 1], partial credit included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens),
+    time/eval_s.
     env: a multi-turn environment (with `data` its held-out items): `agent.evaluate_agent`'s metrics instead."""
     if env is not None:
         return evaluate_agent(model, tokenizer, config, env, data, eos_token_ids(model, tokenizer), progress)
     t0 = time.perf_counter()
     if data is None:
         data = load_task(config.task)[1]
-    reward_fn = reward_fn or make_reward(config.task.reward, data)
+    reward_fn = reward_fn or make_rewards(config.task, data)
     indices = ranks.mine(len(data)) if ranks is not None else range(len(data))
     items = [data[i] for i in indices]
     try:
-        prompts = [chat_prompt_ids(tokenizer, build_messages(item["question"])) for item in items]
+        prompts = [chat_prompt_ids(tokenizer, prompt_messages(item, config.task)) for item in items]
         completions = greedy_completions(model, prompts, config.sampling.max_new_tokens,
                                          eos_token_ids(model, tokenizer), progress=progress)
         samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]
-        scores = score(reward_fn, tokenizer, items, samples).tolist() if items else []
+        scores = score(reward_fn, tokenizer, items, samples, config.task).tolist() if items else []
         lengths, error = [len(c) for c in completions], None
     except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait in the gather)
         if ranks is None:
@@ -94,7 +95,7 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
         reward_fn = None
     else:
         data = load_task(config.task)[1]
-        reward_fn = make_reward(config.task.reward, data)
+        reward_fn = make_rewards(config.task, data)
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
                                 "folder)")

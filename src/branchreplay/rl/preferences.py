@@ -21,15 +21,14 @@ the same prompt share one tree (`pair_trees`).
 
 from __future__ import annotations
 
-import contextlib
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..models import chat_prompt_ids
+from .datafiles import read_rows
 from ..tree import Rollout, RolloutTree
 
-FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
 @dataclass
@@ -53,20 +52,9 @@ def load_preferences(path: str | Path, tokenizer, max_length: int | None = None)
             rejected is empty, a row of mixed formats, a conversational row whose prompt does not re-render as the
             prefix of prompt + response under the chat template (naming the row), or no pair left.
     """
-    import datasets
-
     path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"dpo.dataset {path} does not exist")
-    kind = FORMATS.get(path.suffix.lower())
-    if kind is None:
-        raise ValueError(f"dpo.dataset {path}: unknown format '{path.suffix}'; use {', '.join(FORMATS)}")
-    with _quiet_datasets():
-        rows = datasets.load_dataset(kind, data_files=str(path), split="train")
-    missing = [c for c in ("prompt", "chosen", "rejected") if c not in rows.column_names]
-    if missing:
-        raise ValueError(f"dpo.dataset {path} lacks the column(s) {', '.join(missing)} (it has "
-                         f"{', '.join(rows.column_names)}): rows need prompt, chosen and rejected, as TRL's")
+    rows = read_rows(path, "dpo.dataset", ("prompt", "chosen", "rejected"),
+                     "rows need prompt, chosen and rejected, as TRL's")
     pairs, skipped, too_long = [], 0, 0
     for i, row in enumerate(rows):
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
@@ -147,15 +135,3 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-@contextlib.contextmanager
-def _quiet_datasets():
-    """`datasets` without its progress bars while inside."""
-    import datasets
-
-    enabled = datasets.utils.logging.is_progress_bar_enabled()
-    datasets.utils.logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if enabled:
-            datasets.utils.logging.enable_progress_bar()

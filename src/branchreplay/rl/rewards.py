@@ -17,15 +17,35 @@ import sys
 import threading
 import warnings
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from reasoning_gym.dataset import ProceduralDataset
 
-from .tasks import build_messages, extract_answer
+from .tasks import TaskConfig, reward_specs, extract_answer, is_conversational, prompt_messages
 
 
 class RewardFunctionError(RuntimeError):
     """A reward function raised, or returned something other than a list with one reward per completion."""
+
+
+@dataclass
+class RewardFunctions:
+    """The reward functions of a run and their weights (TRL's `reward_funcs` and `reward_weights`): a completion's
+    reward is the weighted sum (`compute_rewards`), and each function is logged as rewards/<name>/mean."""
+
+    funcs: list[Callable]
+    weights: list[float]
+
+    @property
+    def names(self) -> list[str]:
+        return [getattr(f, "__name__", type(f).__name__) for f in self.funcs]
+
+
+def completion_text(completion) -> str:
+    """A completion as text: itself (plain), or the content of its last message (conversational, TRL's
+    [{"role": "assistant", "content": ...}])."""
+    return completion if isinstance(completion, str) else completion[-1]["content"]
 
 
 def reasoning_gym_reward(dataset: ProceduralDataset) -> Callable[..., list[float]]:
@@ -36,9 +56,9 @@ def reasoning_gym_reward(dataset: ProceduralDataset) -> Callable[..., list[float
     (1 = correct, partial credit for some tasks); a completion without ``<answer>`` tags scores 0.0.
     """
 
-    def reward(completions: list[str], answer: list[str], metadata: list[dict], **kwargs) -> list[float]:
+    def reward(completions: list, answer: list[str], metadata: list[dict], **kwargs) -> list[float]:
         return [
-            float(dataset.score_answer(extract_answer(c), {"answer": a, "metadata": m}))
+            float(dataset.score_answer(extract_answer(completion_text(c)), {"answer": a, "metadata": m}))
             for c, a, m in zip(completions, answer, metadata, strict=True)
         ]
 
@@ -58,7 +78,7 @@ def math_verify_reward(prompts, completions, completion_ids, answer, **kwargs) -
 
     timeout = 5 if threading.current_thread() is threading.main_thread() else None
     rewards: list[float | None] = []
-    for completion, gold in zip(completions, answer, strict=True):
+    for completion, gold in zip(map(completion_text, completions), answer, strict=True):
         gold_parsed = parse(str(gold), parsing_timeout=timeout)
         if not gold_parsed:
             rewards.append(None)
@@ -111,10 +131,14 @@ def import_from_cwd(module_name: str):
             sys.path.remove(cwd)
 
 
-def make_reward(spec: str, dataset: ProceduralDataset) -> Callable:
-    """The reward function named by `TaskConfig.reward`: "task" -> `reasoning_gym_reward(dataset)`, "math_verify" ->
-    `math_verify_reward`, else `load_reward_function(spec)`. Raises ValueError naming the field when that fails."""
+def make_reward(spec: str, dataset: ProceduralDataset | None) -> Callable:
+    """The reward function named by one spec of `TaskConfig.reward`: "task" -> `reasoning_gym_reward(dataset)`,
+    "math_verify" -> `math_verify_reward`, else `load_reward_function(spec)`. Raises ValueError naming the field when
+    that fails, or for "task" without a reasoning-gym dataset (the user's own task.dataset)."""
     if spec == "task":
+        if not isinstance(dataset, ProceduralDataset):
+            raise ValueError("task.reward='task' grades with a reasoning-gym dataset's score_answer; with task.dataset "
+                             "use 'math_verify' or 'package.module:function'")
         return reasoning_gym_reward(dataset)
     if spec == "math_verify":
         return math_verify_reward
@@ -123,6 +147,13 @@ def make_reward(spec: str, dataset: ProceduralDataset) -> Callable:
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         raise ValueError(f"task.reward={spec!r}: {e}; accepted: 'task', 'math_verify' or "
                          "'package.module:function'") from e
+
+
+def make_rewards(cfg: TaskConfig, dataset) -> RewardFunctions:
+    """Every function of cfg.reward (a comma list of specs, `make_reward`) with cfg.reward_weights (default 1.0
+    each). Raises ValueError as `make_reward`."""
+    funcs = [make_reward(spec, dataset) for spec in reward_specs(cfg.reward)]
+    return RewardFunctions(funcs, list(cfg.reward_weights or [1.0] * len(funcs)))
 
 
 def compute_rewards(
@@ -144,6 +175,15 @@ def compute_rewards(
         ValueError: no functions, or ``weights`` of the wrong length.
         RewardFunctionError: a function raised (chained), or returned a non-list or a list whose length is not B.
     """
+    per_func = reward_columns(funcs, weights, prompts=prompts, completions=completions,
+                              completion_ids=completion_ids, columns=columns)
+    return (per_func * torch.tensor(weights or [1.0] * len(funcs), dtype=torch.float32)).nansum(dim=1)
+
+
+def reward_columns(funcs: list[Callable], weights: list[float] | None, *, prompts: list, completions: list,
+                   completion_ids: list[list[int]], columns: dict[str, list]) -> torch.Tensor:
+    """[B, n_funcs] float32: function i's rewards in column i, None -> NaN (`compute_rewards` sums them). Raises as
+    `compute_rewards`; warns when every function gave None for a sample."""
     if not funcs:
         raise ValueError("compute_rewards needs at least one reward function")
     batch = len(completions)
@@ -164,16 +204,32 @@ def compute_rewards(
     if batch and torch.isnan(per_func).all(dim=1).any():
         rows = torch.isnan(per_func).all(dim=1).nonzero().flatten().tolist()
         warnings.warn(f"all reward functions returned None for samples {rows}; their reward is 0.0", stacklevel=2)
-    return (per_func * torch.tensor(weights, dtype=torch.float32)).nansum(dim=1)
+    return per_func
 
 
-def score(reward_fn, tokenizer, items: list[dict], samples: list[list]) -> torch.Tensor:
-    """[B] float32 rewards of the decoded completions, group-major; every item key is passed as a column (TRL)."""
+def score(rewards, tokenizer, items: list[dict], samples: list[list], task: TaskConfig | None = None
+          ) -> torch.Tensor:
+    """[B] float32 rewards of the decoded completions, group-major (`score_columns`' weighted sum)."""
+    total, _ = score_columns(rewards, tokenizer, items, samples, task)
+    return total
+
+
+def score_columns(rewards, tokenizer, items: list[dict], samples: list[list], task: TaskConfig | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """([B] weighted-sum rewards, [B, n_funcs] each function's, NaN where it gave None) of the decoded completions,
+    group-major. `rewards`: a `RewardFunctions` or one function. As TRL's GRPOTrainer: every item key is passed as a
+    column; prompts are the dataset's (a user file's string or messages; a reasoning-gym question's chat
+    messages); completions are strings, or [{"role": "assistant", "content": text}] for a conversational prompt."""
+    rewards = rewards if isinstance(rewards, RewardFunctions) else RewardFunctions([rewards], [1.0])
+    task = task or TaskConfig()
     expanded = [(item, s) for item, group in zip(items, samples) for s in group]
-    return compute_rewards(
-        [reward_fn], None,
-        prompts=[build_messages(item["question"]) for item, _ in expanded],
-        completions=[tokenizer.decode(s.completion_ids, skip_special_tokens=True) for _, s in expanded],
+    texts = [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for _, s in expanded]
+    per_func = reward_columns(
+        rewards.funcs, rewards.weights,
+        prompts=[item["question"] if task.dataset is not None else prompt_messages(item, task) for item, _ in expanded],
+        completions=[[{"role": "assistant", "content": t}] if is_conversational(item) else t
+                     for (item, _), t in zip(expanded, texts)],
         completion_ids=[s.completion_ids for _, s in expanded],
         columns={key: [item[key] for item, _ in expanded] for key in items[0]},
     )
+    return (per_func * torch.tensor(rewards.weights, dtype=torch.float32)).nansum(dim=1), per_func

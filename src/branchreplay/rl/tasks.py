@@ -1,8 +1,15 @@
-"""Training tasks: reasoning-gym datasets, chat prompts and answer extraction.
+"""Training tasks: reasoning-gym datasets or the user's own prompts, chat prompts and answer extraction.
 
 A task is a procedurally generated reasoning-gym dataset (offline, deterministic given a seed). Each item is a dict
 with ``question`` (str), ``answer`` (str, the gold answer) and ``metadata`` (dict); ``dataset.score_answer(answer,
 item)`` grades an extracted answer in [0, 1] (see `branchreplay.rl.rewards`).
+
+Or ``task.dataset``: the user's own prompts in a local JSONL / JSON / Parquet file (TRL's prompt-only format), read
+offline with Hugging Face ``datasets`` (`load_prompt_file`). A row's ``task.prompt_column`` is a plain prompt (str)
+or a conversation (a list of {"role", "content"} messages); it becomes the item's ``question``, its
+``task.answer_column`` the item's ``answer``, and every other column is kept and reaches the reward functions by
+name, as TRL's ``GRPOTrainer`` passes dataset columns. `prompt_messages` turns any item into the chat messages the
+policy is prompted with.
 
 The default task and its configuration were chosen by measuring SmolLM2-135M-Instruct's base accuracy
 (``scripts/measure_base_accuracy.py``, results in ``docs/default_task.md``): the base model must be neither always
@@ -67,11 +74,37 @@ class TaskConfig:
         "seed=, **config). None (the default) means DEFAULT_TASK_CONFIG for the default task and reasoning-gym's "
         "own defaults ({}) for any other, so that changing only name never carries the default task's keys over to "
         "another dataset."))
+    dataset: str | None = field(default=None, metadata=help_of(
+        "a local JSONL, JSON or Parquet file of prompts (TRL's prompt-only format) instead of the reasoning-gym task "
+        "(name, size, seed and config are then unused); read offline with Hugging Face datasets"))
+    eval_dataset: str | None = field(default=None, metadata=help_of(
+        "the held-out file of task.dataset, same columns; null = its last task.eval_size rows are held out"))
+    prompt_column: str = field(default="prompt", metadata=help_of(
+        "task.dataset's prompt column: a string, or a list of {role, content} messages (conversational)"))
+    answer_column: str | None = field(default="answer", metadata=help_of(
+        "task.dataset's gold-answer column, passed to the rewards as `answer` (math_verify needs it); null = none"))
+    system_prompt: str | None = field(default=None, metadata=help_of(
+        "a system message before every prompt (a conversational prompt with its own system message keeps it); "
+        f"null = none for task.dataset, {SYSTEM_PROMPT!r} for a reasoning-gym task"))
     reward: str = field(default="task", metadata=help_of(
         "the reward of a completion: 'task' (the dataset's own score_answer on the <answer> content), "
         "'math_verify' (math-verify equivalence with the item's answer), or 'package.module:function', a function "
         "with TRL's reward signature (keyword arguments prompts, completions, completion_ids and the dataset "
-        "columns; returns one float or None per completion). Training and evaluation both use it"))
+        "columns; returns one float or None per completion), or a comma list of them, summed (with "
+        "task.reward_weights) and each logged as rewards/<name>/mean (TRL's reward_funcs). Training and evaluation "
+        "both use it"))
+    reward_weights: list[float] | None = field(default=None, metadata=help_of(
+        "one weight per function of task.reward (TRL's reward_weights); the reward is their weighted sum; null = "
+        "all 1.0"))
+
+    def __post_init__(self):
+        count = len(reward_specs(self.reward))
+        if count == 0:
+            raise ValueError("task.reward is empty; use 'task', 'math_verify', 'package.module:function' or a comma "
+                             "list of them")
+        if self.reward_weights is not None and len(self.reward_weights) != count:
+            raise ValueError(f"task.reward_weights has {len(self.reward_weights)} weights for {count} reward "
+                             f"function(s) in task.reward={self.reward!r}: give one weight per function")
 
     def dataset_kwargs(self) -> dict:
         """The keyword arguments for the dataset's config class (``config`` with None resolved)."""
@@ -97,15 +130,83 @@ def load_task(cfg: TaskConfig) -> tuple[ProceduralDataset, ProceduralDataset]:
             dataset's config class does not have, or ``size``/``seed`` given in ``config`` (the message names it);
             a config value the dataset's own validation rejects.
     """
+    if cfg.dataset is not None:
+        return load_prompt_file(cfg)
     if cfg.name not in DATASETS:
         raise ValueError(_unknown_task_message(cfg.name))
     _check_config_keys(cfg.name, cfg.dataset_kwargs())
     return _create(cfg, cfg.size, cfg.seed), _create(cfg, cfg.eval_size, cfg.seed + EVAL_SEED_OFFSET)
 
 
-def build_messages(question: str) -> list[dict]:
-    """Chat messages for one question: system (SYSTEM_PROMPT), the FEW_SHOT turns (user, assistant), then user."""
-    messages = [{"role": "system", "content": SYSTEM_PROMPT}]
+def load_prompt_file(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
+    """(train items, held-out items) of cfg.dataset (and cfg.eval_dataset; without one, the last cfg.eval_size rows
+    are held out). Each item: every column of its row, `question` = the prompt column, `answer` = the answer column.
+
+    Raises FileNotFoundError (no such file), ValueError: an unknown format, a missing column (naming the columns
+    found; the answer column is required only when set away from its default, or by a reward that needs it), an
+    empty prompt, a conversational prompt that is not a list of {role, content} messages, or nothing to train on."""
+    from .datafiles import read_rows
+
+    graded = any(spec in ("task", "math_verify") for spec in reward_specs(cfg.reward))
+    needs_answer = cfg.answer_column is not None and (cfg.answer_column != "answer" or graded)
+    required = (cfg.prompt_column, *((cfg.answer_column,) if needs_answer else ()))
+    hint = "set --task.prompt_column / --task.answer_column to the file's column names"
+    rows = [_item(row, i, cfg) for i, row in enumerate(read_rows(cfg.dataset, "task.dataset", required, hint))]
+    if cfg.eval_dataset is not None:
+        held_out = [_item(row, i, cfg) for i, row in enumerate(read_rows(cfg.eval_dataset, "task.eval_dataset",
+                                                                           required, hint))]
+        train = rows
+    else:
+        cut = max(len(rows) - cfg.eval_size, 0)
+        train, held_out = rows[:cut], rows[cut:]
+    if not train:
+        raise ValueError(f"task.dataset {cfg.dataset} has {len(rows)} rows, all held out (task.eval_size="
+                         f"{cfg.eval_size}): lower task.eval_size or give task.eval_dataset")
+    return train, held_out
+
+
+def _item(row: dict, i: int, cfg: TaskConfig) -> dict:
+    item = dict(row)
+    prompt = item[cfg.prompt_column]
+    where = f"task.dataset row {i}, column {cfg.prompt_column!r}"
+    if isinstance(prompt, list):
+        if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
+            raise ValueError(f"{where}: a conversational prompt is a non-empty list of {{role, content}} messages")
+    elif not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"{where}: the prompt is empty or not text ({type(prompt).__name__})")
+    item["question"] = prompt
+    if cfg.answer_column is not None and cfg.answer_column in item:
+        item["answer"] = item[cfg.answer_column]
+    return item
+
+
+def reward_specs(reward: str) -> list[str]:
+    """The function specs of a `TaskConfig.reward` comma list."""
+    return [part.strip() for part in reward.split(",") if part.strip()]
+
+
+def is_conversational(item: dict) -> bool:
+    """Whether the item's prompt is a list of messages (TRL's conversational format)."""
+    return isinstance(item["question"], list)
+
+
+def prompt_messages(item: dict, cfg: TaskConfig) -> list[dict]:
+    """The chat messages that prompt the policy for `item`: a conversational prompt as it is (after
+    cfg.system_prompt unless it opens with its own system message); a plain prompt of task.dataset as the user's
+    message (after cfg.system_prompt when set); a reasoning-gym question through `build_messages`."""
+    question = item["question"]
+    system = [{"role": "system", "content": cfg.system_prompt}] if cfg.system_prompt else []
+    if isinstance(question, list):
+        return (system if question[0]["role"] != "system" else []) + list(question)
+    if cfg.dataset is not None:
+        return system + [{"role": "user", "content": question}]
+    return build_messages(question, cfg.system_prompt)
+
+
+def build_messages(question: str, system_prompt: str | None = None) -> list[dict]:
+    """Chat messages for one question: system (`system_prompt`, default SYSTEM_PROMPT), the FEW_SHOT turns (user,
+    assistant), then user."""
+    messages = [{"role": "system", "content": system_prompt or SYSTEM_PROMPT}]
     for demo_question, demo_reply in FEW_SHOT:
         messages += [{"role": "user", "content": demo_question}, {"role": "assistant", "content": demo_reply}]
     return messages + [{"role": "user", "content": question}]

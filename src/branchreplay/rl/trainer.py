@@ -67,9 +67,9 @@ from .evaluation import evaluate
 from .log import MetricsLog, peak_memory_bytes, progress_info, step_line, summarize
 from .parallel import Ranks, launch
 from .preferences import load_preferences, pair_trees
-from .rewards import RewardFunctionError, make_reward, score
+from .rewards import RewardFunctionError, RewardFunctions, make_rewards, score_columns
 from .sampling import Sample, eos_token_ids, sample_group
-from .tasks import build_messages, load_task
+from .tasks import load_task, prompt_messages
 from .trajectories import ItemError, sample_trajectories
 
 SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families (check/self_check.py)
@@ -136,7 +136,10 @@ class Trainer:
             eval_data = env_eval if eval_data is None else eval_data
         if train_data is None:  # the task and its reward first: a typo there should not cost a model load
             train_data, eval_data = load_task(config.task)
-        reward_fn = reward_fn or (None if self.env is not None else make_reward(config.task.reward, train_data))
+        if reward_fn is not None:  # an injected function (tests), alone
+            self.rewards = RewardFunctions([reward_fn], [1.0])
+        else:  # the environment scores multi-turn trajectories
+            self.rewards = None if self.env is not None else make_rewards(config.task, train_data)
         m = config.model
         if m.dtype == "float16":
             raise ValueError("model.dtype=float16 cannot train: float16 mixed precision needs loss scaling, which "
@@ -149,7 +152,6 @@ class Trainer:
         self.model, self.tokenizer = model.eval(), tokenizer
         self.autocast = lambda: autocast(m.dtype, model.device.type)  # bfloat16: mixed precision (models.autocast)
         self.train_data, self.eval_data = train_data, eval_data
-        self.reward_fn = reward_fn
         self.eos_ids = eos_token_ids(model, tokenizer)
         if self.env is not None:
             agent.bind(self.env, tokenizer)
@@ -221,7 +223,7 @@ class Trainer:
                                                             cfg.train.seed, step)]
         if self.env is not None:
             return self.generate_trajectories(step, items)
-        prompt_ids = [chat_prompt_ids(self.tokenizer, build_messages(item["question"])) for item in items]
+        prompt_ids = [chat_prompt_ids(self.tokenizer, prompt_messages(item, cfg.task)) for item in items]
         mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
         samples, rewards, error, failure = {}, {}, None, None
         with self.gathered(), self.autocast():
@@ -236,8 +238,9 @@ class Trainer:
                 failure = f"rank {self.rank}: {type(e).__name__}: {e}"
         try:
             if mine:
-                scores = score(self.reward_fn, self.tokenizer, [items[k] for k in mine], [samples[k] for k in mine])
-                rewards = dict(zip(mine, scores.split(G)))
+                total, columns = score_columns(self.rewards, self.tokenizer, [items[k] for k in mine],
+                                               [samples[k] for k in mine], cfg.task)
+                rewards = dict(zip(mine, zip(total.split(G), columns.split(G))))
         except RewardFunctionError as e:
             error = str(e)
         if self.ranks is not None:  # every rank gets the whole batch (token ids, logprobs and rewards: small)
@@ -252,13 +255,19 @@ class Trainer:
         if error is not None:
             raise RewardFunctionError(error)
         samples = [samples[k] for k in range(len(items))]
-        rewards = torch.cat([rewards[k] for k in range(len(items))])
+        columns = torch.cat([rewards[k][1] for k in range(len(items))])
+        rewards = torch.cat([rewards[k][0] for k in range(len(items))])
         sequences = [[(ids + s.completion_ids, [0.0] * len(ids) + [1.0] * len(s.completion_ids), s.truncated)
                       for s in group] for ids, group in zip(prompt_ids, samples)]
         rollouts, advantages, std = self.group_rollouts(sequences, rewards, cfg.sampling.max_new_tokens)
         flat = [s for group in samples for s in group]
+        per_function = {}  # TRL's rewards/<name>/mean and std, over the samples the function scored
+        for name, column in zip(self.rewards.names, columns.unbind(1)):
+            scored = column[~column.isnan()]
+            per_function[f"rewards/{name}/mean"] = scored.mean().item() if scored.numel() else float("nan")
+            per_function[f"rewards/{name}/std"] = scored.std().item() if scored.numel() > 1 else 0.0
         return Batch(rollouts, rewards, advantages, std, [len(s.completion_ids) for s in flat],
-                     [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples)
+                     [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples, metrics=per_function)
 
     def generate_trajectories(self, step: int, items: list[dict]) -> Batch:
         """A multi-turn step: each item's trajectories (`trajectories.sample_trajectories`, item k's generator seeded
@@ -736,7 +745,7 @@ class Trainer:
     def evaluate(self) -> dict:
         """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
         with self.gathered(), self.autocast():
-            return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.reward_fn,
+            return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.rewards,
                             progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"),
                             ranks=self.ranks, env=self.env)
 

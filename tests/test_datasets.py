@@ -1,0 +1,127 @@
+"""The user's own prompts (issue 14, deliverable 3): task.dataset files (JSONL, JSON, Parquet) through Hugging Face
+datasets with a column mapping, plain or conversational prompts, a system prompt, and several reward functions with
+weights as TRL's reward_funcs / reward_weights, handed prompts and completions in TRL's formats."""
+
+import json
+
+import pytest
+import torch
+
+from branchreplay.models import tiny_model
+from branchreplay.rl.config import Config
+from branchreplay.rl.tasks import TaskConfig, load_task, prompt_messages
+from branchreplay.rl.trainer import Trainer
+from test_trainer import ByteTokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+PLAIN = [{"question_text": f"{a}+{b}=?", "solution": str(a + b), "level": a % 2} for a in range(4) for b in range(3)]
+CHAT = [{"prompt": [{"role": "user", "content": f"{a}*{b}?"}], "answer": str(a * b)}
+        for a in range(3) for b in range(3)]
+
+
+def _jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(path)
+
+
+def test_prompt_files_columns_and_splits(tmp_path):
+    plain = _jsonl(tmp_path / "plain.jsonl", PLAIN)
+    cfg = TaskConfig(dataset=plain, prompt_column="question_text", answer_column="solution", eval_size=4,
+                     reward="math_verify")
+    train, held_out = load_task(cfg)
+    assert (len(train), len(held_out)) == (8, 4) and held_out[-1]["question"] == "3+2=?"
+    assert train[0]["answer"] == "0" and train[0]["level"] == 0 and train[0]["solution"] == "0"  # columns kept
+    import datasets
+
+    parquet = tmp_path / "eval.parquet"
+    datasets.Dataset.from_list(PLAIN[:2]).to_parquet(str(parquet))
+    train, held_out = load_task(TaskConfig(dataset=plain, eval_dataset=str(parquet), prompt_column="question_text",
+                                           answer_column="solution", reward="math_verify"))
+    assert (len(train), len(held_out)) == (12, 2)
+    found = r"lacks the column\(s\) prompt, answer \(it has question_text, solution, level\)"
+    with pytest.raises(ValueError, match=found):
+        load_task(TaskConfig(dataset=plain, reward="math_verify"))
+    with pytest.raises(FileNotFoundError, match="task.dataset"):
+        load_task(TaskConfig(dataset=str(tmp_path / "missing.jsonl")))
+    with pytest.raises(ValueError, match="all held out"):
+        load_task(TaskConfig(dataset=plain, prompt_column="question_text", answer_column="solution", eval_size=64,
+                             reward="math_verify"))
+    bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"text": "hi"}]}])
+    with pytest.raises(ValueError, match="row 0.*list of {role, content} messages"):
+        load_task(TaskConfig(dataset=bad, eval_size=0, reward="pkg.mod:fn"))
+    with pytest.raises(ValueError, match="task.reward_weights has 1 weights for 2"):
+        TaskConfig(reward="task,math_verify", reward_weights=[1.0])
+
+
+def test_prompt_messages_plain_conversational_and_reasoning_gym():
+    plain, chat = {"question": "2+2?"}, {"question": [{"role": "user", "content": "2*3?"}]}
+    own = {"question": [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]}
+    cfg = TaskConfig(dataset="x.jsonl", system_prompt="Be brief.")
+    assert prompt_messages(plain, cfg) == [{"role": "system", "content": "Be brief."},
+                                           {"role": "user", "content": "2+2?"}]
+    assert prompt_messages(chat, cfg)[0] == {"role": "system", "content": "Be brief."}
+    assert prompt_messages(own, cfg) == own["question"]  # its own system message is kept
+    assert prompt_messages(plain, TaskConfig(dataset="x.jsonl")) == [{"role": "user", "content": "2+2?"}]
+    rg = prompt_messages(plain, TaskConfig(system_prompt="Answer in <answer> tags."))
+    assert rg[0]["content"] == "Answer in <answer> tags." and rg[-1] == {"role": "user", "content": "2+2?"}
+    assert len(rg) == 6  # the few-shot turns stay
+
+
+def test_trainer_on_a_conversational_file_with_weighted_rewards(tmp_path, monkeypatch):
+    """Two reward functions from a module in the current folder, weights 2 and 0.5: each is handed the prompts as
+    message lists and the completions as [{"role": "assistant", ...}], the step's reward is their weighted sum, and
+    each is logged as rewards/<name>/mean."""
+    (tmp_path / "file_rewards.py").write_text(
+        "seen = []\n"
+        "def lowercase(prompts, completions, answer, **kw):\n"
+        "    seen.append((prompts, completions, answer))\n"
+        "    return [sum(ch.islower() for ch in c[0]['content']) / max(len(c[0]['content']), 1) for c in completions]\n"
+        "def length(completions, **kw):\n"
+        "    return [float(len(c[0]['content'])) for c in completions]\n")
+    monkeypatch.chdir(tmp_path)
+    config = Config.from_dict({
+        "model": {"spec": "tiny:llama"},
+        "task": {"dataset": _jsonl(tmp_path / "chat.jsonl", CHAT), "eval_size": 2,
+                 "reward": "file_rewards:lowercase, file_rewards:length", "reward_weights": [2.0, 0.5]},
+        "sampling": {"temperature": 0.7, "max_new_tokens": 6},
+        "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-2, "lr_scheduler": "constant"},
+        "train": {"steps": 1, "output_dir": str(tmp_path / "run"), "save_steps": 0, "eval_steps": -1}})
+    trainer = Trainer(config, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer())
+    batch = trainer.generate(1)
+    import file_rewards
+
+    prompts, completions, answer = file_rewards.seen[-1]
+    assert isinstance(prompts[0], list) and prompts[0][0]["role"] == "user"
+    assert completions[0][0]["role"] == "assistant" and isinstance(completions[0][0]["content"], str)
+    lower = torch.tensor(file_rewards.lowercase(prompts, completions, answer))
+    length = torch.tensor(file_rewards.length(completions))
+    torch.testing.assert_close(batch.rewards, 2.0 * lower + 0.5 * length)
+    assert batch.metrics["rewards/length/mean"] == pytest.approx(length.mean().item())
+    assert batch.metrics["rewards/lowercase/mean"] == pytest.approx(lower.mean().item())
+    record = trainer.train_step(2)
+    assert "rewards/lowercase/mean" in record and "rewards/length/std" in record
+
+
+def test_plain_file_prompts_reach_the_reward_as_strings_and_task_reward_is_refused(tmp_path):
+    seen = []
+
+    def reward(prompts, completions, solution, **kwargs):
+        seen.append((prompts, completions, solution))
+        return [0.0] * len(completions)
+
+    plain = _jsonl(tmp_path / "plain.jsonl", PLAIN)
+    task = {"dataset": plain, "prompt_column": "question_text", "answer_column": "solution", "eval_size": 2,
+            "system_prompt": "Be brief."}
+    config = Config.from_dict({"model": {"spec": "tiny:llama"}, "task": task,
+                               "sampling": {"max_new_tokens": 4}, "grpo": {"num_generations": 2},
+                               "train": {"output_dir": str(tmp_path / "run")}})
+    train, held_out = load_task(config.task)
+    trainer = Trainer(config, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
+                      train_data=train, eval_data=held_out, reward_fn=reward)
+    trainer.generate(1)
+    prompts, completions, solution = seen[-1]
+    assert isinstance(prompts[0], str) and isinstance(completions[0], str) and solution[0].isdigit()
+    with pytest.raises(ValueError, match="task.reward='task'.*with task.dataset"):
+        Trainer(Config.from_dict({**config.to_dict(), "task": {**task, "reward": "task"}}),
+                model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer())
