@@ -123,3 +123,38 @@ def test_resuming_a_run_from_before_use_bias_correction_kl_keeps_its_objective(t
     assert config.grpo.use_bias_correction_kl is True
     Config.from_dict({"grpo": {"beta": 0.04}}).save(tmp_path / "config.yaml")
     assert parse_args(["--resume", str(tmp_path)])[0].grpo.use_bias_correction_kl is True
+
+
+def test_trl_flat_grpo_config_names_map_onto_sections(tmp_path):
+    """A TRL GRPOConfig-style flat YAML (issue 14): each name lands on the field that means the same, TRL's
+    spellings converted, other GRPOConfig fields dropped with one warning, typos answered with the nearest key."""
+    import warnings
+
+    path = tmp_path / "trl.yaml"
+    path.write_text("learning_rate: 1.0e-6\nnum_generations: 4\nmax_completion_length: 256\nmax_steps: 500\n"
+                    "save_total_limit: 3\nper_device_train_batch_size: 8\ngradient_accumulation_steps: 2\n"
+                    "lr_scheduler_type: linear\nscale_rewards: false\ntop_k: null\nbf16: true\nbeta: 0.04\n"
+                    "logging_steps: 10\n")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        c = Config.from_yaml(path)
+    assert (c.grpo.learning_rate, c.grpo.num_generations, c.sampling.max_new_tokens, c.train.steps) == \
+        (1e-6, 4, 256, 500)
+    assert (c.train.keep_checkpoints, c.grpo.prompts_per_step, c.grpo.lr_scheduler, c.grpo.scale_rewards) == \
+        (3, 4, "linear", "none")  # 8 x 2 completions per step / 4 generations = 4 prompts
+    assert (c.sampling.top_k, c.model.dtype, c.grpo.beta) == (0, "bfloat16", 0.04)
+    assert any("ignored: logging_steps" in str(w.message) for w in caught)
+    with pytest.warns(UserWarning, match="ignored: logging_steps"):
+        c, _ = parse_args(["--config", str(path), "--learning_rate", "3e-6", "--max_steps=7"])
+    assert (c.grpo.learning_rate, c.train.steps) == (3e-6, 7)
+    with pytest.raises(ValueError, match="did you mean 'learning_rate'"):
+        Config.from_dict({"learnin_rate": 1e-6})
+    with pytest.raises(ValueError, match=r"unknown key 'grpo.learnig_rate' \(did you mean 'learning_rate'"):
+        Config.from_dict({"grpo": {"learnig_rate": 1e-6}})
+    with pytest.raises(ValueError, match="disagree"):
+        Config.from_dict({"learning_rate": 1e-6, "grpo": {"learning_rate": 1e-5}})
+    with pytest.raises(ValueError, match="not divisible by num_generations=8"):
+        Config.from_dict({"per_device_train_batch_size": 12})
+    with pytest.raises(ValueError, match="lr_scheduler_type='polynomial'"):
+        Config.from_dict({"lr_scheduler_type": "polynomial"})
+    assert "--max_completion_length  (TRL GRPOConfig) -> sampling.max_new_tokens" in help_text()

@@ -3,6 +3,7 @@ name the field and its accepted values (`branchreplay.rl.config` composes the se
 
 from __future__ import annotations
 
+import difflib
 import typing
 
 
@@ -28,3 +29,9 @@ def check(name: str, ok: bool, expected: str, value) -> None:
     """Raise ValueError naming `name`, its value and the range it must be in (`expected`, e.g. ">= 1") unless ok."""
     if not ok:
         raise ValueError(f"{name}={value!r} is out of range; it must be {expected}")
+
+
+def nearest(key: str, known: list[str]) -> str:
+    """" (did you mean 'X'?)" for the closest of `known` to a misspelt `key` (difflib), or "" when none is close."""
+    close = difflib.get_close_matches(key, known, n=1)
+    return f" (did you mean '{close[0]}'?)" if close else ""

@@ -37,15 +37,16 @@ from typing import Literal
 import yaml
 
 from ..engine import EngineConfig
-from ..fields import accepted, check, choice, help_of
+from ..fields import accepted, check, choice, help_of, nearest
 from ..losses import DPOLossType, LossType
 from .agent import AgentConfig
 from .sampling import SamplingConfig, turn_factor
 from .tasks import TaskConfig
+from .trl_names import TRL_NAMES, from_trl_names, help_lines
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
 ScaleRewards = Literal["group", "batch", "none"]
-LRScheduler = Literal["cosine", "constant"]
+LRScheduler = Literal["cosine", "linear", "constant"]
 ParallelStrategy = Literal["auto", "fsdp2", "ddp"]
 ImportanceSamplingLevel = Literal["token", "sequence"]
 Algorithm = Literal["grpo", "ppo", "rloo", "reinforce_pp", "dpo"]
@@ -121,7 +122,7 @@ class GRPOConfig:
     weight_decay: float = field(default=0.0, metadata=help_of("AdamW weight decay, >= 0"))
     warmup_steps: int = field(default=0, metadata=help_of("linear warmup, in optimizer updates, >= 0"))
     lr_scheduler: LRScheduler = field(default="cosine", metadata=help_of(
-        "learning-rate decay after warmup (cosine decays to 0 at the end)"))
+        "learning-rate decay after warmup (cosine and linear decay to 0 at the end; transformers' schedules)"))
     micro_batch_prompts: int = field(default=0, metadata=help_of(
         "prompt groups per forward/backward call, >= 0 (0 = all of the step's); the gradient does not depend "
         "on it, only memory does"))
@@ -398,7 +399,7 @@ class Config:
         data = data or {}
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a mapping of sections, got {type(data).__name__}")
-        data = dict(data)
+        data = from_trl_names(dict(data), SECTIONS)  # TRL's flat GRPOConfig names, moved into their sections
         algorithm = data.pop("algorithm", "grpo")
         choice("algorithm", algorithm, Algorithm)
         for name in data:
@@ -413,7 +414,8 @@ class Config:
             hints, known = _field_types(section_cls), [f.name for f in dataclasses.fields(section_cls)]
             for key in values:
                 if key not in hints:
-                    raise ValueError(f"unknown key '{name}.{key}'; valid keys of '{name}': {', '.join(known)}")
+                    raise ValueError(f"unknown key '{name}.{key}'{nearest(key, known)}; valid keys of '{name}': "
+                                     f"{', '.join(known)}")
             sections[name] = _section(name, {k: _coerce(v, hints[k], f"{name}.{k}") for k, v in values.items()},
                                       algorithm)
         return cls(algorithm=algorithm, **sections)
@@ -448,7 +450,7 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     {field: value}} (a copy).
 
     Raises ValueError for an argument that is not of that form, a missing value, or an unknown section or key."""
-    data = {k: v if k == "algorithm" else dict(v or {}) for k, v in data.items()}
+    data = {k: dict(v or {}) if k in SECTIONS else v for k, v in data.items()}  # others: algorithm, TRL names
     i = 0
     while i < len(overrides):
         arg = overrides[i]
@@ -459,6 +461,16 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                     raise ValueError("--algorithm needs a value")
                 value, i = overrides[i + 1], i + 1
             data["algorithm"] = value
+            i += 1
+            continue
+        flat = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
+        if flat in TRL_NAMES:  # TRL's flat name, e.g. --learning_rate 1e-5 (from_dict moves it into its section)
+            key, eq, value = arg[2:].partition("=")
+            if not eq:
+                if i + 1 >= len(overrides):
+                    raise ValueError(f"--{key} needs a value")
+                value, i = overrides[i + 1], i + 1
+            data[key] = yaml.safe_load(value)
             i += 1
             continue
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
@@ -474,7 +486,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             raise ValueError(f"unknown config section '{section}' in --{key}; valid sections: {', '.join(SECTIONS)}")
         hints = _field_types(SECTIONS[section])
         if name not in hints:
-            raise ValueError(f"unknown key '{key}'; valid keys of '{section}': {', '.join(hints)}")
+            raise ValueError(f"unknown key '{key}'{nearest(name, list(hints))}; valid keys of '{section}': "
+                             f"{', '.join(hints)}")
         data.setdefault(section, {})[name] = _parse_cli(value, hints[name])
         i += 1
     return data
@@ -493,7 +506,8 @@ def help_text() -> str:
             default = RUN_DEFAULTS.get(section, {}).get(f.name, default)
             lines.append(f"--{section}.{f.name}  ({_kind(hints[f.name])}, default {_plain(default)!r})  "
                          f"{f.metadata.get('help', '')}")
-    return "\n".join(lines)
+    lines.append("TRL's flat GRPOConfig names are accepted too, in a YAML file or as --name VALUE (rl/trl_names.py):")
+    return "\n".join(lines + help_lines())
 
 
 def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resume")) -> tuple[Config, dict]:

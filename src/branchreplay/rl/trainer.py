@@ -48,7 +48,8 @@ from pathlib import Path
 import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
-from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
+                          get_linear_schedule_with_warmup)
 
 from ..check.self_check import ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
@@ -209,8 +210,9 @@ class Trainer:
         g = self.config.grpo
         optimizer = torch.optim.AdamW(params, lr=g.learning_rate, weight_decay=g.weight_decay,
                                       **({} if foreach else {"foreach": False}))
-        schedule = {"cosine": get_cosine_schedule_with_warmup, "constant": get_constant_schedule_with_warmup}
-        extra = {"num_training_steps": self.config.train.steps * self.num_updates} if g.lr_scheduler == "cosine" \
+        schedule = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
+                    "constant": get_constant_schedule_with_warmup}
+        extra = {"num_training_steps": self.config.train.steps * self.num_updates} if g.lr_scheduler != "constant" \
             else {}
         return optimizer, schedule[g.lr_scheduler](optimizer, num_warmup_steps=g.warmup_steps, **extra)
 
