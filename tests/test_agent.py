@@ -129,7 +129,7 @@ def test_gradient_over_shared_turns_equals_each_trajectory_alone(tmp_path, keep6
 
 @pytest.mark.parametrize("algorithm", ["grpo", "ppo", "rloo", "reinforce_pp"])
 def test_multi_turn_runs_train_and_log(tmp_path, algorithm):
-    config = make_config(tmp_path, algorithm, train={"eval_steps": 0})
+    config = make_config(tmp_path, algorithm, train={"eval_steps": 0, "log_completions": True})
     trainer = make_trainer(config)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     run = trainer.fit()
@@ -140,6 +140,9 @@ def test_multi_turn_runs_train_and_log(tmp_path, algorithm):
                 "time/sample_model_s", "completions/mean_length"):
         assert key in step, key
     assert step["tree/token_ratio"] > 1.0
+    logged = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert logged[0]["messages"][0] == {"role": "user", "content": logged[0]["messages"][0]["content"]}
+    assert {"turns", "ended_by", "reward", "advantage"} <= set(logged[0]) and trainer.reward_name() == "tests.unused:Counter"
     assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
 
 

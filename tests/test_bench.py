@@ -262,3 +262,20 @@ def test_recorded_trajectories_bench_per_item_trees(capsys, tmp_path):
     assert main(["bench", "--scenario", "multi-turn", "--trajectories", str(path)]) == 2
     assert "another tokenizer" in capsys.readouterr().err
     assert main(["bench", "--loss", "ppo", "--trajectories", str(path)]) == 2
+
+
+def test_memory_plot_joins_only_one_swept_size_of_one_scenario():
+    from branchreplay.bench.output import sweeps
+
+    def row(scenario, **config):
+        return {"scenario": scenario, "config": config}
+
+    rows = [row("shared-prompt", prompt_tokens=p, generations=g) for p, g in
+            [(1024, 8), (4096, 8), (16384, 8), (4096, 4), (4096, 16), (2048, 2)]]
+    rows += [row("multi-turn", prompt_tokens=1024, turns=4), row("tree-sampled", prompt_tokens=1024,
+                                                                 fork_schedule=[[0, 2]]),
+             row("tree-sampled", prompt_tokens=1024, fork_schedule=[[0, 4]])]
+    lines = {(k, tuple((r["config"]["prompt_tokens"], r["config"].get("generations")) for r in line))
+             for k, line in sweeps(rows)}
+    assert lines == {("prompt_tokens", ((1024, 8), (4096, 8), (16384, 8))),
+                     ("generations", ((4096, 4), (4096, 8), (4096, 16)))}  # no line across scenarios or schedules

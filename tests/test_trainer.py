@@ -343,6 +343,34 @@ def test_consecutive_failed_steps_stop_the_run_with_a_checkpoint_of_the_last_goo
         never.fit()
 
 
+def test_log_completions_and_tensorboard_notice(tmp_path):
+    """train.log_completions writes every sampled completion of each step to RUN_DIR/completions.jsonl (TRL's
+    log_completions), truncated on resume like metrics.jsonl; a run without TensorBoard says so when it starts."""
+    from rich.console import Console
+
+    console = Console(record=True, width=200)
+    config = make_config(tmp_path, train={"steps": 2, "log_completions": True})
+    trainer = Trainer(config, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
+                      train_data=DATA, eval_data=DATA[:4], reward_fn=byte_reward, console=console)
+    batch_rewards = []
+    generate = trainer.generate
+    trainer.generate = lambda step: batch_rewards.append(b := generate(step)) or b
+    run = trainer.fit()
+    rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] * 8 + [2] * 8  # 2 prompts x 4 completions per step
+    assert rows[0]["prompt"] in [d["question"] for d in DATA] and isinstance(rows[0]["completion"], str)
+    assert [r["reward"] for r in rows[:8]] == pytest.approx(batch_rewards[0].rewards.tolist())
+    import importlib.util
+
+    if importlib.util.find_spec("tensorboard") is None:
+        assert "TensorBoard: off" in console.export_text()
+    assert trainer.reward_name() == "byte_reward"
+    from branchreplay.rl.log import MetricsLog
+
+    MetricsLog(run, truncate_after=1).close()  # what a resume from step 1 does to both logs
+    assert {json.loads(line)["step"] for line in (run / "completions.jsonl").read_text().splitlines()} == {1}
+
+
 def test_every_engine_call_takes_the_engine_section(tmp_path, monkeypatch):
     """--engine.* reaches replay_backward and replay_logprobs (old logprobs with num_iterations 2, reference with
     beta > 0)."""

@@ -55,9 +55,30 @@ def format_table(result: dict) -> str:
     return "\n".join(lines)
 
 
+def sweeps(rows: list[dict]) -> list[tuple[str, list[dict]]]:
+    """The runs of rows (one method's) that differ in exactly one numeric size of one scenario: (the swept config
+    key, its rows sorted by it), for each run of at least two rows. Rows of different scenarios, or that differ in
+    more than one size or in a schedule, are never on one line."""
+    out = []
+    for scenario in dict.fromkeys(r["scenario"] for r in rows):
+        mine = [r for r in rows if r["scenario"] == scenario]
+        keys = sorted({k for r in mine for k in r.get("config", {})})
+        for swept in keys:
+            lines: dict[tuple, list[dict]] = {}
+            for r in mine:
+                fixed = tuple((k, str(r.get("config", {}).get(k))) for k in keys if k != swept)
+                lines.setdefault(fixed, []).append(r)
+            for line in lines.values():
+                numeric = all(isinstance(r.get("config", {}).get(swept), (int, float)) for r in line)
+                if numeric and len({r.get("config", {})[swept] for r in line}) == len(line) >= 2:
+                    out.append((swept, sorted(line, key=lambda r: r.get("config", {})[swept])))
+    return out
+
+
 def plot(result: dict, path: str) -> None:
     """Two panels to `path` (PNG, matplotlib Agg): speedup vs FLOP ratio (with the line speedup = FLOP ratio),
-    and peak memory vs logical tokens, one line per method (markers by scenario)."""
+    and peak memory vs logical tokens, points per method (markers by scenario), joined only along one swept size
+    of one scenario (`sweeps`), the line labelled with that size's range."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -76,8 +97,13 @@ def plot(result: dict, path: str) -> None:
             a.scatter(r["flop_ratio"], r["speedup"], color=colors[method], marker=markers[r["scenario"]],
                       facecolors="none" if r["estimated"] else colors[method])
         a.scatter([], [], color=colors[method], label=label)
-        b.plot([r["logical_tokens"] for r in mine], [r["peak_bytes"] / 2**20 for r in mine], color=colors[method],
-               label=label)
+        b.scatter([], [], color=colors[method], label=label)
+        for swept, line in sweeps(mine):  # lines only along one swept size of one scenario, labelled with it
+            b.plot([r["logical_tokens"] for r in line], [r["peak_bytes"] / 2**20 for r in line],
+                   color=colors[method], lw=1)
+            b.annotate(f"{swept} {line[0]['config'][swept]}..{line[-1]['config'][swept]}",
+                       (line[-1]["logical_tokens"], line[-1]["peak_bytes"] / 2**20), fontsize=6,
+                       color=colors[method], xytext=(3, 0), textcoords="offset points")
         for r in mine:
             b.scatter(r["logical_tokens"], r["peak_bytes"] / 2**20, color=colors[method],
                       marker=markers[r["scenario"]], facecolors="none" if r["peak_estimated"] else colors[method])

@@ -268,6 +268,9 @@ class TrainConfig:
         "newest checkpoints kept, >= 1 (a SmolLM2 checkpoint with AdamW state is about 1.6 GB)"))
     eval_steps: int = field(default=50, metadata=help_of(
         "held-out evaluation every this many steps (0 = only before and after training, -1 = never)"))
+    log_completions: bool = field(default=False, metadata=help_of(
+        "write every sampled completion (prompt, completion or conversation, reward, advantage) of each step to "
+        "RUN_DIR/completions.jsonl (TRL's log_completions)"))
     max_failed_steps: int = field(default=3, metadata=help_of(
         "stop the run with an error after this many consecutive steps skipped because the reward (or every item's "
         "environment) failed, >= 0 (0 = never stop); the last good step is checkpointed first"))

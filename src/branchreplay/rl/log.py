@@ -14,24 +14,24 @@ from rich.table import Table
 
 class MetricsLog:
     """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
-    TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports. Lines of steps after `truncate_after` (written
-    after the checkpoint a resume starts from) are dropped, so a resumed run's log reads as an uninterrupted one."""
+    TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports (said on the console when it does not), and
+    RUN_DIR/completions.jsonl, the sampled completions of each step (`write_completions`, train.log_completions).
+    Lines of steps after `truncate_after` (written after the checkpoint a resume starts from) are dropped from both,
+    so a resumed run's logs read as an uninterrupted one."""
 
-    def __init__(self, run_dir: Path, truncate_after: int):
+    def __init__(self, run_dir: Path, truncate_after: int, console: Console | None = None):
         self.path = run_dir / "metrics.jsonl"
-        self.records = []
-        if self.path.is_file():
-            self.records = [json.loads(line) for line in self.path.read_text().splitlines() if line.strip()]
-            self.records = [r for r in self.records if r["step"] <= truncate_after]
-            tmp = self.path.with_name(".metrics.jsonl.tmp")
-            tmp.write_text("".join(json.dumps(r) + "\n" for r in self.records))
-            os.replace(tmp, self.path)
+        self.records = _truncated(self.path, truncate_after)
+        _truncated(run_dir / "completions.jsonl", truncate_after)
+        self.completions = None  # opened on the first write_completions
         self.file = open(self.path, "a")
         try:
             from torch.utils.tensorboard import SummaryWriter
             self.tb = SummaryWriter(str(run_dir / "tb"))
         except ImportError:
             self.tb = None
+            if console is not None:  # said once, when the run starts: never silently off
+                console.print("TensorBoard: off (pip install tensorboard to mirror metrics.jsonl into RUN_DIR/tb)")
 
     def write(self, record: dict) -> None:
         self.records.append(record)
@@ -42,19 +42,43 @@ class MetricsLog:
                 if key != "step" and isinstance(value, (int, float)):
                     self.tb.add_scalar(key, value, record["step"])
 
+    def write_completions(self, step: int, rows: list[dict]) -> None:
+        """Append one JSON object per sampled completion of `step` to RUN_DIR/completions.jsonl (TRL's
+        log_completions): each row's fields and "step"."""
+        if self.completions is None:
+            self.completions = open(self.path.with_name("completions.jsonl"), "a")
+        self.completions.write("".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
+        self.completions.flush()
+
     def close(self) -> None:
         self.file.close()
+        if self.completions is not None:
+            self.completions.close()
         if self.tb is not None:
             self.tb.close()
 
 
-def summarize(console: Console, run_dir: Path, records: list[dict]) -> Path:
+def _truncated(path: Path, after: int) -> list[dict]:
+    """The records of the JSONL file `path` up to step `after`, rewritten atomically without the later ones."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r["step"] <= after]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+    return records
+
+
+def summarize(console: Console, run_dir: Path, records: list[dict], reward_name: str = "reward") -> Path:
     """Print a table of the run's main metrics (first, last, best) and save RUN_DIR/training.png: train reward and
-    held-out accuracy by step. Returns the plot's path."""
+    held-out score by step, labelled with `reward_name` (the reward functions' or the environment's name), whole
+    steps on the axis. Returns the plot's path."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
 
     table = Table(title=f"run {run_dir}")
     for col in ("metric", "first", "last", "min", "max"):
@@ -69,13 +93,15 @@ def summarize(console: Console, run_dir: Path, records: list[dict]) -> Path:
     console.print(table)
     fig, ax = plt.subplots(figsize=(7, 4))
     plotted = False
-    for key, label, style in (("reward", "train reward", "-"), ("rewards/accuracies", "DPO preference accuracy", "-"),
-                              ("eval/accuracy", "held-out accuracy", "o-")):
+    for key, label, style in (("reward", f"train reward ({reward_name})", "-"),
+                              ("rewards/accuracies", "DPO preference accuracy", "-"),
+                              ("eval/accuracy", f"held-out ({reward_name})", "o-")):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
             ax.plot(*zip(*points), style, label=label)
             plotted = True
     ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("mean score")
     if plotted:
         ax.legend()

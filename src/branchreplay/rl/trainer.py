@@ -117,6 +117,21 @@ class Batch:
     samples: list[list[Sample]] = field(default_factory=list)
     trajectories: list = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
+    items: list[dict] = field(default_factory=list)  # per group, its dataset item
+
+    def completions(self, tokenizer) -> list[dict]:
+        """One row per rollout for the completions log: the item's prompt and the decoded completion (multi-turn:
+        the conversation's messages, turns, how it ended), its reward and advantage."""
+        rows = []
+        flat = [(item, s) for item, group in zip(self.items, self.samples or self.trajectories) for s in group]
+        for (item, s), reward, advantage in zip(flat, self.rewards.tolist(), self.advantages.tolist()):
+            if self.trajectories:
+                row = {"messages": s.conversation.messages, "turns": s.turns, "ended_by": s.ended_by}
+            else:
+                row = {"prompt": item["question"],
+                       "completion": tokenizer.decode(s.completion_ids, skip_special_tokens=True)}
+            rows.append({**row, "reward": reward, "advantage": advantage})
+        return rows
 
 
 class Trainer:
@@ -203,6 +218,7 @@ class Trainer:
             self.critic_optimizer, self.critic_scheduler = self.optimizer_for(self.critic_params)
         self.step, self.num_tokens = 0, 0
         self.failure: str | None = None  # why the last step was skipped (the warning's text)
+        self.completion_rows: list[dict] = []  # the last step's, for RUN_DIR/completions.jsonl (log_completions)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
 
     def optimizer_for(self, params: list, foreach: bool = True):
@@ -269,14 +285,15 @@ class Trainer:
             per_function[f"rewards/{name}/mean"] = scored.mean().item() if scored.numel() else float("nan")
             per_function[f"rewards/{name}/std"] = scored.std().item() if scored.numel() > 1 else 0.0
         return Batch(rollouts, rewards, advantages, std, [len(s.completion_ids) for s in flat],
-                     [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples, metrics=per_function)
+                     [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples, metrics=per_function,
+                     items=items)
 
     def generate_trajectories(self, step: int, items: list[dict]) -> Batch:
         """A multi-turn step: each item's trajectories (`trajectories.sample_trajectories`, item k's generator seeded
         by (train.seed, step, k)), one reward each (`agent.trajectory_reward`), group advantages per item. Items whose
         environment fails (ItemError) are skipped with a warning; raises ItemError when every item was."""
         cfg, a = self.config, self.config.agent
-        groups, timings = [], {"env_s": 0.0}
+        groups, kept, timings = [], [], {"env_s": 0.0}
         branching, limit = agent.turn_branching(cfg), agent.context_limit(a, self.model)
         with self.autocast():
             for k, item in enumerate(items):
@@ -286,6 +303,7 @@ class Trainer:
                     groups.append(sample_trajectories(self.model, self.tokenizer, self.env, item, branching,
                                                       cfg.sampling, self.eos_ids, generator, a.max_turns, limit,
                                                       a.max_tool_output_tokens, timings))
+                    kept.append(item)
                 except ItemError as e:
                     warnings.warn(f"step {step}: item {k} skipped: {e}", RuntimeWarning, stacklevel=2)
         if not groups:
@@ -295,7 +313,7 @@ class Trainer:
         sequences = [[(t.conversation.ids, t.conversation.loss_mask, t.truncated) for t in g] for g in groups]
         rollouts, advantages, std = self.group_rollouts(sequences, rewards, a.max_turns * cfg.sampling.max_new_tokens)
         return Batch(rollouts, rewards, advantages, std, [int(sum(t.conversation.loss_mask)) for t in flat],
-                     [t.truncated for t in flat], trajectories=groups,
+                     [t.truncated for t in flat], trajectories=groups, items=kept,
                      metrics={**agent.trajectory_metrics(groups), "time/sample_env_s": timings["env_s"]})
 
     def group_rollouts(self, sequences: list[list[tuple]], rewards: torch.Tensor, max_completion_length: int
@@ -529,6 +547,8 @@ class Trainer:
             self.failure = str(e)
             return None
         t1 = time.perf_counter()
+        if self.config.train.log_completions and self.rank == 0:
+            self.completion_rows = batch.completions(self.tokenizer)
         self.status(f"step {step}: training on {sum(map(len, batch.rollouts))} rollouts")
         metrics = self.update(batch)
         t2 = time.perf_counter()
@@ -653,7 +673,7 @@ class Trainer:
             self.config.save(run_dir / "config.yaml")
         if self.ranks is None:  # data-parallel runs checked before sharding (__init__)
             self.force = self.check_family(run_dir)
-        log = MetricsLog(run_dir, truncate_after=self.step) if self.rank == 0 else _NoLog()
+        log = MetricsLog(run_dir, truncate_after=self.step, console=self.console) if self.rank == 0 else _NoLog()
         stop: list[str] = []
         try:
             with _stop_on_signals(stop, self.console):
@@ -663,7 +683,7 @@ class Trainer:
         if self.stopping(stop):
             raise TrainingInterrupted(run_dir, self.step)
         if self.rank == 0:
-            summarize(self.console, run_dir, log.records)
+            summarize(self.console, run_dir, log.records, reward_name=self.reward_name())
         return run_dir
 
     def _loop(self, run_dir: Path, log: MetricsLog, stop: list) -> None:
@@ -690,6 +710,9 @@ class Trainer:
                     raise TrainingFailed(run_dir, self.step + 1, self.step + failed, self.failure, cfg.max_failed_steps)
                 record = record or {"step": self.step + 1}
                 self.step += 1
+                if self.completion_rows:
+                    log.write_completions(self.step, self.completion_rows)
+                    self.completion_rows = []
                 last = self.step == cfg.steps
                 if cfg.eval_steps >= 0 and (last or (cfg.eval_steps and self.step % cfg.eval_steps == 0)):
                     record.update(self.evaluate())
@@ -739,6 +762,14 @@ class Trainer:
         return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
                                keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
                                tokenizer=self.tokenizer, critic=self.critic_state())
+
+    def reward_name(self) -> str:
+        """What the run's reward is, for the plot: the environment, DPO's preferences, or the reward functions."""
+        if self.env is not None:
+            return self.config.agent.environment or type(self.env).__name__
+        if self.config.algorithm == "dpo" or self.rewards is None:
+            return "preferences"
+        return " + ".join(self.rewards.names)
 
     def critic_state(self) -> tuple | None:
         """(critic, its optimizer, its scheduler) for the checkpoint, or None without a critic."""
@@ -826,6 +857,9 @@ class _NoLog:
 
     def write(self, record: dict) -> None:
         self.records.append(record)
+
+    def write_completions(self, step: int, rows: list[dict]) -> None:
+        pass
 
     def close(self) -> None:
         pass

@@ -55,6 +55,7 @@ TRL_NAMES: dict[str, str] = {
     "save_steps": "train.save_steps",
     "save_total_limit": "train.keep_checkpoints",
     "eval_steps": "train.eval_steps",
+    "log_completions": "train.log_completions",
     "bf16": "model.dtype",
     "per_device_train_batch_size": "grpo.prompts_per_step",
     "gradient_accumulation_steps": "grpo.prompts_per_step",
