@@ -131,22 +131,34 @@ def test_trl_flat_grpo_config_names_map_onto_sections(tmp_path):
     import warnings
 
     path = tmp_path / "trl.yaml"
-    path.write_text("learning_rate: 1.0e-6\nnum_generations: 4\nmax_completion_length: 256\nmax_steps: 500\n"
-                    "save_total_limit: 3\nper_device_train_batch_size: 8\ngradient_accumulation_steps: 2\n"
+    path.write_text("learning_rate: 3.0e-6\nnum_generations: 4\nmax_completion_length: 256\nmax_steps: 500\n"
+                    "save_total_limit: 3\nper_device_train_batch_size: 8\ngradient_accumulation_steps: 3\n"
                     "lr_scheduler_type: linear\nscale_rewards: false\ntop_k: null\nbf16: true\nbeta: 0.04\n"
-                    "logging_steps: 10\n")
+                    "entropy_coef: 0.01\nlogging_steps: 10\n")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         c = Config.from_yaml(path)
     assert (c.grpo.learning_rate, c.grpo.num_generations, c.sampling.max_new_tokens, c.train.steps) == \
-        (1e-6, 4, 256, 500)
+        (3e-6, 4, 256, 500)  # every value differs from our defaults: a dropped mapping fails here
     assert (c.train.keep_checkpoints, c.grpo.prompts_per_step, c.grpo.lr_scheduler, c.grpo.scale_rewards) == \
-        (3, 4, "linear", "none")  # 8 x 2 completions per step / 4 generations = 4 prompts
-    assert (c.sampling.top_k, c.model.dtype, c.grpo.beta) == (0, "bfloat16", 0.04)
+        (3, 6, "linear", "none")  # 8 x 3 completions per step / 4 generations = 6 prompts
+    assert (c.model.dtype, c.grpo.beta, c.grpo.entropy_coef, c.sampling.top_k) == ("bfloat16", 0.04, 0.01, 0)
     assert any("ignored: logging_steps" in str(w.message) for w in caught)
+    with pytest.raises(ValueError, match="top_k=0 .*sampling.top_k=5 disagree"):
+        Config.from_dict({"top_k": None, "sampling": {"top_k": 5}})
     with pytest.warns(UserWarning, match="ignored: logging_steps"):
-        c, _ = parse_args(["--config", str(path), "--learning_rate", "3e-6", "--max_steps=7"])
-    assert (c.grpo.learning_rate, c.train.steps) == (3e-6, 7)
+        c, _ = parse_args(["--config", str(path), "--learning_rate", "5e-6", "--max_steps=7"])
+    assert (c.grpo.learning_rate, c.train.steps, c.sampling.top_k) == (5e-6, 7, 0)  # the command line wins
+    c = Config.from_dict({"grpo": {"learning_rate": 1e-5}, "_trl_names_from_the_command_line": {"learning_rate": 2e-5}})
+    assert c.grpo.learning_rate == 2e-5
+    rloo = Config.from_dict({"algorithm": "rloo", "per_device_train_batch_size": 6})
+    assert (rloo.grpo.num_generations, rloo.grpo.prompts_per_step) == (2, 3)  # RLOO's TRL default G = 2
+    iterations = Config.from_dict({"num_iterations": 4, "max_steps": 400, "save_steps": 100})
+    assert (iterations.train.steps, iterations.train.save_steps) == (100, 25)  # TRL's optimizer steps / mu
+    with pytest.raises(ValueError, match="not a whole number of sampling rounds"):
+        Config.from_dict({"num_iterations": 3, "max_steps": 400})
+    with pytest.raises(ValueError, match="TRL's steps_per_generation is not supported here"):
+        Config.from_dict({"steps_per_generation": 4})
     with pytest.raises(ValueError, match="did you mean 'learning_rate'"):
         Config.from_dict({"learnin_rate": 1e-6})
     with pytest.raises(ValueError, match=r"unknown key 'grpo.learnig_rate' \(did you mean 'learning_rate'"):
@@ -155,6 +167,8 @@ def test_trl_flat_grpo_config_names_map_onto_sections(tmp_path):
         Config.from_dict({"learning_rate": 1e-6, "grpo": {"learning_rate": 1e-5}})
     with pytest.raises(ValueError, match="not divisible by num_generations=8"):
         Config.from_dict({"per_device_train_batch_size": 12})
+    with pytest.raises(ValueError, match="grpo.prompts_per_step=3: keep one"):
+        Config.from_dict({"per_device_train_batch_size": 16, "grpo": {"prompts_per_step": 3}})
     with pytest.raises(ValueError, match="lr_scheduler_type='polynomial'"):
         Config.from_dict({"lr_scheduler_type": "polynomial"})
     assert "--max_completion_length  (TRL GRPOConfig) -> sampling.max_new_tokens" in help_text()

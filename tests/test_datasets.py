@@ -43,7 +43,9 @@ def test_prompt_files_columns_and_splits(tmp_path):
     with pytest.raises(ValueError, match=found):
         load_task(TaskConfig(dataset=plain, reward="math_verify"))
     with pytest.raises(FileNotFoundError, match="task.dataset"):
-        load_task(TaskConfig(dataset=str(tmp_path / "missing.jsonl")))
+        load_task(TaskConfig(dataset=str(tmp_path / "missing.jsonl"), reward="math_verify"))
+    with pytest.raises(ValueError, match="task.reward='task'.*with task.dataset"):
+        TaskConfig(dataset=plain)  # the default reward needs a reasoning-gym task: refused before any load
     with pytest.raises(ValueError, match="all held out"):
         load_task(TaskConfig(dataset=plain, prompt_column="question_text", answer_column="solution", eval_size=64,
                              reward="math_verify"))
@@ -57,12 +59,13 @@ def test_prompt_files_columns_and_splits(tmp_path):
 def test_prompt_messages_plain_conversational_and_reasoning_gym():
     plain, chat = {"question": "2+2?"}, {"question": [{"role": "user", "content": "2*3?"}]}
     own = {"question": [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]}
-    cfg = TaskConfig(dataset="x.jsonl", system_prompt="Be brief.")
+    cfg = TaskConfig(dataset="x.jsonl", system_prompt="Be brief.", reward="math_verify")
     assert prompt_messages(plain, cfg) == [{"role": "system", "content": "Be brief."},
                                            {"role": "user", "content": "2+2?"}]
     assert prompt_messages(chat, cfg)[0] == {"role": "system", "content": "Be brief."}
     assert prompt_messages(own, cfg) == own["question"]  # its own system message is kept
-    assert prompt_messages(plain, TaskConfig(dataset="x.jsonl")) == [{"role": "user", "content": "2+2?"}]
+    bare = TaskConfig(dataset="x.jsonl", reward="math_verify")
+    assert prompt_messages(plain, bare) == [{"role": "user", "content": "2+2?"}]
     rg = prompt_messages(plain, TaskConfig(system_prompt="Answer in <answer> tags."))
     assert rg[0]["content"] == "Answer in <answer> tags." and rg[-1] == {"role": "user", "content": "2+2?"}
     assert len(rg) == 6  # the few-shot turns stay
@@ -103,7 +106,9 @@ def test_trainer_on_a_conversational_file_with_weighted_rewards(tmp_path, monkey
     assert "rewards/lowercase/mean" in record and "rewards/length/std" in record
 
 
-def test_plain_file_prompts_reach_the_reward_as_strings_and_task_reward_is_refused(tmp_path):
+def test_plain_file_prompts_are_text_as_in_trl(tmp_path):
+    """A plain prompt of task.dataset is tokenized as text (TRL's _tokenize_prompts), unless task.system_prompt makes
+    it a conversation; the reward gets the dataset's prompt string and string completions."""
     seen = []
 
     def reward(prompts, completions, solution, **kwargs):
@@ -112,16 +117,18 @@ def test_plain_file_prompts_reach_the_reward_as_strings_and_task_reward_is_refus
 
     plain = _jsonl(tmp_path / "plain.jsonl", PLAIN)
     task = {"dataset": plain, "prompt_column": "question_text", "answer_column": "solution", "eval_size": 2,
-            "system_prompt": "Be brief."}
+            "system_prompt": "Be brief.", "reward": "math_verify"}
     config = Config.from_dict({"model": {"spec": "tiny:llama"}, "task": task,
                                "sampling": {"max_new_tokens": 4}, "grpo": {"num_generations": 2},
                                "train": {"output_dir": str(tmp_path / "run")}})
     train, held_out = load_task(config.task)
     trainer = Trainer(config, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
                       train_data=train, eval_data=held_out, reward_fn=reward)
-    trainer.generate(1)
+    batch = trainer.generate(1)
     prompts, completions, solution = seen[-1]
     assert isinstance(prompts[0], str) and isinstance(completions[0], str) and solution[0].isdigit()
-    with pytest.raises(ValueError, match="task.reward='task'.*with task.dataset"):
-        Trainer(Config.from_dict({**config.to_dict(), "task": {**task, "reward": "task"}}),
-                model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer())
+    assert batch.prompt_ids[0] != ByteTokenizer()(batch.items[0]["question"]).input_ids  # system prompt: templated
+    raw = Config.from_dict({**config.to_dict(), "task": {**task, "system_prompt": None}})
+    batch = Trainer(raw, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
+                    train_data=train, eval_data=held_out, reward_fn=reward).generate(1)
+    assert batch.prompt_ids[0] == ByteTokenizer()(batch.items[0]["question"]).input_ids  # TRL: plain text, no template

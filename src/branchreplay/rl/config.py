@@ -315,6 +315,7 @@ SECTIONS: dict[str, type] = {
     "train": TrainConfig,
 }
 
+TRL_COMMAND_LINE = "_trl_names_from_the_command_line"  # apply_overrides -> from_dict, never in a file
 RUN_DEFAULTS = {"engine": {"unknown_family": "self-check"}}
 """Defaults of a run that differ from the section's own (a library call of the engine refuses an unregistered family;
 `train` checks it against the naive reference first)."""
@@ -402,9 +403,14 @@ class Config:
         data = data or {}
         if not isinstance(data, dict):
             raise ValueError(f"a config must be a mapping of sections, got {type(data).__name__}")
-        data = from_trl_names(dict(data), SECTIONS)  # TRL's flat GRPOConfig names, moved into their sections
-        algorithm = data.pop("algorithm", "grpo")
+        data = dict(data)
+        algorithm = data.get("algorithm", "grpo")
         choice("algorithm", algorithm, Algorithm)
+        generations = ALGORITHM_DEFAULTS.get(algorithm, {}).get("grpo", {}).get(
+            "num_generations", GRPOConfig.num_generations)
+        # TRL's flat GRPOConfig names, moved into their sections (the command line's win)
+        data = from_trl_names(data, SECTIONS, data.pop(TRL_COMMAND_LINE, None), generations)
+        data.pop("algorithm", None)
         for name in data:
             if name not in SECTIONS:
                 raise ValueError(f"unknown config section '{name}'; valid sections: {', '.join(SECTIONS)} (and "
@@ -453,6 +459,9 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
     {field: value}} (a copy).
 
     Raises ValueError for an argument that is not of that form, a missing value, or an unknown section or key."""
+    for k, v in data.items():
+        if k in SECTIONS and v is not None and not isinstance(v, dict):
+            raise ValueError(f"config section '{k}' must be a mapping, got {v!r}")
     data = {k: dict(v or {}) if k in SECTIONS else v for k, v in data.items()}  # others: algorithm, TRL names
     i = 0
     while i < len(overrides):
@@ -467,13 +476,13 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             i += 1
             continue
         flat = arg[2:].split("=", 1)[0] if arg.startswith("--") else ""
-        if flat in TRL_NAMES:  # TRL's flat name, e.g. --learning_rate 1e-5 (from_dict moves it into its section)
+        if flat in TRL_NAMES:  # TRL's flat name, e.g. --learning_rate 1e-5 (from_dict maps it; it wins)
             key, eq, value = arg[2:].partition("=")
             if not eq:
                 if i + 1 >= len(overrides):
                     raise ValueError(f"--{key} needs a value")
                 value, i = overrides[i + 1], i + 1
-            data[key] = yaml.safe_load(value)
+            data.setdefault(TRL_COMMAND_LINE, {})[key] = yaml.safe_load(value)
             i += 1
             continue
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
@@ -553,7 +562,8 @@ def run_config(checkpoint: str | Path) -> Path | None:
     """The config.yaml of the run that holds `checkpoint` (a run folder, or one of its checkpoints/step-N folders),
     or None when there is none (a folder from elsewhere)."""
     folder = Path(checkpoint)
-    for candidate in (folder, folder.parent.parent):
+    candidates = [folder] + ([folder.parent.parent] if folder.parent.name == "checkpoints" else [])
+    for candidate in candidates:
         if (candidate / "config.yaml").is_file():
             return candidate / "config.yaml"
     return None

@@ -16,8 +16,11 @@ def read_rows(path: str | Path, field: str, required: tuple[str, ...], hint: str
     field: the config field that named the file (e.g. "task.dataset"), for the messages; hint: what the rows need,
     appended to the missing-column error. Raises FileNotFoundError (no such file), ValueError (an unknown extension,
     or missing columns: the message lists the columns found)."""
-    import datasets
-
+    try:
+        import datasets
+    except ImportError as e:
+        raise ValueError(f"{field} is read with Hugging Face datasets, which is not installed: pip install "
+                         "datasets") from e
     path = Path(path)
     if not path.is_file():
         raise FileNotFoundError(f"{field} {path} does not exist")

@@ -11,13 +11,13 @@ from rich.console import Console
 from rich.table import Table
 
 from ..engine.distributed import raise_together
-from ..models import autocast, chat_prompt_ids, load_policy
+from ..models import autocast, load_policy
 from .agent import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
 from .config import Config
 from .rewards import make_rewards, score
 from .sampling import Sample, eos_token_ids
-from .tasks import load_task, prompt_messages
+from .tasks import load_task, prompt_token_ids
 
 EVAL_BATCH = 16  # held-out prompts decoded together
 
@@ -31,7 +31,8 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
     or one TRL-style function (default: task.reward, `rewards.make_rewards`); progress: called as progress(done,
     total) after each batch of answers; ranks: a data-parallel run's `rl.parallel.Ranks`, which evaluate items rank,
     rank + world, ... each and gather the scores (every rank returns the same metrics). Returns eval/accuracy (mean
-    score in [0, 1], partial credit included), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens),
+    reward: in [0, 1] for the task's verifier, partial credit included; custom or weighted rewards keep their
+    range), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens),
     time/eval_s.
     env: a multi-turn environment (with `data` its held-out items): `agent.evaluate_agent`'s metrics instead."""
     if env is not None:
@@ -40,10 +41,13 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
     if data is None:
         data = load_task(config.task)[1]
     reward_fn = reward_fn or make_rewards(config.task, data)
+    if len(data) == 0:
+        raise ValueError("the held-out split is empty (task.eval_size=0, or an empty task.eval_dataset): hold out "
+                         "some items, or set train.eval_steps -1")
     indices = ranks.mine(len(data)) if ranks is not None else range(len(data))
     items = [data[i] for i in indices]
     try:
-        prompts = [chat_prompt_ids(tokenizer, prompt_messages(item, config.task)) for item in items]
+        prompts = [prompt_token_ids(tokenizer, item, config.task) for item in items]
         completions = greedy_completions(model, prompts, config.sampling.max_new_tokens,
                                          eos_token_ids(model, tokenizer), progress=progress)
         samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]

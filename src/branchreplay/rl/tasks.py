@@ -27,7 +27,8 @@ from reasoning_gym.dataset import ProceduralDataset
 from reasoning_gym.factory import DATASETS
 from reasoning_gym.utils import extract_answer as _rg_extract_answer
 
-from ..fields import help_of
+from ..fields import check, help_of
+from ..models import chat_prompt_ids
 
 SYSTEM_PROMPT = "Think briefly, then give the final answer inside <answer></answer> tags."
 
@@ -84,8 +85,9 @@ class TaskConfig:
     answer_column: str | None = field(default="answer", metadata=help_of(
         "task.dataset's gold-answer column, passed to the rewards as `answer` (math_verify needs it); null = none"))
     system_prompt: str | None = field(default=None, metadata=help_of(
-        "a system message before every prompt (a conversational prompt with its own system message keeps it); "
-        f"null = none for task.dataset, {SYSTEM_PROMPT!r} for a reasoning-gym task"))
+        "a system message before every prompt (a conversational prompt with its own system message keeps it; a plain "
+        "prompt of task.dataset then goes through the chat template, which otherwise it does not, as in TRL); null = "
+        f"none for task.dataset, {SYSTEM_PROMPT!r} for a reasoning-gym task"))
     reward: str = field(default="task", metadata=help_of(
         "the reward of a completion: 'task' (the dataset's own score_answer on the <answer> content), "
         "'math_verify' (math-verify equivalence with the item's answer), or 'package.module:function', a function "
@@ -98,6 +100,13 @@ class TaskConfig:
         "all 1.0"))
 
     def __post_init__(self):
+        check("task.eval_size", self.eval_size >= 0, ">= 0", self.eval_size)
+        if self.dataset is not None and "task" in reward_specs(self.reward):
+            raise ValueError("task.reward='task' grades with the reasoning-gym dataset's score_answer; with "
+                             "task.dataset use 'math_verify' or 'package.module:function'")
+        if self.reward_weights is not None and not all(
+                isinstance(w, (int, float)) and not isinstance(w, bool) for w in self.reward_weights):
+            raise ValueError(f"task.reward_weights={self.reward_weights!r} must be numbers, one per reward function")
         count = len(reward_specs(self.reward))
         if count == 0:
             raise ValueError("task.reward is empty; use 'task', 'math_verify', 'package.module:function' or a comma "
@@ -188,6 +197,16 @@ def reward_specs(reward: str) -> list[str]:
 def is_conversational(item: dict) -> bool:
     """Whether the item's prompt is a list of messages (TRL's conversational format)."""
     return isinstance(item["question"], list)
+
+
+def prompt_token_ids(tokenizer, item: dict, cfg: TaskConfig) -> list[int]:
+    """The prompt's token ids, as TRL's GRPOTrainer makes them (`_tokenize_prompts`): a plain prompt of task.dataset
+    is tokenized as text, no chat template (`tokenizer(text).input_ids`); a conversational one, a plain one with
+    task.system_prompt set (our option: it makes a conversation), and a reasoning-gym question go through the chat
+    template (`models.chat_prompt_ids` of `prompt_messages`)."""
+    if cfg.dataset is not None and not is_conversational(item) and not cfg.system_prompt:
+        return list(tokenizer(item["question"]).input_ids)
+    return chat_prompt_ids(tokenizer, prompt_messages(item, cfg))
 
 
 def prompt_messages(item: dict, cfg: TaskConfig) -> list[dict]:

@@ -57,7 +57,7 @@ from ..engine.distributed import DataParallel, shutdown
 from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_loss, token_weights
-from ..models import autocast, chat_prompt_ids, load_policy
+from ..models import autocast, load_policy
 from ..tree import ReplayResult, Rollout, RolloutTree
 from ..value import ValueModel, check_critic
 from . import agent, algorithms
@@ -70,7 +70,7 @@ from .parallel import Ranks, launch
 from .preferences import load_preferences, pair_trees
 from .rewards import RewardFunctionError, RewardFunctions, make_rewards, score_columns
 from .sampling import Sample, eos_token_ids, sample_group
-from .tasks import load_task, prompt_messages
+from .tasks import load_task, prompt_token_ids
 from .trajectories import ItemError, sample_trajectories
 
 SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families (check/self_check.py)
@@ -119,9 +119,10 @@ class Batch:
     metrics: dict = field(default_factory=dict)
     items: list[dict] = field(default_factory=list)  # per group, its dataset item
 
-    def completions(self, tokenizer) -> list[dict]:
+    def completions(self, tokenizer, advantages: bool = True) -> list[dict]:
         """One row per rollout for the completions log: the item's prompt and the decoded completion (multi-turn:
-        the conversation's messages, turns, how it ended), its reward and advantage."""
+        the conversation's messages, turns, how it ended), its reward, and its group advantage unless `advantages`
+        is False (the other algorithms set theirs after the old-policy and critic passes, per token)."""
         rows = []
         flat = [(item, s) for item, group in zip(self.items, self.samples or self.trajectories) for s in group]
         for (item, s), reward, advantage in zip(flat, self.rewards.tolist(), self.advantages.tolist()):
@@ -130,7 +131,7 @@ class Batch:
             else:
                 row = {"prompt": item["question"],
                        "completion": tokenizer.decode(s.completion_ids, skip_special_tokens=True)}
-            rows.append({**row, "reward": reward, "advantage": advantage})
+            rows.append({**row, "reward": reward, **({"advantage": advantage} if advantages else {})})
         return rows
 
 
@@ -241,7 +242,7 @@ class Trainer:
                                                             cfg.train.seed, step)]
         if self.env is not None:
             return self.generate_trajectories(step, items)
-        prompt_ids = [chat_prompt_ids(self.tokenizer, prompt_messages(item, cfg.task)) for item in items]
+        prompt_ids = [prompt_token_ids(self.tokenizer, item, cfg.task) for item in items]
         mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
         samples, rewards, error, failure = {}, {}, None, None
         with self.gathered(), self.autocast():
@@ -548,7 +549,7 @@ class Trainer:
             return None
         t1 = time.perf_counter()
         if self.config.train.log_completions and self.rank == 0:
-            self.completion_rows = batch.completions(self.tokenizer)
+            self.completion_rows = batch.completions(self.tokenizer, advantages=self.config.algorithm == "grpo")
         self.status(f"step {step}: training on {sum(map(len, batch.rollouts))} rollouts")
         metrics = self.update(batch)
         t2 = time.perf_counter()
@@ -902,7 +903,7 @@ def train(config: Config, resume: str | None = None) -> Path:
     calls it (rl/parallel.py); the process group is closed after a run that succeeded (`distributed.shutdown`)."""
     try:
         run_dir = Trainer(config).fit(resume)
-    except TrainingInterrupted:
+    except (TrainingInterrupted, TrainingFailed):
         shutdown()  # every rank stopped at the same step, after the checkpoint
         raise
     shutdown()

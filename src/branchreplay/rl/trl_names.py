@@ -12,8 +12,11 @@ A TRL user's YAML is one flat mapping (`learning_rate: 1e-6`, `num_generations: 
     lr_scheduler_type                                           cosine, linear, constant (constant_with_warmup too)
     bf16: true                                                  model.dtype bfloat16 (mixed precision)
 
-Other GRPOConfig fields (logging_steps, report_to, use_vllm, ...) have no effect here: they are dropped with one
-warning that names them. A name that is neither is an error that suggests the nearest known key.
+TRL counts `max_steps`, `save_steps` and `eval_steps` in optimizer steps; ours count sampling rounds of
+grpo.num_iterations updates each, so they are divided by num_iterations. Command-line TRL names (`--learning_rate
+1e-6`) win over the file. Fields that change nothing computed here (logging, vLLM, hub: `NO_EFFECT`) are dropped
+with one warning; any other TRL field is an error, since ignoring it would change the run silently. A name that is
+neither is an error that suggests the nearest known key.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ TRL_NAMES: dict[str, str] = {
     "mask_truncated_completions": "grpo.mask_truncated_completions",
     "importance_sampling_level": "grpo.importance_sampling_level",
     "top_entropy_quantile": "grpo.top_entropy_quantile",
+    "entropy_coef": "grpo.entropy_coef",
     "use_bias_correction_kl": "grpo.use_bias_correction_kl",
     "sapo_temperature_pos": "grpo.sapo_temperature_pos",
     "sapo_temperature_neg": "grpo.sapo_temperature_neg",
@@ -61,46 +65,78 @@ TRL_NAMES: dict[str, str] = {
     "gradient_accumulation_steps": "grpo.prompts_per_step",
 }
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
+UPDATE_COUNTS = ("max_steps", "save_steps", "eval_steps")  # TRL counts optimizer steps; train.* count sampling rounds
+NO_EFFECT = {
+    "logging_steps", "logging_first_step", "logging_dir", "logging_strategy", "report_to", "run_name", "log_level",
+    "disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs", "use_vllm", "vllm_mode",
+    "vllm_gpu_memory_utilization", "vllm_server_host", "vllm_server_port", "save_strategy", "eval_strategy",
+    "push_to_hub", "hub_model_id", "dataloader_num_workers", "remove_unused_columns", "save_only_model",
+    "num_completions_to_print", "wandb_log_unique_prompts", "overwrite_output_dir", "ddp_find_unused_parameters",
+    "per_device_eval_batch_size", "bf16_full_eval", "seed_data", "data_seed", "log_on_each_node",
+}
+"""TRL / TrainingArguments fields that change nothing a run computes here (logging, vLLM, hub, dataloader): dropped
+with one warning. Any other TRL field we do not map (warmup_ratio, num_train_epochs, steps_per_generation,
+min_p, repetition_penalty, ...) would change the run, so it is an error, never silently ignored."""
 
 
-def from_trl_names(data: dict, sections: dict[str, type]) -> dict:
+def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None = None,
+                   default_generations: int = 8) -> dict:
     """`data` ({section: {...}, and maybe flat TRL names}) with every TRL name moved into its section (module
-    docstring). Raises ValueError: a TRL name and its section's field both given, a value TRL allows but we do not
-    (naming it), a batch size that num_generations does not divide, or an unknown top-level key (with the nearest
-    known one)."""
+    docstring). `overrides`: TRL names from the command line, which win over the file's values;
+    `default_generations`: grpo.num_generations when neither gives it (the algorithm's default).
+
+    Raises ValueError: a TRL name and its section's field both in the file with different values, a TRL field we do
+    not support (naming it), a value TRL allows but we do not, a batch size that num_generations does not divide, a
+    step count that num_iterations does not divide, or an unknown top-level key (with the nearest known one)."""
     flat = {k: v for k, v in data.items() if k not in sections and k != "algorithm"}
-    if not flat:
+    overrides = dict(overrides or {})
+    if not flat and not overrides:
         return data
     out = {k: (dict(v) if isinstance(v, dict) else v) for k, v in data.items() if k not in flat}
     ignored = []
     for key, value in flat.items():
-        if key not in TRL_NAMES:
-            if isinstance(value, dict):  # a mapping: a misspelt or unknown section
-                raise ValueError(f"unknown config section '{key}'{nearest(key, list(sections))}; valid sections: "
-                                 f"{', '.join(sections)} (and the top-level 'algorithm')")
-            if key in _trl_fields():
-                ignored.append(key)
-                continue
-            raise ValueError(_unknown(key, sections))
+        if key in TRL_NAMES:
+            continue
+        if isinstance(value, dict):  # a mapping: a misspelt or unknown section
+            raise ValueError(f"unknown config section '{key}'{nearest(key, list(sections))}; valid sections: "
+                             f"{', '.join(sections)} (and the top-level 'algorithm')")
+        if key in NO_EFFECT:
+            ignored.append(key)
+            continue
+        if key in _trl_fields():
+            raise ValueError(f"TRL's {key} is not supported here (it would change the run); remove it, or see "
+                             "--help for the TRL names that are")
+        raise ValueError(_unknown(key, sections))
+    given = {k: v for k, v in flat.items() if k in TRL_NAMES}
+    iterations = _int("num_iterations", overrides.get("num_iterations", given.get(
+        "num_iterations", out.get("grpo", {}).get("num_iterations", 1))))
+    for key, value in [*given.items(), *overrides.items()]:
         if key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
             continue  # together, below
         section, name = TRL_NAMES[key].split(".")
-        value = _convert(key, value)
+        value = _convert(key, value, iterations)
         if value is None and key == "bf16":
             continue
         target = out.setdefault(section, {})
-        if name in target and target[name] != value:
+        if key not in overrides and name in target and not _same(target[name], value):
             raise ValueError(f"{key}={value!r} (TRL's name) and {section}.{name}={target[name]!r} disagree: keep one")
         target[name] = value
-    if "per_device_train_batch_size" in flat or "gradient_accumulation_steps" in flat:
-        completions = int(flat.get("per_device_train_batch_size", 8)) * int(flat.get("gradient_accumulation_steps", 1))
-        g = int(out.get("grpo", {}).get("num_generations", 8))
+    batch = {**{k: v for k, v in given.items() if "batch_size" in k or "accumulation" in k},
+             **{k: v for k, v in overrides.items() if "batch_size" in k or "accumulation" in k}}
+    if batch:
+        completions = (_int("per_device_train_batch_size", batch.get("per_device_train_batch_size", 8))
+                       * _int("gradient_accumulation_steps", batch.get("gradient_accumulation_steps", 1)))
+        g = _int("num_generations", out.get("grpo", {}).get("num_generations", default_generations))
         if completions % g:
             raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {completions} completions "
                              f"per step is not divisible by num_generations={g} (TRL requires it too)")
-        out.setdefault("grpo", {})["prompts_per_step"] = completions // g
+        grpo = out.setdefault("grpo", {})
+        if "prompts_per_step" in grpo and not _same(grpo["prompts_per_step"], completions // g):
+            raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps make {completions // g} "
+                             f"prompts per step but grpo.prompts_per_step={grpo['prompts_per_step']}: keep one")
+        grpo["prompts_per_step"] = completions // g
     if ignored:
-        warnings.warn(f"TRL GRPOConfig fields with no effect here, ignored: {', '.join(ignored)}", stacklevel=3)
+        warnings.warn(f"TRL fields with no effect here, ignored: {', '.join(ignored)}", stacklevel=3)
     return out
 
 
@@ -109,7 +145,7 @@ def help_lines() -> list[str]:
     return [f"--{name}  (TRL GRPOConfig) -> {target}" for name, target in TRL_NAMES.items()]
 
 
-def _convert(key: str, value):
+def _convert(key: str, value, iterations: int = 1):
     if key == "scale_rewards" and isinstance(value, bool):
         return "group" if value else "none"
     if key == "top_k" and value is None:
@@ -120,7 +156,30 @@ def _convert(key: str, value):
         return SCHEDULERS[value]
     if key == "bf16":
         return "bfloat16" if value in (True, "true", "True", 1) else None
+    if key in UPDATE_COUNTS:  # TRL's optimizer steps -> our sampling rounds of num_iterations updates each
+        steps = _int(key, value)
+        if steps % iterations:
+            raise ValueError(f"{key}={steps} optimizer steps is not a whole number of sampling rounds of "
+                             f"num_iterations={iterations} updates: make it a multiple")
+        return steps // iterations
     return value
+
+
+def _int(key: str, value) -> int:
+    try:
+        if isinstance(value, bool) or float(value) != int(float(value)):
+            raise ValueError
+        return int(float(value))
+    except (TypeError, ValueError):
+        raise ValueError(f"{key}={value!r} is not a whole number") from None
+
+
+def _same(a, b) -> bool:
+    """Equal values, numbers compared as numbers (YAML reads 1e-6 as a string)."""
+    try:
+        return float(a) == float(b)
+    except (TypeError, ValueError):
+        return a == b
 
 
 def _trl_fields() -> set[str]:
