@@ -267,8 +267,9 @@ def _eval(argv: list[str]) -> int:
     config, options = parse_args(argv, ("--config", "--checkpoint", "--threads"))
     _set_threads(options["--threads"])
     checkpoint = options["--checkpoint"]
-    if checkpoint is not None and options["--config"] is None and run_config(checkpoint) is not None:
-        print(f"config: {run_config(checkpoint)} (the run's own; --config FILE to use another)", file=sys.stderr)
+    found = run_config(checkpoint) if checkpoint is not None and options["--config"] is None else None
+    if found is not None:  # the config parse_args took
+        print(f"config: {found} (the run's own; --config FILE to use another)", file=sys.stderr)
     try:
         evaluate_cli(config, checkpoint)
     except RewardFunctionError as e:

@@ -153,11 +153,11 @@ def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None) -> 
             skipped += 1
     if progress is not None:
         progress(len(items), len(items))
-    n = max(len(done), 1)
+    n, counts = max(len(done), 1), trajectory_metrics([done])
     return {"eval/accuracy": sum(t.reward for t in done) / n,
             "eval/frac_correct": sum(t.reward == 1 for t in done) / n,
             "eval/reward": sum(trajectory_reward(t, a) for t in done) / n,
-            "eval/turns_mean": sum(t.turns for t in done) / n,
-            "eval/tool_calls_mean": sum(t.tool_calls for t in done) / n,
+            "eval/turns_mean": counts["turns/mean"],
+            "eval/tool_calls_mean": counts["tool_calls/mean"],
             "eval/mean_length": sum(sum(t.conversation.loss_mask) for t in done) / n,
             "eval/skipped": skipped, "time/eval_s": time.perf_counter() - t0}

@@ -249,7 +249,7 @@ class Trainer:
             try:
                 for k in mine:  # each group its own stream: its samples do not depend on the world size
                     self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
-                    generator = torch.Generator(self.model.device).manual_seed(_mix(_mix(cfg.train.seed, step), k))
+                    generator = self.group_generator(step, k)
                     samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids, generator)
             except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
                 if self.ranks is None:
@@ -289,6 +289,11 @@ class Trainer:
                      [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples, metrics=per_function,
                      items=items)
 
+    def group_generator(self, step: int, k: int) -> torch.Generator:
+        """The sampling generator of group (item) k of `step`, seeded by (train.seed, step, k): a group's samples do
+        not depend on the other groups, the world size or a resume."""
+        return torch.Generator(self.model.device).manual_seed(_mix(_mix(self.config.train.seed, step), k))
+
     def generate_trajectories(self, step: int, items: list[dict]) -> Batch:
         """A multi-turn step: each item's trajectories (`trajectories.sample_trajectories`, item k's generator seeded
         by (train.seed, step, k)), one reward each (`agent.trajectory_reward`), group advantages per item. Items whose
@@ -299,7 +304,7 @@ class Trainer:
         with self.autocast():
             for k, item in enumerate(items):
                 self.status(f"step {step}: sampling item {k + 1}/{len(items)}")
-                generator = torch.Generator(self.model.device).manual_seed(_mix(_mix(cfg.train.seed, step), k))
+                generator = self.group_generator(step, k)
                 try:
                     groups.append(sample_trajectories(self.model, self.tokenizer, self.env, item, branching,
                                                       cfg.sampling, self.eos_ids, generator, a.max_turns, limit,

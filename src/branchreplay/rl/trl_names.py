@@ -64,6 +64,7 @@ TRL_NAMES: dict[str, str] = {
     "per_device_train_batch_size": "grpo.prompts_per_step",
     "gradient_accumulation_steps": "grpo.prompts_per_step",
 }
+BATCH_NAMES = ("per_device_train_batch_size", "gradient_accumulation_steps")  # together: grpo.prompts_per_step
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
 UPDATE_COUNTS = ("max_steps", "save_steps", "eval_steps")  # TRL counts optimizer steps; train.* count sampling rounds
 NO_EFFECT = {
@@ -108,10 +109,10 @@ def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None
                              "--help for the TRL names that are")
         raise ValueError(_unknown(key, sections))
     given = {k: v for k, v in flat.items() if k in TRL_NAMES}
-    iterations = _int("num_iterations", overrides.get("num_iterations", given.get(
-        "num_iterations", out.get("grpo", {}).get("num_iterations", 1))))
-    for key, value in [*given.items(), *overrides.items()]:
-        if key in ("per_device_train_batch_size", "gradient_accumulation_steps"):
+    named = {**given, **overrides}  # the command line's win
+    iterations = _int("num_iterations", named.get("num_iterations", out.get("grpo", {}).get("num_iterations", 1)))
+    for key, value in [*given.items(), *overrides.items()]:  # the file's first: its own disagreements are errors
+        if key in BATCH_NAMES:
             continue  # together, below
         section, name = TRL_NAMES[key].split(".")
         value = _convert(key, value, iterations)
@@ -121,11 +122,9 @@ def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None
         if key not in overrides and name in target and not _same(target[name], value):
             raise ValueError(f"{key}={value!r} (TRL's name) and {section}.{name}={target[name]!r} disagree: keep one")
         target[name] = value
-    batch = {**{k: v for k, v in given.items() if "batch_size" in k or "accumulation" in k},
-             **{k: v for k, v in overrides.items() if "batch_size" in k or "accumulation" in k}}
-    if batch:
-        completions = (_int("per_device_train_batch_size", batch.get("per_device_train_batch_size", 8))
-                       * _int("gradient_accumulation_steps", batch.get("gradient_accumulation_steps", 1)))
+    if any(k in named for k in BATCH_NAMES):
+        completions = (_int("per_device_train_batch_size", named.get("per_device_train_batch_size", 8))
+                       * _int("gradient_accumulation_steps", named.get("gradient_accumulation_steps", 1)))
         g = _int("num_generations", out.get("grpo", {}).get("num_generations", default_generations))
         if completions % g:
             raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps = {completions} completions "
