@@ -1,0 +1,116 @@
+"""TRL's padded training step against TreeGRPOTrainer's on the same batch (README, "From TRL").
+
+One TreeGRPOTrainer on SmolLM2-135M-Instruct samples one generation batch with TRL's own `_prepare_inputs` (the
+default task's questions as conversational prompts, optionally after a long shared context); then the SAME batch
+runs, alternately and `--repeats` times each, through:
+  - TRL's `GRPOTrainer.compute_loss` + backward with gradient checkpointing on (GRPOConfig's default),
+  - the same with gradient checkpointing off,
+  - TreeGRPOTrainer's `compute_loss` (the execution stack over one tree per prompt).
+It prints the median wall time and the peak resident memory above the start (`bench.measure`) of each, their
+ratios, and the largest relative gradient difference of the tree against TRL's (float32).
+
+Run (nothing else running; ~2 min for the demo's shapes, ~6 min for the long prompt):
+    .venv/bin/python scripts/trl_step_time.py --prompts 4 --num-generations 8 --max-completion-length 48
+    .venv/bin/python scripts/trl_step_time.py --prompts 1 --num-generations 8 --max-completion-length 64 \
+        --context-tokens 1000
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+
+import torch
+import trl
+from datasets import Dataset
+from transformers import AutoTokenizer
+
+from branchreplay.bench.measure import measure
+from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.models import default_model_dir
+from branchreplay.rl.tasks import TaskConfig, build_messages, load_task
+from branchreplay.trl import TreeGRPOTrainer
+
+CONTEXT = ("The following notes are shared by every question of this batch. Arithmetic is done left to right, "
+           "and every number is a whole number between zero and one hundred. ")
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread inside each group (the step's cost does not depend on it)."""
+    return [float(len(str(c)) % 7) for c in completions]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    ap.add_argument("--num-generations", type=int, default=8)
+    ap.add_argument("--max-completion-length", type=int, default=48, help="tokens")
+    ap.add_argument("--context-tokens", type=int, default=0, help="about this many tokens of shared context "
+                    "before every question (a system message)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    model_dir = str(default_model_dir())
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = [item["question"] for item in list(load_task(TaskConfig())[0])[: a.prompts]]
+    context = None
+    if a.context_tokens:
+        per = len(tokenizer(CONTEXT)["input_ids"])
+        context = CONTEXT * max(1, a.context_tokens // per)
+    prompts = [build_messages(q, context) if context else build_messages(q) for q in questions]
+    rows = a.prompts * a.num_generations
+    with tempfile.TemporaryDirectory() as out:
+        args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=rows, num_generations=a.num_generations,
+                              max_completion_length=a.max_completion_length, report_to=[], use_cpu=True, bf16=False,
+                              seed=0, save_strategy="no", max_steps=1)
+        trainer = TreeGRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args,
+                                  train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+        model = trainer.model
+        model.train()
+        trainer.current_gradient_accumulation_steps = 1
+        inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    P = inputs["prompt_mask"].sum(1).float().mean().item()
+    R = inputs["completion_mask"].sum(1).float().mean().item()
+
+    def trl_step(checkpointing: bool):
+        def run():
+            if checkpointing:
+                model.activation_checkpointing_enable()
+            model.zero_grad(set_to_none=True)
+            trl.GRPOTrainer.compute_loss(trainer, model, inputs).backward()
+            if checkpointing:
+                model.activation_checkpointing_disable()
+        return run
+
+    def tree_step():
+        model.zero_grad(set_to_none=True)
+        trainer.compute_loss(model, inputs)
+
+    methods = {"TRL, gradient checkpointing (default)": trl_step(True), "TRL, no checkpointing": trl_step(False),
+               "TreeGRPOTrainer": tree_step}
+    times, peaks = {m: [] for m in methods}, {m: [] for m in methods}
+    for _ in range(a.repeats):
+        for name, fn in methods.items():
+            m = measure(fn, torch.device("cpu"))
+            times[name].append(m.seconds)
+            peaks[name].append(m.peak_bytes)
+    trl_step(False)()
+    theirs = [p.grad.clone() for p in model.parameters()]
+    tree_step()
+    error = max_rel_grad_err([p.grad for p in model.parameters()], theirs)
+    print(f"SmolLM2-135M-Instruct float32, {a.threads} threads, load average {os.getloadavg()[0]:.2f}; "
+          f"{a.prompts} prompts x G={a.num_generations}: prompt {P:.0f} tokens, completion {R:.1f} tokens (means); "
+          f"{a.repeats} repeats, median")
+    base = statistics.median(times["TRL, gradient checkpointing (default)"])
+    print(f"{'':40s} {'seconds':>8s} {'vs TRL':>7s} {'peak MB':>8s}")
+    for name in methods:
+        t = statistics.median(times[name])
+        print(f"{name:40s} {t:8.2f} {base / t:6.2f}x {max(peaks[name]) / 2**20:8.0f}")
+    print(f"tree's gradient against TRL's: max relative difference {error:.2e}")
+
+
+if __name__ == "__main__":
+    main()

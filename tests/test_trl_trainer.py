@@ -1,0 +1,196 @@
+"""The TRL drop-in (`branchreplay.trl.TreeGRPOTrainer`) against TRL 1.16's own `GRPOTrainer`.
+
+The reference is TRL's padded forward and backward of the same micro-batch (`GRPOTrainer.compute_loss` on the
+inputs TRL's `_prepare_inputs` made: left-padded prompts of three lengths, completions cut to different lengths, a
+tool-masked span, off-policy old logprobs that clip), float32, on a tiny random Llama with a word-level tokenizer.
+Then both trainers run 2 steps from one seed and must log the same metrics.
+"""
+
+import contextlib
+import importlib
+import sys
+
+import pytest
+import torch
+
+from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.models import tiny_model
+from conftest import grads
+
+trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
+
+from branchreplay.trl import TreeGRPOTrainer  # noqa: E402
+
+PROMPTS = ["1 3 4 5 6", "5 6", "7 8 9"]  # three prompt lengths: TRL left-pads two of them
+G, C = 4, 8  # generations per prompt, max_completion_length
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """A tiny random Llama (float32) and a whitespace word-level tokenizer of its 256 ids ("0" pads, "2" ends)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-llama-trl")
+    torch.manual_seed(0)
+    tiny_model("llama", dtype=torch.float32).save_pretrained(path)
+    tokenizer = Tokenizer(models.WordLevel({str(i): i for i in range(256)}, unk_token="0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="0", eos_token="2").save_pretrained(path)
+    return path
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread inside each group: the completion's length in characters, mod 7."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def _trainer(cls, folder, tmp_path, **config):
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    settings = dict(per_device_train_batch_size=G * len(PROMPTS), num_generations=G, max_completion_length=C,
+                    report_to=[], use_cpu=True, bf16=False, max_steps=2, logging_steps=1, seed=0, save_strategy="no")
+    args = trl.GRPOConfig(output_dir=str(tmp_path / cls.__name__), **{**settings, **config})
+    return cls(model=str(folder), reward_funcs=length_reward, args=args,
+               train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
+               processing_class=AutoTokenizer.from_pretrained(folder))
+
+
+def _batch(trainer):
+    """One micro-batch as TRL makes it, then made harder: rows cut to different lengths, a tool-masked span, old
+    logprobs moved off-policy so that ratios clip (if the config has them)."""
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert not bool(inputs["prompt_mask"].all()), "the batch should have left-padded prompts"
+    mask = inputs["completion_mask"].clone()
+    for row, n in ((1, 3), (4, 5), (5, 1)):
+        mask[row, n:] = 0
+    inputs["completion_mask"] = mask
+    tool = torch.ones_like(mask)
+    tool[2, 2:5] = 0
+    inputs["tool_mask"] = tool
+    old = inputs.get("old_per_token_logps")
+    if old is not None:
+        inputs["old_per_token_logps"] = old + 0.8 * (torch.rand(mask.shape, generator=torch.Generator().manual_seed(1))
+                                                     - 0.5)
+    return inputs
+
+
+def _trl_and_tree_grads(trainer, inputs):
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    trl.GRPOTrainer.compute_loss(trainer, model, inputs).backward()
+    theirs = grads(model)
+    model.zero_grad(set_to_none=True)
+    loss = trainer.compute_loss(model, inputs)
+    assert loss.requires_grad and loss.grad_fn is None  # the trainer's backward on it adds nothing
+    return theirs, grads(model)
+
+
+CASES = {
+    "dapo": {},  # TRL's default loss
+    "grpo-kl-off-policy": dict(loss_type="grpo", beta=0.04, num_iterations=2),
+    "bnpo-accumulation": dict(loss_type="bnpo", per_device_train_batch_size=G * len(PROMPTS) // 2,
+                              gradient_accumulation_steps=2, generation_batch_size=G * len(PROMPTS)),
+    "dr_grpo-entropy": dict(loss_type="dr_grpo", entropy_coef=0.01),
+    "cispo-kl": dict(loss_type="cispo", epsilon_high=1.05, beta=0.1, num_iterations=2),
+    "sapo-temperature": dict(loss_type="sapo", temperature=0.7),
+    "luspo-delta": dict(loss_type="luspo", delta=1.2, num_iterations=2),
+}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_tree_gradient_equals_grpo_trainer_on_the_same_batch(folder, tmp_path, case):
+    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, **CASES[case])
+    theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
+    assert sum(float(g.abs().sum()) for g in theirs) > 0
+    if "num_iterations" in CASES[case]:  # off-policy: some ratios clip, in both trainers' metrics
+        clipped = "cispo_clip_ratio" if case.startswith("cispo") else "clip_ratio/region_mean"
+        assert trainer._metrics["train"][clipped][-1] > 0
+    assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
+
+
+def test_the_test_batch_trips_on_a_wrong_mask(folder, tmp_path):
+    """The comparison can fail: the same batch without its tool mask on the tree's side differs from TRL's."""
+    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path)
+    inputs = _batch(trainer)
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    trl.GRPOTrainer.compute_loss(trainer, model, inputs).backward()
+    theirs = grads(model)
+    model.zero_grad(set_to_none=True)
+    trainer.compute_loss(model, {k: v for k, v in inputs.items() if k != "tool_mask"})
+    assert max_rel_grad_err(grads(model), theirs) > 1e-2
+
+
+def test_vllm_importance_sampling_correction_equals_trl(folder, tmp_path):
+    """TRL's truncated importance-sampling weights of vLLM rollouts (one factor per token), given on the batch."""
+    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, loss_type="grpo")
+    inputs = _batch(trainer)
+    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape,
+                                                           generator=torch.Generator().manual_seed(2))
+    trainer.use_vllm = True  # only the loss reads it here; nothing is generated
+    theirs, ours = _trl_and_tree_grads(trainer, inputs)
+    assert max_rel_grad_err(ours, theirs) <= 1e-4
+    trainer.vllm_importance_sampling_correction = False
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    trainer.compute_loss(model, inputs)
+    assert max_rel_grad_err(grads(model), theirs) > 1e-3  # the correction did something
+
+
+def test_bf16_autocast_is_as_close_to_float32_as_trl(folder, tmp_path):
+    """TRL's default bf16=True autocasts both paths: against the float32 gradient, the tree's error is no larger
+    than 1.5x TRL's own."""
+    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, bf16=True, beta=0.04)
+    inputs = _batch(trainer)
+    theirs, ours = _trl_and_tree_grads(trainer, inputs)
+    trainer.accelerator.autocast = contextlib.nullcontext
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    trl.GRPOTrainer.compute_loss(trainer, model, inputs).backward()
+    exact = grads(model)
+    print(f"bf16 against float32: tree {max_rel_grad_err(ours, exact):.3g}, TRL {max_rel_grad_err(theirs, exact):.3g}")
+    assert max_rel_grad_err(ours, exact) <= 1.5 * max_rel_grad_err(theirs, exact)
+    assert max_rel_grad_err(ours, exact) < 0.3
+
+
+def test_two_steps_log_the_same_metrics(folder, tmp_path):
+    """Same seed, same config (TRL's defaults: dapo, gradient checkpointing on): after 2 steps the logged loss,
+    reward, entropy, KL, clip ratios and gradient norms agree, and the tree adds tree/* metrics."""
+    logs = {}
+    for cls in (trl.GRPOTrainer, TreeGRPOTrainer):
+        trainer = _trainer(cls, folder, tmp_path, beta=0.04)
+        trainer.train()
+        logs[cls] = [h for h in trainer.state.log_history if "reward" in h]
+    theirs, ours = logs[trl.GRPOTrainer], logs[TreeGRPOTrainer]
+    assert len(theirs) == len(ours) == 2
+    for step_theirs, step_ours in zip(theirs, ours):
+        assert step_ours["tree/token_ratio"] > 1.0
+        assert set(step_theirs) <= set(step_ours)
+        for key in ("reward", "rewards/length_reward/mean", "grad_norm", "entropy", "kl", "loss",
+                    "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "completions/mean_length"):
+            assert step_ours[key] == pytest.approx(step_theirs[key], rel=1e-4, abs=1e-6), key
+        assert step_ours["num_tokens"] == step_theirs["num_tokens"]
+
+
+@pytest.mark.parametrize("setting, name", [
+    (dict(loss_type="vespo"), "loss_type='vespo'"),
+    (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
+    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
+    (dict(use_adaptive_entropy=True, entropy_coef=0.01), "use_adaptive_entropy"),
+    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
+])
+def test_unsupported_settings_are_refused_by_name(folder, tmp_path, setting, name):
+    with pytest.raises(ValueError, match=name):
+        _trainer(TreeGRPOTrainer, folder, tmp_path, **setting)
+
+
+def test_a_trl_version_outside_the_range_is_refused_at_import(monkeypatch):
+    monkeypatch.setattr(trl, "__version__", "1.17.0")
+    monkeypatch.delitem(sys.modules, "branchreplay.trl")
+    with pytest.raises(ImportError, match=r"TRL >= 1.16, < 1.17.*1\.17\.0"):
+        importlib.import_module("branchreplay.trl")
