@@ -172,3 +172,11 @@ def test_trl_flat_grpo_config_names_map_onto_sections(tmp_path):
     with pytest.raises(ValueError, match="lr_scheduler_type='polynomial'"):
         Config.from_dict({"lr_scheduler_type": "polynomial"})
     assert "--max_completion_length  (TRL GRPOConfig) -> sampling.max_new_tokens" in help_text()
+    lora = Config.from_dict({"use_peft": True, "lora_alpha": 64, "lora_target_modules": ["q_proj", "v_proj"],
+                             "lora_dropout": 0.0}).model
+    assert (lora.lora_r, lora.lora_alpha, lora.lora_target_modules) == (16, 64, "q_proj,v_proj")  # TRL's r = 16
+    assert Config.from_dict({"use_peft": False, "lora_r": 8}).model.lora_r == 0
+    with pytest.raises(ValueError, match="without use_peft: true"):
+        Config.from_dict({"lora_r": 8})
+    with pytest.raises(ValueError, match="lora_dropout=0.05"):
+        Config.from_dict({"use_peft": True, "lora_dropout": 0.05})

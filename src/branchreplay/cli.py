@@ -1,4 +1,4 @@
-"""The `branchreplay` command: verify, bench, train, eval."""
+"""The `branchreplay` command: verify, bench, train, eval, export."""
 
 from __future__ import annotations
 
@@ -278,6 +278,18 @@ def _eval(argv: list[str]) -> int:
     return 0
 
 
+def _export(args) -> int:
+    from .rl.export import export
+
+    try:
+        diff = export(args.checkpoint, args.out)
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"exported {args.checkpoint} to {args.out} (reloaded with transformers: logits within {diff:.1g})")
+    return 0
+
+
 def _set_threads(value: str | None) -> None:
     """--threads N: torch's intra-op threads for the command (default: torch's own choice)."""
     if value is None:
@@ -395,6 +407,12 @@ def main(argv: list[str] | None = None) -> int:
                        usage="branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--threads N] "
                             "[--section.field VALUE ...]")
     e.set_defaults(func=_eval)
+
+    x = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM); "
+                                       "a LoRA adapter is merged")
+    x.add_argument("checkpoint", metavar="RUN_DIR", help="a run folder (its latest checkpoint) or a checkpoint folder")
+    x.add_argument("out", metavar="OUT", help="the new model folder (must not exist)")
+    x.set_defaults(func=_export)
 
     args, rest = parser.parse_known_args(argv)
     if args.func in (_train, _eval):

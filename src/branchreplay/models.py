@@ -292,6 +292,41 @@ def load_policy(spec: str, dtype: str = "float32", device: str = "auto"):
     return model, tokenizer
 
 
+def apply_lora(model, r: int, alpha: float, target_modules: list[str] | str | None = None, seed: int = 0):
+    """`model` wrapped by peft's LoRA (Hu et al. 2021, "LoRA: Low-Rank Adaptation of Large Language Models"): a
+    `peft.PeftModel` whose adapters (rank `r`, scaling `alpha / r`, on `target_modules`: module names or suffixes,
+    'all-linear', or None for peft's default of the architecture, e.g. q_proj and v_proj for Llama) are the only
+    trainable parameters, initialised (A random from `seed`, without touching the global RNG; B zero) so that the
+    wrapped model computes what `model` did. No adapter dropout: the trainer runs the model in eval mode (the
+    engine refuses active dropout).
+
+    Raises:
+        ImportError: peft is not installed (the `peft` extra).
+        ValueError: naming model.lora_target_modules when a target matches no module of the model.
+    """
+    try:
+        import peft
+    except ImportError as e:
+        raise ImportError("model.lora_r > 0 needs peft: pip install 'branchreplay[peft]'") from e
+    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
+                             task_type="CAUSAL_LM")
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return peft.get_peft_model(model, config)
+    except ValueError as e:
+        names = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules()
+                        if isinstance(m, torch.nn.Linear)})
+        raise ValueError(f"model.lora_target_modules={target_modules!r} does not fit the model ({e}); its linear "
+                         f"layers are named {', '.join(names)}") from e
+
+
+def base_of(model):
+    """The transformers model inside a peft `PeftModel` (its adapter layers in place, so it computes what the
+    PeftModel does), else `model` itself."""
+    return model.get_base_model() if hasattr(model, "peft_config") and hasattr(model, "get_base_model") else model
+
+
 HALF_PRECISION = ("bfloat16", "float16")
 
 

@@ -27,7 +27,7 @@ import contextlib
 import torch
 
 from ..losses import LossFn, loss_inputs
-from ..models import max_positions
+from ..models import base_of, max_positions
 from ..tree import Node, ReplayResult, RolloutTree, TreeStats
 from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
@@ -58,7 +58,7 @@ def replay_backward(
 
     Args:
         model: a Hugging Face causal LM of a supported family (see `branchreplay.engine.FAMILIES`), with no active
-            dropout.
+            dropout; or a peft `PeftModel` of one (LoRA: the adapters' parameters get their gradients).
         trees: one tree or a list of them (e.g. one per prompt group).
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
@@ -99,6 +99,7 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
+    model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
     run = _Run(model, temperature, engine, loss, force)
     results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
     with run.prefix_split:  # the model runs split prefix attention until the last tree is done (attention.py)
@@ -251,8 +252,8 @@ class _Run:
             pairs = [(out, leaf) for layer, leaf_layer in zip(cache.node_state(a, b), state_leaves)
                      for out, leaf in zip(layer, leaf_layer)]
             pairs.append((hidden[b - 1], h_leaf))
-            for out, leaf in pairs:
-                if leaf.grad is not None:
+            for out, leaf in pairs:  # a state no trainable parameter reaches (frozen layers under LoRA) has none
+                if leaf.grad is not None and out.requires_grad:
                     outputs.append(out)
                     grads.append(leaf.grad)
         if pack_loss is not None:

@@ -5,6 +5,9 @@
     RUN_DIR/checkpoints/step-000010/config.json         the model's config (and generation_config.json, the
                                                         tokenizer's files): the folder loads with
                                                         `AutoModelForCausalLM.from_pretrained` (the export)
+    RUN_DIR/checkpoints/step-000010/adapter_model.safetensors, adapter_config.json
+                                                        instead, for a LoRA run (model.lora_r): the adapter only,
+                                                        as peft's `save_pretrained` writes it
     RUN_DIR/checkpoints/step-000010/optimizer/          the optimizer state, sharded: `torch.distributed.checkpoint`
                                                         (DCP), each rank writing its own shards (FSDP2), a
                                                         replicated tensor (DDP) once, by one of the ranks; keyed by
@@ -47,6 +50,7 @@ from ..engine.distributed import raise_together
 
 _NAME = re.compile(r"^step-(\d+)$")
 WEIGHTS = "model.safetensors"
+ADAPTER = "adapter_model.safetensors"
 OPTIMIZER = "optimizer"
 STATE = "trainer_state.pt"
 CRITIC = "critic"
@@ -117,8 +121,9 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
 
 def _save_optimizer(folder: Path, model, optimizer, distributed: bool) -> dict:
     """Every rank: the optimizer's shards into folder/optimizer (DCP); returns the model's full state dict (rank 0
-    writes it)."""
-    weights = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    writes it; empty for a LoRA model, whose adapter peft writes)."""
+    weights = {} if is_lora(model) else get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
     with _single_process_quiet():
         dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder / OPTIMIZER,
                  no_dist=not distributed)
@@ -126,11 +131,15 @@ def _save_optimizer(folder: Path, model, optimizer, distributed: bool) -> dict:
 
 
 def _write_rank0(tmp: Path, model, weights: dict, tokenizer, scheduler, step: int, extra: dict | None) -> None:
-    """Rank 0's files: the consolidated weights, the configs, the tokenizer, the trainer state."""
-    safetensors.torch.save_file(_without_tied(model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
-    model.config.save_pretrained(tmp)
-    if getattr(model, "generation_config", None) is not None:
-        model.generation_config.save_pretrained(tmp)
+    """Rank 0's files: the consolidated weights (a LoRA model's adapter), the configs, the tokenizer, the trainer
+    state."""
+    if is_lora(model):
+        model.save_pretrained(tmp)  # adapter_model.safetensors and adapter_config.json (naming the base model)
+    else:
+        safetensors.torch.save_file(_without_tied(model, weights), str(tmp / WEIGHTS), metadata={"format": "pt"})
+        model.config.save_pretrained(tmp)
+        if getattr(model, "generation_config", None) is not None:
+            model.generation_config.save_pretrained(tmp)
     if hasattr(tokenizer, "save_pretrained"):
         tokenizer.save_pretrained(tmp)
     torch.save({"step": step, "scheduler": scheduler.state_dict(), "rng": _rng_state(), "extra": extra or {}},
@@ -170,13 +179,17 @@ def latest_checkpoint(run_dir: str | Path) -> Path | None:
 def load_weights(model, checkpoint: str | Path) -> None:
     """Load a checkpoint's weights into `model` (a checkpoint folder or a run folder, whose latest is used).
 
-    Raises FileNotFoundError when there is no complete checkpoint there."""
+    Raises FileNotFoundError when there is no complete checkpoint there, ValueError when the checkpoint does not
+    fit the model (another model, or a LoRA adapter for a model without LoRA, or the reverse)."""
     path = Path(checkpoint)
-    if not (path / WEIGHTS).is_file():
+    if not ((path / WEIGHTS).is_file() or (path / ADAPTER).is_file()):
         found = latest_checkpoint(path)
         if found is None:
             raise FileNotFoundError(f"{path} holds no checkpoint ({WEIGHTS} or checkpoints/latest)")
         path = found
+    if (path / ADAPTER).is_file() or is_lora(model):
+        _load_adapter(model, path)
+        return
     try:
         if any(hasattr(p, "to_local") for p in model.parameters()):  # sharded (FSDP2): every rank reads the file
             state = safetensors.torch.load_file(str(path / WEIGHTS))
@@ -186,6 +199,31 @@ def load_weights(model, checkpoint: str | Path) -> None:
             safetensors.torch.load_model(model, str(path / WEIGHTS), strict=True)
     except RuntimeError as e:
         raise ValueError(f"checkpoint {path} does not fit the model (written for another model.spec?): {e}") from e
+
+
+def is_lora(model) -> bool:
+    """Whether `model` is a peft model (LoRA: its checkpoints hold the adapter only)."""
+    return hasattr(model, "peft_config")
+
+
+def _load_adapter(model, path: Path) -> None:
+    """A LoRA checkpoint's adapter into a LoRA model (peft's `set_peft_model_state_dict`), every adapter tensor
+    matched. Raises ValueError when one of the two is not LoRA, or the adapter is of another rank or modules."""
+    if not (path / ADAPTER).is_file():
+        raise ValueError(f"checkpoint {path} holds full weights ({WEIGHTS}), not a LoRA adapter: set model.lora_r to "
+                         "0 as the run did")
+    if not is_lora(model):
+        raise ValueError(f"checkpoint {path} holds a LoRA adapter ({ADAPTER}): set model.lora_r, lora_alpha and "
+                         "lora_target_modules as the run did (its config.yaml)")
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    state = safetensors.torch.load_file(str(path / ADAPTER))
+    expected = get_peft_model_state_dict(model)
+    shapes = {k: tuple(v.shape) for k, v in expected.items()}
+    if {k: tuple(v.shape) for k, v in state.items()} != shapes:
+        raise ValueError(f"checkpoint {path}'s adapter does not fit the model's LoRA layers (another model.lora_r or "
+                         "lora_target_modules than the run's?)")
+    set_peft_model_state_dict(model, state)
 
 
 def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler, critic: tuple | None = None
@@ -258,7 +296,7 @@ def _is_complete(path: Path) -> bool:
     """Renamed into place only when complete; a copy that lost the DCP metadata is not (a folder without an
     optimizer/ subfolder is of the earlier format, its optimizer state inside trainer_state.pt)."""
     optimizer = path / OPTIMIZER
-    return ((path / WEIGHTS).is_file() and (path / STATE).is_file()
+    return (((path / WEIGHTS).is_file() or (path / ADAPTER).is_file()) and (path / STATE).is_file()
             and (not optimizer.exists() or (optimizer / ".metadata").is_file())
             and (not (path / CRITIC).exists() or _is_complete(path / CRITIC)))
 

@@ -66,9 +66,29 @@ class ModelConfig:
         "Trainer's bf16=True on a float32 model; models.autocast); float16: evaluation only (training it needs "
         "loss scaling)"))
     device: str = field(default="auto", metadata=help_of("torch device; 'auto' = cuda if available, else cpu"))
+    lora_r: int = field(default=0, metadata=help_of(
+        "LoRA rank through peft (models.apply_lora; TRL's ModelConfig lora_r), >= 0; 0 = train every parameter. "
+        "The adapters are then the only trained parameters, checkpoints hold the adapter only (peft's "
+        "adapter_model.safetensors), the KL reference is the model with its adapter off, and "
+        "`branchreplay export` merges it"))
+    lora_alpha: float = field(default=32.0, metadata=help_of("LoRA scaling numerator (scale = alpha / r), > 0"))
+    lora_target_modules: str | None = field(default=None, metadata=help_of(
+        "modules that get adapters: a comma list of names or suffixes (e.g. q_proj,v_proj), 'all-linear', or null "
+        "for peft's default of the architecture"))
 
     def __post_init__(self):
         choice("model.dtype", self.dtype, DType)
+        check("model.lora_r", isinstance(self.lora_r, int) and self.lora_r >= 0, "a whole number >= 0", self.lora_r)
+        check("model.lora_alpha", self.lora_alpha > 0, "> 0", self.lora_alpha)
+        if self.lora_target_modules is not None and not self.lora_r:
+            raise ValueError("model.lora_target_modules is set but model.lora_r is 0 (LoRA off): set model.lora_r, "
+                             "e.g. 16")
+
+    def lora_targets(self) -> list[str] | str | None:
+        """lora_target_modules as peft's target_modules: 'all-linear', a list of names, or None."""
+        if self.lora_target_modules in (None, "all-linear"):
+            return self.lora_target_modules
+        return [name.strip() for name in self.lora_target_modules.split(",") if name.strip()]
 
 
 @dataclass

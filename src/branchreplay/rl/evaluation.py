@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..engine.distributed import raise_together
-from ..models import autocast, load_policy
+from ..models import apply_lora, autocast, load_policy
 from .agent import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
 from .config import Config
@@ -104,6 +104,8 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
                                 "folder)")
     model, tokenizer = load_policy(config.model.spec, config.model.dtype, config.model.device)
+    if config.model.lora_r:  # the run's adapter layers, which the checkpoint's adapter fills
+        model = apply_lora(model, config.model.lora_r, config.model.lora_alpha, config.model.lora_targets())
     if checkpoint is not None:
         load_weights(model, checkpoint)
     if env is not None:

@@ -57,7 +57,7 @@ from ..engine.distributed import DataParallel, shutdown
 from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_loss, token_weights
-from ..models import autocast, load_policy
+from ..models import apply_lora, autocast, load_policy
 from ..tree import ReplayResult, Rollout, RolloutTree
 from ..value import ValueModel, check_critic
 from . import agent, algorithms
@@ -166,6 +166,11 @@ class Trainer:
         if m.dtype == "bfloat16" and next(model.parameters()).dtype != torch.float32:
             raise ValueError(f"model.dtype=bfloat16 trains float32 master weights under autocast; the given model's "
                              f"parameters are {next(model.parameters()).dtype}: pass it in float32")
+        if m.lora_r and (self.ranks is not None or config.algorithm == "ppo"):
+            raise ValueError("model.lora_r (LoRA) runs in one process and without PPO's critic for now: start it "
+                             "without torchrun, with algorithm grpo, rloo, reinforce_pp or dpo")
+        if m.lora_r:  # before anything copies the model: the adapters are its only trainable parameters
+            model = apply_lora(model, m.lora_r, m.lora_alpha, m.lora_targets(), seed=config.train.seed)
         self.model, self.tokenizer = model.eval(), tokenizer
         self.autocast = lambda: autocast(m.dtype, model.device.type)  # bfloat16: mixed precision (models.autocast)
         self.train_data, self.eval_data = train_data, eval_data
@@ -196,7 +201,8 @@ class Trainer:
         self.ref_model = None
         kl_coef = {"ppo": config.ppo.kl_coef, "dpo": float(config.dpo.loss_type != "simpo")}.get(
             config.algorithm, config.grpo.beta)
-        if kl_coef > 0:  # frozen initial weights; copied before any checkpoint is loaded, and sharding
+        self.has_reference = kl_coef > 0
+        if kl_coef > 0 and not m.lora_r:  # frozen initial weights; copied before any checkpoint is loaded, sharding
             self.ref_model = copy.deepcopy(model).requires_grad_(False)
         self.critic = None
         if config.algorithm == "ppo":  # a separate value model initialised from the policy, as TRL's (value.py)
@@ -363,9 +369,9 @@ class Trainer:
             for r, lp in zip(_rollouts(local), old.logprobs):
                 r.old_logprobs = lp
             entropy = old.entropy
-        if local and self.ref_model is not None:  # the reference model is a full copy on every rank
-            with self.autocast():
-                ref = replay_logprobs(self.ref_model, local, temperature=temperature, engine=engine,
+        if local and self.has_reference:  # the reference model is a full copy on every rank
+            with self.autocast(), self.reference() as reference:
+                ref = replay_logprobs(reference, local, temperature=temperature, engine=engine,
                                       force=self.force).logprobs
             for r, lp in zip(_rollouts(local), ref):
                 r.ref_logprobs = lp
@@ -590,7 +596,7 @@ class Trainer:
         trees, pairs = pair_trees(picked)
         rollouts = _rollouts(trees)
         lengths = torch.tensor([float(r.loss_mask.sum()) for r in rollouts], dtype=torch.float64)
-        ref = self.reference_sums(trees, pairs) if self.ref_model is not None else None
+        ref = self.reference_sums(trees, pairs) if self.has_reference else None
         t1 = time.perf_counter()
         for p in self.params:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
@@ -640,8 +646,8 @@ class Trainer:
         as the trees' rollouts (`preferences.pair_trees`). dpo.precompute_ref_log_probs: every pair's once, on the
         first call (TRL's option), then looked up by row."""
         def compute(trees):
-            with self.autocast():
-                logprobs = replay_logprobs(self.ref_model, trees, engine=self.config.engine, force=self.force).logprobs
+            with self.autocast(), self.reference() as reference:
+                logprobs = replay_logprobs(reference, trees, engine=self.config.engine, force=self.force).logprobs
             return sequence_sums(logprobs, _rollouts(trees))
 
         if not self.config.dpo.precompute_ref_log_probs:
@@ -768,6 +774,16 @@ class Trainer:
         return save_checkpoint(run_dir, self.step, self.model, self.optimizer, self.scheduler,
                                keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
                                tokenizer=self.tokenizer, critic=self.critic_state())
+
+    @contextlib.contextmanager
+    def reference(self):
+        """The frozen reference policy of the KL term (and DPO): the copy of the initial weights, or, with LoRA,
+        the policy with its adapter off (TRL's way: no second model)."""
+        if self.ref_model is not None:
+            yield self.ref_model
+        else:
+            with self.model.disable_adapter():
+                yield self.model
 
     def reward_name(self) -> str:
         """What the run's reward is, for the plot: the environment, DPO's preferences, or the reward functions."""

@@ -11,6 +11,10 @@ A TRL user's YAML is one flat mapping (`learning_rate: 1e-6`, `num_generations: 
     top_k: null                                                 0 (off)
     lr_scheduler_type                                           cosine, linear, constant (constant_with_warmup too)
     bf16: true                                                  model.dtype bfloat16 (mixed precision)
+    use_peft, lora_r, lora_alpha, lora_target_modules           TRL's ModelConfig: model.lora_* when use_peft is
+                                                                true (lora_r then defaults to TRL's 16; without
+                                                                use_peft they are an error), LoRA off when it is
+                                                                false; lora_dropout only 0
 
 TRL counts `max_steps`, `save_steps` and `eval_steps` in optimizer steps; ours count sampling rounds of
 grpo.num_iterations updates each, so they are divided by num_iterations. Command-line TRL names (`--learning_rate
@@ -63,8 +67,15 @@ TRL_NAMES: dict[str, str] = {
     "bf16": "model.dtype",
     "per_device_train_batch_size": "grpo.prompts_per_step",
     "gradient_accumulation_steps": "grpo.prompts_per_step",
+    "use_peft": "model.lora_r",
+    "lora_r": "model.lora_r",
+    "lora_alpha": "model.lora_alpha",
+    "lora_target_modules": "model.lora_target_modules",
+    "lora_dropout": "(0 only)",
 }
 BATCH_NAMES = ("per_device_train_batch_size", "gradient_accumulation_steps")  # together: grpo.prompts_per_step
+PEFT_NAMES = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "lora_dropout")  # together: model.lora_*
+TRL_LORA_R = 16  # TRL ModelConfig's lora_r default, when use_peft is true
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
 UPDATE_COUNTS = ("max_steps", "save_steps", "eval_steps")  # TRL counts optimizer steps; train.* count sampling rounds
 NO_EFFECT = {
@@ -112,7 +123,7 @@ def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None
     named = {**given, **overrides}  # the command line's win
     iterations = _int("num_iterations", named.get("num_iterations", out.get("grpo", {}).get("num_iterations", 1)))
     for key, value in [*given.items(), *overrides.items()]:  # the file's first: its own disagreements are errors
-        if key in BATCH_NAMES:
+        if key in BATCH_NAMES or key in PEFT_NAMES:
             continue  # together, below
         section, name = TRL_NAMES[key].split(".")
         value = _convert(key, value, iterations)
@@ -134,9 +145,31 @@ def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None
             raise ValueError(f"per_device_train_batch_size x gradient_accumulation_steps make {completions // g} "
                              f"prompts per step but grpo.prompts_per_step={grpo['prompts_per_step']}: keep one")
         grpo["prompts_per_step"] = completions // g
+    if any(k in named for k in PEFT_NAMES):
+        _peft(named, out.setdefault("model", {}))
     if ignored:
         warnings.warn(f"TRL fields with no effect here, ignored: {', '.join(ignored)}", stacklevel=3)
     return out
+
+
+def _peft(named: dict, model: dict) -> None:
+    """TRL's ModelConfig LoRA names into model.lora_* (module docstring)."""
+    dropout = named.get("lora_dropout", 0)
+    if not _same(dropout, 0):
+        raise ValueError(f"lora_dropout={dropout!r}: LoRA runs without dropout here (dropout would break the "
+                         "equality with the per-rollout gradient); set lora_dropout: 0")
+    if "use_peft" in named and named["use_peft"] in (False, "false", "False", 0):
+        model["lora_r"] = 0
+        return
+    if "use_peft" not in named:
+        raise ValueError("TRL's lora_* settings without use_peft: true leave LoRA off in TRL; add use_peft: true, or "
+                         "remove them")
+    model["lora_r"] = _int("lora_r", named.get("lora_r", TRL_LORA_R))
+    if "lora_alpha" in named:
+        model["lora_alpha"] = named["lora_alpha"]
+    targets = named.get("lora_target_modules")
+    if targets is not None:
+        model["lora_target_modules"] = ",".join(targets) if isinstance(targets, (list, tuple)) else targets
 
 
 def help_lines() -> list[str]:
