@@ -180,3 +180,10 @@ def test_trl_flat_grpo_config_names_map_onto_sections(tmp_path):
         Config.from_dict({"lora_r": 8})
     with pytest.raises(ValueError, match="lora_dropout=0.05"):
         Config.from_dict({"use_peft": True, "lora_dropout": 0.05})
+    assert Config.from_dict({"use_peft": True, "model": {"lora_r": 4}}).model.lora_r == 4  # no TRL default over it
+    with pytest.raises(ValueError, match="lora_alpha=16 but model.lora_alpha=64"):
+        Config.from_dict({"use_peft": True, "lora_alpha": 16, "model": {"lora_alpha": 64}})
+    with pytest.raises(ValueError, match="lora_r=0 but model.lora_r=16"):
+        Config.from_dict({"use_peft": False, "model": {"lora_r": 16}})
+    with pytest.raises(ValueError, match="use_peft='no' is not true or false"):
+        Config.from_dict({"use_peft": "no"})

@@ -179,3 +179,28 @@ def test_export_of_a_full_run_loads_with_transformers_and_respects_the_umask(mod
     for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
         assert torch.equal(a, b), name
     assert (out / "tokenizer.json").is_file()
+
+
+def test_export_refuses_a_merge_that_changes_the_model_and_eval_refuses_another_alpha(model_folder, tmp_path):
+    """Adapters on the LM head of a model with tied embeddings cannot be merged (the merge moves the embedding
+    too): export compares the reloaded folder with the adapter model itself, refuses, and writes nothing. An
+    adapter loaded into LoRA layers of another lora_alpha is refused by name."""
+    from transformers import AutoModelForCausalLM
+
+    from branchreplay.cli import main
+    from branchreplay.rl.checkpoint import latest_checkpoint, load_weights
+
+    tied = tmp_path / "tied"
+    tiny_model("llama", tie_word_embeddings=True).save_pretrained(tied)
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (model_folder / name).is_file():
+            (tied / name).write_bytes((model_folder / name).read_bytes())
+    run, out = tmp_path / "run", tmp_path / "exported"
+    args = _train_args(tied, run, steps=1)
+    args[args.index("q_proj,v_proj")] = "lm_head,q_proj"
+    assert main(args) == 0
+    assert main(["export", str(run), str(out)]) == 2
+    assert not out.exists() and not list(tmp_path.glob(".tmp-exported-*"))
+    other = apply_lora(AutoModelForCausalLM.from_pretrained(tied), 4, 8.0, ["lm_head", "q_proj"])
+    with pytest.raises(ValueError, match="lora_alpha=32.0, the model's LoRA layers 8.0"):
+        load_weights(other, latest_checkpoint(run))

@@ -126,20 +126,61 @@ def test_the_test_batch_trips_on_a_wrong_mask(folder, tmp_path):
     assert max_rel_grad_err(grads(model), theirs) > 1e-2
 
 
-def test_vllm_importance_sampling_correction_equals_trl(folder, tmp_path):
-    """TRL's truncated importance-sampling weights of vLLM rollouts (one factor per token), given on the batch."""
-    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, loss_type="grpo")
+@pytest.mark.parametrize("shape", ["token", "sequence"])
+def test_vllm_importance_sampling_correction_equals_trl(folder, tmp_path, shape):
+    """TRL's importance-sampling weights of vLLM rollouts, given on the batch as TRL's modes make them: per token
+    ([B, C]) or per sequence ([B, 1]), with zeros (the *_mask modes drop rows), under a KL term and an entropy
+    bonus, which TRL does not scale: the gradient, the loss and the policy_loss metric equal TRL's."""
+    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, loss_type="grpo", beta=0.04, entropy_coef=0.05)
     inputs = _batch(trainer)
-    inputs["importance_sampling_ratio"] = 0.5 + torch.rand(inputs["completion_mask"].shape,
-                                                           generator=torch.Generator().manual_seed(2))
+    B, C = inputs["completion_mask"].shape
+    ratio = 0.5 + torch.rand((B, C) if shape == "token" else (B, 1), generator=torch.Generator().manual_seed(2))
+    ratio[0] = ratio[3] = 0.0
+    inputs["importance_sampling_ratio"] = ratio
     trainer.use_vllm = True  # only the loss reads it here; nothing is generated
-    theirs, ours = _trl_and_tree_grads(trainer, inputs)
-    assert max_rel_grad_err(ours, theirs) <= 1e-4
-    trainer.vllm_importance_sampling_correction = False
     model = trainer.model
+    model.zero_grad(set_to_none=True)
+    trl_loss = trl.GRPOTrainer.compute_loss(trainer, model, inputs)
+    trl_loss.backward()
+    theirs = grads(model)
+    model.zero_grad(set_to_none=True)
+    ours = trainer.compute_loss(model, inputs)
+    assert max_rel_grad_err(grads(model), theirs) <= 1e-4
+    assert ours.item() == pytest.approx(trl_loss.item(), rel=1e-5)
+    policy = trainer._metrics["train"]["policy_loss"]
+    assert policy[-1] == pytest.approx(policy[-2], rel=1e-5)  # TRL's value, then ours
+    trainer.vllm_importance_sampling_correction = False
     model.zero_grad(set_to_none=True)
     trainer.compute_loss(model, inputs)
     assert max_rel_grad_err(grads(model), theirs) > 1e-3  # the correction did something
+
+
+def test_clip_metrics_equal_trl_with_two_sided_clipping(folder, tmp_path):
+    """With delta below 1 + epsilon_high TRL counts clipping on the ratio after delta; so does the tree."""
+    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, loss_type="grpo", delta=1.1, num_iterations=2)
+    _trl_and_tree_grads(trainer, _batch(trainer))
+    metrics = trainer._metrics["train"]
+    for key in ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean", "clip_ratio/low_min",
+                "clip_ratio/high_max"):
+        assert metrics[key][-1] == pytest.approx(metrics[key][-2], abs=1e-9), key
+    assert metrics["clip_ratio/region_mean"][-1] > 0
+
+
+def test_active_dropout_is_refused_when_the_trainer_is_built(folder, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    model.model.layers[0].self_attn.q_proj = torch.nn.Sequential(model.model.layers[0].self_attn.q_proj,
+                                                                 torch.nn.Dropout(0.1))
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "dropout"), per_device_train_batch_size=G, num_generations=G,
+                          max_completion_length=C, report_to=[], use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match="disable_dropout=True"):
+        TreeGRPOTrainer(model=model, reward_funcs=length_reward, args=args,
+                        processing_class=AutoTokenizer.from_pretrained(folder),
+                        train_dataset=Dataset.from_dict({"prompt": PROMPTS}))
 
 
 def test_bf16_autocast_is_as_close_to_float32_as_trl(folder, tmp_path):

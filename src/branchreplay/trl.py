@@ -62,12 +62,12 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
     `use_bias_correction_kl`), a fixed `entropy_coef`, `epsilon` / `epsilon_high`, `delta`, `num_iterations`,
     `steps_per_generation`, gradient accumulation, `temperature`, `bf16` autocast, `gradient_checkpointing` (the
     tree keeps its own activations, so it is switched off: a notice says so), TRL's tools (`tool_mask`), and vLLM's
-    importance-sampling correction with `beta=0`.
+    importance-sampling correction (every mode).
 
     Raises:
         ValueError: naming the GRPOConfig field, for what the tree does not run: loss_type vespo,
             importance_sampling_level 'sequence' (GSPO), top_entropy_quantile < 1, off_policy_mask_threshold,
-            use_adaptive_entropy, vLLM's importance-sampling correction with beta != 0, fp16 (its loss scaler would
+            use_adaptive_entropy, active dropout (set disable_dropout=True), fp16 (its loss scaler would
             not scale the tree's gradients), use_liger_kernel, cast_lm_head_to_fp32, an MoE router aux loss,
             DeepSpeed, FSDP, more than one process, and images (vision-language models).
     """
@@ -76,6 +76,11 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
         super().__init__(*args, **kwargs)
         self.engine = engine if engine is not None else EngineConfig()
         _refuse_unsupported(self)
+        if not self.args.disable_dropout and any(isinstance(m, torch.nn.Dropout) and m.p > 0
+                                                 for m in self.model.modules()):
+            raise ValueError("TreeGRPOTrainer: the model has active dropout (e.g. a LoraConfig's lora_dropout), which "
+                             "draws other masks in the tree than in each rollout: set GRPOConfig(disable_dropout=True) "
+                             "or the dropout to 0")
         if self.args.activation_checkpointing:
             # the tree keeps each pack's activations or replays the pack (engine.replay); transformers' per-layer
             # checkpoints would drop the prefix cache the children run against
@@ -84,6 +89,8 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
             self.args.activation_checkpointing = False
             if self.model.is_activation_checkpointing:
                 self.model.activation_checkpointing_disable()
+            if hasattr(self.model, "peft_config"):  # TRL's hook for checkpointed adapters: grads through frozen layers
+                self.model.disable_input_require_grads()
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """Training: the tree's forward and backward (gradients into `param.grad`); returns TRL's loss value as a
@@ -103,7 +110,9 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
         mask = inputs["completion_mask"]
         if "tool_mask" in inputs:
             mask = mask * inputs["tool_mask"]
-        rollouts, lengths = batch_rollouts(inputs, mask)
+        ratio = inputs.get("importance_sampling_ratio") if self.use_vllm and self.vllm_importance_sampling_correction \
+            else None
+        rollouts, lengths = batch_rollouts(inputs, mask, ratio)
         accumulation = self.current_gradient_accumulation_steps
         if self.loss_type in ("dapo", "cispo"):  # TRL: num_items_in_batch spans the generation batch
             normalizer = float(inputs["num_items_in_batch"].clamp(min=1.0)) / self.accelerator.num_processes
@@ -113,11 +122,6 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
             weights = token_weights([r.loss_mask for r in rollouts], self.loss_type,
                                     max_completion_length=self.max_completion_length)
             weights = [w / accumulation for w in weights]
-        ratio = inputs.get("importance_sampling_ratio") if self.use_vllm and self.vllm_importance_sampling_correction \
-            else None
-        if ratio is not None:  # a constant factor of each token's policy term (beta = 0: no KL term)
-            weights = [w * on_rollout(ratio[i].expand(mask.shape[1]).cpu(), len(w), lengths[i])
-                       for i, w in enumerate(weights)]
         rollouts = [dataclasses.replace(r, weights=w) for r, w in zip(rollouts, weights)]
         loss_fn = GRPOLoss(self.epsilon_low, self.epsilon_high, self.beta, self.entropy_coef,
                            use_bias_correction_kl=self.args.use_bias_correction_kl, delta=self.args.delta,
@@ -156,14 +160,17 @@ class TreeGRPOTrainer(trl.GRPOTrainer):
         if self.loss_type == "cispo":
             metrics["cispo_clip_ratio"].append(masked_mean(((ratio > self.epsilon_high) & (advantages > 0)).double()))
         elif self.loss_type != "sapo":
+            if self.args.delta is not None:  # TRL's clip metrics see the ratio after two-sided clipping
+                ratio = ratio.clamp(max=self.args.delta)
             low = ((ratio < 1 - self.epsilon_low) & (advantages < 0)).double()
             high = ((ratio > 1 + self.epsilon_high) & (advantages > 0)).double()
             metrics["clip_ratio/low_mean"].append(masked_mean(low))
             metrics["clip_ratio/high_mean"].append(masked_mean(high))
             metrics["clip_ratio/region_mean"].append(masked_mean(((low + high) > 0).double()))
-            per_row = mask.sum(-1)  # TRL's nanmin / nanmax over rows: a row with no trained token is NaN
-            metrics["clip_ratio/low_min"].append(float(((low * mask).sum(-1) / per_row).nan_to_num(2.0).min()))
-            metrics["clip_ratio/high_max"].append(float(((high * mask).sum(-1) / per_row).nan_to_num(-1.0).max()))
+            rows = mask.sum(-1) > 0  # TRL's nanmin / nanmax over rows: NaN when no row has a trained token
+            low_rows, high_rows = ((x * mask).sum(-1)[rows] / mask.sum(-1)[rows] for x in (low, high))
+            metrics["clip_ratio/low_min"].append(float(low_rows.min()) if rows.any() else float("nan"))
+            metrics["clip_ratio/high_max"].append(float(high_rows.max()) if rows.any() else float("nan"))
         if self._entropy_bonus_enabled:
             accumulation = self.current_gradient_accumulation_steps
             policy_loss = result.loss + self.entropy_coef * masked_mean(entropies) / accumulation
@@ -186,17 +193,22 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[l
     return list(groups.values())
 
 
-def batch_rollouts(inputs: dict, mask: torch.Tensor) -> tuple[list[Rollout], list[int]]:
+def batch_rollouts(inputs: dict, mask: torch.Tensor, ratio: torch.Tensor | None = None
+                   ) -> tuple[list[Rollout], list[int]]:
     """TRL's padded micro-batch as unpadded rollouts, one per row: the prompt ids where `prompt_mask` is 1, then the
     completion's ids (the leading ones of `completion_mask`, TRL's mask up to the first EOS); loss mask `mask`
     [B, C] (completion_mask x tool_mask) on the completion; advantages [B] or [B, C], old and reference logprobs
-    [B, C] moved onto the completion's positions; and each row's completion length (tokens). The weights are the
-    caller's. Raises ValueError for a completion_mask with a gap (a zero before a one)."""
+    [B, C] moved onto the completion's positions; and each row's completion length (tokens). `ratio` ([B, C] or
+    [B, 1], >= 0): vLLM's importance-sampling weights, which TRL multiplies into each token's policy term (not the
+    KL, not the entropy bonus): the term is linear in the advantage, so they go into the advantages. The weights
+    are the caller's. Raises ValueError for a completion_mask with a gap (a zero before a one)."""
     prompt_ids, prompt_mask = inputs["prompt_ids"].cpu(), inputs["prompt_mask"].cpu().bool()
     completion_ids, completion_mask, mask = inputs["completion_ids"].cpu(), inputs["completion_mask"].cpu(), mask.cpu()
     B, C = completion_ids.shape
     advantages = inputs["advantages"].cpu()
     advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(B, C)
+    if ratio is not None:
+        advantages = advantages * ratio.cpu().expand(B, C)
     old, ref = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps")
     rollouts, lengths = [], []
     for i in range(B):
@@ -239,9 +251,6 @@ def _refuse_unsupported(trainer: TreeGRPOTrainer) -> None:
         (trainer.off_policy_mask_threshold is not None,
          "off_policy_mask_threshold needs the current logprobs before the loss; set it to None"),
         (trainer.use_adaptive_entropy, "use_adaptive_entropy is not run by TreeGRPOTrainer; set a fixed entropy_coef"),
-        (trainer.use_vllm and trainer.vllm_importance_sampling_correction and trainer.beta != 0.0,
-         "vllm_importance_sampling_correction with beta != 0 is not run by TreeGRPOTrainer (TRL scales the policy "
-         "term but not the KL); set beta=0.0 or vllm_importance_sampling_correction=False"),
         (args.fp16, "fp16=True: its loss scaler would not scale the tree's gradients; use bf16=True or neither"),
         (args.use_liger_kernel, "use_liger_kernel=True replaces the model's forward; set it to False"),
         (args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True replaces the LM head's forward; set it to False"),

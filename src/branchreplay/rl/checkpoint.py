@@ -29,6 +29,7 @@ trainer_state.pt) still load.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import random
 import re
@@ -217,6 +218,12 @@ def _load_adapter(model, path: Path) -> None:
                          "lora_target_modules as the run did (its config.yaml)")
     from peft import get_peft_model_state_dict, set_peft_model_state_dict
 
+    saved = json.loads((path / "adapter_config.json").read_text()) if (path / "adapter_config.json").is_file() else {}
+    ours = model.peft_config["default"]
+    for key in ("r", "lora_alpha"):
+        if key in saved and saved[key] != getattr(ours, key):
+            raise ValueError(f"checkpoint {path}'s adapter has {key}={saved[key]}, the model's LoRA layers "
+                             f"{getattr(ours, key)}: set model.lora_{'r' if key == 'r' else 'alpha'} as the run did")
     state = safetensors.torch.load_file(str(path / ADAPTER))
     expected = get_peft_model_state_dict(model)
     shapes = {k: tuple(v.shape) for k, v in expected.items()}

@@ -4,8 +4,8 @@ The run's own config.yaml gives the base model (model.spec) and its LoRA setting
 LoRA run's adapter, merged into the base weights with peft's `merge_and_unload`) go into OUT with the model's
 config, generation config and tokenizer, in float32 safetensors, the files made as the user's umask says. OUT is
 written in a temporary folder beside it and renamed into place when complete; an existing OUT is never replaced.
-The folder is then loaded back with `AutoModelForCausalLM.from_pretrained` and its logits compared with the
-checkpoint's on a few tokens.
+Before the rename, the folder is loaded back with `AutoModelForCausalLM.from_pretrained` and its logits compared
+with the checkpoint's own model's (the LoRA model before its merge) on a few tokens: a mismatch writes nothing.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def export(checkpoint: str | Path, out: str | Path) -> float:
         FileNotFoundError: no checkpoint there, or no config.yaml of the run above it.
         FileExistsError: `out` exists (choose a new folder; nothing is overwritten).
         ValueError: the checkpoint does not fit the run's model (`load_weights`), or the reloaded folder computes
-            other logits than the checkpoint (beyond 1e-4).
+            other logits than the checkpoint (beyond 1e-4); nothing is written then.
     """
     path, out = Path(checkpoint), Path(out)
     if out.exists():
@@ -48,19 +48,23 @@ def export(checkpoint: str | Path, out: str | Path) -> float:
     if m.lora_r:
         model = apply_lora(model, m.lora_r, m.lora_alpha, m.lora_targets())
     load_weights(model, path)
+    model.eval()
+    ids = torch.arange(1, 9)[None] % model.config.vocab_size
+    with torch.no_grad():
+        expected = model(ids).logits  # the checkpoint's own model (a LoRA model before the merge)
     if is_lora(model):
         model = model.merge_and_unload()
-    model.eval()
-    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent if str(out.parent) else "."))
+    tmp = Path(tempfile.mkdtemp(prefix=f".tmp-{out.name}-", dir=out.parent))
     try:
         model.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
+        diff = _check_reload(tmp, ids, expected)
         _respect_umask(tmp)
-        os.rename(tmp, out)
+        os.rename(tmp, out)  # an `out` made meanwhile, if empty, is replaced: rename never merges folders
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    return _check_reload(model, out)
+    return diff
 
 
 def _respect_umask(folder: Path) -> None:
@@ -74,12 +78,14 @@ def _respect_umask(folder: Path) -> None:
 
 
 @torch.no_grad()
-def _check_reload(model, out: Path) -> float:
+def _check_reload(folder: Path, ids: torch.Tensor, expected: torch.Tensor) -> float:
+    """The largest |logit difference| of `folder` loaded with transformers against the checkpoint's `expected`
+    logits of `ids`. Raises ValueError above 1e-4 (e.g. adapters on a tied LM head, which a merge cannot keep)."""
     from transformers import AutoModelForCausalLM
 
-    reloaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-    ids = torch.arange(1, 9)[None] % model.config.vocab_size
-    diff = float((reloaded(ids).logits - model(ids).logits).abs().max())
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    diff = float((reloaded(ids).logits - expected).abs().max())
     if diff > 1e-4:
-        raise ValueError(f"{out} reloads with logits {diff:.2g} away from the checkpoint's; report this")
+        raise ValueError(f"the exported model's logits are {diff:.2g} away from the checkpoint's (LoRA adapters on a "
+                         "tied embedding or LM head do not survive a merge); nothing was written")
     return diff

@@ -153,28 +153,43 @@ def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None
 
 
 def _peft(named: dict, model: dict) -> None:
-    """TRL's ModelConfig LoRA names into model.lora_* (module docstring)."""
+    """TRL's ModelConfig LoRA names into model.lora_* (module docstring); a value the model section also sets
+    differently is an error, as for every other TRL name."""
     dropout = named.get("lora_dropout", 0)
     if not _same(dropout, 0):
         raise ValueError(f"lora_dropout={dropout!r}: LoRA runs without dropout here (dropout would break the "
                          "equality with the per-rollout gradient); set lora_dropout: 0")
-    if "use_peft" in named and named["use_peft"] in (False, "false", "False", 0):
-        model["lora_r"] = 0
-        return
     if "use_peft" not in named:
         raise ValueError("TRL's lora_* settings without use_peft: true leave LoRA off in TRL; add use_peft: true, or "
                          "remove them")
-    model["lora_r"] = _int("lora_r", named.get("lora_r", TRL_LORA_R))
-    if "lora_alpha" in named:
-        model["lora_alpha"] = named["lora_alpha"]
+    use_peft = _bool("use_peft", named["use_peft"])
+    values = {"lora_r": 0} if not use_peft else {"lora_r": _int("lora_r", named.get("lora_r", model.get(
+        "lora_r", TRL_LORA_R)))}
+    if use_peft and "lora_alpha" in named:
+        values["lora_alpha"] = named["lora_alpha"]
     targets = named.get("lora_target_modules")
-    if targets is not None:
-        model["lora_target_modules"] = ",".join(targets) if isinstance(targets, (list, tuple)) else targets
+    if use_peft and targets is not None:
+        values["lora_target_modules"] = ",".join(targets) if isinstance(targets, (list, tuple)) else targets
+    for name, value in values.items():
+        if name in model and not _same(model[name], value):
+            raise ValueError(f"TRL's LoRA settings give {name}={value!r} but model.{name}={model[name]!r}: keep one")
+        model[name] = value
+
+
+def _bool(key: str, value) -> bool:
+    if isinstance(value, bool):
+        return value
+    if str(value).lower() in ("true", "1"):
+        return True
+    if str(value).lower() in ("false", "0"):
+        return False
+    raise ValueError(f"{key}={value!r} is not true or false")
 
 
 def help_lines() -> list[str]:
     """One line per TRL name: `--name  (TRL) -> section.field`, for --help."""
-    return [f"--{name}  (TRL GRPOConfig) -> {target}" for name, target in TRL_NAMES.items()]
+    return [f"--{name}  (TRL {'ModelConfig' if name in PEFT_NAMES else 'GRPOConfig'}) -> {target}"
+            for name, target in TRL_NAMES.items()]
 
 
 def _convert(key: str, value, iterations: int = 1):
