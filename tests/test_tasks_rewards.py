@@ -15,9 +15,8 @@ from branchreplay.rl.rewards import (
     math_verify_reward,
     reasoning_gym_reward,
 )
+from branchreplay.rl.task_config import DEFAULT_TASK, DEFAULT_TASK_CONFIG
 from branchreplay.rl.tasks import (
-    DEFAULT_TASK,
-    DEFAULT_TASK_CONFIG,
     FEW_SHOT,
     SYSTEM_PROMPT,
     TaskConfig,

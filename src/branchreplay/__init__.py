@@ -4,23 +4,39 @@
     out = replay_backward(model, tree, GRPOLoss())     # each unique position computed once; grads as the naive sum
 """
 
-from .check.reference import naive_backward
-from .engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
-from .losses import GRPOLoss, LossInputs, token_weights
-from .tree import Node, ReplayResult, Rollout, RolloutTree, TreeStats
+import importlib
+import sys
 
-__all__ = [
-    "EngineConfig",
-    "GRPOLoss",
-    "LossInputs",
-    "Node",
-    "ReplayResult",
-    "Rollout",
-    "RolloutTree",
-    "TreeStats",
-    "UnsupportedModelError",
-    "naive_backward",
-    "replay_backward",
-    "replay_logprobs",
-    "token_weights",
-]
+_EXPORTS = {
+    "EngineConfig": ".engine.config",
+    "GRPOLoss": ".losses",
+    "LossInputs": ".losses",
+    "Node": ".tree",
+    "ReplayResult": ".tree",
+    "Rollout": ".tree",
+    "RolloutTree": ".tree",
+    "TreeStats": ".tree",
+    "UnsupportedModelError": ".engine.families",
+    "naive_backward": ".check.reference",
+    "replay_backward": ".engine.stack",
+    "replay_logprobs": ".engine.stack",
+    "token_weights": ".losses",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A module `__getattr__` (PEP 562) for `package`: each public name of `exports` ({name: relative module}) is
+    imported from its module on first use and kept, so that importing the package (and parsing a run config)
+    does not load torch."""
+    def __getattr__(name: str):
+        if name not in exports:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(exports[name], package), name)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
+
+
+__getattr__ = lazy_exports(__name__, _EXPORTS)

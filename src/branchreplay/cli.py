@@ -1,4 +1,4 @@
-"""The `branchreplay` command: verify, bench, train, eval, export."""
+"""The `branchreplay` command: verify, bench, train, eval, export, vllm-serve."""
 
 from __future__ import annotations
 
@@ -7,15 +7,20 @@ import json
 import sys
 from pathlib import Path
 
-import torch
+DTYPES = ("float64", "float32", "bfloat16")  # torch dtype names; torch loads only in the command that runs
 
-from .engine.families import FAMILIES, UnsupportedModelError, state_bytes_per_token
 
-DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
+def _dtype(name: str):
+    import torch
+
+    return getattr(torch, name)
 
 
 def _verify(args) -> int:
+    import torch
+
     from .check.verify import verify_dpo, verify_model
+    from .engine.families import FAMILIES, UnsupportedModelError, state_bytes_per_token
     from .models import RECURRENT_ARCHS, TINY_ARCHS, load_model, tiny_model
 
     if args.list:
@@ -37,7 +42,7 @@ def _verify(args) -> int:
         print(f"error: --nproc runs gloo processes on the CPU; drop --device {args.device}", file=sys.stderr)
         return 2
     args.dtype = args.dtype or "float64"
-    dtype = torch.float32 if args.mixed_precision else DTYPES[args.dtype]
+    dtype = torch.float32 if args.mixed_precision else _dtype(args.dtype)
     if args.nproc > 1:
         return _verify_data_parallel(args, dtype)
     try:
@@ -192,7 +197,7 @@ def _bench(args) -> int:
             scenarios = scenario_grid(names, args.prompt_tokens, args.generations, args.response_tokens, args.turns,
                                       args.reply_tokens, args.tool_tokens, args.branching, args.fork_schedule,
                                       args.trajectories)
-            options = BenchOptions(dtype=DTYPES[args.dtype], device=args.device, seed=args.seed,
+            options = BenchOptions(dtype=_dtype(args.dtype), device=_device(args.device), seed=args.seed,
                                    methods=tuple(args.methods.split(",")), max_seconds=args.max_naive_seconds,
                                    max_memory_bytes=int(args.max_memory_gib * 2**30) if args.max_memory_gib else None,
                                    prompt_sharing=args.prompt_sharing, repeats=args.repeats, threads=args.threads,
@@ -219,10 +224,12 @@ def _bench_objective(args) -> int:
         print(f"error: --loss {args.loss} runs in one process and prints its table: drop --nproc, --from-json and "
               "--plot", file=sys.stderr)
         return 2
+    import torch
+
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     if args.threads:
         torch.set_num_threads(args.threads)
-    dtype = DTYPES[args.dtype]
+    dtype = _dtype(args.dtype)
     try:
         if args.loss == "ppo":
             names = list(SCENARIOS) if args.scenario == "all" else args.scenario.split(",")
@@ -243,10 +250,11 @@ def _bench_objective(args) -> int:
 
 def _train(argv: list[str]) -> int:
     from .rl.config import parse_args
+
+    config, options = parse_args(argv, ("--config", "--resume", "--threads"))  # before torch: a bad config is quick
+    _set_threads(options["--threads"])
     from .rl.trainer import TrainingFailed, TrainingInterrupted, train
 
-    config, options = parse_args(argv, ("--config", "--resume", "--threads"))
-    _set_threads(options["--threads"])
     try:
         run_dir = train(config, options["--resume"])
     except TrainingInterrupted as e:
@@ -261,11 +269,12 @@ def _train(argv: list[str]) -> int:
 
 def _eval(argv: list[str]) -> int:
     from .rl.config import parse_args, run_config
+
+    config, options = parse_args(argv, ("--config", "--checkpoint", "--threads"))  # before torch: a bad config is quick
+    _set_threads(options["--threads"])
     from .rl.evaluation import evaluate_cli
     from .rl.rewards import RewardFunctionError
 
-    config, options = parse_args(argv, ("--config", "--checkpoint", "--threads"))
-    _set_threads(options["--threads"])
     checkpoint = options["--checkpoint"]
     found = run_config(checkpoint) if checkpoint is not None and options["--config"] is None else None
     if found is not None:  # the config parse_args took
@@ -290,12 +299,51 @@ def _export(args) -> int:
     return 0
 
 
+def _device(name: str) -> str:
+    """--device: 'auto' is cuda when available, else cpu."""
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _vllm_serve(args) -> int:
+    """vllm-serve: a vLLM server for a model spec, run from the vLLM venv (`make vllm`) until it is stopped."""
+    import subprocess
+
+    from .rl.vllm_client import serve_command, serve_environment
+
+    python = Path(args.venv) / "bin" / "python"
+    if not python.is_file():
+        print(f"error: {python} does not exist: run `make vllm` (vLLM in its own venv) or pass --venv", file=sys.stderr)
+        return 2
+    folder = args.model
+    if args.model == "smollm2":
+        from .models import model_folder
+
+        folder = model_folder(args.model)  # converted from the GGUF on first use (same as train)
+        if not Path(folder).is_dir():
+            from .models import load_model
+
+            load_model(args.model)
+    command = serve_command(folder, args.host, args.port, str(python), args.max_model_len, args.dtype,
+                            args.kv_cache_gib)
+    print("starting: " + " ".join(command), file=sys.stderr, flush=True)
+    try:
+        return subprocess.call(command, env=serve_environment(args.threads))
+    except KeyboardInterrupt:
+        return 130
+
+
 def _set_threads(value: str | None) -> None:
     """--threads N: torch's intra-op threads for the command (default: torch's own choice)."""
     if value is None:
         return
     if not value.isdigit() or int(value) < 1:
         raise ValueError(f"--threads {value!r} must be a whole number >= 1")
+    import torch
+
     torch.set_num_threads(int(value))
 
 
@@ -323,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     v.add_argument("--arch", default="llama", help="tiny random config, e.g. llama, mistral, gemma2, mixtral "
                                                     "(--list shows all)")
     v.add_argument("--model", help="a local HF folder, a .gguf file, or 'smollm2' (overrides --arch)")
-    v.add_argument("--dtype", default=None, choices=list(DTYPES), help="parameter dtype (default float64)")
+    v.add_argument("--dtype", default=None, choices=DTYPES, help="parameter dtype (default float64)")
     v.add_argument("--loss", default="grpo", choices=["grpo", "ppo", "rloo", "dpo"],
                    help="grpo: the GRPO loss on trees of every shape; ppo: PPO's policy loss and a critic made from "
                         "the model (its value loss; rows <shape>/critic); rloo: RLOO's sequence-level loss "
@@ -390,8 +438,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="run naive data parallelism, prompt sharing and branchreplay on this many local processes "
                         "(gloo, 1 thread each) and print the shard plan for 8 ranks; float32, CPU")
     b.add_argument("--parallel", default="fsdp2", choices=["fsdp2", "ddp"], help="with --nproc: the strategy")
-    b.add_argument("--dtype", default="float32", choices=list(DTYPES))
-    b.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    b.add_argument("--dtype", default="float32", choices=DTYPES)
+    b.add_argument("--device", default="auto", help="torch device; auto = cuda if available, else cpu")
     b.add_argument("--json", action="store_true", help="print one JSON object (rows: one per configuration x method)")
     b.add_argument("--plot", metavar="PATH.png", help="write speedup vs FLOP ratio and peak memory vs logical tokens")
     b.add_argument("--from-json", metavar="A.json,B.json",
@@ -407,6 +455,17 @@ def main(argv: list[str] | None = None) -> int:
                        usage="branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--threads N] "
                             "[--section.field VALUE ...]")
     e.set_defaults(func=_eval)
+
+    s = sub.add_parser("vllm-serve", help="a vLLM server for sampling.backend=vllm (from the venv of `make vllm`)")
+    s.add_argument("--model", default="smollm2", help="the model spec the run trains: smollm2, a folder or a hub id")
+    s.add_argument("--host", default="127.0.0.1")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--dtype", default="float32", help="the server's compute dtype (float32 on CPUs without bf16 units)")
+    s.add_argument("--max-model-len", type=int, default=None, help="tokens of context (default: the model's)")
+    s.add_argument("--threads", type=int, default=None, help="CPU cores for the server (default: all)")
+    s.add_argument("--kv-cache-gib", type=float, default=4.0, help="GiB of KV cache the server reserves")
+    s.add_argument("--venv", default=".venv-vllm", help="the vLLM virtual environment (`make vllm`)")
+    s.set_defaults(func=_vllm_serve)
 
     x = sub.add_parser("export", help="a run's checkpoint as a Hugging Face model folder (transformers, vLLM); "
                                        "a LoRA adapter is merged")

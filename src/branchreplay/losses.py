@@ -17,11 +17,12 @@ advantages of low-entropy tokens); the loss type vespo is not implemented.
 
 from __future__ import annotations
 
-import typing
 from dataclasses import dataclass, field
-from typing import Callable, Literal
+from typing import Callable
 
 import torch
+
+from .loss_types import DPO_LOSS_TYPES, LOSS_TYPES
 
 
 @dataclass
@@ -298,9 +299,6 @@ def _with_ratio(loss: GRPOLoss, x: LossInputs, log_ratio: torch.Tensor) -> torch
     return loss(shifted)
 
 
-LossType = Literal["grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo"]
-LOSS_TYPES: tuple[str, ...] = typing.get_args(LossType)
-
 
 def token_weights(
     loss_masks: list[torch.Tensor],
@@ -347,9 +345,6 @@ def token_weights(
     n = num_items_in_batch if num_items_in_batch is not None else active
     return [m / max(float(n), 1.0) for m in masks]
 
-
-DPOLossType = Literal["sigmoid", "hinge", "ipo", "robust", "simpo"]
-DPO_LOSS_TYPES: tuple[str, ...] = typing.get_args(DPOLossType)
 
 
 def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chosen_logps: torch.Tensor | None,

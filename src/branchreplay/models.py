@@ -279,6 +279,12 @@ def chat_prompt_ids(tokenizer: PreTrainedTokenizerBase, messages: list[dict], ad
     return [bos] + ids
 
 
+def model_folder(spec: str) -> str:
+    """Where `spec`'s weights live for another program (a vLLM server): the converted SmolLM2 folder for
+    'smollm2', else the spec itself (a folder or a hub id)."""
+    return str(default_model_dir()) if spec == "smollm2" else spec
+
+
 def load_policy(spec: str, dtype: str = "float32", device: str = "auto"):
     """(model, tokenizer) of `spec` (as `load_model`) for a run whose model.dtype is `dtype` (a torch dtype's name),
     on `device` ("auto": cuda if available, else cpu): the run config's model section. float32 / float64: the
@@ -311,7 +317,7 @@ def apply_lora(model, r: int, alpha: float, target_modules: list[str] | str | No
     config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=target_modules, lora_dropout=0.0,
                              task_type="CAUSAL_LM")
     try:
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=range(torch.cuda.device_count())):
             torch.manual_seed(seed)
             return peft.get_peft_model(model, config)
     except ValueError as e:

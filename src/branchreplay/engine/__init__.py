@@ -11,10 +11,15 @@ Modules: `stack` (the traversal), `masks` (tree masks), `head` (LM-head logprobs
 `sharding` and `distributed` (data parallelism).
 """
 
-from .config import EngineConfig
-from .families import FAMILIES, UnsupportedModelError
-from .head import HeadMismatchError
-from .stack import replay_backward, replay_logprobs
+from .. import lazy_exports
 
-__all__ = ["FAMILIES", "EngineConfig", "HeadMismatchError", "UnsupportedModelError", "replay_backward",
-           "replay_logprobs"]
+_EXPORTS = {
+    "EngineConfig": ".config",
+    "FAMILIES": ".families",
+    "UnsupportedModelError": ".families",
+    "HeadMismatchError": ".head",
+    "replay_backward": ".stack",
+    "replay_logprobs": ".stack",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__ = lazy_exports(__name__, _EXPORTS)  # `EngineConfig` (a config section) without torch

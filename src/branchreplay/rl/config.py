@@ -38,10 +38,10 @@ import yaml
 
 from ..engine import EngineConfig
 from ..fields import accepted, check, choice, help_of, nearest
-from ..losses import DPOLossType, LossType
-from .agent import AgentConfig
-from .sampling import SamplingConfig, turn_factor
-from .tasks import TaskConfig
+from ..loss_types import DPOLossType, LossType
+from .agent_config import AgentConfig
+from .sampling_config import SamplingConfig, turn_factor
+from .task_config import TaskConfig
 from .trl_names import TRL_NAMES, from_trl_names, help_lines
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -380,6 +380,8 @@ class Config:
         if self.algorithm == "dpo" and not self.dpo.dataset:
             raise ValueError("algorithm=dpo trains on preference pairs: set dpo.dataset to a JSONL / Parquet file "
                              "(scripts/make_preference_set.py writes one from the default task)")
+        if self.sampling.backend == "vllm":
+            self._check_vllm()
         if self.agent.environment is not None:
             self._check_multi_turn()
         elif self.sampling.turn_branching:
@@ -392,6 +394,20 @@ class Config:
             raise ValueError(
                 f"sampling.branching={[list(b) for b in self.sampling.branching]} makes {product} samples per prompt "
                 f"but grpo.num_generations={self.grpo.num_generations}: make them equal")
+
+    def _check_vllm(self) -> None:
+        s = self.sampling
+        refused = [(self.agent.environment is not None, "a multi-turn task (agent.environment)"),
+                   (bool(s.branching), "sampling.branching (vLLM samples independent completions)"),
+                   (self.algorithm == "dpo", "algorithm=dpo (nothing is sampled)"),
+                   (self.model.lora_r > 0, "LoRA (model.lora_r; the merged weights are not synced yet)")]
+        for is_refused, what in refused:
+            if is_refused:
+                raise ValueError(f"sampling.backend=vllm does not run {what} yet: use sampling.backend=hf")
+        if s.vllm_importance_sampling_cap is not None and (self.algorithm == "rloo" or (
+                self.grpo.importance_sampling_level == "sequence" and self.algorithm != "ppo")):
+            raise ValueError("sampling.vllm_importance_sampling_cap scales each token's policy term, which RLOO's and "
+                             "GSPO's sequence-level losses do not have: set it to null")
 
     def _check_multi_turn(self) -> None:
         if self.algorithm == "dpo":

