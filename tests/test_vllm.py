@@ -49,7 +49,7 @@ class StandIn:
                 pass
 
             def do_GET(self):
-                self.answer({"data": [{"id": stand_in.served, "root": stand_in.served, "max_model_len": 128}]})
+                self.answer({"data": [{"id": stand_in.served, "root": stand_in.served, "max_model_len": 2048}]})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])) or b"{}")
@@ -150,7 +150,7 @@ def test_training_samples_with_the_server_syncs_weights_and_logs_the_mismatch(st
     for r in rows:  # the stand-in's logprobs are its synced model's minus OFFSET: exactly, if the sync arrived
         assert r["sampling/logprob_diff_mean"] == pytest.approx(OFFSET, abs=1e-5)
         assert r["sampling/mismatch_kl"] == pytest.approx(math.exp(OFFSET) - OFFSET - 1, rel=1e-3)
-        assert r["time/weight_sync_s"] >= 0
+        assert r["time/weight_sync_s"] > 0 and r["sampling/logprob_diff_max"] >= OFFSET - 1e-5
     assert rows[1]["grad_norm"] > 0
 
 
@@ -194,10 +194,13 @@ def test_connect_refuses_no_server_another_model_and_another_vocabulary(stand_in
 
 def test_vllm_settings_it_cannot_run_are_refused_by_name(tmp_path):
     base = {"sampling": {"backend": "vllm"}}
-    with pytest.raises(ValueError, match="sampling.branching"):
+    with pytest.raises(ValueError, match="vllm does not run sampling.branching"):
         Config.from_dict({"sampling": {"backend": "vllm", "branching": [[0, 2], [3, 4]]}})
     with pytest.raises(ValueError, match="LoRA"):
         Config.from_dict({**base, "model": {"lora_r": 8}})
+    with pytest.raises(ValueError, match="algorithm=reinforce_pp"):
+        Config.from_dict({"algorithm": "reinforce_pp", "sampling": {"backend": "vllm",
+                                                                    "vllm_importance_sampling_cap": 2.0}})
     with pytest.raises(ValueError, match="GSPO's sequence-level"):
         Config.from_dict({"sampling": {"backend": "vllm", "vllm_importance_sampling_cap": 2.0},
                           "grpo": {"importance_sampling_level": "sequence"}})
@@ -207,7 +210,7 @@ def test_vllm_settings_it_cannot_run_are_refused_by_name(tmp_path):
 @pytest.mark.skipif(not os.environ.get("BRANCHREPLAY_VLLM_URL"),
                     reason="needs a running `branchreplay vllm-serve --model smollm2` at BRANCHREPLAY_VLLM_URL")
 def test_real_vllm_server_matches_the_trainer_before_and_after_a_sync(tmp_path):
-    """SmolLM2 on a real vLLM server: the server's logprobs equal the run's own (float32: within 1e-3 nats on
+    """SmolLM2 on a real vLLM server: the server's logprobs equal the run's own (float32: within 1e-4 nats on
     average) at step 1 and, after the first weight sync, at step 2 (a stale tied LM head showed 1.5e-3 here)."""
     config = Config.from_dict({"sampling": {"backend": "vllm", "vllm_url": os.environ["BRANCHREPLAY_VLLM_URL"],
                                             "max_new_tokens": 24},

@@ -30,8 +30,13 @@ def lazy_exports(package: str, exports: dict[str, str]):
     imported from its module on first use and kept, so that importing the package (and parsing a run config)
     does not load torch."""
     def __getattr__(name: str):
-        if name not in exports:
-            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        if name not in exports:  # a submodule, as `import package.name` would have bound it
+            try:
+                value = importlib.import_module(f".{name}", package)
+            except ModuleNotFoundError:
+                raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+            setattr(sys.modules[package], name, value)
+            return value
         value = getattr(importlib.import_module(exports[name], package), name)
         setattr(sys.modules[package], name, value)
         return value

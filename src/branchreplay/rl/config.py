@@ -404,10 +404,11 @@ class Config:
         for is_refused, what in refused:
             if is_refused:
                 raise ValueError(f"sampling.backend=vllm does not run {what} yet: use sampling.backend=hf")
-        if s.vllm_importance_sampling_cap is not None and (self.algorithm == "rloo" or (
-                self.grpo.importance_sampling_level == "sequence" and self.algorithm != "ppo")):
-            raise ValueError("sampling.vllm_importance_sampling_cap scales each token's policy term, which RLOO's and "
-                             "GSPO's sequence-level losses do not have: set it to null")
+        if s.vllm_importance_sampling_cap is not None and (
+                self.algorithm != "grpo" or self.grpo.importance_sampling_level == "sequence"):
+            raise ValueError("sampling.vllm_importance_sampling_cap scales GRPO's token-level advantages; with "
+                             f"algorithm={self.algorithm} (its own advantages) or GSPO's sequence-level loss it is not "
+                             "run yet: set it to null")
 
     def _check_multi_turn(self) -> None:
         if self.algorithm == "dpo":

@@ -43,8 +43,9 @@ class SamplingConfig:
         "'hf': sampling here with transformers (the prompt prefilled once per group); 'vllm': a vLLM server "
         "(`branchreplay vllm-serve --model SPEC`, in its own venv from `make vllm`) samples, with prefix caching, "
         "and gets the weights after every optimizer update; the run's own logprobs stay the old-policy ones and "
-        "the mismatch is logged (sampling/logprob_diff_mean, sampling/mismatch_kl). Single-turn GRPO, RLOO and "
-        "REINFORCE++ without sampling.branching, in one process"))
+        "the mismatch is logged (sampling/logprob_diff_mean, sampling/mismatch_kl). Single-turn GRPO, RLOO, "
+        "REINFORCE++ and PPO without sampling.branching, in one process. With top_p < 1 or top_k the server's "
+        "logprobs are of the filtered, renormalised distribution (as TRL's vLLM), so the mismatch includes it"))
     vllm_url: str = field(default="http://127.0.0.1:8000", metadata=help_of(
         "the vLLM server of sampling.backend=vllm (it must read this machine's temporary files: weights are synced "
         "as a file)"))
@@ -54,7 +55,7 @@ class SamplingConfig:
     vllm_importance_sampling_cap: float | None = field(default=None, metadata=help_of(
         "TRL's truncated importance sampling (vllm_importance_sampling_correction, token_truncate): each trained "
         "token's policy term times min(exp(logp_old - logp_vllm), cap), > 0; null = off. Token-level losses only "
-        "(not RLOO, not GSPO)"))
+        "(algorithm grpo, not GSPO)"))
 
     def __post_init__(self):
         choice("sampling.backend", self.backend, Backend)

@@ -913,11 +913,11 @@ def _ppo_update_metrics(result: ReplayResult | None, local: list[RolloutTree], l
 def sampler_mismatch(batch: Batch, rollouts: list[Rollout], logprobs: list[torch.Tensor], cap: float | None) -> dict:
     """The vLLM sampler's logprobs s against the run's own old-policy logprobs t (`logprobs`, per rollout of
     `rollouts` [T]: an old-policy pass's, or on-policy the first update's) on every trained token:
-    sampling/logprob_diff_mean = mean |t - s| (nats), sampling/mismatch_kl = mean of exp(t - s) - (t - s) - 1 (the
-    k3 estimate of KL(sampler || trainer) on the sampler's tokens). With `cap`: TRL's truncated importance sampling
-    (token_truncate) multiplies each trained token's policy term by min(exp(t - s), cap), logged as
-    sampling/importance_sampling_ratio/mean and /max; the term is linear in the advantage, so the factor goes into
-    the advantages, leaving the KL and entropy terms alone, as TRL's."""
+    sampling/logprob_diff_mean and _max = mean and max |t - s| (nats), sampling/mismatch_kl = mean of
+    exp(t - s) - (t - s) - 1 (the k3 estimate of KL(sampler || trainer) on the sampler's tokens). With `cap`: TRL's
+    truncated importance sampling (token_truncate) multiplies each trained token's policy term by
+    min(exp(t - s), cap), logged as sampling/importance_sampling_ratio/min, /mean and /max; the term is linear in the
+    advantage, so the factor goes into the advantages, leaving the KL and entropy terms alone, as TRL's."""
     sampler = {id(r): lp for r, lp in zip((r for group in batch.rollouts for r in group), batch.sampler_logprobs)}
     diffs, ratios = [], []
     for r, t in zip(rollouts, logprobs):
@@ -932,11 +932,12 @@ def sampler_mismatch(batch: Batch, rollouts: list[Rollout], logprobs: list[torch
     d = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
     if not d.numel():
         return {}
-    out = {"sampling/logprob_diff_mean": d.abs().mean().item(), "sampling/mismatch_kl": (d.exp() - d - 1).mean().item()}
+    out = {"sampling/logprob_diff_mean": d.abs().mean().item(), "sampling/logprob_diff_max": d.abs().max().item(),
+           "sampling/mismatch_kl": (d.exp() - d - 1).mean().item()}
     if ratios:
         ratio = torch.cat(ratios)
-        out.update({"sampling/importance_sampling_ratio/mean": ratio.mean().item(),
-                    "sampling/importance_sampling_ratio/max": ratio.max().item()})
+        out.update({f"sampling/importance_sampling_ratio/{k}": getattr(ratio, k)().item()
+                    for k in ("min", "mean", "max")})
     return out
 
 

@@ -20,6 +20,7 @@ stops answering raises `VLLMError` (after `timeout_s`), never hangs the run; the
 from __future__ import annotations
 
 import concurrent.futures
+import http.client
 import json
 import os
 import shutil
@@ -34,9 +35,9 @@ PROBE_TEXT = "The quick brown fox counts 12 + 30 = 42 tokens."
 """A text whose ids must be the same under the server's tokenizer and the trainer's (a vocabulary check)."""
 
 
-class VLLMError(RuntimeError):
+class VLLMError(OSError):
     """The vLLM server is unreachable, answered with an error, serves another model or vocabulary, or failed to
-    load the synced weights."""
+    load the synced weights (an OSError: the command line reports it as one line)."""
 
 
 def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, python: str = ".venv-vllm/bin/python",
@@ -46,7 +47,8 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, pyt
     of KV cache (on CPU vLLM otherwise reserves 92% of the machine's memory, which the trainer needs too)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
                "--port", str(port), "--dtype", dtype, "--enable-prefix-caching",
-               "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30))]
+               "--logprobs-mode", "processed_logprobs", "--kv-cache-memory-bytes", str(int(kv_cache_gib * 2**30)),
+               "--generation-config", "vllm"]  # not the model's generation_config.json sampling defaults
     if max_model_len:
         command += ["--max-model-len", str(max_model_len)]
     return command
@@ -72,6 +74,7 @@ class VLLMClient:
     url: str
     model: str
     timeout_s: float = 600.0
+    max_model_len: int | None = None
 
     @classmethod
     def connect(cls, url: str, model_dir: str, tokenizer, timeout_s: float = 600.0) -> VLLMClient:
@@ -89,7 +92,7 @@ class VLLMClient:
         if _resolved(root) != _resolved(model_dir):
             raise VLLMError(f"the vLLM server at {url} serves {root}, but this run trains {model_dir}: start "
                             f"`branchreplay vllm-serve --model {model_dir}` (or point sampling.vllm_url elsewhere)")
-        client = cls(url, served["id"], timeout_s)
+        client = cls(url, served["id"], timeout_s, served.get("max_model_len"))
         theirs = client.post("/tokenize", {"model": client.model, "prompt": PROBE_TEXT,
                                            "add_special_tokens": False})["tokens"]
         ours = tokenizer(PROBE_TEXT, add_special_tokens=False).input_ids
@@ -114,15 +117,24 @@ class VLLMClient:
                                                               eos_ids), prompts))
 
     def _sample_one(self, prompt_ids, n, temperature, top_p, top_k, max_new_tokens, eos_ids):
+        if self.max_model_len and len(prompt_ids) + max_new_tokens > self.max_model_len:
+            raise ValueError(f"the prompt ({len(prompt_ids)} tokens) plus sampling.max_new_tokens ({max_new_tokens}) "
+                             f"is more than the vLLM server's max_model_len ({self.max_model_len}): lower "
+                             "sampling.max_new_tokens or restart the server with a larger --max-model-len")
         answer = self.post("/v1/completions", {
             "model": self.model, "prompt": prompt_ids, "n": n, "max_tokens": max_new_tokens,
             "temperature": temperature, "top_p": top_p, "top_k": top_k if top_k > 0 else -1,
             "logprobs": 0, "return_token_ids": True, "stop_token_ids": sorted(eos_ids), "skip_special_tokens": False,
-            "include_stop_str_in_output": True})
+            "include_stop_str_in_output": True,
+            # explicit, or vLLM takes them from the model's generation_config: another policy than the trainer's
+            "repetition_penalty": 1.0, "presence_penalty": 0.0, "frequency_penalty": 0.0, "min_p": 0.0})
         out = []
-        for choice in sorted(answer["choices"], key=lambda c: c["index"]):
-            ids = list(choice["token_ids"])
-            logprobs = [float(x) for x in choice["logprobs"]["token_logprobs"]]
+        try:
+            choices = [(list(c["token_ids"]), [float(x) for x in c["logprobs"]["token_logprobs"]])
+                       for c in sorted(answer["choices"], key=lambda c: c["index"])]
+        except (KeyError, TypeError, ValueError) as e:
+            raise VLLMError(f"the vLLM server's completion answer lacks token ids or logprobs ({e!r})") from e
+        for ids, logprobs in choices:
             if len(logprobs) != len(ids):
                 raise VLLMError(f"the vLLM server returned {len(ids)} token ids but {len(logprobs)} logprobs")
             out.append((ids, logprobs, not (ids and ids[-1] in eos_ids)))
@@ -171,8 +183,11 @@ def _request(url: str, body: dict | None, timeout_s: float) -> dict:
     except urllib.error.HTTPError as e:
         detail = e.read().decode(errors="replace")[:500]
         raise VLLMError(f"{url} answered HTTP {e.code}: {detail}") from e
-    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError) as e:
+    except (urllib.error.URLError, TimeoutError, ConnectionError, OSError, http.client.HTTPException) as e:
         reason = getattr(e, "reason", e)
         raise VLLMError(f"{url} did not answer within {timeout_s:g} s ({reason})" if isinstance(reason, TimeoutError)
                         or "timed out" in str(reason) else f"{url} is not reachable ({reason})") from e
-    return json.loads(text) if text.strip() else {}
+    try:
+        return json.loads(text) if text.strip() else {}
+    except json.JSONDecodeError as e:
+        raise VLLMError(f"{url} answered something that is not JSON: {text[:200]!r}") from e
