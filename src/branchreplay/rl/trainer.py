@@ -260,20 +260,22 @@ class Trainer:
         mine = self.ranks.mine(len(items)) if self.ranks else list(range(len(items)))
         samples, rewards, error, failure = {}, {}, None, None
         sync_s = None
-        if self.vllm is not None:  # every group in flight together: the server batches them
+        if self.vllm is not None:  # every group in flight together: the server batches them (one process)
             sync_s = self.sync_vllm()
             self.status(f"step {step}: sampling {len(prompt_ids)} groups with vLLM")
             samples = dict(enumerate(self.vllm_groups(prompt_ids)))
-        with self.gathered(), self.autocast():
-            try:
-                for k in mine if self.vllm is None else []:  # each group its own stream: its samples do not depend
-                    self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")  # on the world size
-                    generator = self.group_generator(step, k)
-                    samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids, generator)
-            except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
-                if self.ranks is None:
-                    raise
-                failure = f"rank {self.rank}: {type(e).__name__}: {e}"
+        else:
+            with self.gathered(), self.autocast():
+                try:
+                    for k in mine:  # each group its own stream: its samples do not depend on the world size
+                        self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
+                        generator = self.group_generator(step, k)
+                        samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids,
+                                                  generator)
+                except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
+                    if self.ranks is None:
+                        raise
+                    failure = f"rank {self.rank}: {type(e).__name__}: {e}"
         try:
             if mine:
                 total, columns = score_columns(self.rewards, self.tokenizer, [items[k] for k in mine],
