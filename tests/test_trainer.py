@@ -374,17 +374,17 @@ def test_log_completions_and_tensorboard_notice(tmp_path):
 def test_every_engine_call_takes_the_engine_section(tmp_path, monkeypatch):
     """--engine.* reaches replay_backward and replay_logprobs (old logprobs with num_iterations 2, reference with
     beta > 0)."""
-    import branchreplay.rl.trainer as trainer_module
+    import branchreplay.rl.methods as methods_module
 
     seen = []
     for name in ("replay_backward", "replay_logprobs"):
-        original = getattr(trainer_module, name)
+        original = getattr(methods_module, name)
 
         def spy(*args, _original=original, _name=name, **kwargs):
             seen.append((_name, kwargs["engine"]))
             return _original(*args, **kwargs)
 
-        monkeypatch.setattr(trainer_module, name, spy)
+        monkeypatch.setattr(methods_module, name, spy)
     config = make_config(tmp_path, grpo={"num_iterations": 2, "beta": 0.01},
                          engine={"replay": "replay", "max_pack_tokens": 8})
     make_trainer(config).train_step(1)

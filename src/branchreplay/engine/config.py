@@ -9,6 +9,7 @@ from ..fields import check, choice, help_of
 
 Replay = Literal["keep", "replay", "auto"]
 UnknownFamily = Literal["refuse", "self-check"]
+Method = Literal["branchreplay", "naive", "padded"]
 
 
 @dataclass(frozen=True)
@@ -40,10 +41,17 @@ class EngineConfig:
         "verdict is cached in the run folder). Recurrent or hybrid layers of an unknown family are always refused. "
         "Read by the trainer; a direct replay_backward call refuses an unknown family unless force=True"))
 
+    method: Method = field(default="branchreplay", metadata=help_of(
+        "how `train` computes the logprobs and gradients, all equal to floating-point tolerance: 'branchreplay' "
+        "(the execution stack over the prefix tree), 'naive' (each rollout alone, unpadded: the reference) or "
+        "'padded' (TRL's padded batch); the two references run GRPO / REINFORCE++ / PPO token losses, for side by "
+        "side runs (scripts/compare_methods.py). Read by the trainer (rl/methods.py)"))
+
     def __post_init__(self):
         for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):
             check(f"engine.{name}", getattr(self, name) >= 1, ">= 1", getattr(self, name))
         choice("engine.replay", self.replay, Replay)
         choice("engine.unknown_family", self.unknown_family, UnknownFamily)
+        choice("engine.method", self.method, Method)
         if self.memory_budget is not None:
             check("engine.memory_budget", self.memory_budget > 0, "> 0 bytes", self.memory_budget)

@@ -382,6 +382,8 @@ class Config:
                              "(scripts/make_preference_set.py writes one from the default task)")
         if self.sampling.backend == "vllm":
             self._check_vllm()
+        if self.engine.method != "branchreplay":
+            self._check_method()
         if self.agent.environment is not None:
             self._check_multi_turn()
         elif self.sampling.turn_branching:
@@ -409,6 +411,18 @@ class Config:
             raise ValueError("sampling.vllm_importance_sampling_cap scales GRPO's token-level advantages; with "
                              f"algorithm={self.algorithm} (its own advantages) or GSPO's sequence-level loss it is not "
                              "run yet: set it to null")
+
+    def _check_method(self) -> None:
+        """The references of `engine.method` (rl/methods.py) run token-level losses of whole rollouts."""
+        method = self.engine.method
+        refused = [(self.algorithm in ("rloo", "dpo"), f"algorithm={self.algorithm} (a sequence-level loss)"),
+                   (self.grpo.importance_sampling_level == "sequence", "GSPO (grpo.importance_sampling_level="
+                                                                       "sequence, a sequence-level loss)"),
+                   (method == "padded" and self.algorithm == "ppo", "algorithm=ppo (its critic has no padded "
+                                                                   "batch; engine.method=naive runs it)")]
+        for is_refused, what in refused:
+            if is_refused:
+                raise ValueError(f"engine.method={method} does not run {what}: use engine.method=branchreplay")
 
     def _check_multi_turn(self) -> None:
         if self.algorithm == "dpo":

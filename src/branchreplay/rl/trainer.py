@@ -16,6 +16,7 @@ One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`
      the ratio is against the detached current logprobs, as TRL); beta > 0: reference logprobs of the frozen
      initial model;
   6. per update: `replay_backward` over micro-batches of trees, clip the gradient norm, AdamW, LR schedule.
+  (Steps 5 and 6 run the engine, or with engine.method naive / padded a reference computation: `methods.py`.)
 Other algorithms (`algorithms.py`): after the old-policy and reference passes (and PPO's critic pass, whose values
 come from the same trees) their estimators set per-token advantages; RLOO's updates run its sequence-level loss in
 two passes (`engine.sequence`), PPO's the clipped policy loss on the policy and `ValueLoss` on the critic, one AdamW
@@ -52,7 +53,7 @@ from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule
                           get_linear_schedule_with_warmup)
 
 from ..check.self_check import ensure_supported
-from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
+from ..engine import EngineConfig, UnsupportedModelError
 from ..engine.distributed import DataParallel, shutdown
 from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
@@ -69,6 +70,7 @@ from .log import MetricsLog, peak_memory_bytes, progress_info, step_line, summar
 from .parallel import Ranks, launch
 from .preferences import load_preferences, pair_trees
 from .rewards import RewardFunctionError, RewardFunctions, make_rewards, score_columns
+from .methods import tree_backward, tree_logprobs
 from .sampling import Sample, eos_token_ids, sample_group
 from .tasks import load_task, prompt_token_ids
 from .trajectories import ItemError, sample_trajectories
@@ -191,6 +193,8 @@ class Trainer:
                              "grpo): start it without torchrun, or with parallel.strategy left at auto")
         if self.ranks is not None and self.env is not None:
             raise ValueError("agent.environment (multi-turn) runs in one process for now: start it without torchrun")
+        if self.ranks is not None and config.engine.method != "branchreplay":
+            raise ValueError(f"engine.method={config.engine.method} runs in one process: start it without torchrun")
         if self.ranks is not None and config.grpo.importance_sampling_level == "sequence":
             raise ValueError("grpo.importance_sampling_level=sequence (GSPO) runs in one process for now: start it "
                              "without torchrun")
@@ -404,13 +408,13 @@ class Trainer:
         cap = cfg.sampling.vllm_importance_sampling_cap  # truncated importance sampling needs them before the loss
         if local and (self.num_updates > 1 or algorithm != "grpo" or cap is not None):  # before any update
             with self.gathered(), self.autocast():
-                old = replay_logprobs(self.model, local, temperature=temperature, engine=engine, force=self.force)
+                old = tree_logprobs(self.model, local, temperature=temperature, engine=engine, force=self.force)
             for r, lp in zip(_rollouts(local), old.logprobs):
                 r.old_logprobs = lp
             entropy = old.entropy
         if local and self.has_reference:  # the reference model is a full copy on every rank
             with self.autocast(), self.reference() as reference:
-                ref = replay_logprobs(reference, local, temperature=temperature, engine=engine,
+                ref = tree_logprobs(reference, local, temperature=temperature, engine=engine,
                                       force=self.force).logprobs
             for r, lp in zip(_rollouts(local), ref):
                 r.ref_logprobs = lp
@@ -433,7 +437,7 @@ class Trainer:
             if quantile:  # this update's entropies: the old-policy pass's (the same weights) for the first one
                 if entropy is None or k > 0:
                     with self.gathered(), self.autocast():
-                        entropy = replay_logprobs(self.model, local, temperature=temperature, engine=engine,
+                        entropy = tree_logprobs(self.model, local, temperature=temperature, engine=engine,
                                                   force=self.force).entropy if local else []
                 metrics["entropy_mask/kept"] = self.keep_high_entropy(local, entropy, advantages)
             if self.dp is not None:  # every rank has the same `trained`: all of them run the collectives, or none
@@ -491,7 +495,7 @@ class Trainer:
         if cfg.algorithm == "reinforce_pp":
             return algorithms.reinforce_pp(rollouts, batch.rewards, cfg.grpo.beta, cfg.reinforce_pp.gamma)
         with self.autocast():
-            values = replay_logprobs(self.critic, local, engine=cfg.engine, force=self.force).values
+            values = tree_logprobs(self.critic, local, temperature=1.0, engine=cfg.engine, force=self.force).values
         ended = [not cut for cut in batch.truncated]
         return algorithms.ppo(rollouts, batch.rewards, ended, values, cfg.ppo)
 
@@ -690,7 +694,8 @@ class Trainer:
         first call (TRL's option), then looked up by row."""
         def compute(trees):
             with self.autocast(), self.reference() as reference:
-                logprobs = replay_logprobs(reference, trees, engine=self.config.engine, force=self.force).logprobs
+                logprobs = tree_logprobs(reference, trees, temperature=1.0, engine=self.config.engine,
+                                         force=self.force).logprobs
             return sequence_sums(logprobs, _rollouts(trees))
 
         if not self.config.dpo.precompute_ref_log_probs:
@@ -858,14 +863,14 @@ class Trainer:
 
 def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, temperature: float,
                engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None) -> ReplayResult:
-    """`replay_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once), with the
-    run's `engine` section; gradients accumulate in param.grad. `final_backward` (data parallelism: the gradient
+    """`methods.tree_backward` (the engine, or a reference by `engine.method`) over consecutive micro-batches of
+    `micro_batch_prompts` trees (0 = all at once), with the run's `engine` section; gradients accumulate in param.grad. `final_backward` (data parallelism: the gradient
     sync) wraps the last micro-batch's last backward. Returns the results merged (`ReplayResult.merge`)."""
     size = micro_batch_prompts or len(trees) or 1
     starts = list(range(0, len(trees), size)) or [0]
-    return ReplayResult.merge([replay_backward(model, trees[i : i + size], loss, temperature=temperature,
-                                               engine=engine, force=force,
-                                               final_backward=final_backward if i == starts[-1] else None)
+    return ReplayResult.merge([tree_backward(model, trees[i : i + size], loss, temperature=temperature,
+                                             engine=engine, force=force,
+                                             final_backward=final_backward if i == starts[-1] else None)
                                for i in starts])
 
 

@@ -1,0 +1,171 @@
+"""One training config run with each `engine.method` side by side, in one process, in lockstep (docs/convergence.md).
+
+Every method gets its own Trainer built from the same config and seed (`--engine.method` set per trainer). Step s
+runs for each method in turn, so their per-step times are measured under the same conditions. After every step the
+script records each run's metrics, whether the sampled completions are identical to the first method's, and the
+distance between the parameters: max |theta_m - theta_first| over every entry, and ||theta_m - theta_first|| /
+||theta_first|| over all of them. Evaluation (held-out accuracy) runs before training and on train.eval_steps.
+
+Writes OUT/metrics.jsonl (one line per step and method) and OUT/convergence.png (reward, held-out accuracy, loss,
+KL, entropy, time per step split into sampling and training, parameter distance; one line per method).
+
+    .venv/bin/python scripts/compare_methods.py --config configs/convergence.yaml --out docs/convergence \
+        --methods branchreplay,naive
+    .venv/bin/python scripts/compare_methods.py --tiny --model.dtype float64 --train.steps 24 --out /tmp/tiny64
+
+--tiny: the tests' stand-ins (a random tiny Llama, a byte tokenizer, a toy task; seconds per step), for float64
+runs that must stay equal to ~1e-10. Any `--section.field value` after the options overrides the config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from branchreplay.check.numerics import keep_float64
+from branchreplay.models import load_policy, tiny_model
+from branchreplay.rl.config import Config, apply_overrides
+from branchreplay.rl.trainer import Trainer
+
+PANELS = [("reward", "reward (mean over the step's rollouts)"), ("eval/accuracy", "held-out accuracy"),
+          ("loss", "loss"), ("kl", "KL to the reference (k3)"), ("entropy", "entropy (nats per token)"),
+          ("time/step_s", "seconds per step (solid: sampling, dashed: training)"),
+          ("param/max_abs_diff", "max |theta - theta_first method|")]
+
+
+def make_trainer(config: Config, tiny: bool, stack: contextlib.ExitStack) -> Trainer:
+    """The run's Trainer. tiny: the stand-ins of tests/test_trainer.py (tiny Llama of vocab 256, byte tokenizer,
+    toy arithmetic task). In float64 the model computes its RMSNorms in float64 too (`check.numerics.keep_float64`;
+    transformers' run in float32), before the Trainer copies it into the reference model."""
+    dtype = config.model.dtype
+    if tiny:
+        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+        from test_trainer import DATA, ByteTokenizer, byte_reward
+
+        model, tokenizer = tiny_model("llama", dtype=getattr(torch, dtype), seed=0), ByteTokenizer()
+        data = dict(train_data=DATA, eval_data=DATA[:8], reward_fn=byte_reward)
+    else:
+        model, tokenizer = load_policy(config.model.spec, dtype, config.model.device)
+        data = {}
+    if dtype == "float64":
+        stack.enter_context(keep_float64(model))
+    return Trainer(config, model=model, tokenizer=tokenizer, **data)
+
+
+def distance(a: Trainer, b: Trainer) -> dict:
+    pa, pb = [p.detach() for p in a.model.parameters()], [p.detach() for p in b.model.parameters()]
+    diff = max((x - y).abs().max().item() for x, y in zip(pa, pb))
+    norm = sum(((x - y).double() ** 2).sum().item() for x, y in zip(pa, pb)) ** 0.5
+    scale = sum((x.double() ** 2).sum().item() for x in pa) ** 0.5
+    return {"param/max_abs_diff": diff, "param/rel_l2_diff": norm / scale}
+
+
+def plot(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
+    for ax, (key, label) in zip(axes.flat, PANELS):
+        for k, method in enumerate(methods):
+            points = [(r["step"], r[key]) for r in rows if r["method"] == method and r.get(key) is not None]
+            if key == "param/max_abs_diff" and k == 0:
+                continue
+            style = dict(color=f"C{k}", label=method, marker="o" if key == "eval/accuracy" else None, ms=4,
+                         lw=1.4 if k == 0 else 1.0, ls="-" if k == 0 else "--")
+            if key == "time/step_s":
+                sampling = [(r["step"], r["time/sample_s"]) for r in rows if r["method"] == method and r["step"]]
+                training = [(r["step"], r["time/train_s"]) for r in rows if r["method"] == method and r["step"]]
+                ax.plot(*zip(*sampling), color=f"C{k}", label=f"{method} sampling")
+                ax.plot(*zip(*training), color=f"C{k}", ls="--", label=f"{method} training")
+            elif points:
+                ax.plot(*zip(*points), **style)
+        if key == "param/max_abs_diff":
+            ax.set_yscale("symlog", linthresh=1e-12)
+        ax.set_title(label, fontsize=9)
+        ax.set_xlabel("step")
+        ax.legend(fontsize=7)
+    axes.flat[-1].axis("off")
+    fig.suptitle(title, fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--config", help="YAML config (default: the dataclass defaults; --tiny: the tests' settings)")
+    ap.add_argument("--methods", default="branchreplay,naive", help="comma list of engine.method values; the "
+                    "first is the one the others are compared with")
+    ap.add_argument("--out", required=True, help="folder for metrics.jsonl and convergence.png")
+    ap.add_argument("--tiny", action="store_true", help="the tests' tiny Llama and toy task (nothing downloaded)")
+    args, overrides = ap.parse_known_args()
+    methods = args.methods.split(",")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.tiny:
+        base = {"model": {"spec": "tiny:llama"}, "sampling": {"temperature": 0.7, "max_new_tokens": 6},
+                "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-2, "beta": 0.05,
+                         "lr_scheduler": "constant"},
+                "train": {"steps": 24, "eval_steps": 8}}
+        config = Config.from_dict(apply_overrides(base, overrides))
+    elif args.config:
+        config = Config.from_yaml(args.config, overrides)
+    else:
+        config = Config.from_dict(apply_overrides({}, overrides))
+    trainers, stack = {}, contextlib.ExitStack()
+    for method in methods:
+        cfg = Config.from_dict({**config.to_dict(), "engine": {**config.to_dict()["engine"], "method": method},
+                                "train": {**config.to_dict()["train"], "log_completions": True,
+                                          "output_dir": str(out / f"run-{method}")}})
+        trainers[method] = make_trainer(cfg, args.tiny, stack)
+    rows, identical_until = [], None
+    eval_steps, steps = config.train.eval_steps, config.train.steps
+    with open(out / "metrics.jsonl", "w") as log:
+        def write(row):
+            rows.append(row)
+            log.write(json.dumps(row) + "\n")
+            log.flush()
+            print(" ".join(f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in row.items()
+                           if k in ("step", "method", "reward", "loss", "kl", "eval/accuracy", "time/sample_s",
+                                    "time/train_s", "param/max_abs_diff", "same_completions")), flush=True)
+
+        if eval_steps >= 0:
+            for method, t in trainers.items():
+                write({"step": 0, "method": method, **t.evaluate()})
+        for step in range(1, steps + 1):
+            completions = {}
+            for method, t in trainers.items():
+                t0 = time.perf_counter()
+                record = t.train_step(step) or {"step": step}
+                t.step = step
+                completions[method], t.completion_rows = t.completion_rows, []
+                record["time/wall_s"] = time.perf_counter() - t0
+                if eval_steps >= 0 and (step == steps or (eval_steps and step % eval_steps == 0)):
+                    record.update(t.evaluate())
+                first = trainers[methods[0]]
+                same = completions[method] == completions[methods[0]]
+                if same is False and identical_until is None:
+                    identical_until = step - 1
+                write({**record, "method": method, "same_completions": same, **distance(t, first)})
+    summary = {"methods": methods, "steps": steps, "dtype": config.model.dtype,
+               "token_identical_steps": steps if identical_until is None else identical_until,
+               "max_param_diff": max(r["param/max_abs_diff"] for r in rows if "param/max_abs_diff" in r)}
+    for method in methods:
+        mine = [r for r in rows if r["method"] == method and r["step"] > 0]
+        for key in ("time/sample_s", "time/train_s", "time/step_s"):
+            summary[f"{method} mean {key}"] = sum(r[key] for r in mine if key in r) / max(len(mine), 1)
+    (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+    print(json.dumps(summary, indent=1))
+    plot(rows, methods, out / "convergence.png",
+         f"{config.model.spec}, {config.model.dtype}, seed {config.train.seed}: " + " vs ".join(methods))
+
+
+if __name__ == "__main__":
+    main()
