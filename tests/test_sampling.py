@@ -184,3 +184,48 @@ def test_empty_prompt_and_bad_group_size_raise():
         sample_group(model, [], 2, SamplingConfig(), [2])
     with pytest.raises(ValueError, match="num_generations"):
         sample_group(model, PROMPT, 0, SamplingConfig(), [2])
+
+
+# -- every group of a step in one decoding loop (sample_groups) ---------------------------------------------------
+
+PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 250, 11], PROMPT, [33]]  # four lengths: the stacked caches differ
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("branching", [(), ((0, 2), (3, 2))])
+def test_batched_groups_equal_each_group_alone(kind, branching):
+    """sample_groups draws, per group from its own generator, the tokens sample_group draws for that group alone,
+    with its logprobs to 1e-12 in float64 (early EOS drops streams mid-way); the reference logprobs check the stacked
+    caches' masked slots. Llama and GPT-2 (learned positions) run stacked; Mistral's sliding window runs per group."""
+    import branchreplay.rl.sampling as sampling
+
+    model = make_model(kind).double()
+    config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching)
+    eos = {2, 40, 41, 42, 43}  # frequent enough that some streams end early
+    alone = [sample_group(model, p, 4, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
+    together = sampling.sample_groups(model, PROMPTS, 4, config, eos,
+                                      [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    assert sampling.stackable(model.config) == (kind != "mistral")
+    lengths = {len(s.completion_ids) for group in alone for s in group}
+    assert min(lengths) < 8 and max(lengths) == 8  # some ended early, some ran to the end
+    for a_group, b_group, prompt in zip(alone, together, PROMPTS):
+        assert [(s.completion_ids, s.parent, s.truncated) for s in b_group] == \
+            [(s.completion_ids, s.parent, s.truncated) for s in a_group]
+        for a, b in zip(a_group, b_group):
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
+            ref = reference_logprobs(model, prompt, b.completion_ids, 0.9)
+            assert b.logprobs == pytest.approx(ref.tolist(), abs=1e-10)
+
+
+def test_batched_groups_with_one_wrong_mask_are_seen(monkeypatch):
+    """Control: stacked caches whose empty slots are visible give other logprobs than each group alone."""
+    import branchreplay.rl.sampling as sampling
+
+    model = make_model("llama").double()
+    config = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    stacked = sampling._stacked
+    monkeypatch.setattr(sampling, "_stacked", lambda *a: (stacked(*a)[0], torch.ones_like(stacked(*a)[1])))
+    together = sampling.sample_groups(model, PROMPTS, 2, config, {2}, [None] * len(PROMPTS))
+    worst = max(abs(x - y) for group, prompt in zip(together, PROMPTS) for s in group
+                for x, y in zip(s.logprobs, reference_logprobs(model, prompt, s.completion_ids, 1.0).tolist()))
+    assert worst > 1e-6

@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from ..engine.families import layer_windows
+from ..engine.recurrent import layer_kinds
 from ..models import max_positions
 from .sampling_config import SamplingConfig
 
@@ -82,6 +84,54 @@ def sample_group(
     differs from num_generations, or the prompt plus max_new_tokens exceeds the model's maximum positions
     (`models.max_positions`), before any token is sampled.
     """
+    schedule = _schedule(model, prompt_ids, num_generations, config)
+    was_training = model.training
+    model.eval()
+    try:
+        cache, logits = prefill(model, prompt_ids)
+        return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def sample_groups(model, prompts: list[list[int]], num_generations: int, config: SamplingConfig,
+                  eos_token_ids: set[int] | list[int], generators: list[torch.Generator | None]) -> list[list[Sample]]:
+    """`sample_group` for every prompt of a step in ONE decoding loop: each prompt is prefilled once, alone; then
+    every live stream of every group decodes its next token in one batched forward per generated position.
+
+    The prompts' caches are stacked left-aligned to the longest prompt: a shorter prompt's cache row starts with
+    empty (zero) key/value slots that an attention mask hides from every query, and each stream keeps its own
+    position ids, so a stream sees exactly the keys it would see alone (the masked slots get weight 0). Group k
+    draws its tokens from its own `generators[k]`, as `sample_group` does, so its samples do not depend on the
+    other groups; they equal `sample_group`'s up to the floating-point order of the batched matmuls (a draw can
+    flip only where that moves a cumulative probability across the uniform number drawn; in the tests, never).
+
+    A model with recurrent (SSM / conv) or sliding-window layers, whose caches cannot be left-aligned this way, runs
+    `sample_group` per prompt instead. Arguments, result (one list of Samples per prompt) and errors as
+    `sample_group`'s."""
+    schedules = [_schedule(model, p, num_generations, config) for p in prompts]
+    if len(prompts) < 2 or not stackable(model.config):
+        return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
+    was_training = model.training
+    model.eval()
+    try:
+        filled = [prefill(model, p) for p in prompts]
+        cache, visible = _stacked([c for c, _ in filled], [len(p) for p in prompts], model.config)
+        logits = torch.cat([lg for _, lg in filled])  # [groups, V]
+        start = torch.tensor([len(p) for p in prompts], device=logits.device)  # each row's first generated position
+        return _decode_groups(model, cache, logits, visible, start, schedules[0], config, eos_token_ids, generators)
+    finally:
+        model.train(was_training)
+
+
+def stackable(config) -> bool:
+    """Whether every decoder layer is full attention, whose caches `sample_groups` stacks left-aligned."""
+    return all(k == "attention" for k in layer_kinds(config)) and all(w is None for w in layer_windows(config))
+
+
+def _schedule(model, prompt_ids: list[int], num_generations: int, config: SamplingConfig) -> dict[int, int]:
+    """{generated depth: fan-out} of `config.branching`, after `sample_group`'s checks (its ValueErrors)."""
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")
     if num_generations < 1:
@@ -99,13 +149,7 @@ def sample_group(
             f"model's max_position_embeddings ({limit}): lower SamplingConfig.max_new_tokens "
             f"(--sampling.max_new_tokens) to at most {max(limit - len(prompt_ids), 0)} or shorten the prompt"
         )
-    was_training = model.training
-    model.eval()
-    try:
-        cache, logits = prefill(model, prompt_ids)
-        return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
-    finally:
-        model.train(was_training)
+    return schedule
 
 
 @torch.no_grad()
@@ -118,14 +162,81 @@ def sample_from(model, cache, logits: torch.Tensor, position: int, schedule: dic
     streams = _Streams()
     for depth in range(config.max_new_tokens):
         if depth in schedule:
-            logits = streams.fork(schedule[depth], depth, cache, logits)
+            rows = streams.fork(schedule[depth], depth).to(logits.device)
+            cache.reorder_cache(rows)
+            logits = logits[rows]
         if not streams.live:  # every stream has ended; only forks remain
             continue
         tokens, logprobs = _draw(logits, config, generator)
-        tokens = streams.drop_finished(streams.append(tokens, logprobs, eos), cache, tokens)
+        keep = streams.drop_finished(streams.append(tokens, logprobs, eos))
+        if keep is not None:
+            cache.reorder_cache(keep)
+            tokens = tokens[keep]
         if streams.live and depth < config.max_new_tokens - 1:
-            logits = _decode_one(model, tokens, cache, position + depth)
+            logits = _decode_one(model, tokens, cache, torch.full_like(tokens, position + depth))
     return streams.samples
+
+
+def _decode_groups(model, cache, logits, visible, start, schedule, config, eos_token_ids, generators):
+    """`sample_from` over the stacked rows of several groups (`sample_groups`): cache row r belongs to one group's
+    stream; visible [rows, P_max] marks its prompt's real key slots, start [rows] its first generated position."""
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=logits.device)
+    groups = [_Streams() for _ in generators]
+    for depth in range(config.max_new_tokens):
+        if depth in schedule:
+            index = _rows([g.fork(schedule[depth], depth) for g in groups], logits.device)
+            cache.reorder_cache(index)
+            logits, visible, start = logits[index], visible[index], start[index]
+        counts = [len(g.live) for g in groups]
+        if not sum(counts):
+            continue
+        drawn, kept, offset = [], [], 0
+        for group, n, generator in zip(groups, counts, generators):
+            if n:
+                tokens, logprobs = _draw(logits[offset : offset + n], config, generator)
+                drawn.append(tokens)
+                ended = group.append(tokens, logprobs, eos)
+                kept.append(group.drop_finished(ended))
+                if kept[-1] is None:
+                    kept[-1] = torch.arange(n, device=tokens.device)
+            else:
+                kept.append(torch.zeros(0, dtype=torch.long, device=logits.device))
+            offset += n
+        tokens = torch.cat(drawn)
+        index = _rows(kept, logits.device, counts)
+        if len(index) < len(tokens):
+            cache.reorder_cache(index)
+            tokens, visible, start = tokens[index], visible[index], start[index]
+        if len(tokens) and depth < config.max_new_tokens - 1:
+            mask = torch.cat([visible, torch.ones((len(tokens), depth + 1), dtype=visible.dtype,
+                                                  device=visible.device)], dim=1)
+            logits = _decode_one(model, tokens, cache, (start + depth)[:, None], mask)
+    return [g.samples for g in groups]
+
+
+def _rows(local: list[torch.Tensor], device, counts: list[int] | None = None) -> torch.Tensor:
+    """The stacked cache's row index (on `device`) from each group's index into its own rows (the groups' rows are
+    consecutive, in group order; counts: each group's rows before, default those a fork index reads, max + 1)."""
+    offsets, total = [], 0
+    for k, rows in enumerate(local):
+        offsets.append(total)
+        total += counts[k] if counts is not None else (int(rows.max()) + 1 if len(rows) else 0)
+    return torch.cat([rows.cpu() + o for rows, o in zip(local, offsets)]).to(device)
+
+
+def _stacked(caches: list[DynamicCache], lengths: list[int], config) -> tuple[DynamicCache, torch.Tensor]:
+    """One cache of the prompts' batch-1 caches, left-aligned to the longest (zero key/value slots before a shorter
+    prompt), and visible [prompts, P_max] long (1: a real slot)."""
+    width = max(lengths)
+    stacked = DynamicCache(config=config)
+    for layer in range(len(caches[0].layers)):
+        keys = [torch.nn.functional.pad(c.layers[layer].keys, (0, 0, width - n, 0)) for c, n in zip(caches, lengths)]
+        values = [torch.nn.functional.pad(c.layers[layer].values, (0, 0, width - n, 0))
+                  for c, n in zip(caches, lengths)]
+        stacked.update(torch.cat(keys), torch.cat(values), layer)
+    device = caches[0].layers[0].keys.device
+    visible = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=device)
+    return stacked, visible
 
 
 @dataclass
@@ -136,19 +247,18 @@ class _Streams:
     samples: list[Sample] = field(default_factory=lambda: [Sample([], [], truncated=True)])
     live: list[int] = field(default_factory=lambda: [0])
 
-    def fork(self, f: int, depth: int, cache, logits: torch.Tensor) -> torch.Tensor:
-        """Stream i becomes streams i*f .. i*f+f-1 (its lineage goes on in i*f); the cache rows and the [rows, V]
-        logits are repeated to match. Returns the new logits."""
+    def fork(self, f: int, depth: int) -> torch.Tensor:
+        """Stream i becomes streams i*f .. i*f+f-1 (its lineage goes on in i*f). Returns the index of the new rows
+        into the old ones ([rows * f], for the cache rows and the logits)."""
         self.samples = [
             Sample(list(s.completion_ids), list(s.logprobs), s.truncated,
                    (None if s.parent is None else s.parent * f) if k == 0 else (i * f if depth > 0 else None))
             for i, s in enumerate(self.samples)
             for k in range(f)
         ]
+        rows = len(self.live)
         self.live = [i * f + k for i in self.live for k in range(f)]
-        rows = torch.arange(len(self.live) // f, device=logits.device).repeat_interleave(f)
-        cache.reorder_cache(rows)
-        return logits[rows]
+        return torch.arange(rows).repeat_interleave(f)
 
     def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
         """Add each live stream's drawn token ([rows, 1]) and logprob ([rows]); returns [rows] bool, ended on EOS."""
@@ -159,14 +269,13 @@ class _Streams:
             self.samples[i].truncated = not end
         return ended
 
-    def drop_finished(self, ended: torch.Tensor, cache, tokens: torch.Tensor) -> torch.Tensor:
-        """Remove the streams that `ended` from the cache and from `live`; returns the tokens of the others."""
+    def drop_finished(self, ended: torch.Tensor) -> torch.Tensor | None:
+        """Remove the streams that `ended` from `live`; returns the index of the rows kept (None: all are)."""
         if not ended.any():
-            return tokens
+            return None
         keep = (~ended).nonzero()[:, 0]
-        cache.reorder_cache(keep)
         self.live = [self.live[row] for row in keep.tolist()]
-        return tokens[keep]
+        return keep
 
 
 def prefill(model, ids: list[int], cache=None, position: int = 0) -> tuple[DynamicCache, torch.Tensor]:
@@ -189,9 +298,11 @@ def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torc
     return tokens, scaled.log_softmax(dim=-1).gather(-1, tokens)[:, 0]
 
 
-def _decode_one(model, tokens: torch.Tensor, cache, position: int) -> torch.Tensor:
-    """Each live stream's last token ([rows, 1]) at `position` against the cache: the [rows, V] next logits."""
-    out = model(input_ids=tokens, position_ids=torch.full_like(tokens, position), cache=cache, use_cache=True)
+def _decode_one(model, tokens: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Each live stream's last token ([rows, 1]) at its position ([rows, 1]) against the cache (`mask` [rows, keys]:
+    which key slots each row sees, None: all): the [rows, V] next logits."""
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
     return out.logits[:, -1].float()
 
 

@@ -4,10 +4,10 @@ their gradients computed over prefix trees (one tree per prompt group).
 One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`):
   1. take `prompts_per_step` prompts of the train split: epochs of a permutation seeded by (train.seed, epoch), so
      step s always gets the same prompts, resumed or not;
-  2. chat-template each prompt and sample G completions with the prompt prefilled once (`sampling.sample_group`),
-     each group k with its own torch.Generator seeded by (train.seed, s, k), so that its samples do not depend on
-     the other groups or on the world size (since issue 11; earlier versions drew every group of a step from one
-     generator seeded by (train.seed, s));
+  2. chat-template each prompt and sample G completions with the prompt prefilled once, every group of the step in
+     one decoding loop (`sampling.sample_groups`), each group k drawing from its own torch.Generator seeded by
+     (train.seed, s, k), so that its samples do not depend on the other groups or on the world size (since issue 11;
+     earlier versions drew every group of a step from one generator seeded by (train.seed, s));
   3. decode the completions, score them (`rewards.compute_rewards`), and turn the rewards into group-relative
      advantages (`advantages.group_advantages`);
   4. rollouts = prompt ids + sampled ids (never re-tokenized), loss mask 1 on the completion; per-token weights by
@@ -71,7 +71,7 @@ from .parallel import Ranks, launch
 from .preferences import load_preferences, pair_trees
 from .rewards import RewardFunctionError, RewardFunctions, make_rewards, score_columns
 from .methods import tree_backward, tree_logprobs
-from .sampling import Sample, eos_token_ids, sample_group
+from .sampling import Sample, eos_token_ids, sample_groups
 from .tasks import load_task, prompt_token_ids
 from .trajectories import ItemError, sample_trajectories
 from .vllm_client import VLLMClient, VLLMError
@@ -270,12 +270,12 @@ class Trainer:
             samples = dict(enumerate(self.vllm_groups(prompt_ids)))
         else:
             with self.gathered(), self.autocast():
-                try:
-                    for k in mine:  # each group its own stream: its samples do not depend on the world size
-                        self.status(f"step {step}: sampling group {k + 1}/{len(prompt_ids)}")
-                        generator = self.group_generator(step, k)
-                        samples[k] = sample_group(self.model, prompt_ids[k], G, cfg.sampling, self.eos_ids,
-                                                  generator)
+                try:  # one decoding loop over this rank's groups, each drawing from its own generator: a
+                    # group's samples do not depend on the other groups or the world size
+                    self.status(f"step {step}: sampling {len(mine)} groups")
+                    drawn = sample_groups(self.model, [prompt_ids[k] for k in mine], G, cfg.sampling, self.eos_ids,
+                                          [self.group_generator(step, k) for k in mine])
+                    samples = dict(zip(mine, drawn))
                 except Exception as e:  # noqa: BLE001 (re-raised below, on every rank)
                     if self.ranks is None:
                         raise

@@ -1,0 +1,81 @@
+"""Sampling one step's groups three ways on SmolLM2-135M-Instruct (docs/benchmarks.md, "Sampling"):
+
+  - per group: `sampling.sample_group` for each prompt in turn (the trainer before issue 15),
+  - batched:   `sampling.sample_groups`, every group in one decoding loop (the trainer since),
+  - TRL:       `model.generate` on the left-padded batch of prompts x G rows, as TRL's GRPOTrainer without vLLM.
+
+Same prompts (the default task's first --prompts training questions, chat-templated), temperature 1, no EOS (every
+row decodes --max-new-tokens tokens, so the three decode the same number of tokens). The methods alternate,
+--repeats times each; it prints the median wall and process-CPU seconds of each and their ratios.
+
+    .venv/bin/python scripts/sampling_time.py --prompts 4 --num-generations 8 --max-new-tokens 48
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from branchreplay.models import load_policy
+from branchreplay.rl.config import Config
+from branchreplay.rl.sampling import sample_group, sample_groups
+from branchreplay.rl.sampling_config import SamplingConfig
+from branchreplay.rl.tasks import load_task, prompt_token_ids
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--prompts", type=int, default=4)
+    ap.add_argument("--num-generations", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=48)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=None)
+    args = ap.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    config = Config()
+    model, tokenizer = load_policy("smollm2", "float32", "cpu")
+    train = load_task(config.task)[0]
+    prompts = [prompt_token_ids(tokenizer, train[i], config.task) for i in range(args.prompts)]
+    G, sampling = args.num_generations, SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    no_eos = {-1}  # every row runs max_new_tokens
+    width = max(map(len, prompts))
+
+    def per_group():
+        for k, p in enumerate(prompts):
+            sample_group(model, p, G, sampling, no_eos, torch.Generator().manual_seed(k))
+
+    def batched():
+        sample_groups(model, prompts, G, sampling, no_eos, [torch.Generator().manual_seed(k) for k in range(len(prompts))])
+
+    def trl_generate():
+        rows = [p for p in prompts for _ in range(G)]
+        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(p)) + p for p in rows])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+        torch.manual_seed(0)
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                       max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
+                       pad_token_id=tokenizer.eos_token_id)
+
+    methods = {"per group (sample_group)": per_group, "batched (sample_groups)": batched,
+               "TRL (model.generate, padded)": trl_generate}
+    times = {name: [] for name in methods}
+    with torch.no_grad():
+        for _ in range(args.repeats):
+            for name, fn in methods.items():
+                wall, cpu = time.perf_counter(), time.process_time()
+                fn()
+                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
+    print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new tokens "
+          f"each, {torch.get_num_threads()} threads, median of {args.repeats}")
+    base = statistics.median(w for w, _ in times["batched (sample_groups)"])
+    for name, values in times.items():
+        wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
+        print(f"  {name:30} {wall:7.2f} s wall  {cpu:7.2f} s CPU  {wall / base:5.2f}x batched")
+
+
+if __name__ == "__main__":
+    main()
