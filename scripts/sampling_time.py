@@ -49,7 +49,8 @@ def main() -> None:
             sample_group(model, p, G, sampling, no_eos, torch.Generator().manual_seed(k))
 
     def batched():
-        sample_groups(model, prompts, G, sampling, no_eos, [torch.Generator().manual_seed(k) for k in range(len(prompts))])
+        generators = [torch.Generator().manual_seed(k) for k in range(len(prompts))]
+        sample_groups(model, prompts, G, sampling, no_eos, generators)
 
     def trl_generate():
         rows = [p for p in prompts for _ in range(G)]
@@ -69,8 +70,8 @@ def main() -> None:
                 wall, cpu = time.perf_counter(), time.process_time()
                 fn()
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
-    print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new tokens "
-          f"each, {torch.get_num_threads()} threads, median of {args.repeats}")
+    print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new "
+          f"tokens each, {torch.get_num_threads()} threads, median of {args.repeats}")
     base = statistics.median(w for w, _ in times["batched (sample_groups)"])
     for name, values in times.items():
         wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)

@@ -864,8 +864,9 @@ class Trainer:
 def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, temperature: float,
                engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None) -> ReplayResult:
     """`methods.tree_backward` (the engine, or a reference by `engine.method`) over consecutive micro-batches of
-    `micro_batch_prompts` trees (0 = all at once), with the run's `engine` section; gradients accumulate in param.grad. `final_backward` (data parallelism: the gradient
-    sync) wraps the last micro-batch's last backward. Returns the results merged (`ReplayResult.merge`)."""
+    `micro_batch_prompts` trees (0 = all at once), with the run's `engine` section; gradients accumulate in
+    param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last micro-batch's last backward.
+    Returns the results merged (`ReplayResult.merge`)."""
     size = micro_batch_prompts or len(trees) or 1
     starts = list(range(0, len(trees), size)) or [0]
     return ReplayResult.merge([tree_backward(model, trees[i : i + size], loss, temperature=temperature,
