@@ -29,7 +29,7 @@ LOGPROB_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 def compare(model, rollouts, loss, temperature=1.0, **engine_kw):
     """Run naive and replay on the same model; return (grad err, max logprob err, loss err, grad norm)."""
-    engine = EngineConfig(**engine_kw)
+    engine = EngineConfig(**{"pack_overhead_tokens": 0, **engine_kw})  # every shared node kept (the tree)
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, loss, temperature=temperature)
     g_naive = grads(model)

@@ -69,7 +69,7 @@ def compare(model, rollouts, **engine_kw):
     naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
     g_naive = grads(model)
     model.zero_grad(set_to_none=True)
-    engine = EngineConfig(**{"replay": "keep", **engine_kw})
+    engine = EngineConfig(**{"replay": "keep", "pack_overhead_tokens": 0, **engine_kw})
     replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
     g_replay = grads(model)
     model.zero_grad(set_to_none=True)

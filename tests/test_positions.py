@@ -48,7 +48,7 @@ def _compare(model, rollouts, **engine_kw):
     naive = naive_backward(model, rollouts, loss)
     g_naive = grads(model)
     model.zero_grad(set_to_none=True)
-    engine = EngineConfig(**{"chunk_tokens": 16, **engine_kw})
+    engine = EngineConfig(**{"chunk_tokens": 16, "pack_overhead_tokens": 0, **engine_kw})
     replay = replay_backward(model, RolloutTree(rollouts), loss, engine=engine)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
     return max_rel_grad_err(grads(model), g_naive), lp_err, replay

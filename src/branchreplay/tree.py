@@ -171,6 +171,8 @@ class ReplayResult:
     replayed_packs: number of packs replayed (recomputed before their backward).
     values: a critic's (`value.is_value_model`) per rollout [T] values at the trainable positions, 0 elsewhere,
         same dtype as logprobs; its logprobs and entropy are then empty lists. None for a policy.
+    shared_nodes_kept, shared_nodes_merged: the engine's schedule (`engine/schedule.py`): shared nodes run once, and
+        shared nodes run again inside each child because their sharing saved less than a pack costs.
     """
 
     logprobs: list[torch.Tensor]
@@ -180,6 +182,15 @@ class ReplayResult:
     predicted_peak_bytes: float | None = None
     replayed_packs: int = 0
     values: list[torch.Tensor] | None = None
+    shared_nodes_kept: int = 0
+    shared_nodes_merged: int = 0
+
+    @property
+    def schedule(self) -> str:
+        """"tree" (every shared node ran once), "packed" (none did: each rollout alone) or "mixed"."""
+        if not self.shared_nodes_merged:
+            return "tree"
+        return "packed" if not self.shared_nodes_kept else "mixed"
 
     @classmethod
     def merge(cls, parts: list[ReplayResult]) -> ReplayResult:
@@ -196,6 +207,8 @@ class ReplayResult:
             predicted_peak_bytes=max(peaks) if peaks else None,
             replayed_packs=sum(p.replayed_packs for p in parts),
             values=[v for p in parts for v in p.values or []] if any(p.values is not None for p in parts) else None,
+            shared_nodes_kept=sum(p.shared_nodes_kept for p in parts),
+            shared_nodes_merged=sum(p.shared_nodes_merged for p in parts),
         )
 
 

@@ -93,7 +93,8 @@ def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
     g = torch.Generator().manual_seed(seed)
     rollouts = make_rollouts(shared_prompt(64, 4, 24, vocab, g) + branches_of_branches(vocab, g), g)
     loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
-    engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep")  # crosses packs and chunks
+    engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep", pack_overhead_tokens=0)  # crosses
+    # packs and chunks, every shared node kept (a small tree would otherwise run packed: engine/schedule.py)
     numerics = keep_float64(model) if dtype == torch.float64 else contextlib.nullcontext()
     with numerics:
         tree = RolloutTree(rollouts)

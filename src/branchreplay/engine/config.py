@@ -10,6 +10,7 @@ from ..fields import check, choice, help_of
 Replay = Literal["keep", "replay", "auto"]
 UnknownFamily = Literal["refuse", "self-check"]
 Method = Literal["branchreplay", "naive", "padded"]
+PACK_OVERHEAD_TOKENS = 48  # scripts/pack_overhead.py: 45-59 on the bench Llama (1-2 threads), 49 on SmolLM2
 
 
 @dataclass(frozen=True)
@@ -22,6 +23,11 @@ class EngineConfig:
         ">= 1; a longer node runs alone. A pack costs pack^2 attention scores where its nodes need only the sum of "
         "their lengths^2 / 2, so long nodes run alone; 256 was fastest on CPU for shared prompts of 1k-16k tokens "
         "with 256-token responses (docs/benchmarks.md)"))
+    pack_overhead_tokens: int = field(default=PACK_OVERHEAD_TOKENS, metadata=help_of(
+        "what one pack's fixed cost is worth in token positions, >= 0: a shared node whose sharing saves fewer "
+        "positions runs again inside each of its children instead of once (engine/schedule.py; when no shared node "
+        "is worth it, each rollout runs alone: the dense packed schedule). 0 keeps every shared node. Measured on "
+        "this project's CPUs by scripts/pack_overhead.py"))
     chunk_tokens: int = field(default=4096, metadata=help_of(
         "a node longer than this runs as a chain of chunks of at most this many tokens, each against the K/V of "
         "the ones before it, >= 1"))
@@ -50,6 +56,7 @@ class EngineConfig:
     def __post_init__(self):
         for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):
             check(f"engine.{name}", getattr(self, name) >= 1, ">= 1", getattr(self, name))
+        check("engine.pack_overhead_tokens", self.pack_overhead_tokens >= 0, ">= 0", self.pack_overhead_tokens)
         choice("engine.replay", self.replay, Replay)
         choice("engine.unknown_family", self.unknown_family, UnknownFamily)
         choice("engine.method", self.method, Method)

@@ -37,6 +37,7 @@ from .families import family_of, layer_windows
 from .head import check_head, decoder_and_head, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .planner import default_budget, memory_model, plan
+from .schedule import attention_per_key, schedule
 from .positions import held_at_length, length_dependent_rotaries, regimes
 from .recurrent import EngineForwards, layer_kinds
 
@@ -148,6 +149,8 @@ class _Run:
         self.temperature = temperature
         self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
         self.max_pack_tokens = engine.max_pack_tokens
+        self.pack_overhead_tokens = engine.pack_overhead_tokens  # which shared nodes run once (schedule.py)
+        self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder, model))
         self.chunk_tokens = engine.chunk_tokens
         self.head_chunk_tokens = engine.head_chunk_tokens
         self.replay, self.memory_budget = engine.replay, engine.memory_budget
@@ -169,7 +172,8 @@ class _Run:
     def run_tree(self, tree: RolloutTree) -> ReplayResult:
         """One tree through the execution stack: per-rollout logprobs and entropy, the loss, the planner's predicted
         peak bytes (None without a loss) and the number of replayed packs."""
-        root = _chunked(tree.root, self.chunk_tokens)
+        scheduled = schedule(tree.root, self.pack_overhead_tokens, self.attention_per_key)
+        root = _chunked(scheduled.root, self.chunk_tokens)
         peak, replayed = None, 0
         if self.loss is not None:
             budget = None if self.replay != "auto" else self.memory_budget or default_budget(self.device)
@@ -184,9 +188,12 @@ class _Run:
         self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
         self.loss_value = 0.0
         self.children(root, ancestors=[], parent_h=None)
+        kept, merged = scheduled.kept, scheduled.merged
         if self.critic:
-            return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs)
-        return ReplayResult(self.logprobs, self.entropy, self.loss_value, tree.stats, peak, replayed)
+            return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs,
+                                shared_nodes_kept=kept, shared_nodes_merged=merged)
+        return ReplayResult(self.logprobs, self.entropy, self.loss_value, tree.stats, peak, replayed,
+                            shared_nodes_kept=kept, shared_nodes_merged=merged)
 
     def check(self, tree: RolloutTree) -> None:
         max_pos = max_positions(self.config)
@@ -368,6 +375,12 @@ def _spans(nodes: list[Node]) -> list[tuple[Node, int, int]]:
         out.append((node, offset, offset + len(node)))
         offset += len(node)
     return out
+
+
+def _matmul_params(decoder, model) -> int:
+    """Parameters of the decoder's matrices, the input embedding left out (it is a lookup, not a matmul)."""
+    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
+    return sum(p.numel() for p in decoder.parameters() if p.dim() >= 2 and id(p) not in embedding)
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

@@ -479,6 +479,8 @@ class Trainer:
             out.update({"dist/world_size": self.ranks.world_size, "dist/imbalance": plan.imbalance,
                         "dist/recomputed_positions": plan.recomputed_positions,
                         **{f"dist/physical_tokens/rank{r}": n for r, n in enumerate(plan.physical_tokens)}})
+        if isinstance(result, ReplayResult) and engine.method == "branchreplay":  # the last update's (schedule.py)
+            out.update({"engine/schedule": result.schedule, "engine/shared_nodes_merged": result.shared_nodes_merged})
         stats = sum((t.stats for t in trees[1:]), trees[0].stats)
         out.update({"tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
                     "tree/token_ratio": stats.token_ratio})

@@ -1,0 +1,88 @@
+"""engine/schedule.py: shared nodes whose sharing saves less than a pack costs run again inside each child. The
+merged trees stay exact (against the naive per-rollout reference, float64), and the decision follows the saving."""
+
+import zlib
+
+import pytest
+import torch
+
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
+from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
+from branchreplay.engine.schedule import schedule
+from branchreplay.losses import GRPOLoss
+from branchreplay.tree import Rollout, RolloutTree
+from conftest import grads
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+LOSS = GRPOLoss(beta=0.04, entropy_coef=0.01)
+
+
+def _compare(model, rollouts, overhead):
+    for r in rollouts:  # a KL term: the reference logprobs are per rollout, so a wrong merge would show
+        r.ref_logprobs = r.loss_mask.double() * -0.5
+    model.zero_grad(set_to_none=True)
+    naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
+    g_naive = grads(model)
+    model.zero_grad(set_to_none=True)
+    engine = EngineConfig(pack_overhead_tokens=overhead, max_pack_tokens=24, chunk_tokens=16)
+    replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    return max_rel_grad_err(grads(model), g_naive), lp_err, abs(replay.loss - naive.loss), replay
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral", "lfm2"])  # lfm2: conv state, float64 kernels
+@pytest.mark.parametrize("shape", ["branches-of-branches", "edge-cases", "multi-turn", "forest"])
+def test_merged_trees_equal_naive(arch, shape, tiny64):
+    """Every shared node kept (0), some merged (8 positions) and all merged (the dense packed schedule): the
+    gradients, logprobs and loss of the naive reference, in float64; the three schedules are the ones named."""
+    model = tiny64(arch)
+    names = set()
+    for overhead in (0, 8, 10**9):
+        g = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{shape}".encode()))
+        rollouts = make_rollouts(SHAPES[shape](model.config.vocab_size, g), g)
+        grad_err, lp_err, loss_err, replay = _compare(model, rollouts, overhead)
+        assert grad_err < 1e-9, f"overhead {overhead}: grad error {grad_err:.2e}"
+        assert lp_err < 1e-10 and loss_err < 1e-9
+        names.add(replay.schedule)
+        if overhead == 0:
+            assert replay.schedule == "tree" and replay.shared_nodes_kept > 0
+        if overhead == 10**9:
+            assert replay.schedule == "packed" and replay.shared_nodes_merged > 0
+    assert len(names) >= 2
+
+
+def test_merging_follows_the_saving():
+    """A 100-token prompt shared by 8 completions is kept; a 1-token start two of them share by chance is merged
+    into its two children (one extra position); a rollout ending at a merged node gets a copy of it."""
+    prompt = list(range(3, 103))
+    ends = [[200 + k] * 10 for k in range(6)]
+    rollouts = [Rollout(prompt + c, [0] * 100 + [1] * 10) for c in ends]
+    rollouts += [Rollout(prompt + [150, 151, 152], [0] * 100 + [1] * 3),
+                 Rollout(prompt + [150, 160, 161], [0] * 100 + [1] * 3), Rollout(prompt + [150], [0] * 100 + [1])]
+    tree = RolloutTree(rollouts)
+    result = schedule(tree.root, overhead_tokens=32, attention_per_key=0.0)
+    assert (result.kept, result.merged, result.extra_positions) == (1, 1, 2)
+    top = result.root.children[0]
+    assert len(top) == 100 and len(top.children) == 9  # 6 + the two merged children + the ending copy
+    merged = [c for c in top.children if c.tokens[0].item() == 150]
+    assert sorted(c.tokens.tolist() for c in merged) == [[150], [150, 151, 152], [150, 160, 161]]
+    assert schedule(tree.root, overhead_tokens=0, attention_per_key=0.0).merged == 0
+    assert schedule(tree.root, overhead_tokens=10**6, attention_per_key=0.0).kept == 0
+
+
+def test_low_sharing_tree_runs_packed_and_a_shared_prompt_as_a_tree(tiny64):
+    """With the default overhead: a 2-token prompt shared by 2 long responses saves too little (each rollout runs
+    alone); a 48-token prompt shared by 8 runs once. replay_logprobs takes the same schedule."""
+    model = tiny64("llama")
+    g = torch.Generator().manual_seed(0)
+    low = RolloutTree(make_rollouts(shared_prompt(2, 2, 40, model.config.vocab_size, g), g))
+    high = RolloutTree(make_rollouts(shared_prompt(48, 8, 6, model.config.vocab_size, g), g))
+    assert replay_backward(model, low, GRPOLoss()).schedule == "packed"
+    assert replay_logprobs(model, low).schedule == "packed"
+    assert replay_backward(model, high, GRPOLoss()).schedule == "tree"
+
+
+def test_pack_overhead_tokens_is_checked():
+    with pytest.raises(ValueError, match="engine.pack_overhead_tokens"):
+        EngineConfig(pack_overhead_tokens=-1)
