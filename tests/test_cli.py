@@ -17,12 +17,12 @@ def test_verify_fails_with_exit_1_when_the_engine_is_wrong(monkeypatch, capsys):
     """Break the engine (drop the first-token transition of every child) and check verify notices."""
     import branchreplay.engine.stack as engine
 
-    original = engine._Run.node_loss
+    original = engine._Run.trained_rows
 
     def broken(self, node, hidden, parent_h):
         return original(self, node, hidden, None if parent_h is None else parent_h.detach() * 0)
 
-    monkeypatch.setattr(engine._Run, "node_loss", broken)
+    monkeypatch.setattr(engine._Run, "trained_rows", broken)
     assert main(["verify", "--arch", "llama", "--json", "--random-trees", "0"]) == 1
     assert json.loads(capsys.readouterr().out)["passed"] is False
 

@@ -401,7 +401,9 @@ def main(argv: list[str] | None = None) -> int:
                         "(bench/objectives.py)")
     b.add_argument("--pairs", type=int, default=2, help="--loss dpo: preference pairs per step")
     b.add_argument("--scenario", default="shared-prompt",
-                   help="shared-prompt, multi-turn, tree-sampled, a comma list of them, or all")
+                   help="shared-prompt, multi-turn, tree-sampled, a comma list of them, or all; low-sharing: a preset "
+                        "grid where the tree saves little (short prompts, long responses; agent trajectories sharing "
+                        "only their prompt)")
     b.add_argument("--prompt-tokens", type=_int_list, default=None,
                    help="prompt lengths to sweep, e.g. 1024,4096 (default per scenario: shared-prompt 2048, "
                         "multi-turn 512, tree-sampled 1024)")

@@ -178,11 +178,16 @@ class Bench:
         return None
 
     def warm_up(self) -> None:
-        """One call of every method on a small rollout set: the first call of a method is about 2x slower."""
+        """One call of every method on a small rollout set: the first call of a method is about 2x slower. Then
+        one branch replay of a 4096-position tree: the engine fits its memory model once per model and scale (a
+        tree of 4096 positions or more probes at scale 256, `planner.memory_model`), which a training run pays
+        once, not in every timed step."""
         g = torch.Generator().manual_seed(self.o.seed + 1)
         rollouts = make_rollouts(shared_prompt(64, 2, 16, self.model.config.vocab_size, g), g)
         for method in self.methods:
             self.call(method, rollouts)
+        if "branchreplay" in self.methods:
+            self.call("branchreplay", make_rollouts(shared_prompt(4094, 2, 1, self.model.config.vocab_size, g), g))
 
     # -- timed runs --------------------------------------------------------------------------------------------
 

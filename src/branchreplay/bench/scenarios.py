@@ -14,6 +14,7 @@ from ..check.shapes import Sequence, prompt_completion, random_ids, shared_promp
 
 SCENARIOS = ("shared-prompt", "multi-turn", "tree-sampled")
 DEFAULT_PROMPT_TOKENS = {"shared-prompt": 2048, "multi-turn": 512, "tree-sampled": 1024}
+LOW_SHARING = "low-sharing"  # a preset grid of the scenarios above where the tree saves little (`low_sharing`)
 
 
 def agent_trajectories(prompt_tokens: int, turns: int, reply_tokens: int, tool_tokens: int,
@@ -128,17 +129,32 @@ class Scenario:
         return f"P={self.prompt_tokens} R={self.response_tokens} fork={forks}"
 
 
+def low_sharing() -> list[Scenario]:
+    """Where the tree saves little (token ratio 1.03-1.8): short prompts and long responses, shared-prompt P in
+    {64, 256} x G in {2, 8} x R in {256, 1024}; and agent trajectories of a 64-token prompt and 4 turns (128-token
+    replies, 32-token tool outputs) that share only the prompt (4 trajectories forking at the first reply) or, 3 of
+    them, also share a first turn in pairs (fan-outs cycled as `agent_trajectories` does)."""
+    grid = [Scenario("shared-prompt", P, generations=G, response_tokens=R)
+            for P, G, R in itertools.product((64, 256), (2, 8), (256, 1024))]
+    return grid + [Scenario("multi-turn", 64, turns=4, reply_tokens=128, tool_tokens=32, branching=b)
+                   for b in ((4, 1, 1, 1, 1, 1, 1, 1), (2, 2, 1, 1, 1, 1, 1, 1))]
+
+
 def scenario_grid(names=("shared-prompt",), prompt_tokens=None, generations=(8,), response_tokens=(128,),
                   turns=(4,), reply_tokens: int = 96, tool_tokens: int = 64, branching=(2, 1, 3),
                   fork_schedule=((0, 2), (32, 4)), trajectories: str | None = None) -> list[Scenario]:
     """Every combination of the listed sizes, per scenario: shared-prompt over prompt_tokens x generations x
     response_tokens, multi-turn over prompt_tokens x turns, tree-sampled over prompt_tokens x response_tokens.
     prompt_tokens None: each scenario's default (DEFAULT_PROMPT_TOKENS). `trajectories`: multi-turn is the one
-    configuration of that recorded file instead."""
+    configuration of that recorded file instead. "low-sharing" adds the preset grid `low_sharing` (the size
+    arguments do not apply to it)."""
     out = []
     for name in names:
+        if name == LOW_SHARING:
+            out += low_sharing()
+            continue
         if name not in SCENARIOS:
-            raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)}")
+            raise ValueError(f"unknown scenario {name!r}; choose from {', '.join(SCENARIOS)} or {LOW_SHARING}")
         ps = prompt_tokens or (DEFAULT_PROMPT_TOKENS[name],)
         if name == "shared-prompt":
             out += [Scenario(name, P, generations=G, response_tokens=R)

@@ -196,7 +196,7 @@ def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: 
         packs_of: node -> list of packs (lists of sibling nodes), as the engine forms them.
         budget: bytes, or None to keep everything (prediction only).
         replay_all: replay every internal pack (EngineConfig.replay == "replay").
-        head_chunk_tokens: rows of the LM head at once (a node's rows run in chunks of at most this many).
+        head_chunk_tokens: rows of the LM head at once (a pack's rows run in chunks of at most this many).
     Raises:
         MemoryBudgetError: the step does not fit even with every internal pack replayed.
     """
@@ -221,13 +221,14 @@ def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: 
 
 
 def _collect_internal(node, P, memory, packs_of, out, longest):
-    """Activation bytes of every internal pack under `node` (by id of its first node), and the longest node."""
+    """Activation bytes of every internal pack under `node` (by id of its first node), and the longest pack (its
+    trained rows go through the LM head together)."""
     for pack in packs_of(node):
+        S = sum(len(n) for n in pack)
         if any(n.children for n in pack):
-            S = sum(len(n) for n in pack)
             out[id(pack[0])] = memory.activations(S, P, len(pack) > 1)
+        longest[0] = max(longest[0], S)
         for n in pack:
-            longest[0] = max(longest[0], len(n))
             _collect_internal(n, P + len(n), memory, packs_of, out, longest)
 
 

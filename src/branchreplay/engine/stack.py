@@ -17,7 +17,9 @@ same terms, in a different order: equal to floating-point tolerance).
 
 The first token of a child is predicted from the LAST hidden state of its parent; that term is in the child's loss
 and its gradient flows into the parent through dh. The LM head and log-softmax run only on positions that carry a
-loss, in chunks under activation checkpointing, so no [positions x vocab] tensor larger than a chunk ever exists.
+loss, once per pack over the trained rows of all its nodes, in chunks under activation checkpointing, so no
+[positions x vocab] tensor larger than a chunk ever exists (and the head's [vocab x hidden] weight gradient is made
+once per chunk of a pack, not once per node).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
 from .config import EngineConfig
+from .embedding import DeferredEmbeddingGrad
 from .families import family_of, layer_windows
 from .head import check_head, decoder_and_head, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
@@ -117,6 +120,9 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
                     parts.append(run.run_tree(sub))
                 order += members
             results.append(_in_order(ReplayResult.merge(parts), order))
+    if run.deferred is not None:  # what the packs left of the input embedding's gradient (embedding.py)
+        with torch.autocast(run.device.type, enabled=False):
+            run.deferred.apply()
     return ReplayResult.merge(results)
 
 
@@ -150,12 +156,15 @@ class _Run:
         self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
         self.max_pack_tokens = engine.max_pack_tokens
         self.pack_overhead_tokens = engine.pack_overhead_tokens  # which shared nodes run once (schedule.py)
-        self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder, model))
+        self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
         self.chunk_tokens = engine.chunk_tokens
         self.head_chunk_tokens = engine.head_chunk_tokens
         self.replay, self.memory_budget = engine.replay, engine.memory_budget
         self.replay_set: set[int] = set()
         self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)
+        embedding = self.decoder.get_input_embeddings()
+        self.deferred = DeferredEmbeddingGrad(embedding) if loss is not None and embedding.weight.requires_grad \
+            else None
         self.model = model
         self.loss = loss
         _check_no_dropout(model)
@@ -234,7 +243,9 @@ class _Run:
         graph, just before the backward: the same values, since it is the same computation on the same inputs."""
         train = self.loss is not None
         replay = train and id(nodes[0]) in self.replay_set
-        with torch.no_grad() if replay else contextlib.nullcontext():
+        defer = self.deferred is not None and not final  # the embedding's gradient later, in one pass (embedding.py)
+        capture = self.deferred.capture if defer else contextlib.nullcontext
+        with torch.no_grad() if replay else contextlib.nullcontext(), capture() as embedded:
             hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
         pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
         spans = _spans(nodes)
@@ -252,7 +263,8 @@ class _Run:
         if not train:
             return
         if replay:
-            hidden, cache = self.forward(nodes, P, ancestors)
+            with capture() as embedded:
+                hidden, cache = self.forward(nodes, P, ancestors)
             pack_loss = self.pack_loss(nodes, hidden, parent_h)
         outputs, grads = [], []
         for (a, b), state_leaves, h_leaf in leaves:
@@ -272,17 +284,21 @@ class _Run:
         if final:  # the run's last backward: through every layer, inside `final_backward`
             if not outputs:
                 outputs, grads = [hidden.sum() * 0], [torch.ones((), dtype=hidden.dtype, device=hidden.device)]
+            if self.deferred is not None:  # the earlier packs' embedding gradients, in the same backward
+                more_outputs, more_grads = self.deferred.outputs()
+                outputs, grads = outputs + more_outputs, grads + more_grads
             with self.final_backward, no_autocast:
                 torch.autograd.backward(outputs, grads)
         elif outputs:
             with no_autocast:
                 torch.autograd.backward(outputs, grads)
+        if defer:
+            self.deferred.keep(embedded)
 
     def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_h) -> torch.Tensor | None:
         """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode)."""
-        losses = [self.node_loss(node, hidden[a:b], parent_h) for node, a, b in _spans(nodes)]
-        losses = [x for x in losses if x is not None]
-        return torch.stack(losses).sum() if losses else None
+        pieces = [p for p in (self.trained_rows(node, hidden[a:b], parent_h) for node, a, b in _spans(nodes)) if p]
+        return self.node_losses(pieces) if pieces else None
 
     # -- one pack's forward -----------------------------------------------------------------------------------------
 
@@ -307,15 +323,14 @@ class _Run:
                                use_cache=True)
         return out.last_hidden_state[0], cache
 
-    # -- one node's loss -----------------------------------------------------------------------------------------
+    # -- the nodes' losses -----------------------------------------------------------------------------------------
 
-    def node_loss(self, node: Node, hidden: torch.Tensor, parent_h: torch.Tensor | None) -> torch.Tensor | None:
-        """Logprobs of the node's trainable positions (a critic's values), recorded per rollout, and the loss on them
-        (None if none). Position t of the node is predicted by hidden[t - 1], and position 0 by the parent's last
-        hidden state; a critic's value of position t is read from the same hidden state (value.py)."""
-        rollouts = [self.tree.rollouts[i] for i in node.rollouts]
+    def trained_rows(self, node: Node, hidden: torch.Tensor, parent_h: torch.Tensor | None):
+        """(node, positions [L'] within it, predictor rows [L', H]) of the node's trainable positions, None if none.
+        Position t of the node is predicted by hidden[t - 1], and position 0 by the parent's last hidden state; a
+        critic's value of position t is read from the same hidden state (value.py)."""
         s, e = node.start, node.end
-        trainable = torch.stack([r.loss_mask[s:e] for r in rollouts]).amax(0) > 0  # [L]
+        trainable = torch.stack([self.tree.rollouts[i].loss_mask[s:e] for i in node.rollouts]).amax(0) > 0  # [L]
         positions = trainable.nonzero().squeeze(1)  # [L']
         if positions.numel() == 0:
             return None
@@ -323,22 +338,36 @@ class _Run:
             predictors = torch.cat([hidden[:1], hidden[:-1]])
         else:
             predictors = torch.cat([parent_h[None], hidden[:-1]])
-        rows = predictors[positions.to(self.device)]
+        return node, positions, predictors[positions.to(self.device)]
+
+    def node_losses(self, pieces: list) -> torch.Tensor | None:
+        """The logprobs (a critic's values) of every piece (`trained_rows`) of a pack, recorded per rollout, and the
+        sum of the nodes' losses (None in forward-only mode). The LM head runs once over the rows of all the pieces,
+        in chunks: one [vocab, hidden] weight gradient per chunk of the pack, not one per node."""
+        rows = torch.cat([r for _, _, r in pieces])
+        sizes = [len(p) for _, p, _ in pieces]
         if self.critic:
-            values = token_values(self.head, rows)
+            values = token_values(self.head, rows).split(sizes)
+            logprobs, entropy = values, [None] * len(pieces)
+        else:
+            targets = torch.cat([node.tokens[p] for node, p, _ in pieces])
+            logprobs, entropy = token_logprobs(self.head, self.transform, rows, targets, self.temperature,
+                                               self.head_chunk_tokens)
+            logprobs, entropy = logprobs.split(sizes), entropy.split(sizes)
+        losses = []
+        for (node, positions, _), lp, ent in zip(pieces, logprobs, entropy):
+            at = node.start + positions
             for i in node.rollouts:
-                self.logprobs[i][s + positions] = values.detach().cpu().to(self.logprobs[i].dtype)
-            if self.loss is None:
-                return None
-            return self.loss(loss_inputs(rollouts, s + positions, None, None, values=values))
-        logprobs, entropy = token_logprobs(self.head, self.transform, rows, node.tokens[positions], self.temperature,
-                                           self.head_chunk_tokens)
-        for i in node.rollouts:
-            self.logprobs[i][s + positions] = logprobs.detach().cpu().to(self.logprobs[i].dtype)
-            self.entropy[i][s + positions] = entropy.detach().cpu().to(self.entropy[i].dtype)
-        if self.loss is None:
-            return None
-        return self.loss(loss_inputs(rollouts, s + positions, logprobs, entropy))
+                self.logprobs[i][at] = lp.detach().cpu().to(self.logprobs[i].dtype)
+                if ent is not None:
+                    self.entropy[i][at] = ent.detach().cpu().to(self.entropy[i].dtype)
+            if self.loss is not None:
+                rollouts = [self.tree.rollouts[i] for i in node.rollouts]
+                inputs = loss_inputs(rollouts, at, None, None, values=lp) if self.critic else \
+                    loss_inputs(rollouts, at, lp, ent)
+                losses.append(self.loss(inputs))
+        return torch.stack(losses).sum() if losses else None
+
 
 def _packs(nodes: list[Node], max_tokens: int) -> list[list[Node]]:
     """Greedy packs of consecutive siblings with at most `max_tokens` tokens (a longer node gets a pack alone)."""
@@ -377,9 +406,9 @@ def _spans(nodes: list[Node]) -> list[tuple[Node, int, int]]:
     return out
 
 
-def _matmul_params(decoder, model) -> int:
+def _matmul_params(decoder) -> int:
     """Parameters of the decoder's matrices, the input embedding left out (it is a lookup, not a matmul)."""
-    embedding = {id(p) for p in model.get_input_embeddings().parameters()}
+    embedding = {id(p) for p in decoder.get_input_embeddings().parameters()}
     return sum(p.numel() for p in decoder.parameters() if p.dim() >= 2 and id(p) not in embedding)
 
 
