@@ -105,10 +105,18 @@ def main() -> None:
                     "first is the one the others are compared with")
     ap.add_argument("--out", required=True, help="folder for metrics.jsonl and convergence.png")
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny Llama and toy task (nothing downloaded)")
+    ap.add_argument("--plot-only", action="store_true", help="summarize and plot OUT/metrics.jsonl as it is (a run "
+                    "stopped early)")
     args, overrides = ap.parse_known_args()
     methods = args.methods.split(",")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.plot_only:
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        steps = max(r["step"] for r in rows if r["method"] == methods[-1])
+        rows = [r for r in rows if r["step"] <= steps]
+        summarize(rows, methods, steps, out, f"{args.config or 'tiny'}: " + " vs ".join(methods) + f", {steps} steps")
+        return
     if args.tiny:
         base = {"model": {"spec": "tiny:llama"}, "sampling": {"temperature": 0.7, "max_new_tokens": 6},
                 "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-2, "beta": 0.05,
@@ -125,7 +133,7 @@ def main() -> None:
                                 "train": {**config.to_dict()["train"], "log_completions": True,
                                           "output_dir": str(out / f"run-{method}")}})
         trainers[method] = make_trainer(cfg, args.tiny, stack)
-    rows, identical_until = [], None
+    rows = []
     eval_steps, steps = config.train.eval_steps, config.train.steps
     with open(out / "metrics.jsonl", "w") as log:
         def write(row):
@@ -151,11 +159,17 @@ def main() -> None:
                     record.update(t.evaluate())
                 first = trainers[methods[0]]
                 same = completions[method] == completions[methods[0]]
-                if same is False and identical_until is None:
-                    identical_until = step - 1
                 write({**record, "method": method, "same_completions": same, **distance(t, first)})
-    summary = {"methods": methods, "steps": steps, "dtype": config.model.dtype,
-               "token_identical_steps": steps if identical_until is None else identical_until,
+    summarize(rows, methods, steps, out,
+              f"{config.model.spec}, {config.model.dtype}, seed {config.train.seed}: " + " vs ".join(methods))
+
+
+def summarize(rows: list[dict], methods: list[str], steps: int, out: Path, title: str) -> None:
+    """OUT/summary.json (steps with identical completions from the start, the largest parameter difference, mean
+    seconds per step of each method) and OUT/convergence.png."""
+    differ = [r["step"] for r in rows if r.get("same_completions") is False]
+    summary = {"methods": methods, "steps": steps,
+               "token_identical_steps": min(differ) - 1 if differ else steps,
                "max_param_diff": max(r["param/max_abs_diff"] for r in rows if "param/max_abs_diff" in r)}
     for method in methods:
         mine = [r for r in rows if r["method"] == method and r["step"] > 0]
@@ -163,8 +177,7 @@ def main() -> None:
             summary[f"{method} mean {key}"] = sum(r[key] for r in mine if key in r) / max(len(mine), 1)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     print(json.dumps(summary, indent=1))
-    plot(rows, methods, out / "convergence.png",
-         f"{config.model.spec}, {config.model.dtype}, seed {config.train.seed}: " + " vs ".join(methods))
+    plot(rows, methods, out / "convergence.png", title)
 
 
 if __name__ == "__main__":

@@ -86,3 +86,15 @@ def test_low_sharing_tree_runs_packed_and_a_shared_prompt_as_a_tree(tiny64):
 def test_pack_overhead_tokens_is_checked():
     with pytest.raises(ValueError, match="engine.pack_overhead_tokens"):
         EngineConfig(pack_overhead_tokens=-1)
+
+
+def test_the_trainer_logs_the_schedule(tmp_path):
+    """Each step's metrics say which schedule the engine took (the toy task's 6-token completions of short prompts
+    share little) and how many shared nodes it merged; the reference methods log none."""
+    from test_trainer import make_config, make_trainer
+
+    record = make_trainer(make_config(tmp_path)).train_step(1)
+    assert record["engine/schedule"] in ("tree", "mixed", "packed")
+    assert record["engine/shared_nodes_merged"] >= 0
+    naive = make_trainer(make_config(tmp_path / "naive", engine={"method": "naive"})).train_step(1)
+    assert "engine/schedule" not in naive
