@@ -184,7 +184,8 @@ def _decode_groups(model, cache, logits, visible, start, schedule, config, eos_t
     groups = [_Streams() for _ in generators]
     for depth in range(config.max_new_tokens):
         if depth in schedule:
-            index = _rows([g.fork(schedule[depth], depth) for g in groups], logits.device)
+            before = [len(g.live) for g in groups]
+            index = _rows([g.fork(schedule[depth], depth) for g in groups], before, logits.device)
             cache.reorder_cache(index)
             logits, visible, start = logits[index], visible[index], start[index]
         counts = [len(g.live) for g in groups]
@@ -203,7 +204,7 @@ def _decode_groups(model, cache, logits, visible, start, schedule, config, eos_t
                 kept.append(torch.zeros(0, dtype=torch.long, device=logits.device))
             offset += n
         tokens = torch.cat(drawn)
-        index = _rows(kept, logits.device, counts)
+        index = _rows(kept, counts, logits.device)
         if len(index) < len(tokens):
             cache.reorder_cache(index)
             tokens, visible, start = tokens[index], visible[index], start[index]
@@ -214,13 +215,10 @@ def _decode_groups(model, cache, logits, visible, start, schedule, config, eos_t
     return [g.samples for g in groups]
 
 
-def _rows(local: list[torch.Tensor], device, counts: list[int] | None = None) -> torch.Tensor:
-    """The stacked cache's row index (on `device`) from each group's index into its own rows (the groups' rows are
-    consecutive, in group order; counts: each group's rows before, default those a fork index reads, max + 1)."""
-    offsets, total = [], 0
-    for k, rows in enumerate(local):
-        offsets.append(total)
-        total += counts[k] if counts is not None else (int(rows.max()) + 1 if len(rows) else 0)
+def _rows(local: list[torch.Tensor], counts: list[int], device) -> torch.Tensor:
+    """The stacked cache's row index (on `device`) from each group's index into its own `counts[k]` rows (the
+    groups' rows are consecutive, in group order)."""
+    offsets = [sum(counts[:k]) for k in range(len(counts))]
     return torch.cat([rows.cpu() + o for rows, o in zip(local, offsets)]).to(device)
 
 
