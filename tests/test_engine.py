@@ -16,6 +16,7 @@ from branchreplay.check.numerics import keep_float64
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
+from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import TINY_ARCHS, tiny_model
 from branchreplay.tree import Rollout, RolloutTree
@@ -29,7 +30,7 @@ LOGPROB_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 def compare(model, rollouts, loss, temperature=1.0, **engine_kw):
     """Run naive and replay on the same model; return (grad err, max logprob err, loss err, grad norm)."""
-    engine = EngineConfig(**{"pack_overhead_tokens": 0, **engine_kw})  # every shared node kept (the tree)
+    engine = EngineConfig(**{**EVERY_SHARED_NODE, **engine_kw})  # every shared node kept (the tree)
     model.zero_grad(set_to_none=True)
     naive = naive_backward(model, rollouts, loss, temperature=temperature)
     g_naive = grads(model)

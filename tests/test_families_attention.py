@@ -21,6 +21,7 @@ from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import around_window, make_rollouts
 from branchreplay.cli import main
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
+from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.cache import PrefixCache
 from branchreplay.engine.families import (
     FAMILIES,
@@ -49,7 +50,7 @@ def compare(model, rollouts, temperature=0.7, force=False, naive=None, **engine_
     naive_logprobs, g_naive = naive or run_naive(model, rollouts, temperature)
     model.zero_grad(set_to_none=True)
     replay = replay_backward(model, RolloutTree(rollouts), GRPOLoss(entropy_coef=0.01), temperature=temperature,
-                             engine=EngineConfig(**{"pack_overhead_tokens": 0, **engine_kw}), force=force)
+                             engine=EngineConfig(**{**EVERY_SHARED_NODE, **engine_kw}), force=force)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive_logprobs))
     return max_rel_grad_err(grads(model), g_naive), lp_err, sum(g.abs().sum().item() for g in g_naive)
 

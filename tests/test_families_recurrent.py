@@ -29,6 +29,7 @@ import torch
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import SHAPES, make_rollouts, multi_turn, shared_prompt
 from branchreplay.engine import EngineConfig, recurrent, replay_backward
+from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.cache import PrefixCache
 from branchreplay.engine.families import FAMILIES
 from branchreplay.engine.recurrent import EngineForwards, layer_kinds
@@ -69,7 +70,7 @@ def compare(model, rollouts, **engine_kw):
     naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
     g_naive = grads(model)
     model.zero_grad(set_to_none=True)
-    engine = EngineConfig(**{"replay": "keep", "pack_overhead_tokens": 0, **engine_kw})
+    engine = EngineConfig(**{"replay": "keep", **EVERY_SHARED_NODE, **engine_kw})
     replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
     g_replay = grads(model)
     model.zero_grad(set_to_none=True)

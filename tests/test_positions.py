@@ -14,6 +14,7 @@ import torch
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import around_length, make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
+from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.positions import length_dependent_rotaries, regimes
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
@@ -48,7 +49,7 @@ def _compare(model, rollouts, **engine_kw):
     naive = naive_backward(model, rollouts, loss)
     g_naive = grads(model)
     model.zero_grad(set_to_none=True)
-    engine = EngineConfig(**{"chunk_tokens": 16, "pack_overhead_tokens": 0, **engine_kw})
+    engine = EngineConfig(**{"chunk_tokens": 16, **EVERY_SHARED_NODE, **engine_kw})
     replay = replay_backward(model, RolloutTree(rollouts), loss, engine=engine)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
     return max_rel_grad_err(grads(model), g_naive), lp_err, replay

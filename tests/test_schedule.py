@@ -25,7 +25,8 @@ def _compare(model, rollouts, overhead):
     naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
     g_naive = grads(model)
     model.zero_grad(set_to_none=True)
-    engine = EngineConfig(pack_overhead_tokens=overhead, max_pack_tokens=24, chunk_tokens=16)
+    engine = EngineConfig(pack_overhead_tokens=overhead, prefix_position_overhead=0.1 if overhead else 0,
+                          max_pack_tokens=24, chunk_tokens=16)
     replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
     return max_rel_grad_err(grads(model), g_naive), lp_err, abs(replay.loss - naive.loss), replay
@@ -71,6 +72,21 @@ def test_merging_follows_the_saving():
     assert schedule(tree.root, overhead_tokens=10**6, attention_per_key=0.0).kept == 0
 
 
+def test_a_root_node_also_pays_for_its_childrens_prefix_attention():
+    """A 64-token prompt shared by 2 responses of 1024 tokens saves 64 positions: more than a pack (48), less than
+    a pack plus 0.1 x the 2048 positions that would attend to it as a prefix: merged. The same 64-token node below
+    a shared root pays no such cost (its children attend to a prefix either way): kept, with that root."""
+    def responses(head):
+        return [Rollout(head + [200 + k] * 1024, [0] * len(head) + [1] * 1024) for k in range(2)]
+
+    at_root = RolloutTree(responses(list(range(3, 67)))).root
+    assert schedule(at_root, 48, 0.0).kept == 1
+    assert schedule(at_root, 48, 0.0, prefix_overhead=0.1).kept == 0
+    root = list(range(500, 600))  # 100 tokens shared with a third, short rollout: 100 > 48 + 0.1 x (64 + 10)
+    below = RolloutTree(responses(root + list(range(3, 67))) + [Rollout(root + [7] * 10, [0] * 100 + [1] * 10)])
+    assert schedule(below.root, 48, 0.0, prefix_overhead=0.1).kept == 2
+
+
 def test_low_sharing_tree_runs_packed_and_a_shared_prompt_as_a_tree(tiny64):
     """With the default overhead: a 2-token prompt shared by 2 long responses saves too little (each rollout runs
     alone); a 48-token prompt shared by 8 runs once. replay_logprobs takes the same schedule."""
@@ -86,6 +102,8 @@ def test_low_sharing_tree_runs_packed_and_a_shared_prompt_as_a_tree(tiny64):
 def test_pack_overhead_tokens_is_checked():
     with pytest.raises(ValueError, match="engine.pack_overhead_tokens"):
         EngineConfig(pack_overhead_tokens=-1)
+    with pytest.raises(ValueError, match="engine.prefix_position_overhead"):
+        EngineConfig(prefix_position_overhead=-0.1)
 
 
 def test_the_trainer_logs_the_schedule(tmp_path):

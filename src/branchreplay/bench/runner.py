@@ -17,6 +17,9 @@ Figures per (scenario configuration, method):
     flops: `flops.Work.flops` (formula in `flops.FORMULA`); flop_ratio = naive flops / the method's flops, the
         speedup its FLOPs allow.
     seconds: wall time of one forward + backward (the minimum over --repeats), after a warm-up of every method.
+        The repeats are interleaved: round k times every full-size method once before round k + 1 starts, so a
+        machine whose speed drifts during a configuration (a shared 2-core host drifts by 10-15%) moves every
+        method's best time alike, and the ratios hold.
     peak_bytes: peak memory above the start of the run (`measure`).
     max_rel_grad_err: `check.reference.max_rel_grad_err` against naive.
 
@@ -56,7 +59,7 @@ from .baselines import (
     prompt_sharing_backward,
     prompt_sharing_peak_bytes,
 )
-from .measure import Measured, measure, tree_build_seconds
+from .measure import measure, tree_build_seconds
 from .scenarios import Scenario, recorded_items
 
 BENCH_MODEL = dict(hidden_size=256, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
@@ -76,7 +79,8 @@ class BenchOptions:
     max_memory_bytes: padded and prompt-sharing runs estimated to peak above this are sampled or skipped;
         None: 60% of the device's available memory at the start (`engine.planner.available_memory_bytes`).
     prompt_sharing: "auto" (prefix-grouper when installed, else the equivalent), "prefix-grouper", "equivalent".
-    repeats: timed runs of each full-size method; the minimum time and the maximum peak are kept.
+    repeats: timed runs of each full-size method, interleaved round by round across the methods; the minimum time
+        and the maximum peak are kept.
     threads: torch intra-op threads for the run (restored after); None leaves torch's setting. On a machine whose
         cores are oversubscribed, 1 thread can be many times faster than 2 (OpenMP workers wait on each other).
     model: a model spec (`models.load_model`, e.g. "smollm2") instead of the tiny bench model; the synthetic
@@ -192,15 +196,24 @@ class Bench:
     # -- timed runs --------------------------------------------------------------------------------------------
 
     def run_full(self, method: str, rollouts: list[Rollout]) -> _Run:
-        best, result = None, []
-        for _ in range(self.o.repeats):
-            m = measure(lambda: result.append(self.call(method, rollouts)), self.device)
-            best = m if best is None else Measured(min(best.seconds, m.seconds), max(best.peak_bytes, m.peak_bytes))
+        """One timed run of `method` on every rollout (the repeats come later: `repeat`)."""
+        result = []
+        m = measure(lambda: result.append(self.call(method, rollouts)), self.device)
         engine = None
         if method == "branchreplay":
-            engine = {k: getattr(result[-1], k) for k in ("replayed_packs", "predicted_peak_bytes")
+            engine = {k: getattr(result[-1], k) for k in ("replayed_packs", "predicted_peak_bytes", "schedule")
                       if hasattr(result[-1], k)}
-        return _Run(best.seconds, best.peak_bytes, len(rollouts), self.grads(), engine=engine)
+        return _Run(m.seconds, m.peak_bytes, len(rollouts), self.grads(), engine=engine)
+
+    def repeat(self, runs: dict[str, _Run], rollouts: list[Rollout]) -> None:
+        """repeats - 1 more rounds of every method that ran in full, one method after the other within a round;
+        each keeps its minimum time and maximum peak."""
+        full = [m for m, run in runs.items() if not run.estimated and not run.skipped]
+        for _ in range(self.o.repeats - 1):
+            for method in full:
+                m = measure(lambda: self.call(method, rollouts), self.device)
+                run = runs[method]
+                run.seconds, run.peak_bytes = min(run.seconds, m.seconds), max(run.peak_bytes, m.peak_bytes)
 
     def run_naive(self, rollouts: list[Rollout], total_flops: int) -> _Run:
         """Naive, rollout by rollout; stops early (estimated) once its projected time exceeds max_seconds."""
@@ -222,11 +235,7 @@ class Bench:
         m = measure(fn, self.device)
         k = state["k"]
         if k == len(rollouts):
-            run = _Run(m.seconds, m.peak_bytes, k, self.grads())
-            if self.o.repeats > 1:
-                again = self.run_full("naive", rollouts)
-                run = _Run(min(run.seconds, again.seconds), max(run.peak_bytes, again.peak_bytes), k, again.grads)
-            return run
+            return _Run(m.seconds, m.peak_bytes, k, self.grads())
         return _Run(m.seconds * total_flops / state["flops"], m.peak_bytes, k, self.grads(), estimated=True,
                     notes=[f"time estimated from the first {k} of {len(rollouts)} rollouts ({m.seconds:.1f} s), "
                            "scaled by FLOPs; peak is the sample's"])
@@ -301,9 +310,10 @@ class Bench:
                 naive = runs["naive"]
                 seconds_per_flop = naive.seconds / flops["naive"]
                 runs[method] = self.run_batched(method, rollouts, flops[method], seconds_per_flop)
-            run = runs[method]
+        self.repeat(runs, rollouts)
+        for method, run in runs.items():
             if log:
-                log(f"  {method}: " + (run.skipped or f"{run.seconds:.1f} s{' (estimated)' if run.estimated else ''}, "
+                log(f"  {method}: " + (run.skipped or f"{run.seconds:.2f} s{' (estimated)' if run.estimated else ''}, "
                                        f"peak {run.peak_bytes / 2**20:.0f} MiB"))
         ref, ref_k = runs["naive"].grads, runs["naive"].k
         rows = []

@@ -29,6 +29,7 @@ import hashlib
 import torch
 
 from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
+from ..engine.config import EVERY_SHARED_NODE
 from ..engine.families import FAMILIES, family_of
 from ..losses import GRPOLoss
 from ..tree import RolloutTree
@@ -93,7 +94,7 @@ def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
     g = torch.Generator().manual_seed(seed)
     rollouts = make_rollouts(shared_prompt(64, 4, 24, vocab, g) + branches_of_branches(vocab, g), g)
     loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
-    engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep", pack_overhead_tokens=0)  # crosses
+    engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep", **EVERY_SHARED_NODE)  # crosses
     # packs and chunks, every shared node kept (a small tree would otherwise run packed: engine/schedule.py)
     numerics = keep_float64(model) if dtype == torch.float64 else contextlib.nullcontext()
     with numerics:

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from ..engine import EngineConfig, replay_backward, replay_logprobs
+from ..engine.config import EVERY_SHARED_NODE
 from ..engine.families import FAMILIES, layer_windows
 from ..engine.positions import rope_thresholds
 from ..engine.sequence import replay_sequence_backward, sequence_sums
@@ -42,7 +43,7 @@ from .shapes import SHAPES, around_length, around_window, make_rollouts
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
 FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32
 VS_FLOAT64_FACTOR = 1.5  # float32 / bfloat16: the engine's error vs float64 <= this x the naive computation's
-ENGINE = dict(max_pack_tokens=64, chunk_tokens=24, pack_overhead_tokens=0)  # small, so that the trees cross packs
+ENGINE = dict(max_pack_tokens=64, chunk_tokens=24, **EVERY_SHARED_NODE)  # small, so that the trees cross packs
 # and chunks; every shared node kept, so that the small trees run as trees (engine/schedule.py)
 
 

@@ -11,6 +11,10 @@ Replay = Literal["keep", "replay", "auto"]
 UnknownFamily = Literal["refuse", "self-check"]
 Method = Literal["branchreplay", "naive", "padded"]
 PACK_OVERHEAD_TOKENS = 48  # scripts/pack_overhead.py: 45-59 on the bench Llama (1-2 threads), 49 on SmolLM2
+PREFIX_POSITION_OVERHEAD = 0.1  # scripts/pack_overhead.py: +9% per child position (1 thread), +33 per pack (2)
+EVERY_SHARED_NODE = {"pack_overhead_tokens": 0, "prefix_position_overhead": 0}
+"""EngineConfig fields under which every shared node runs once (engine/schedule.py merges none): verify, the
+self-check and the exactness tests run their small trees as trees with it."""
 
 
 @dataclass(frozen=True)
@@ -26,8 +30,13 @@ class EngineConfig:
     pack_overhead_tokens: int = field(default=PACK_OVERHEAD_TOKENS, metadata=help_of(
         "what one pack's fixed cost is worth in token positions, >= 0: a shared node whose sharing saves fewer "
         "positions runs again inside each of its children instead of once (engine/schedule.py; when no shared node "
-        "is worth it, each rollout runs alone: the dense packed schedule). 0 keeps every shared node. Measured on "
-        "this project's CPUs by scripts/pack_overhead.py"))
+        "is worth it, each rollout runs alone: the dense packed schedule). 0 (with prefix_position_overhead 0) keeps "
+        "every shared node. Measured on this project's CPUs by scripts/pack_overhead.py"))
+    prefix_position_overhead: float = field(default=PREFIX_POSITION_OVERHEAD, metadata=help_of(
+        "what a position attending to a cached prefix costs beyond one in a standalone rollout, as a fraction of a "
+        "position, >= 0: a node at the root is shared only if its saving also pays this for each of its "
+        "children's positions (split attention's second kernel and merge; engine/schedule.py). Measured by "
+        "scripts/pack_overhead.py"))
     chunk_tokens: int = field(default=4096, metadata=help_of(
         "a node longer than this runs as a chain of chunks of at most this many tokens, each against the K/V of "
         "the ones before it, >= 1"))
@@ -57,6 +66,8 @@ class EngineConfig:
         for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):
             check(f"engine.{name}", getattr(self, name) >= 1, ">= 1", getattr(self, name))
         check("engine.pack_overhead_tokens", self.pack_overhead_tokens >= 0, ">= 0", self.pack_overhead_tokens)
+        check("engine.prefix_position_overhead", self.prefix_position_overhead >= 0, ">= 0",
+              self.prefix_position_overhead)
         choice("engine.replay", self.replay, Replay)
         choice("engine.unknown_family", self.unknown_family, UnknownFamily)
         choice("engine.method", self.method, Method)

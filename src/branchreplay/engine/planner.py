@@ -179,7 +179,9 @@ def _fit(model, forward, s: int, split: bool) -> MemoryModel:
         # casts and weight gradients of the backward in flight (measured on tiny Llama: 0.92x the peak without it)
         half = torch.finfo(torch.get_autocast_dtype(device)).bits // 8
         grads += half * sum(p.numel() for p in params if p.dim() >= 2)
-    head_per_row = 3 * head.shape[0] * max(elem, 4)  # logits, log-softmax, its gradient (a critic's: 1 value)
+    # logits, log-softmax and its exp (the entropy's), saved for backward, and a gradient in flight (a critic's: 1
+    # value); a leaf pack holds them from its forward to its backward (head.token_logprobs, backward_next)
+    head_per_row = 4 * head.shape[0] * max(elem, 4)
     memory = MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem, split=split)
     if s > 0:  # what the first probe saved beyond its size-proportional terms: the per-pack constant c
         memory = dataclasses.replace(memory, per_pack=max(b1 - memory.activations(s, 2 * s, False), 0.0))

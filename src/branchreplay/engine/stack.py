@@ -156,6 +156,7 @@ class _Run:
         self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
         self.max_pack_tokens = engine.max_pack_tokens
         self.pack_overhead_tokens = engine.pack_overhead_tokens  # which shared nodes run once (schedule.py)
+        self.prefix_position_overhead = engine.prefix_position_overhead
         self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
         self.chunk_tokens = engine.chunk_tokens
         self.head_chunk_tokens = engine.head_chunk_tokens
@@ -181,7 +182,8 @@ class _Run:
     def run_tree(self, tree: RolloutTree) -> ReplayResult:
         """One tree through the execution stack: per-rollout logprobs and entropy, the loss, the planner's predicted
         peak bytes (None without a loss) and the number of replayed packs."""
-        scheduled = schedule(tree.root, self.pack_overhead_tokens, self.attention_per_key)
+        scheduled = schedule(tree.root, self.pack_overhead_tokens, self.attention_per_key,
+                             self.prefix_position_overhead)
         root = _chunked(scheduled.root, self.chunk_tokens)
         peak, replayed = None, 0
         if self.loss is not None:
@@ -298,7 +300,8 @@ class _Run:
     def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_h) -> torch.Tensor | None:
         """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode)."""
         pieces = [p for p in (self.trained_rows(node, hidden[a:b], parent_h) for node, a, b in _spans(nodes)) if p]
-        return self.node_losses(pieces) if pieces else None
+        leaves = not any(node.children for node in nodes)  # the pack's backward follows its forward at once
+        return self.node_losses(pieces, backward_next=leaves) if pieces else None
 
     # -- one pack's forward -----------------------------------------------------------------------------------------
 
@@ -340,10 +343,11 @@ class _Run:
             predictors = torch.cat([parent_h[None], hidden[:-1]])
         return node, positions, predictors[positions.to(self.device)]
 
-    def node_losses(self, pieces: list) -> torch.Tensor | None:
+    def node_losses(self, pieces: list, backward_next: bool = False) -> torch.Tensor | None:
         """The logprobs (a critic's values) of every piece (`trained_rows`) of a pack, recorded per rollout, and the
         sum of the nodes' losses (None in forward-only mode). The LM head runs once over the rows of all the pieces,
-        in chunks: one [vocab, hidden] weight gradient per chunk of the pack, not one per node."""
+        in chunks: one [vocab, hidden] weight gradient per chunk of the pack, not one per node. backward_next: the
+        pack has no children, so its backward runs next (`head.token_logprobs`)."""
         rows = torch.cat([r for _, _, r in pieces])
         sizes = [len(p) for _, p, _ in pieces]
         if self.critic:
@@ -352,7 +356,7 @@ class _Run:
         else:
             targets = torch.cat([node.tokens[p] for node, p, _ in pieces])
             logprobs, entropy = token_logprobs(self.head, self.transform, rows, targets, self.temperature,
-                                               self.head_chunk_tokens)
+                                               self.head_chunk_tokens, backward_next)
             logprobs, entropy = logprobs.split(sizes), entropy.split(sizes)
         losses = []
         for (node, positions, _), lp, ent in zip(pieces, logprobs, entropy):
