@@ -19,7 +19,8 @@ Figures per (scenario configuration, method):
     seconds: wall time of one forward + backward (the minimum over --repeats), after a warm-up of every method.
         The repeats are interleaved: round k times every full-size method once before round k + 1 starts, so a
         machine whose speed drifts during a configuration (a shared 2-core host drifts by 10-15%) moves every
-        method's best time alike, and the ratios hold.
+        method's best time alike, and the ratios hold. The first round also samples memory (a thread every
+        millisecond, `measure`); the later rounds time without it.
     peak_bytes: peak memory above the start of the run (`measure`).
     max_rel_grad_err: `check.reference.max_rel_grad_err` against naive.
 
@@ -206,14 +207,13 @@ class Bench:
         return _Run(m.seconds, m.peak_bytes, len(rollouts), self.grads(), engine=engine)
 
     def repeat(self, runs: dict[str, _Run], rollouts: list[Rollout]) -> None:
-        """repeats - 1 more rounds of every method that ran in full, one method after the other within a round;
-        each keeps its minimum time and maximum peak."""
+        """repeats - 1 more rounds of every method that ran in full, one method after the other within a round,
+        timed without the memory sampler; each keeps its minimum time (and the first round's peak)."""
         full = [m for m, run in runs.items() if not run.estimated and not run.skipped]
         for _ in range(self.o.repeats - 1):
             for method in full:
-                m = measure(lambda: self.call(method, rollouts), self.device)
-                run = runs[method]
-                run.seconds, run.peak_bytes = min(run.seconds, m.seconds), max(run.peak_bytes, m.peak_bytes)
+                m = measure(lambda: self.call(method, rollouts), self.device, memory=False)
+                runs[method].seconds = min(runs[method].seconds, m.seconds)
 
     def run_naive(self, rollouts: list[Rollout], total_flops: int) -> _Run:
         """Naive, rollout by rollout; stops early (estimated) once its projected time exceeds max_seconds."""
