@@ -112,19 +112,21 @@ def token_logprobs(head, transform: LogitTransform, hidden: torch.Tensor, target
     chunk is checkpointed, so its [chunk, V] logits exist only while that chunk is computed (forward or backward).
 
     backward_next: the caller runs this graph's backward before it computes anything else (a pack with no
-    children). Then N <= chunk_tokens rows run as one chunk without checkpointing: its logits are held from the
-    forward to the backward, no more than the checkpointed chunk's recompute would hold during the backward, and
-    the head's forward is not run twice (about 5-10% of a leaf pack's time on the bench Llama and SmolLM2)."""
+    children). Then the LAST chunk runs without checkpointing: its logits are held from the forward to the
+    backward, which starts with them (autograd runs the latest nodes first) and frees them before the earlier
+    chunks recompute, so the peak stays one chunk's; and that chunk's head forward is not run twice (5-10% of a leaf
+    pack's time on the bench Llama and SmolLM2 when the pack's rows fit one chunk)."""
     targets = targets.to(hidden.device)
-    if backward_next and hidden.shape[0] <= chunk_tokens:
-        return head_logprobs(head, hidden, targets, temperature, transform)
     outs = []
-    for start in range(0, hidden.shape[0], chunk_tokens):
+    starts = range(0, hidden.shape[0], chunk_tokens)
+    for start in starts:
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
-        if torch.is_grad_enabled():
+        if torch.is_grad_enabled() and not (backward_next and start == starts[-1]):
             outs.append(checkpoint(head_logprobs, head, h, t, temperature, transform, use_reentrant=False))
         else:
             outs.append(head_logprobs(head, h, t, temperature, transform))
+    if len(outs) == 1:
+        return outs[0]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
 
 
