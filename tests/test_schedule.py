@@ -87,6 +87,17 @@ def test_a_root_node_also_pays_for_its_childrens_prefix_attention():
     assert schedule(below.root, 48, 0.0, prefix_overhead=0.1).kept == 2
 
 
+def test_the_engine_charges_the_prefix_overhead(tiny64):
+    """replay_backward passes prefix_position_overhead to the schedule: an 8-token prompt shared by 2 responses of
+    40 tokens runs as a tree when only the (zero) pack overhead counts, packed when each child position costs 1."""
+    model = tiny64("llama")
+    g = torch.Generator().manual_seed(0)
+    tree = RolloutTree(make_rollouts(shared_prompt(8, 2, 40, model.config.vocab_size, g), g))
+    for per_position, expected in ((0.0, "tree"), (1.0, "packed")):
+        engine = EngineConfig(pack_overhead_tokens=0, prefix_position_overhead=per_position)
+        assert replay_backward(model, tree, GRPOLoss(), engine=engine).schedule == expected
+
+
 def test_low_sharing_tree_runs_packed_and_a_shared_prompt_as_a_tree(tiny64):
     """With the default overhead: a 2-token prompt shared by 2 long responses saves too little (each rollout runs
     alone); a 48-token prompt shared by 8 runs once. replay_logprobs takes the same schedule."""

@@ -43,6 +43,8 @@ def measure(fn, device: torch.device, memory: bool = True) -> Measured:
     method's Python: on 2 cores it slowed the engine's small packs by up to 10% against naive's few large calls."""
     gc.collect()
     if not memory:
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         t0 = time.perf_counter()
         fn()
         if device.type == "cuda":

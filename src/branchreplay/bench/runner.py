@@ -81,7 +81,8 @@ class BenchOptions:
         None: 60% of the device's available memory at the start (`engine.planner.available_memory_bytes`).
     prompt_sharing: "auto" (prefix-grouper when installed, else the equivalent), "prefix-grouper", "equivalent".
     repeats: timed runs of each full-size method, interleaved round by round across the methods; the minimum time
-        and the maximum peak are kept.
+        is kept, and the peak of the first round (the only one that samples memory). An estimated run is timed
+        once, with the sampler (its row's notes say so).
     threads: torch intra-op threads for the run (restored after); None leaves torch's setting. On a machine whose
         cores are oversubscribed, 1 thread can be many times faster than 2 (OpenMP workers wait on each other).
     model: a model spec (`models.load_model`, e.g. "smollm2") instead of the tiny bench model; the synthetic
@@ -237,8 +238,8 @@ class Bench:
         if k == len(rollouts):
             return _Run(m.seconds, m.peak_bytes, k, self.grads())
         return _Run(m.seconds * total_flops / state["flops"], m.peak_bytes, k, self.grads(), estimated=True,
-                    notes=[f"time estimated from the first {k} of {len(rollouts)} rollouts ({m.seconds:.1f} s), "
-                           "scaled by FLOPs; peak is the sample's"])
+                    notes=[f"time estimated from the first {k} of {len(rollouts)} rollouts ({m.seconds:.1f} s, one run "
+                           "with the memory sampler), scaled by FLOPs; peak is the sample's"])
 
     def run_batched(self, method: str, rollouts: list[Rollout], total_flops: int, seconds_per_flop: float) -> _Run:
         """Padded or prompt-sharing: full if it fits in memory and time, else on its largest fitting first k."""
@@ -268,8 +269,8 @@ class Bench:
         scale_m = full_peak / self.peak_model(method, sample)
         return _Run(m.seconds * scale_t, int(m.peak_bytes * scale_m), lo, self.grads(), estimated=True,
                     peak_estimated=True,
-                    notes=[f"{why}: ran the first {lo} of {n} rollouts ({m.seconds:.1f} s), time scaled by FLOPs, "
-                           "peak by the memory model"])
+                    notes=[f"{why}: ran the first {lo} of {n} rollouts ({m.seconds:.1f} s, one run with the memory "
+                           "sampler), time scaled by FLOPs, peak by the memory model"])
 
     def grad_err(self, method: str, run: _Run, rollouts: list[Rollout], ref: list[torch.Tensor], ref_k: int):
         """Error of `method` against naive on the first ref_k rollouts (re-running it untimed there if its timed run

@@ -35,7 +35,8 @@ class EngineConfig:
     prefix_position_overhead: float = field(default=PREFIX_POSITION_OVERHEAD, metadata=help_of(
         "what a position attending to a cached prefix costs beyond one in a standalone rollout, as a fraction of a "
         "position, >= 0: a node at the root is shared only if its saving also pays this for each of its "
-        "children's positions (split attention's second kernel and merge; engine/schedule.py). Measured by "
+        "children's positions (split attention's second kernel and merge; engine/schedule.py). Charged only where "
+        "the model runs split prefix attention (CPU, float32/64, full-attention families); measured by "
         "scripts/pack_overhead.py"))
     chunk_tokens: int = field(default=4096, metadata=help_of(
         "a node longer than this runs as a chain of chunks of at most this many tokens, each against the K/V of "

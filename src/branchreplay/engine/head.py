@@ -109,7 +109,8 @@ def check_head(model, tokens: int = 4) -> None:
 def token_logprobs(head, transform: LogitTransform, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
                    chunk_tokens: int, backward_next: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, H] hidden, [N] targets -> logprobs [N], entropy [N], `chunk_tokens` rows at a time; under autograd each
-    chunk is checkpointed, so its [chunk, V] logits exist only while that chunk is computed (forward or backward).
+    chunk (but a leaf pack's last: backward_next) is checkpointed, so its [chunk, V] logits exist only while that
+    chunk is computed (forward or backward).
 
     backward_next: the caller runs this graph's backward before it computes anything else (a pack with no
     children). Then the LAST chunk runs without checkpointing: its logits are held from the forward to the

@@ -26,7 +26,8 @@ The cost counted: one pack, plus, for a node at the root (s = 0), `prefix_overhe
 children. Its children attend to a cached prefix (split attention: a second kernel, the merge, their leaves), where
 merged they would run alone, as a plain causal forward; deeper nodes' children attend to a prefix either way.
 `scripts/pack_overhead.py` measures it on the bench Llama: a child position costs 9% more than a standalone one at
-1 thread, and a child pack 12 ms more (33 positions) at 2 threads (`EngineConfig.prefix_position_overhead`, 0.1).
+1 thread, and a child pack 12 ms more (33 positions) at 2 threads (`EngineConfig.prefix_position_overhead`, 0.1;
+the engine charges it only where the model runs split prefix attention, `attention.PrefixSplit`).
 Without it a 64-token prompt shared by 8 responses of 1024 tokens (5% of the positions) ran 5% slower as a tree
 than as the dense packed schedule.
 """

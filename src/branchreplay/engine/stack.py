@@ -156,7 +156,8 @@ class _Run:
         self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
         self.max_pack_tokens = engine.max_pack_tokens
         self.pack_overhead_tokens = engine.pack_overhead_tokens  # which shared nodes run once (schedule.py)
-        self.prefix_position_overhead = engine.prefix_position_overhead
+        # measured on split prefix attention (schedule.py); where the model takes the masked path it is unmeasured
+        self.prefix_position_overhead = engine.prefix_position_overhead if self.prefix_split.applies else 0.0
         self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
         self.chunk_tokens = engine.chunk_tokens
         self.head_chunk_tokens = engine.head_chunk_tokens
