@@ -82,5 +82,6 @@ def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
     return my - a * mx, a
 
+
 if __name__ == "__main__":
     main()

@@ -61,7 +61,7 @@ def schedule(root: Node, overhead_tokens: float, attention_per_key: float, prefi
     counts = [0, 0, 0]  # kept, merged, extra positions
     children = []
     for child in root.children:
-        children.extend(_scheduled(child, (overhead_tokens, prefix_overhead), attention_per_key, counts))
+        children.extend(_scheduled(child, overhead_tokens, prefix_overhead, attention_per_key, counts))
     if not counts[1]:
         return Schedule(root, counts[0], 0, 0)
     return Schedule(Node(root.tokens, root.start, root.rollouts, children), counts[0], counts[1], counts[2])
@@ -76,12 +76,12 @@ def attention_per_key(config, n_params: int) -> float:
     return 2 * config.num_hidden_layers * d_attn / max(n_params, 1)
 
 
-def _scheduled(node: Node, overhead: tuple[float, float], per_key: float, counts: list[int]) -> list[Node]:
-    """The nodes that replace `node` (itself, with its children scheduled; or, merged, one copy per child).
-    overhead: (a pack's, a child position's under a root node) in positions."""
+def _scheduled(node: Node, pack: float, per_child_position: float, per_key: float, counts: list[int]) -> list[Node]:
+    """The nodes that replace `node` (itself, with its children scheduled; or, merged, one copy per child). pack: a
+    pack's cost, per_child_position: a child position's extra cost under a root node, both in positions."""
     children = []
     for child in node.children:
-        children.extend(_scheduled(child, overhead, per_key, counts))
+        children.extend(_scheduled(child, pack, per_child_position, per_key, counts))
     continuing = {i for c in children for i in c.rollouts}
     ending = [i for i in node.rollouts if i not in continuing]
     shares = len(children) + (1 if ending else 0)  # the copies a merge would make
@@ -89,7 +89,6 @@ def _scheduled(node: Node, overhead: tuple[float, float], per_key: float, counts
         return [Node(node.tokens, node.start, node.rollouts, children)]
     L, s = len(node), node.start
     saving = (shares - 1) * (L + per_key * (L * s + L * (L + 1) / 2))
-    pack, per_child_position = overhead
     cost = pack + (per_child_position * sum(len(c) for c in children) if s == 0 else 0.0)
     if saving >= cost:
         counts[0] += 1
