@@ -9,7 +9,7 @@ distance between the parameters: max |theta_m - theta_first| over every entry, a
 Writes OUT/metrics.jsonl (one line per step and method) and OUT/convergence.png (reward, held-out accuracy, loss,
 KL, entropy, time per step split into sampling and training, parameter distance; one line per method).
 
-    .venv/bin/python scripts/compare_methods.py --config configs/convergence.yaml --out docs/convergence \
+    .venv/bin/python scripts/compare_methods.py --config configs/convergence.yaml --out docs/convergence/smollm2-naive \
         --methods branchreplay,naive
     .venv/bin/python scripts/compare_methods.py --tiny --model.dtype float64 --train.steps 24 --out /tmp/tiny64
 
@@ -89,6 +89,8 @@ def plot(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
                 ax.plot(*zip(*points), **style)
         if key == "param/max_abs_diff":
             ax.set_yscale("symlog", linthresh=1e-12)
+            largest = max((r[key] for r in rows if r.get(key) is not None), default=0.0)
+            ax.set_ylim(0, max(largest * 10, 1e-11))  # a few decades, labelled, also when the distance is constant
         ax.set_title(label, fontsize=9)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)
