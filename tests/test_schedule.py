@@ -127,3 +127,37 @@ def test_the_trainer_logs_the_schedule(tmp_path):
     assert record["engine/shared_nodes_merged"] >= 0
     naive = make_trainer(make_config(tmp_path / "naive", engine={"method": "naive"})).train_step(1)
     assert "engine/schedule" not in naive
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])  # mistral: a sliding window over the batch's rows
+def test_rollouts_of_one_length_at_the_root_run_as_one_batch(arch, tiny64):
+    """The dense packed schedule's rollouts of one length run as the rows of one [B, L] forward (at most
+    max_batch_tokens tokens per batch), the others as packs; gradients, logprobs and loss equal the naive
+    reference's (float64). Lengths 22 x 3, 30 x 2 and 26: batches [2, 22] (60 tokens hold two rows), [1, 22] and
+    [2, 30]; the 26 runs as a pack of one."""
+    model = tiny64(arch)
+    g = torch.Generator().manual_seed(1)
+    vocab = model.config.vocab_size
+    rollouts = []
+    for length in (22, 30, 22, 26, 30, 22):
+        tokens = torch.randint(0, vocab, (length,), generator=g).tolist()
+        rollouts.append(Rollout(tokens, [0] * 2 + [1] * (length - 2), advantages=torch.randn((), generator=g).item()))
+    for r in rollouts:
+        r.ref_logprobs = r.loss_mask.double() * -0.5
+    naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
+    g_naive = grads(model)
+    engine = EngineConfig(max_batch_tokens=60)
+    replay_logprobs(model, RolloutTree(rollouts), temperature=0.7, engine=engine)  # the head check, once per model
+    replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)  # the planner's probes
+    model.zero_grad(set_to_none=True)
+    shapes = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
+    finally:
+        hook.remove()
+    assert sorted(shapes) == [(1, 22), (1, 26), (2, 22), (2, 30)]
+    assert max_rel_grad_err(grads(model), g_naive) < 1e-9
+    assert max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs)) < 1e-10
+    assert abs(replay.loss - naive.loss) < 1e-9

@@ -27,6 +27,12 @@ class EngineConfig:
         ">= 1; a longer node runs alone. A pack costs pack^2 attention scores where its nodes need only the sum of "
         "their lengths^2 / 2, so long nodes run alone; 256 was fastest on CPU for shared prompts of 1k-16k tokens "
         "with 256-token responses (docs/benchmarks.md)"))
+    max_batch_tokens: int = field(default=1024, metadata=help_of(
+        "most tokens of one [B, L] batch, >= 1: at the root, childless nodes of one length (the rollouts of the "
+        "dense packed schedule) run as the rows of one forward, as in a padded batch but without pads "
+        "(engine/stack.py). On 2 CPU threads (bench Llama) 2 rows of 320 tokens ran 7% faster as one batch and 8 "
+        "rows of 1088 tokens 10% slower as batches of 3 than one at a time (docs/benchmarks.md); 1 runs every "
+        "rollout alone"))
     pack_overhead_tokens: int = field(default=PACK_OVERHEAD_TOKENS, metadata=help_of(
         "what one pack's fixed cost is worth in token positions, >= 0: a shared node whose sharing saves fewer "
         "positions runs again inside each of its children instead of once (engine/schedule.py; when no shared node "
@@ -64,7 +70,7 @@ class EngineConfig:
         "side runs (scripts/compare_methods.py). Read by the trainer (rl/methods.py)"))
 
     def __post_init__(self):
-        for name in ("max_pack_tokens", "chunk_tokens", "head_chunk_tokens"):
+        for name in ("max_pack_tokens", "max_batch_tokens", "chunk_tokens", "head_chunk_tokens"):
             check(f"engine.{name}", getattr(self, name) >= 1, ">= 1", getattr(self, name))
         check("engine.pack_overhead_tokens", self.pack_overhead_tokens >= 0, ">= 0", self.pack_overhead_tokens)
         check("engine.prefix_position_overhead", self.prefix_position_overhead >= 0, ">= 0",

@@ -2,13 +2,14 @@
 
 Depth first over the tree. The children of a node run as packs: their tokens are concatenated into one query
 sequence (up to `max_pack_tokens`) against ONE copy of the ancestors' K/V, with a tree mask (each child sees the
-whole prefix and its own earlier positions) and absolute position ids. On CPU, where every layer is full attention,
-the prefix keys are attended without a mask and the tree mask covers only the pack's own keys (`attention.py`,
-merged by log-sum-exp). After a pack's forward, the K/V and the last
-hidden state of each of its nodes are detached into leaf tensors; the node's children run against those leaves;
-once every descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants,
-and the pack's backward runs once with them (a family with recurrent layers, `recurrent.py`, runs every
-node as a pack of one, and hands its children the conv / SSM state after the node instead of per-position K/V):
+whole prefix and its own earlier positions) and absolute position ids; at the root, childless children of one
+length (the rollouts of the dense packed schedule, `schedule.py`) run as the rows of one [B, L] batch instead. On
+CPU, where every layer is full attention, the prefix keys are attended without a mask and the tree mask covers only
+the pack's own keys (`attention.py`, merged by log-sum-exp). After a pack's forward, the K/V and the last hidden state
+of each of its nodes are detached into leaf tensors; the node's children run against those leaves; once every
+descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants, and the pack's
+backward runs once with them (a family with recurrent layers, `recurrent.py`, runs every node as a pack of one, and
+hands its children the conv / SSM state after the node instead of per-position K/V):
 
     torch.autograd.backward([pack_loss, K_n, V_n, h_last_n, ...], [1, dK_n, dV_n, dh_n, ...])
 
@@ -154,7 +155,7 @@ class _Run:
         self.vocab_size = model.config.vocab_size if self.critic else self.head.weight.shape[0]
         self.temperature = temperature
         self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
-        self.max_pack_tokens = engine.max_pack_tokens
+        self.max_pack_tokens, self.max_batch_tokens = engine.max_pack_tokens, engine.max_batch_tokens
         self.pack_overhead_tokens = engine.pack_overhead_tokens  # which shared nodes run once (schedule.py)
         # measured on split prefix attention (schedule.py); where the model takes the masked path it is unmeasured
         self.prefix_position_overhead = engine.prefix_position_overhead if self.prefix_split.applies else 0.0
@@ -235,8 +236,13 @@ class _Run:
             self.pack(pack, parent.end, ancestors, parent_h, final)
 
     def packs_of(self, parent: Node) -> list[list[Node]]:
-        """The packs in which `parent`'s children run (one node each in a recurrent family)."""
-        return _packs(parent.children, 1 if self.family.recurrent else self.max_pack_tokens)
+        """The packs in which `parent`'s children run (one node each in a recurrent family). At the root, childless
+        children of equal length run as batches (`_root_packs`)."""
+        if self.family.recurrent:
+            return [[node] for node in parent.children]
+        if parent.end == 0:
+            return _root_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
+        return _packs(parent.children, self.max_pack_tokens)
 
     def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h, final: bool = False) -> None:
         """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
@@ -310,6 +316,14 @@ class _Run:
         """Run the pack's tokens against the ancestors' state. Returns hidden [S, H] (final-normed) and the cache,
         which gives each node's state."""
         lengths = [len(n) for n in nodes]
+        if _is_batch(nodes, P):  # rows of one [B, L] forward, each a rollout alone: no mask, no prefix
+            tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
+            cache = PrefixCache([], self.num_layers, self.kinds, windows=self.windows, prefix_length=0)
+            positions = torch.arange(lengths[0], device=self.device).expand_as(tokens)
+            with self.engine_forwards:
+                out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=None, cache=cache,
+                                   use_cache=True)
+            return out.last_hidden_state.reshape(tokens.numel(), -1), cache  # rows in the order of `_spans`
         tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
@@ -386,6 +400,33 @@ def _packs(nodes: list[Node], max_tokens: int) -> list[list[Node]]:
     if current:
         packs.append(current)
     return packs
+
+
+def _root_packs(nodes: list[Node], max_tokens: int, batch_tokens: int) -> list[list[Node]]:
+    """The packs of the root's children: childless nodes of one length, two or more, as batches of at most
+    `batch_tokens` tokens (one [B, L] forward each, `_is_batch`: the dense packed schedule's rollouts, side by side
+    as in a padded batch but without pads); the other nodes as `_packs`. A batch's rows attend only to themselves,
+    under the causal mask transformers builds, where a pack of them would take a [S, S] tree mask of which all but
+    the diagonal blocks are wasted; and a short row's [B, L] call parallelises better over CPU threads than B calls
+    of one row (`EngineConfig.max_batch_tokens`). A node longer than `batch_tokens` runs alone."""
+    by_length: dict[int, list[Node]] = {}
+    rest = []
+    for node in nodes:
+        (rest if node.children else by_length.setdefault(len(node), [])).append(node)
+    batches = []
+    for length, same in by_length.items():
+        if len(same) == 1:
+            rest.extend(same)
+            continue
+        rows = max(1, batch_tokens // length)
+        batches.extend(same[i : i + rows] for i in range(0, len(same), rows))
+    return _packs(rest, max_tokens) + batches
+
+
+def _is_batch(nodes: list[Node], P: int) -> bool:
+    """Whether a pack runs as one [B, L] forward (`_root_packs`): two or more childless nodes of one length at the
+    root. A batch of one row is the same forward as a pack of one node."""
+    return P == 0 and len(nodes) > 1 and len({len(n) for n in nodes}) == 1 and not any(n.children for n in nodes)
 
 
 def _chunked(root: Node, chunk_tokens: int) -> Node:
