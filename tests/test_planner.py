@@ -70,7 +70,7 @@ def test_replay_lowers_the_peak_and_auto_fits_a_budget_exactly():
 
 def test_no_plan_fits_names_the_knobs():
     model, tree = _setup(P=512, G=4, R=32)
-    with pytest.raises(MemoryBudgetError, match="max_pack_tokens or chunk_tokens.*memory_budget"):
+    with pytest.raises(MemoryBudgetError, match="max_pack_tokens, max_batch_tokens or chunk_tokens.*memory_budget"):
         replay_backward(model, tree, GRPOLoss(), engine=EngineConfig(memory_budget=1_000_000))
 
 

@@ -217,8 +217,8 @@ def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: 
     gib = 2**30
     raise MemoryBudgetError(
         f"the step needs about {peak / gib:.2f} GiB even with every internal pack replayed, and the memory budget is "
-        f"{budget / gib:.2f} GiB: lower EngineConfig.max_pack_tokens or chunk_tokens (smaller packs hold less), "
-        "split the step into micro-batches of fewer prompts, or raise memory_budget"
+        f"{budget / gib:.2f} GiB: lower EngineConfig.max_pack_tokens, max_batch_tokens or chunk_tokens "
+        "(smaller packs hold less), split the step into micro-batches of fewer prompts, or raise memory_budget"
     )
 
 
