@@ -30,9 +30,9 @@ class EngineConfig:
     max_batch_tokens: int = field(default=1024, metadata=help_of(
         "most tokens of one [B, L] batch, >= 1: at the root, childless nodes of one length (the rollouts of the "
         "dense packed schedule) run as the rows of one forward, as in a padded batch but without pads "
-        "(engine/stack.py). On 2 CPU threads (bench Llama) 2 rows of 320 tokens ran 7% faster as one batch and 8 "
-        "rows of 1088 tokens 10% slower as batches of 3 than one at a time (docs/benchmarks.md); 1 runs every "
-        "rollout alone"))
+        "(engine/stack.py). On 2 CPU threads (bench Llama) 2 rows of 320 tokens ran 11% faster as one batch than "
+        "one at a time, and 8 rows of 1088 tokens 4% slower as batches of 3 (medians, docs/benchmarks.md); 1 runs "
+        "every rollout alone"))
     pack_overhead_tokens: int = field(default=PACK_OVERHEAD_TOKENS, metadata=help_of(
         "what one pack's fixed cost is worth in token positions, >= 0: a shared node whose sharing saves fewer "
         "positions runs again inside each of its children instead of once (engine/schedule.py; when no shared node "
