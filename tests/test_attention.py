@@ -8,7 +8,7 @@ import torch
 
 import branchreplay.engine.attention as attention
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
-from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.check.shapes import make_rollouts, prompt_completion, random_ids, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.families import layer_windows
 from branchreplay.losses import GRPOLoss
@@ -62,12 +62,46 @@ def test_equals_one_sdpa_call_with_the_full_mask(causal):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
+def test_rows_of_a_batch_share_one_prefix():
+    """A batch of 3 rows below one prefix (prefix pieces [1, 2, K, 8], the rows' own keys [3, 2, S, 8], causal):
+    each row's output and gradients equal one SDPA call over the prefix and that row's keys; the prefix's
+    gradients are the sum over the rows. Then gradcheck in float64 on 2 rows."""
+    K, S, B = 12, 7, 3
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(B, 4, S, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, 2, S, 8, generator=g, requires_grad=True) for _ in range(2))
+    kp, vp = (torch.randn(1, 2, K, 8, generator=g, requires_grad=True) for _ in range(2))
+    dout = torch.randn(B, 4, S, 8, generator=g)
+    out = attention._SplitAttention.apply(q, k, v, None, 0.3, 2, kp[:, :, :5], kp[:, :, 5:], vp[:, :, :5],
+                                          vp[:, :, 5:])
+    grads = torch.autograd.grad(out, (q, k, v, kp, vp), dout)
+    causal = torch.ones(S, K + S, dtype=torch.bool).tril(K)
+    ref_out, ref_grads = [], [[] for _ in range(5)]
+    for b in range(B):
+        keys, values = torch.cat([kp, k[b : b + 1]], dim=2), torch.cat([vp, v[b : b + 1]], dim=2)
+        ref = torch.nn.functional.scaled_dot_product_attention(q[b : b + 1], keys, values, attn_mask=causal,
+                                                               scale=0.3, enable_gqa=True)
+        ref_out.append(ref)
+        for i, grad in enumerate(torch.autograd.grad(ref, (q, k, v, kp, vp), dout[b : b + 1], allow_unused=True)):
+            ref_grads[i].append(grad)
+    torch.testing.assert_close(out, torch.cat(ref_out), rtol=1e-5, atol=1e-6)
+    for name, grad, ref in zip("q k v kp vp".split(), grads, ref_grads):
+        torch.testing.assert_close(grad, sum(ref), rtol=1e-5, atol=1e-5, msg=name)
+
+    q64, k64, v64, kp64, vp64 = (t[:2].detach().double().requires_grad_() for t in (q, k, v, kp, vp))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, kp, vp: attention._SplitAttention.apply(q, k, v, None, 0.3, 1, kp, vp), (q64, k64, v64, kp64,
+                                                                                                  vp64))
+
+
 def test_engine_routes_prefix_packs_through_the_split_and_stays_exact(monkeypatch, keep64):
     """A chunked prompt (causal chunks against the cache) and packs of siblings (masked own block) go through
     `_SplitAttention`; the gradients equal naive in float64 and the masked-SDPA path within float64 rounding."""
     model = keep64(tiny_model("llama", dtype=torch.float64, seed=3))
     g = torch.Generator().manual_seed(4)
-    rollouts = make_rollouts(shared_prompt(50, 5, 9, model.config.vocab_size, g), g)
+    prompt = random_ids(50, model.config.vocab_size, g)  # completions of uneven length: packs, not batches
+    rollouts = make_rollouts([prompt_completion(prompt, random_ids(n, model.config.vocab_size, g))
+                              for n in (7, 8, 9, 10, 11)], g)
     loss = GRPOLoss()
     naive_backward(model, rollouts, loss)
     ref = [p.grad.clone() for p in model.parameters()]

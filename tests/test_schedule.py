@@ -161,3 +161,42 @@ def test_rollouts_of_one_length_at_the_root_run_as_one_batch(arch, tiny64):
     assert max_rel_grad_err(grads(model), g_naive) < 1e-9
     assert max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs)) < 1e-10
     assert abs(replay.loss - naive.loss) < 1e-9
+
+
+@pytest.mark.parametrize("arch,batched", [("llama", True), ("gpt2", True), ("mistral", False)])
+def test_leaves_of_one_length_below_a_prefix_run_as_one_batch(arch, batched, tiny64):
+    """Below a shared prompt, the childless responses of one length run as the rows of one [B, L] forward against
+    the one prefix (split prefix attention; mistral's sliding window takes the masked path, where they stay packs);
+    a response with branches of its own runs as a pack of one. Every shared node kept: gradients, logprobs and loss
+    equal the naive reference's (float64)."""
+    model = tiny64(arch)
+    g = torch.Generator().manual_seed(2)
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (10,), generator=g).tolist()
+    stem = torch.randint(0, vocab, (4,), generator=g).tolist()
+    completions = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in (8, 8, 8, 11, 11)]
+    completions += [stem + torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(2)]  # a branch
+    rollouts = [Rollout(prompt + c, [0] * len(prompt) + [1] * len(c), advantages=torch.randn((), generator=g).item())
+                for c in completions]
+    for r in rollouts:
+        r.ref_logprobs = r.loss_mask.double() * -0.5
+    naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
+    g_naive = grads(model)
+    engine = EngineConfig(pack_overhead_tokens=0, prefix_position_overhead=0)
+    replay_logprobs(model, RolloutTree(rollouts), temperature=0.7, engine=engine)  # the head check, once per model
+    replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)  # the planner's probes
+    model.zero_grad(set_to_none=True)
+    shapes = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
+    finally:
+        hook.remove()
+    if batched:  # the stem (a pack: it has children), the prompt, the stem's leaves, the 11s, the 8s
+        assert sorted(shapes) == [(1, 4), (1, 10), (2, 5), (2, 11), (3, 8)]
+    else:
+        assert (3, 8) not in shapes and all(rows == 1 for rows, _ in shapes)
+    assert max_rel_grad_err(grads(model), g_naive) < 1e-9
+    assert max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs)) < 1e-10
+    assert abs(replay.loss - naive.loss) < 1e-9

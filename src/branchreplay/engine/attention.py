@@ -61,17 +61,24 @@ def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, de
 
 class _SplitAttention(torch.autograd.Function):
     """q [B, h, S, d]; k, v [B, h_kv, S, d] (the pack's own keys; h a multiple of h_kv, grouped as `repeat_kv`);
-    own_mask [1, 1, S, S] or None (causal); then n prefix key pieces and n prefix value pieces [B, h_kv, L_i, d],
+    own_mask [1, 1, S, S] or None (causal); then n prefix key pieces and n prefix value pieces [1, h_kv, L_i, d],
     root first (the ancestors' states, alive anyway). Returns out [B, h, S, d]. Saved for backward: q, the pack's
     own k / v and mask, out, lse and the pieces; the concatenated prefix exists only inside forward and backward.
-    The block kernels are the device's (`kernels.py`)."""
+    The block kernels are the device's (`kernels.py`).
+
+    B > 1 (the rows of a batch, `stack._batches`, each a rollout's own tokens below the one shared prefix): every
+    query sees every prefix key, so for the prefix block the B rows are folded into one query sequence of B x S
+    (`_fold_rows`): one kernel call against the prefix as it is, never copied per row, whose dK, dV are then already
+    summed over the rows."""
 
     @staticmethod
     def forward(ctx, q, k, v, own_mask, scale, n, *pieces):
         kernels = kernels_for(q.device)
         causal = own_mask is None
         kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
-        out_p, lse_p, saved_p = kernels.forward(q, kp, vp, None, False, scale)
+        rows = q.shape[0]
+        out_p, lse_p, saved_p = kernels.forward(_fold_rows(q), kp, vp, None, False, scale)
+        out_p, lse_p = _unfold_rows(out_p, rows), _unfold_rows(lse_p, rows)
         del kp, vp
         out_s, lse_s, saved_s = kernels.forward(q, k, v, own_mask, causal, scale)
         lse = torch.logaddexp(lse_p, lse_s)  # [B, h, S]
@@ -87,11 +94,28 @@ class _SplitAttention(torch.autograd.Function):
         kernels = kernels_for(q.device)
         n, dout, (saved_p, saved_s) = ctx.n, dout.contiguous(), ctx.saved
         kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
-        dq_p, dk_p, dv_p = kernels.backward(dout, q, kp, vp, None, out, lse, False, ctx.scale, saved_p)
+        dq_p, dk_p, dv_p = kernels.backward(_fold_rows(dout), _fold_rows(q), kp, vp, None, _fold_rows(out),
+                                            _fold_rows(lse), False, ctx.scale, saved_p)
+        dq_p = _unfold_rows(dq_p, q.shape[0])
         del kp, vp
         dq_s, dk_s, dv_s = kernels.backward(dout, q, k, v, own_mask, out, lse, own_mask is None, ctx.scale, saved_s)
         sizes = [t.shape[2] for t in pieces[:n]]
         return (dq_p + dq_s, dk_s, dv_s, None, None, None, *dk_p.split(sizes, dim=2), *dv_p.split(sizes, dim=2))
+
+
+def _fold_rows(x: torch.Tensor) -> torch.Tensor:
+    """[B, h, S, ...] -> [1, h, B x S, ...]: the rows of a batch as one query sequence, row after row (a view for
+    B = 1, else a copy)."""
+    if x.shape[0] == 1:
+        return x
+    return x.transpose(0, 1).reshape(1, x.shape[1], -1, *x.shape[3:])
+
+
+def _unfold_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
+    """The inverse of `_fold_rows`: [1, h, rows x S, ...] -> [rows, h, S, ...] (a view)."""
+    if rows == 1:
+        return x
+    return x.reshape(x.shape[1], rows, -1, *x.shape[3:]).transpose(0, 1)
 
 
 def split_sdpa(original):

@@ -28,11 +28,11 @@ class EngineConfig:
         "their lengths^2 / 2, so long nodes run alone; 256 was fastest on CPU for shared prompts of 1k-16k tokens "
         "with 256-token responses (docs/benchmarks.md)"))
     max_batch_tokens: int = field(default=1024, metadata=help_of(
-        "most tokens of one [B, L] batch, >= 1: at the root, childless nodes of one length (the rollouts of the "
-        "dense packed schedule) run as the rows of one forward, as in a padded batch but without pads "
-        "(engine/stack.py). On 2 CPU threads (bench Llama) 2 rows of 320 tokens ran 11% faster as one batch than "
-        "one at a time, and 8 rows of 1088 tokens 4% slower as batches of 3 (medians, docs/benchmarks.md); 1 runs "
-        "every rollout alone"))
+        "most tokens of one [B, L] batch, >= 1: childless nodes of one length run as the rows of one forward, as "
+        "in a padded batch but without pads: at the root (the rollouts of the dense packed schedule) and, with "
+        "split prefix attention, below a prefix (engine/stack.py). On 2 CPU threads (bench Llama) 2 rows of 320 "
+        "tokens ran 11% faster as one batch than one at a time, and 8 rows of 1088 tokens 4% slower as batches of "
+        "3 (medians, docs/benchmarks.md); 1 runs every node alone"))
     pack_overhead_tokens: int = field(default=PACK_OVERHEAD_TOKENS, metadata=help_of(
         "what one pack's fixed cost is worth in token positions, >= 0: a shared node whose sharing saves fewer "
         "positions runs again inside each of its children instead of once (engine/schedule.py; when no shared node "

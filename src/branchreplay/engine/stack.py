@@ -2,10 +2,11 @@
 
 Depth first over the tree. The children of a node run as packs: their tokens are concatenated into one query
 sequence (up to `max_pack_tokens`) against ONE copy of the ancestors' K/V, with a tree mask (each child sees the
-whole prefix and its own earlier positions) and absolute position ids; at the root, childless children of one
-length (the rollouts of the dense packed schedule, `schedule.py`) run as the rows of one [B, L] batch instead. On
-CPU, where every layer is full attention, the prefix keys are attended without a mask and the tree mask covers only
-the pack's own keys (`attention.py`, merged by log-sum-exp). After a pack's forward, the K/V and the last hidden state
+whole prefix and its own earlier positions) and absolute position ids; childless children of one length run as
+the rows of one [B, L] batch instead, at the root (the rollouts of the dense packed schedule, `schedule.py`) and,
+with split prefix attention, below a prefix (a group's responses of one length). On CPU, where every layer is full
+attention, the prefix keys are attended without a mask and the tree mask covers only the pack's own keys
+(`attention.py`, merged by log-sum-exp). After a pack's forward, the K/V and the last hidden state
 of each of its nodes are detached into leaf tensors; the node's children run against those leaves; once every
 descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants, and the pack's
 backward runs once with them (a family with recurrent layers, `recurrent.py`, runs every node as a pack of one, and
@@ -236,12 +237,13 @@ class _Run:
             self.pack(pack, parent.end, ancestors, parent_h, final)
 
     def packs_of(self, parent: Node) -> list[list[Node]]:
-        """The packs in which `parent`'s children run (one node each in a recurrent family). At the root, childless
-        children of equal length run as batches (`_root_packs`)."""
+        """The packs in which `parent`'s children run (one node each in a recurrent family). Childless children of
+        equal length run as batches (`_batched_packs`) at the root, and below a prefix where the model runs split
+        prefix attention (which serves the one prefix to every row, `attention._SplitAttention`)."""
         if self.family.recurrent:
             return [[node] for node in parent.children]
-        if parent.end == 0:
-            return _root_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
+        if parent.end == 0 or self.prefix_split.applies:
+            return _batched_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
         return _packs(parent.children, self.max_pack_tokens)
 
     def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h, final: bool = False) -> None:
@@ -316,18 +318,20 @@ class _Run:
         """Run the pack's tokens against the ancestors' state. Returns hidden [S, H] (final-normed) and the cache,
         which gives each node's state."""
         lengths = [len(n) for n in nodes]
-        if _is_batch(nodes, P):  # rows of one [B, L] forward, each a rollout alone: no mask, no prefix
+        split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
+        if _is_batch(nodes) and (P == 0 or split):  # rows of one [B, L] forward, each causal after the prefix
             tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
-            cache = PrefixCache([], self.num_layers, self.kinds, windows=self.windows, prefix_length=0)
-            positions = torch.arange(lengths[0], device=self.device).expand_as(tokens)
+            cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
+                                split=split)
+            positions = (P + torch.arange(lengths[0], device=self.device)).expand_as(tokens)
+            mask = own_keys_mask(None, lengths[0], self.dtype, self.device) if split else None
             with self.engine_forwards:
-                out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=None, cache=cache,
+                out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
                                    use_cache=True)
             return out.last_hidden_state.reshape(tokens.numel(), -1), cache  # rows in the order of `_spans`
         tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
-        split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
         cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P, split=split)
         if split:
             own = own_keys_tree_mask(local, segment, self.dtype) if len(nodes) > 1 else None
@@ -402,13 +406,14 @@ def _packs(nodes: list[Node], max_tokens: int) -> list[list[Node]]:
     return packs
 
 
-def _root_packs(nodes: list[Node], max_tokens: int, batch_tokens: int) -> list[list[Node]]:
-    """The packs of the root's children: childless nodes of one length, two or more, as batches of at most
-    `batch_tokens` tokens (one [B, L] forward each, `_is_batch`: the dense packed schedule's rollouts, side by side
-    as in a padded batch but without pads); the other nodes as `_packs`. A batch's rows attend only to themselves,
-    under the causal mask transformers builds, where a pack of them would take a [S, S] tree mask of which all but
-    the diagonal blocks are wasted; and a short row's [B, L] call parallelises better over CPU threads than B calls
-    of one row (`EngineConfig.max_batch_tokens`). A node longer than `batch_tokens` runs alone."""
+def _batched_packs(nodes: list[Node], max_tokens: int, batch_tokens: int) -> list[list[Node]]:
+    """The packs of one parent's children: childless nodes of one length, two or more, as batches of at most
+    `batch_tokens` tokens (one [B, L] forward each, `_is_batch`: at the root, the dense packed schedule's rollouts,
+    side by side as in a padded batch but without pads; below a prefix, the rollouts' last tokens, as Prefix Grouper
+    runs a group's responses); the other nodes as `_packs`. A batch's rows attend only to the prefix and themselves,
+    under the causal mask, where a pack of them would take a [S, S] tree mask of which all but the diagonal blocks
+    are wasted; and a short row's [B, L] call parallelises better over CPU threads than B calls of one row
+    (`EngineConfig.max_batch_tokens`). A node longer than `batch_tokens` runs alone."""
     by_length: dict[int, list[Node]] = {}
     rest = []
     for node in nodes:
@@ -423,10 +428,10 @@ def _root_packs(nodes: list[Node], max_tokens: int, batch_tokens: int) -> list[l
     return _packs(rest, max_tokens) + batches
 
 
-def _is_batch(nodes: list[Node], P: int) -> bool:
-    """Whether a pack runs as one [B, L] forward (`_root_packs`): two or more childless nodes of one length at the
-    root. A batch of one row is the same forward as a pack of one node."""
-    return P == 0 and len(nodes) > 1 and len({len(n) for n in nodes}) == 1 and not any(n.children for n in nodes)
+def _is_batch(nodes: list[Node]) -> bool:
+    """Whether a pack runs as one [B, L] forward (`_batched_packs`): two or more childless nodes of one length. A
+    batch of one row is the same forward as a pack of one node."""
+    return len(nodes) > 1 and len({len(n) for n in nodes}) == 1 and not any(n.children for n in nodes)
 
 
 def _chunked(root: Node, chunk_tokens: int) -> Node:
