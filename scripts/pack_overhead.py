@@ -1,9 +1,10 @@
 """What one pack's fixed cost, and a position's attention to a cached prefix, are worth in token positions: the
 defaults of `EngineConfig.pack_overhead_tokens` and `EngineConfig.prefix_position_overhead`.
 
-A prompt of --prompt-tokens with 8 children of S tokens each, every child a pack of its own (max_pack_tokens = S),
-forward and backward by the engine (pack_overhead_tokens 0: nothing merged), for S in --sizes, and the prompt
-alone (T0: one rollout of the prompt and one token). The seconds per child pack, (T(S) - T0) / 8, fit c + a S: c
+A prompt of --prompt-tokens with 8 children of S tokens each, every child a pack of its own (max_pack_tokens = S,
+and max_batch_tokens = 1: children of one length would otherwise run as the rows of one batch), forward and
+backward by the engine (pack_overhead_tokens 0: nothing merged), for S in --sizes, and the prompt alone (T0: one
+rollout of the prompt and one token). The seconds per child pack, (T(S) - T0) / 8, fit c + a S: c
 is a pack's fixed cost, a a position's; c / a is the overhead in positions.
 
 The same 8 rollouts then run as the dense packed schedule (everything merged: each rollout of P + S tokens alone
@@ -55,7 +56,7 @@ def main() -> None:
     for round_ in range(a.repeats + 1):
         for S, kind in times:
             engine = EngineConfig(max_pack_tokens=max(S, 1) if kind == "tree" else a.prompt_tokens + S,
-                                  **schedules[kind])
+                                  max_batch_tokens=1, **schedules[kind])  # no [B, L] batches: a pack each
             model.zero_grad(set_to_none=True)
             t0 = time.perf_counter()
             replay_backward(model, trees[S], GRPOLoss(), engine=engine)
