@@ -88,6 +88,9 @@ def test_rows_of_a_batch_share_one_prefix():
     for name, grad, ref in zip("q k v kp vp".split(), grads, ref_grads):
         torch.testing.assert_close(grad, sum(ref), rtol=1e-5, atol=1e-5, msg=name)
 
+    with pytest.raises(RuntimeError, match="prefix pieces of one row"):  # the CPU kernel would read out of bounds
+        attention._SplitAttention.apply(q, k, v, None, 0.3, 1, kp.expand(B, -1, -1, -1), vp.expand(B, -1, -1, -1))
+
     q64, k64, v64, kp64, vp64 = (t[:2].detach().double().requires_grad_() for t in (q, k, v, kp, vp))
     assert torch.autograd.gradcheck(
         lambda q, k, v, kp, vp: attention._SplitAttention.apply(q, k, v, None, 0.3, 1, kp, vp), (q64, k64, v64, kp64,

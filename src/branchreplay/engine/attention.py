@@ -66,7 +66,7 @@ class _SplitAttention(torch.autograd.Function):
     own k / v and mask, out, lse and the pieces; the concatenated prefix exists only inside forward and backward.
     The block kernels are the device's (`kernels.py`).
 
-    B > 1 (the rows of a batch, `stack._batches`, each a rollout's own tokens below the one shared prefix): every
+    B > 1 (the rows of a batch, `stack._batched_packs`, each a node's own tokens below the one shared prefix): every
     query sees every prefix key, so for the prefix block the B rows are folded into one query sequence of B x S
     (`_fold_rows`): one kernel call against the prefix as it is, never copied per row, whose dK, dV are then already
     summed over the rows."""
@@ -75,6 +75,8 @@ class _SplitAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, own_mask, scale, n, *pieces):
         kernels = kernels_for(q.device)
         causal = own_mask is None
+        if any(piece.shape[0] != 1 for piece in pieces):  # the CPU kernel does not check q's and k's batch sizes
+            raise RuntimeError(f"split attention takes prefix pieces of one row, got {[p.shape for p in pieces]}")
         kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
         rows = q.shape[0]
         out_p, lse_p, saved_p = kernels.forward(_fold_rows(q), kp, vp, None, False, scale)

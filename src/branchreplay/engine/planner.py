@@ -8,7 +8,8 @@ until the prediction fits `memory_budget`. Leaf packs are never replayed: nothin
 Memory model (bytes), fitted per model from probe forwards that count the tensors autograd saves for backward
 (`torch.autograd.graph.saved_tensors_hooks`; parameters excluded):
     activations(S query tokens, P prefix tokens) = a * S + b * (P + S) + mask entries * mask element bytes + c
-        (mask entries: S * (P + S); with split prefix attention, S * S for a pack of siblings, 0 for one node;
+        (mask entries: S * (P + S); with split prefix attention, S * S for a pack of siblings, 0 for one node; a
+        batch of rows of one length, which has no mask, is charged as a pack: an upper bound;
         c: bytes every pack saves whatever its size, e.g. under autocast its own half-precision copy of the
         weights, 2 bytes per parameter of the matmuls)
     node state (K/V handed to children)         = s * L per node of L tokens, twice (leaf and its gradient)

@@ -319,7 +319,7 @@ class _Run:
         which gives each node's state."""
         lengths = [len(n) for n in nodes]
         split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
-        if _is_batch(nodes) and (P == 0 or split):  # rows of one [B, L] forward, each causal after the prefix
+        if _is_batch(nodes, P, split):  # rows of one [B, L] forward, each causal after the prefix
             tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
             cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
                                 split=split)
@@ -428,10 +428,13 @@ def _batched_packs(nodes: list[Node], max_tokens: int, batch_tokens: int) -> lis
     return _packs(rest, max_tokens) + batches
 
 
-def _is_batch(nodes: list[Node]) -> bool:
-    """Whether a pack runs as one [B, L] forward (`_batched_packs`): two or more childless nodes of one length. A
-    batch of one row is the same forward as a pack of one node."""
-    return len(nodes) > 1 and len({len(n) for n in nodes}) == 1 and not any(n.children for n in nodes)
+def _is_batch(nodes: list[Node], P: int, split: bool) -> bool:
+    """Whether a pack runs as one [B, L] forward (`_batched_packs`): two or more childless nodes of one length, at
+    the root (P = 0) or below a prefix with split prefix attention (`split`; the masked path's prefix K/V are
+    concatenated with one row's keys, so there such nodes run as a pack). A batch of one row is the same forward as
+    a pack of one node."""
+    batch = len(nodes) > 1 and len({len(n) for n in nodes}) == 1 and not any(n.children for n in nodes)
+    return batch and (P == 0 or split)
 
 
 def _chunked(root: Node, chunk_tokens: int) -> Node:
