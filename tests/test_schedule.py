@@ -129,6 +129,29 @@ def test_the_trainer_logs_the_schedule(tmp_path):
     assert "engine/schedule" not in naive
 
 
+def _decoder_shapes_and_errors(model, rollouts, engine):
+    """The input_ids shape of every decoder call of one replay_backward with `engine` (after a first replay, so
+    the head check and the planner's probes are not counted), and its gradient, logprob and loss errors against
+    the naive reference (a KL term included, as in `_compare`)."""
+    for r in rollouts:
+        r.ref_logprobs = r.loss_mask.double() * -0.5
+    model.zero_grad(set_to_none=True)
+    naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
+    g_naive = grads(model)
+    replay_logprobs(model, RolloutTree(rollouts), temperature=0.7, engine=engine)  # the head check, once per model
+    replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)  # the planner's probes
+    model.zero_grad(set_to_none=True)
+    shapes = []
+    hook = model.get_decoder().register_forward_pre_hook(
+        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
+    try:
+        replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
+    finally:
+        hook.remove()
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    return shapes, max_rel_grad_err(grads(model), g_naive), lp_err, abs(replay.loss - naive.loss)
+
+
 @pytest.mark.parametrize("arch", ["llama", "gpt2", "mistral"])  # mistral: a sliding window over the batch's rows
 def test_rollouts_of_one_length_at_the_root_run_as_one_batch(arch, tiny64):
     """The dense packed schedule's rollouts of one length run as the rows of one [B, L] forward (at most
@@ -142,25 +165,11 @@ def test_rollouts_of_one_length_at_the_root_run_as_one_batch(arch, tiny64):
     for length in (22, 30, 22, 26, 30, 22):
         tokens = torch.randint(0, vocab, (length,), generator=g).tolist()
         rollouts.append(Rollout(tokens, [0] * 2 + [1] * (length - 2), advantages=torch.randn((), generator=g).item()))
-    for r in rollouts:
-        r.ref_logprobs = r.loss_mask.double() * -0.5
-    naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
-    g_naive = grads(model)
-    engine = EngineConfig(max_batch_tokens=60)
-    replay_logprobs(model, RolloutTree(rollouts), temperature=0.7, engine=engine)  # the head check, once per model
-    replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)  # the planner's probes
-    model.zero_grad(set_to_none=True)
-    shapes = []
-    hook = model.get_decoder().register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    try:
-        replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
-    finally:
-        hook.remove()
+    shapes, grad_err, lp_err, loss_err = _decoder_shapes_and_errors(model, rollouts, EngineConfig(max_batch_tokens=60))
     assert sorted(shapes) == [(1, 22), (1, 26), (2, 22), (2, 30)]
-    assert max_rel_grad_err(grads(model), g_naive) < 1e-9
-    assert max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs)) < 1e-10
-    assert abs(replay.loss - naive.loss) < 1e-9
+    assert grad_err < 1e-9
+    assert lp_err < 1e-10
+    assert loss_err < 1e-9
 
 
 @pytest.mark.parametrize("arch,batched", [("llama", True), ("gpt2", True), ("mistral", False)])
@@ -178,25 +187,12 @@ def test_leaves_of_one_length_below_a_prefix_run_as_one_batch(arch, batched, tin
     completions += [stem + torch.randint(0, vocab, (5,), generator=g).tolist() for _ in range(2)]  # a branch
     rollouts = [Rollout(prompt + c, [0] * len(prompt) + [1] * len(c), advantages=torch.randn((), generator=g).item())
                 for c in completions]
-    for r in rollouts:
-        r.ref_logprobs = r.loss_mask.double() * -0.5
-    naive = naive_backward(model, rollouts, LOSS, temperature=0.7)
-    g_naive = grads(model)
     engine = EngineConfig(pack_overhead_tokens=0, prefix_position_overhead=0)
-    replay_logprobs(model, RolloutTree(rollouts), temperature=0.7, engine=engine)  # the head check, once per model
-    replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)  # the planner's probes
-    model.zero_grad(set_to_none=True)
-    shapes = []
-    hook = model.get_decoder().register_forward_pre_hook(
-        lambda module, args, kwargs: shapes.append(tuple(kwargs["input_ids"].shape)), with_kwargs=True)
-    try:
-        replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
-    finally:
-        hook.remove()
+    shapes, grad_err, lp_err, loss_err = _decoder_shapes_and_errors(model, rollouts, engine)
     if batched:  # the stem (a pack: it has children), the prompt, the stem's leaves, the 11s, the 8s
         assert sorted(shapes) == [(1, 4), (1, 10), (2, 5), (2, 11), (3, 8)]
     else:
         assert (3, 8) not in shapes and all(rows == 1 for rows, _ in shapes)
-    assert max_rel_grad_err(grads(model), g_naive) < 1e-9
-    assert max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs)) < 1e-10
-    assert abs(replay.loss - naive.loss) < 1e-9
+    assert grad_err < 1e-9
+    assert lp_err < 1e-10
+    assert loss_err < 1e-9
