@@ -114,8 +114,9 @@ def test_plan_keeps_groups_whole_and_balances_largest_first():
     split = shard(_trees("one-group-split", 256), 2, config)
     assert [len(p) for p in split.parts] == [1, 1] and split.recomputed_positions == 40  # the prompt, once more
     assert sum(len(t.rollouts) for p in split.parts for t in p) == 6
-    with pytest.raises(ValueError, match="rollouts for 8 ranks"):
-        shard(_trees("recurrent", 256)[:1], 8, config)
+    with pytest.raises(ValueError, match="rollouts for 8 ranks"):  # a family whose prefix cannot be shared
+        shard(_trees("recurrent", 256)[:1], 8, tiny_model("lfm2").config)
+    assert shard(_trees("recurrent", 256)[:1], 8, config).layout == "context-parallel"  # every rank: its pieces
 
 
 # -- the trainer under torchrun's environment ---------------------------------------------------------------------

@@ -78,17 +78,28 @@ def format_data_parallel(result: dict) -> str:
         if "skipped" in plan:
             lines.append(f"  plan on {n} ranks: skipped ({plan['skipped']})")
             continue
-        lines.append(f"  plan on {n} ranks: physical tokens per rank {plan['physical_tokens']}, imbalance "
-                     f"{plan['imbalance']:.2f}, {plan['recomputed_positions']} positions recomputed")
+        for label, p in (("plan", plan), ("without a context-parallel prefix", plan["whole_or_split"])):
+            lines.append(f"  {label} on {n} ranks: {p['layout']}, positions per rank {p['physical_tokens']}, "
+                         f"imbalance {p['imbalance']:.2f}, {p['recomputed_positions']} positions recomputed, "
+                         f"{max(p['bytes_moved']) / 2**20:.0f} MiB moved per rank, predicted "
+                         f"{max(p['predicted_seconds']):.1f} s" + (f" ({p['why']})" if p["why"] else ""))
     return "\n".join(lines)
 
 
 def _plan(tree: RolloutTree, ranks: int, config) -> dict:
-    if len(tree.rollouts) < ranks:
-        return {"skipped": f"{len(tree.rollouts)} rollouts for {ranks} ranks"}
-    plan = shard([tree], ranks, config)
-    return {"physical_tokens": plan.physical_tokens, "predicted_gflop": [c / 1e9 for c in plan.costs],
-            "imbalance": plan.imbalance, "recomputed_positions": plan.recomputed_positions}
+    """The plan the engine takes (`sharding.shard`, layout "auto") and, under "whole_or_split", the plan without a
+    context-parallel prefix (the layout before it existed), side by side."""
+    try:
+        plans = {layout: shard([tree], ranks, config, layout=layout) for layout in ("auto", "whole-or-split")}
+    except ValueError as e:  # fewer rollouts than ranks and no prefix to share
+        return {"skipped": str(e)}
+    out = {}
+    for layout, plan in plans.items():
+        out[layout] = {"layout": plan.layout, "physical_tokens": plan.physical_tokens,
+                       "predicted_gflop": [c / 1e9 for c in plan.costs], "imbalance": plan.imbalance,
+                       "recomputed_positions": plan.recomputed_positions, "bytes_moved": plan.bytes_moved,
+                       "predicted_seconds": plan.predicted_seconds, "why": plan.why}
+    return {**out.pop("auto"), "whole_or_split": out["whole-or-split"]}
 
 
 def _model(seed: int):

@@ -66,7 +66,7 @@ class _SplitAttention(torch.autograd.Function):
     own k / v and mask, out, lse and the pieces; the concatenated prefix exists only inside forward and backward.
     The block kernels are the device's (`kernels.py`).
 
-    B > 1 (the rows of a batch, `stack._batched_packs`, each a node's own tokens below the one shared prefix): every
+    B > 1 (the rows of a batch, `packs.batched_packs`, each a node's own tokens below the one shared prefix): every
     query sees every prefix key, so for the prefix block the B rows are folded into one query sequence of B x S
     (`_fold_rows`): one kernel call against the prefix as it is, never copied per row, whose dK, dV are then already
     summed over the rows."""

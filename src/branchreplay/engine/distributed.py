@@ -220,16 +220,17 @@ def shutdown() -> None:
 
 
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
-                            force: bool = False):
-    """`replay_backward` of this rank's share of `trees` (`sharding.shard`, the same plan on every rank), the
-    gradient reduced once: afterwards every rank's gradient is the sum over all ranks, i.e. the single-process
-    gradient of all `trees` (FSDP2 layers: this rank's shard of it). Returns (this rank's `ReplayResult`, the
-    `ShardPlan`). Every rank must call it with the same trees."""
+                            force: bool = False, layout: str = "auto", cost=None):
+    """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
+    `CostModel`, default the one measured here; the same plan on every rank), the gradient reduced once: afterwards
+    every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
+    this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
+    same trees."""
     from .config import EngineConfig
-    from .sharding import shard
+    from .sharding import CostModel, shard
     from .stack import replay_backward
 
-    plan = shard(list(trees), dp.world_size, dp.model.config)
+    plan = shard(list(trees), dp.world_size, dp.model.config, layout=layout, cost=cost or CostModel())
     with dp.accumulate():
         result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
                                  engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync())

@@ -204,7 +204,7 @@ def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: 
         MemoryBudgetError: the step does not fit even with every internal pack replayed.
     """
     internal, longest = {}, [0]
-    _collect_internal(root, 0, memory, packs_of, internal, longest)
+    _collect_internal(root, root.end, memory, packs_of, internal, longest)  # a context-parallel part's: P > 0
     fixed = memory.fixed_bytes + memory.head_per_row * min(head_chunk_tokens, longest[0])
     chosen = set(internal) if replay_all else set()
     peak = _peak(root, 0, memory, packs_of, chosen) + fixed

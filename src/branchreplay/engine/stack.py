@@ -37,10 +37,12 @@ from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
 from .config import EngineConfig
+from .context_parallel import ContextParallelTree, run_prefix
 from .embedding import DeferredEmbeddingGrad
 from .families import family_of, layer_windows
 from .head import check_head, decoder_and_head, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
+from .packs import batched_packs, chunked, is_batch, packs, spans
 from .planner import default_budget, memory_model, plan
 from .schedule import attention_per_key, schedule
 from .positions import held_at_length, length_dependent_rotaries, regimes
@@ -108,9 +110,14 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
     run = _Run(model, temperature, engine, loss, force)
     results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
+    _check_context_parallel(trees, run.rotaries)
     with run.prefix_split:  # the model runs split prefix attention until the last tree is done (attention.py)
         for t, tree in enumerate(trees):
             run.check(tree)
+            if isinstance(tree, ContextParallelTree):  # its prefix once across the ranks (context_parallel.py)
+                run.final_backward = final_backward if t == len(trees) - 1 and loss is not None else None
+                results.append(run.run_tree(tree))
+                continue
             # rollouts whose full forwards pick other rotary frequencies run as separate sub-forests (positions.py)
             parts, order = [], []
             groups = regimes(run.rotaries, [len(r) for r in tree.rollouts])
@@ -126,6 +133,19 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
         with torch.autocast(run.device.type, enabled=False):
             run.deferred.apply()
     return ReplayResult.merge(results)
+
+
+def _check_context_parallel(trees: list, rotaries) -> None:
+    """Context-parallel parts run after every whole tree (so that the step's last backward, which may hold the
+    gradient's reduce-scatter, is a context-parallel round on every rank alike), and not under a length-dependent
+    rotary encoding (its frequencies follow each rollout's length, which the prefix's pieces do not know)."""
+    parts = [isinstance(t, ContextParallelTree) for t in trees]
+    if True in parts and not all(parts[parts.index(True):]):
+        raise ValueError("context-parallel parts (ContextParallelTree) must come after every whole tree "
+                         "(engine/sharding.py orders a rank's trees so)")
+    if any(parts) and rotaries:
+        raise ValueError("context parallelism does not run a length-dependent rotary encoding (longrope, dynamic "
+                         "NTK): run the tree whole or split by its branches")
 
 
 def _in_order(result: ReplayResult, order: list[int]) -> ReplayResult:
@@ -182,12 +202,14 @@ class _Run:
                              "layers drop the prefix cache, and the engine recomputes packs itself "
                              "(EngineConfig.replay)")
 
-    def run_tree(self, tree: RolloutTree) -> ReplayResult:
+    def run_tree(self, tree: RolloutTree | ContextParallelTree) -> ReplayResult:
         """One tree through the execution stack: per-rollout logprobs and entropy, the loss, the planner's predicted
-        peak bytes (None without a loss) and the number of replayed packs."""
-        scheduled = schedule(tree.root, self.pack_overhead_tokens, self.attention_per_key,
+        peak bytes (None without a loss) and the number of replayed packs. A `ContextParallelTree` runs its prefix
+        across the ranks first (`context_parallel.run_prefix`), then its branches against the prefix's state."""
+        part = tree if isinstance(tree, ContextParallelTree) else None
+        scheduled = schedule(part.below() if part else tree.root, self.pack_overhead_tokens, self.attention_per_key,
                              self.prefix_position_overhead)
-        root = _chunked(scheduled.root, self.chunk_tokens)
+        root = chunked(scheduled.root, self.chunk_tokens)
         peak, replayed = None, 0
         if self.loss is not None:
             budget = None if self.replay != "auto" else self.memory_budget or default_budget(self.device)
@@ -201,7 +223,10 @@ class _Run:
         self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]  # a critic's values
         self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
         self.loss_value = 0.0
-        self.children(root, ancestors=[], parent_h=None)
+        if part is None:
+            self.children(root, ancestors=[], parent_h=None)
+        else:
+            run_prefix(self, part, lambda ancestors, h: self.children(root, ancestors, h), self.final_backward)
         kept, merged = scheduled.kept, scheduled.merged
         if self.critic:
             return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs,
@@ -238,13 +263,13 @@ class _Run:
 
     def packs_of(self, parent: Node) -> list[list[Node]]:
         """The packs in which `parent`'s children run (one node each in a recurrent family). Childless children of
-        equal length run as batches (`_batched_packs`) at the root, and below a prefix where the model runs split
+        equal length run as batches (`packs.batched_packs`) at the root, and below a prefix where the model runs split
         prefix attention (which serves the one prefix to every row, `attention._SplitAttention`)."""
         if self.family.recurrent:
             return [[node] for node in parent.children]
         if parent.end == 0 or self.prefix_split.applies:
-            return _batched_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
-        return _packs(parent.children, self.max_pack_tokens)
+            return batched_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
+        return packs(parent.children, self.max_pack_tokens)
 
     def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h, final: bool = False) -> None:
         """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
@@ -259,9 +284,9 @@ class _Run:
         with torch.no_grad() if replay else contextlib.nullcontext(), capture() as embedded:
             hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
         pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
-        spans = _spans(nodes)
+        node_spans = spans(nodes)
         leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children
-        for node, a, b in spans:
+        for node, a, b in node_spans:
             if not node.children:
                 continue
             state = cache.node_state(a, b)
@@ -308,18 +333,20 @@ class _Run:
 
     def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_h) -> torch.Tensor | None:
         """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode)."""
-        pieces = [p for p in (self.trained_rows(node, hidden[a:b], parent_h) for node, a, b in _spans(nodes)) if p]
+        pieces = [p for p in (self.trained_rows(node, hidden[a:b], parent_h) for node, a, b in spans(nodes)) if p]
         leaves = not any(node.children for node in nodes)  # the pack's backward follows its forward at once
         return self.node_losses(pieces, backward_next=leaves) if pieces else None
 
     # -- one pack's forward -----------------------------------------------------------------------------------------
 
-    def forward(self, nodes: list[Node], P: int, ancestors: list[NodeState]) -> tuple[torch.Tensor, PrefixCache]:
+    def forward(self, nodes: list[Node], P: int, ancestors: list[NodeState],
+                cache=None) -> tuple[torch.Tensor, PrefixCache]:
         """Run the pack's tokens against the ancestors' state. Returns hidden [S, H] (final-normed) and the cache,
-        which gives each node's state."""
+        which gives each node's state. `cache`: a pack of one node against that cache instead of a `PrefixCache` of
+        the ancestors (a context-parallel round's, `context_parallel.GatheredCache`)."""
         lengths = [len(n) for n in nodes]
         split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
-        if _is_batch(nodes, P, split):  # rows of one [B, L] forward, each causal after the prefix
+        if is_batch(nodes, P, split):  # rows of one [B, L] forward, each causal after the prefix
             tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
             cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
                                 split=split)
@@ -328,11 +355,13 @@ class _Run:
             with self.engine_forwards:
                 out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
                                    use_cache=True)
-            return out.last_hidden_state.reshape(tokens.numel(), -1), cache  # rows in the order of `_spans`
+            return out.last_hidden_state.reshape(tokens.numel(), -1), cache  # rows in the order of `packs.spans`
         tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device), torch.tensor(lengths))
-        cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P, split=split)
+        if cache is None:
+            cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
+                                split=split)
         if split:
             own = own_keys_tree_mask(local, segment, self.dtype) if len(nodes) > 1 else None
             mask = own_keys_mask(own, tokens.shape[1], self.dtype, self.device)
@@ -390,74 +419,6 @@ class _Run:
                     loss_inputs(rollouts, at, lp, ent)
                 losses.append(self.loss(inputs))
         return torch.stack(losses).sum() if losses else None
-
-
-def _packs(nodes: list[Node], max_tokens: int) -> list[list[Node]]:
-    """Greedy packs of consecutive siblings with at most `max_tokens` tokens (a longer node gets a pack alone)."""
-    packs, current, size = [], [], 0
-    for node in nodes:
-        if current and size + len(node) > max_tokens:
-            packs.append(current)
-            current, size = [], 0
-        current.append(node)
-        size += len(node)
-    if current:
-        packs.append(current)
-    return packs
-
-
-def _batched_packs(nodes: list[Node], max_tokens: int, batch_tokens: int) -> list[list[Node]]:
-    """The packs of one parent's children: childless nodes of one length, two or more, as batches of at most
-    `batch_tokens` tokens (one [B, L] forward each, `_is_batch`: at the root, the dense packed schedule's rollouts,
-    side by side as in a padded batch but without pads; below a prefix, the rollouts' last tokens, as Prefix Grouper
-    runs a group's responses); the other nodes as `_packs`. A batch's rows attend only to the prefix and themselves,
-    under the causal mask, where a pack of them would take a [S, S] tree mask of which all but the diagonal blocks
-    are wasted; and a short row's [B, L] call parallelises better over CPU threads than B calls of one row
-    (`EngineConfig.max_batch_tokens`). A node longer than `batch_tokens` runs alone."""
-    by_length: dict[int, list[Node]] = {}
-    rest = []
-    for node in nodes:
-        (rest if node.children else by_length.setdefault(len(node), [])).append(node)
-    batches = []
-    for length, same in by_length.items():
-        if len(same) == 1:
-            rest.extend(same)
-            continue
-        rows = max(1, batch_tokens // length)
-        batches.extend(same[i : i + rows] for i in range(0, len(same), rows))
-    return _packs(rest, max_tokens) + batches
-
-
-def _is_batch(nodes: list[Node], P: int, split: bool) -> bool:
-    """Whether a pack runs as one [B, L] forward (`_batched_packs`): two or more childless nodes of one length, at
-    the root (P = 0) or below a prefix with split prefix attention (`split`; the masked path's prefix K/V are
-    concatenated with one row's keys, so there such nodes run as a pack). A batch of one row is the same forward as
-    a pack of one node."""
-    batch = len(nodes) > 1 and len({len(n) for n in nodes}) == 1 and not any(n.children for n in nodes)
-    return batch and (P == 0 or split)
-
-
-def _chunked(root: Node, chunk_tokens: int) -> Node:
-    """A copy of the tree under `root` in which every node longer than `chunk_tokens` is a chain of chunks."""
-    new_root = Node(root.tokens, root.start, root.rollouts)
-    todo = [(child, new_root) for child in reversed(root.children)]
-    while todo:
-        node, parent = todo.pop()
-        for a in range(0, len(node), chunk_tokens):
-            piece = Node(node.tokens[a : a + chunk_tokens], node.start + a, node.rollouts)
-            parent.children.append(piece)
-            parent = piece
-        todo.extend((child, parent) for child in reversed(node.children))
-    return new_root
-
-
-def _spans(nodes: list[Node]) -> list[tuple[Node, int, int]]:
-    """(node, start, end) of each node's positions within its pack's query sequence."""
-    out, offset = [], 0
-    for node in nodes:
-        out.append((node, offset, offset + len(node)))
-        offset += len(node)
-    return out
 
 
 def _matmul_params(decoder) -> int:

@@ -48,6 +48,7 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 ScaleRewards = Literal["group", "batch", "none"]
 LRScheduler = Literal["cosine", "linear", "constant"]
 ParallelStrategy = Literal["auto", "fsdp2", "ddp"]
+ParallelLayout = Literal["auto", "whole-or-split", "context-parallel"]  # engine.sharding.LAYOUTS
 ImportanceSamplingLevel = Literal["token", "sequence"]
 Algorithm = Literal["grpo", "ppo", "rloo", "reinforce_pp", "dpo"]
 KLEstimator = Literal["k1", "k3"]
@@ -311,12 +312,19 @@ class ParallelConfig:
         "'fsdp2' (fully_shard per decoder layer, the rest replicated), 'ddp' (every parameter replicated), or "
         "'auto': fsdp2 when started by torchrun with more than one process, else one process. Gradients are reduced "
         "once per optimizer update; groups go to ranks by predicted cost. fsdp2 / ddp need torchrun's environment"))
+    layout: ParallelLayout = field(default="auto", metadata=help_of(
+        "how a step's trees go to the ranks (engine/sharding.py): 'auto' (the cost model's choice: whole trees, "
+        "trees split by their branches, or a long shared prompt computed once across the ranks with its K/V "
+        "all-gathered per layer, 'context-parallel'), or one of 'whole-or-split' and 'context-parallel' forced "
+        "(context-parallel where a tree's prompt has a position per rank and the family is full attention, the "
+        "other trees whole). Every layout gives the same gradient"))
     timeout_s: float = field(default=600.0, metadata=help_of(
         "seconds a collective waits for the other ranks before the run stops with an error, > 0 (a rank that dies "
         "stops the others within it; checkpoints are written atomically, so none is left half-written)"))
 
     def __post_init__(self):
         choice("parallel.strategy", self.strategy, ParallelStrategy)
+        choice("parallel.layout", self.layout, ParallelLayout)
         check("parallel.timeout_s", self.timeout_s > 0, "> 0 seconds", self.timeout_s)
 
 

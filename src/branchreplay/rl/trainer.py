@@ -400,7 +400,8 @@ class Trainer:
         trained = trees if algorithm != "grpo" or quantile else [t for t in trees if _trains(t, g.beta, g.entropy_coef)]
         plan = None
         if self.ranks is not None and trained:
-            plan = shard(trained, self.ranks.world_size, self.model.config, allow_empty=True)
+            plan = shard(trained, self.ranks.world_size, self.model.config, allow_empty=True,
+                         layout=cfg.parallel.layout)
         local = plan.parts[self.rank] if plan else trained  # this rank's trees (engine/sharding.py)
         t0 = time.perf_counter()
         entropy = old = None  # the current policy's entropies (and the old pass), when a pass before the update ran
@@ -477,7 +478,8 @@ class Trainer:
         self.vllm_stale = True  # the weights moved
         if plan is not None:
             out.update({"dist/world_size": self.ranks.world_size, "dist/imbalance": plan.imbalance,
-                        "dist/recomputed_positions": plan.recomputed_positions,
+                        "dist/recomputed_positions": plan.recomputed_positions, "dist/layout": plan.layout,
+                        "dist/bytes_moved": max(plan.bytes_moved),
                         **{f"dist/physical_tokens/rank{r}": n for r, n in enumerate(plan.physical_tokens)}})
         if isinstance(result, ReplayResult) and engine.method == "branchreplay":  # the last update's (schedule.py)
             out.update({"engine/schedule": result.schedule, "engine/shared_nodes_merged": result.shared_nodes_merged})
