@@ -25,6 +25,7 @@ from branchreplay.models import tiny_model
 from branchreplay.tree import RolloutTree
 
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective that one rank skips fails the test instead of hanging CI
+RESHARDED = {"strategy": "fsdp2", "mode": "resharded"}  # FSDP2 per layer, the ranks' packs in lock-step
 FREE_COMMUNICATION = CostModel(bytes_per_s=1e18, latency_s=0.0)  # so that the plan takes a context-parallel prefix
 
 
@@ -64,21 +65,22 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     loss, report = GRPOLoss(entropy_coef=0.01), {}
     single = tiny_model("llama", dtype=torch.float64, seed=0)
     with keep_float64(single):
-        for case, layout, cost in [("prompt-and-shared-responses", "context-parallel", None),
-                                   ("forest", "auto", FREE_COMMUNICATION),
-                                   ("one-rollout", "context-parallel", None)]:
-            trees = _trees(case, single.config.vocab_size)
+        for name, layout, cost, strategy in [("prompt-and-shared-responses", "context-parallel", None, {}),
+                                             ("forest", "auto", FREE_COMMUNICATION, {}),
+                                             ("one-rollout", "context-parallel", None, {}),
+                                             ("forest-fsdp2-resharded", "auto", FREE_COMMUNICATION, RESHARDED)]:
+            trees = _trees(name.removesuffix("-fsdp2-resharded"), single.config.vocab_size)
             expected, naive = _naive(single, trees, loss)
             model = tiny_model("llama", dtype=torch.float64, seed=0)
             with keep_float64(model):
-                dp = DataParallel(model, "ddp")
+                dp = DataParallel(model, **(strategy or {"strategy": "ddp"}))
                 result, plan = replay_backward_sharded(dp, trees, loss, layout=layout, cost=cost)
                 mine = [r for part in plan.parts[rank] for r in part.rollouts]
                 index = {id(r): i for i, r in enumerate(r for t in trees for r in t.rollouts)}
-                logprobs = replay_logprobs(model, plan.parts[rank]).logprobs
+                logprobs = replay_logprobs(model, plan.parts[rank], lockstep=dp.lockstep).logprobs
                 lp_err = max((float((a - naive.logprobs[index[id(r)]]).abs().max()) for a, r in zip(logprobs, mine)),
                              default=0.0)
-            report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "layout": plan.layout,
+            report[name] = {"err": max_rel_grad_err(dp.full_grads(), expected), "layout": plan.layout,
                             "context_parallel": plan.context_parallel, "logprob_err": lp_err,
                             "train_logprob_err": max((float((a - naive.logprobs[index[id(r)]]).abs().max())
                                                       for a, r in zip(result.logprobs, mine)), default=0.0),
@@ -97,22 +99,22 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             report["control-no-reduce"] = {"err": max_rel_grad_err(dp.full_grads(), expected)}
         finally:
             cp._gather = gather
-        if world == 2:  # FSDP2 (gather-once mode), 3 AdamW steps against the same steps in one process
-            model = tiny_model("llama", dtype=torch.float64, seed=0)
-            with keep_float64(model):
-                dp = DataParallel(model, "fsdp2")
-                opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, model)]
-                for step in range(3):
-                    trees = _trees("prompt-and-shared-responses", single.config.vocab_size, seed=step)
-                    _naive(single, trees, loss)
-                    opts[1].zero_grad(set_to_none=True)
-                    _, plan = replay_backward_sharded(dp, trees, loss, layout="context-parallel")
-                    for opt in opts:
-                        opt.step()
-                params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
-                report["fsdp2-adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in
-                                                                                   single.parameters()]),
-                                                 "layout": plan.layout}
+    for mode in ("gather-once", "resharded") if world == 2 else ():  # FSDP2, 3 AdamW steps against one process
+        single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+        with keep_float64(single), keep_float64(model):
+            dp = DataParallel(model, "fsdp2", mode=mode)
+            opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, model)]
+            for step in range(3):
+                trees = _trees("prompt-and-shared-responses", single.config.vocab_size, seed=step)
+                _naive(single, trees, loss)
+                opts[1].zero_grad(set_to_none=True)
+                _, plan = replay_backward_sharded(dp, trees, loss, layout="context-parallel")
+                for opt in opts:
+                    opt.step()
+            params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+            report[f"fsdp2-{mode}-adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in
+                                                                                  single.parameters()]),
+                                                     "layout": plan.layout}
     shutdown()  # on success only, as the product (engine.distributed.shutdown)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -130,14 +132,14 @@ def reports(request, tmp_path_factory):
 def test_a_context_parallel_prefix_gives_the_naive_gradient(reports):
     world, ranks = reports
     for rank, report in enumerate(ranks):
-        for case in ("prompt-and-shared-responses", "forest", "one-rollout"):
+        for case in ("prompt-and-shared-responses", "forest", "one-rollout", "forest-fsdp2-resharded"):
             r = report[case]
             assert r["layout"] == "context-parallel", (case, r)
             assert r["err"] <= 1e-10, f"{world} ranks, rank {rank}, {case}: max relative error {r['err']:.2e}"
             assert r["logprob_err"] <= 1e-10 and r["train_logprob_err"] <= 1e-10, (case, r)  # forward only too
-        if world == 2:
-            assert report["fsdp2-adamw-3-steps"]["err"] <= 1e-10, report["fsdp2-adamw-3-steps"]
-            assert report["fsdp2-adamw-3-steps"]["layout"] == "context-parallel"
+        for mode in ("gather-once", "resharded") if world == 2 else ():
+            r = report[f"fsdp2-{mode}-adamw-3-steps"]
+            assert r["err"] <= 1e-10 and r["layout"] == "context-parallel", (mode, r)
 
 
 def test_the_forest_runs_one_prefix_across_the_ranks_and_the_other_trees_whole(reports):
@@ -225,7 +227,7 @@ def _train_config(tmp_path, run: str, layout: str = "auto"):
     from test_trainer import make_config
 
     return make_config(tmp_path, grpo={"prompts_per_step": 1}, train={"steps": 2, "output_dir": str(tmp_path / run)},
-                       parallel={"layout": layout, "timeout_s": 120})
+                       parallel={"layout": layout, "timeout_s": 120, "fsdp_mode": "resharded"})
 
 
 def _train_worker(rank: int, world: int, port: int, tmp: str) -> None:
@@ -242,8 +244,9 @@ def _train_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
 
 def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tmp_path):
-    """`--parallel.layout context-parallel`, one prompt group per step on 2 ranks (FSDP2): each rank runs half of the
-    prompt and half of the group; every step's reward, loss and grad norm equal the single-process run's."""
+    """`--parallel.layout context-parallel --parallel.fsdp_mode resharded`, one prompt group per step on 2 ranks: each
+    rank runs half of the prompt and half of the group, FSDP2 gathering each layer per pack; every step's reward,
+    loss and grad norm equal the single-process run's."""
     from test_trainer import make_trainer
 
     single = make_trainer(_train_config(tmp_path, "single"), dtype=torch.float64).fit()
@@ -251,7 +254,7 @@ def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tm
     records = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
                for run in (single, tmp_path / "two")]
     assert len(records[1]) == 2 and all(r["dist/layout"] == "context-parallel" for r in records[1])
-    assert all(r["dist/bytes_moved"] > 0 for r in records[1])
+    assert all(r["dist/bytes_moved"] > 0 and r["dist/fsdp_mode"] == "resharded" for r in records[1])
     for theirs, ours in zip(*records):
         for key in ("reward", "loss", "grad_norm", "tree/physical_tokens"):
             assert abs(ours[key] - theirs[key]) <= 1e-9 * max(1.0, abs(theirs[key])), (key, ours, theirs)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import json
 import sys
 from pathlib import Path
@@ -253,7 +254,7 @@ def _train(argv: list[str]) -> int:
 
     config, options = parse_args(argv, ("--config", "--resume", "--threads"))  # before torch: a bad config is quick
     _set_threads(options["--threads"])
-    from .rl.trainer import TrainingFailed, TrainingInterrupted, train
+    from .rl.trainer import RankDied, TrainingFailed, TrainingInterrupted, train
 
     try:
         run_dir = train(config, options["--resume"])
@@ -262,6 +263,9 @@ def _train(argv: list[str]) -> int:
         return 130
     except TrainingFailed as e:
         print(f"error: {e}", file=sys.stderr)
+        if isinstance(e, RankDied):  # the process group is broken: its teardown could block or abort (gloo)
+            sys.stderr.flush()
+            os._exit(1)
         return 1
     print(f"run folder: {run_dir}")
     return 0

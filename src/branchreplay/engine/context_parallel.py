@@ -44,6 +44,7 @@ from transformers.cache_utils import Cache
 
 from ..tree import Node, RolloutTree, TreeStats
 from .cache import _PrefixLayer
+from .lockstep import CP_BACKWARD, CP_FORWARD
 
 Piece = tuple[int, int, int]
 """(start, end, owner rank) of a piece of the prefix: positions [start, end), run by rank `owner`."""
@@ -124,14 +125,16 @@ class ContextParallelTree:
         return root
 
 
-def run_prefix(run, part: ContextParallelTree, below, final) -> None:
+def run_prefix(run, part: ContextParallelTree, below, final):
     """Forward of this rank's pieces of `part.prefix`, round after round, then `below(ancestors, h)` (the branches,
     against the prefix's full state and last hidden state), then the rounds' backward in reverse order, the first
-    round's inside `final` when given (the step's last backward). `run` is the engine's `stack._Run`."""
-    _round(run, part, 0, [], below, final)
+    round's inside `final` when given (the step's last backward). `run` is the engine's `stack._Run`. A generator
+    of collective events (`lockstep.py`): CP_FORWARD before each round's forward, CP_BACKWARD before its backward,
+    the events of `below` (a generator too) between."""
+    yield from _round(run, part, 0, [], below, final)
 
 
-def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final) -> None:
+def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final):
     pieces = part.rounds[k]
     ((a, b),) = [(a, b) for a, b, owner in pieces if owner == part.rank]
     train = run.loss is not None
@@ -139,17 +142,18 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
     capture = run.deferred.capture if defer else contextlib.nullcontext
     split = run.prefix_split.applies and a > 0  # as the engine's packs: the earlier keys unmasked
     cache = GatheredCache(ancestors, run.num_layers, pieces, part.rank, run.kinds, run.windows, split)
+    yield CP_FORWARD
     with capture() as embedded:
         hidden, cache = run.forward([Node(part.prefix[a:b].to(run.device), a, [])], a, ancestors, cache=cache)
     state = cache.round_state()
     last = k == len(part.rounds) - 1
     h = _gather(hidden[-1:], [1] * len(pieces))[pieces[-1][2]][0] if last else None
     if not train:
-        _next(run, part, k, ancestors + [state], h, below, final)
+        yield from _next(run, part, k, ancestors + [state], h, below, final)
         return
     leaves = [tuple(_leaf(t) for t in layer) for layer in state]
     h_leaf = _leaf(h) if h is not None else None
-    _next(run, part, k, ancestors + [leaves], h_leaf, below, final)
+    yield from _next(run, part, k, ancestors + [leaves], h_leaf, below, final)
     outputs, grads = [], []
     pairs = [(out, leaf) for layer, leaf_layer in zip(state, leaves) for out, leaf in zip(layer, leaf_layer)]
     if h is not None:
@@ -158,9 +162,11 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
         if out.requires_grad:  # so that every rank runs the same reduce-scatters in the same order
             outputs.append(out)
             grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
+    if (final is not None and k == 0) or run.lockstep:  # through every layer all the same (`stack._Run.pack`)
+        outputs.append(hidden.sum() * 0)
+        grads.append(torch.ones((), dtype=hidden.dtype, device=hidden.device))
+    yield CP_BACKWARD
     if final is not None and k == 0:
-        if not outputs:  # through every layer all the same (`stack._Run.pack`)
-            outputs, grads = [hidden.sum() * 0], [torch.ones((), dtype=hidden.dtype, device=hidden.device)]
         if run.deferred is not None:  # the earlier packs' embedding gradients, in the same backward
             more_outputs, more_grads = run.deferred.outputs()
             outputs, grads = outputs + more_outputs, grads + more_grads
@@ -173,11 +179,11 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
         run.deferred.keep(embedded)
 
 
-def _next(run, part, k, ancestors, h, below, final) -> None:
+def _next(run, part, k, ancestors, h, below, final):
     if k + 1 < len(part.rounds):
-        _round(run, part, k + 1, ancestors, below, final)
+        yield from _round(run, part, k + 1, ancestors, below, final)
     else:
-        below(ancestors, h)
+        yield from below(ancestors, h)
 
 
 class _GatheredLayer(_PrefixLayer):

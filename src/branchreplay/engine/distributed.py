@@ -1,18 +1,29 @@
-"""Data parallelism for the execution stack on torch.distributed: FSDP2 (`fully_shard` per decoder layer) or DDP
-semantics (replicated parameters), with the gradient reduced ONCE per step although a step runs one backward per
-pack.
+"""Data parallelism for the execution stack on torch.distributed: FSDP2 (`fully_shard` per decoder layer) in one of two
+modes, or DDP semantics (replicated parameters).
 
-FSDP2: every decoder layer is a `fully_shard` unit on a 1-D device mesh. Ranks run different trees, hence different
-numbers of pack forwards and backwards, so no collective may depend on a pack: at the start of a step every layer
-is unsharded once (`unshard()`: one all-gather per layer per step, parameter bytes x (world - 1) / world), with
-`reshard_after_forward=False` and `set_reshard_after_backward(False)` it stays unsharded through every pack, its
-gradient sync is off (`set_requires_gradient_sync(False)`: unsharded gradients accumulate locally) for every
-backward but the step's last, which `replay_backward` runs inside `final_sync()` (its `final_backward`), once on
-every rank and through every layer: each layer then reduce-scatters the step's gradient once, in the same order on
-every rank; the layers are resharded when the step ends. Per-pack all-gathers (`reshard_after_forward=True`) would
-hold less memory but deadlock as soon as two ranks run different numbers of packs. So during a step a rank holds
+FSDP2, "gather-once": every decoder layer is a `fully_shard` unit on a 1-D device mesh. Ranks run different trees,
+hence different numbers of pack forwards and backwards, so in this mode no collective depends on a pack: at the
+start of a step every layer is unsharded once (`unshard()`: one all-gather per layer per step, parameter bytes x
+(world - 1) / world), with `reshard_after_forward=False` and `set_reshard_after_backward(False)` it stays unsharded
+through every pack, its gradient sync is off (`set_requires_gradient_sync(False)`: unsharded gradients accumulate
+locally) for every backward but the step's last, which `replay_backward` runs inside `final_sync()` (its
+`final_backward`), once on every rank and through every layer: each layer then reduce-scatters the step's gradient
+once, in the same order on every rank; the layers are resharded when the step ends. So during a step a rank holds
 the full parameters and full gradients, and between steps (optimizer state included) only its shards: ZeRO-2's
-memory during the step, ZeRO-3's outside it. The parameters outside the layers (embeddings, final norm, LM head,
+memory during the step, ZeRO-3's outside it.
+
+FSDP2, "resharded": FSDP2's own default, `reshard_after_forward=True`: each layer's parameters are all-gathered when
+a pack's forward or backward reaches the layer and freed after it, and each backward reduce-scatters the layer's
+gradient into this rank's shard at once (accumulated there over the step's packs). So a rank holds its shards, one
+or two layers' full parameters (the next one prefetched, `set_modules_to_forward_prefetch` and
+`set_modules_to_backward_prefetch`, so that on a GPU the gather overlaps the compute) and one layer's full gradient:
+ZeRO-3's memory during the step too. Every forward and backward is then a collective on every layer, so the ranks
+run their packs in lock-step (`lockstep.py`: a rank with fewer packs runs one-token dummies). It moves more bytes:
+per pack, the parameters twice (forward, backward) and the gradient once, against once per step. `fsdp_mode` picks
+between the two by memory (its docstring states the rule). Sampling and every forward outside the engine's step
+run inside `gathered()` in both modes (full parameters, no gradients).
+
+The parameters outside the layers (embeddings, final norm, LM head,
 which the engine calls directly, outside the decoder layers' forwards) are replicated and their gradients
 all-reduced once per step.
 
@@ -37,6 +48,34 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 Strategy = Literal["fsdp2", "ddp"]
+FsdpMode = Literal["auto", "gather-once", "resharded"]
+GATHER_ONCE_SHARE = 0.25
+"""`fsdp_mode` "auto" gathers once when the full parameters and gradients take at most this share of a rank's
+memory."""
+
+
+def fsdp_mode(model, requested: FsdpMode = "auto", memory_bytes: int | None = None) -> str:
+    """The FSDP2 mode: `requested` unless "auto", which is "gather-once" when the model's parameters and their
+    gradients, unsharded (2 x parameter bytes), take at most `GATHER_ONCE_SHARE` of `memory_bytes` (default: the
+    rank's memory, `rank_memory_bytes`), else "resharded". Gather-once moves fewer bytes (one all-gather and one
+    reduce-scatter per step, against two and one per pack) and needs no lock-step; resharded holds one layer's full
+    parameters at a time."""
+    if requested != "auto":
+        return requested
+    need = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    return "gather-once" if need <= GATHER_ONCE_SHARE * (memory_bytes or rank_memory_bytes(model)) else "resharded"
+
+
+def rank_memory_bytes(model) -> int:
+    """The memory of one rank: its GPU's (`total_memory`) for a model on CUDA, else the machine's physical memory
+    divided by the local world size (LOCAL_WORLD_SIZE, as torchrun sets it)."""
+    import os
+
+    device = next(model.parameters()).device
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // local
 
 
 def decoder_layers(model) -> list[torch.nn.Module]:
@@ -53,14 +92,22 @@ def decoder_layers(model) -> list[torch.nn.Module]:
 class DataParallel:
     """`model` data-parallel over the default process group (module docstring). `strategy`: "fsdp2" or "ddp";
     `device`: the model's device type ("cpu" for gloo: an explicit CPU mesh even on a machine with CUDA, PyTorch
-    issue 132471); `broadcast`: start every rank from rank 0's weights (False when the caller already did).
-    Construct it on every rank with the same model configuration."""
+    issue 132471); `broadcast`: start every rank from rank 0's weights (False when the caller already did);
+    `mode`: FSDP2's "gather-once" or "resharded" (module docstring; `fsdp_mode` resolves "auto"). `lockstep`: the
+    engine must run its calls with `lockstep=True` (resharded). Construct it on every rank with the same model
+    configuration; resharded runs one forward of one token at construction (FSDP2's prefetch needs every layer's
+    state initialised)."""
 
-    def __init__(self, model, strategy: Strategy, device: str = "cpu", broadcast: bool = True):
+    def __init__(self, model, strategy: Strategy, device: str = "cpu", broadcast: bool = True,
+                 mode: str = "gather-once"):
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialised: start with torchrun (it sets RANK, "
                                "WORLD_SIZE, MASTER_ADDR) and call branchreplay.engine.distributed.init()")
+        if mode not in ("gather-once", "resharded"):
+            raise ValueError(f"FSDP2 mode {mode!r}: expected 'gather-once' or 'resharded' (fsdp_mode resolves 'auto')")
         self.model, self.strategy = model, strategy
+        self.mode = mode if strategy == "fsdp2" else None
+        self.lockstep = self.mode == "resharded"
         self.world_size, self.rank = dist.get_world_size(), dist.get_rank()
         self.layers = decoder_layers(model) if strategy == "fsdp2" else []
         layer_params = {id(p) for layer in self.layers for p in layer.parameters()}
@@ -72,23 +119,39 @@ class DataParallel:
 
             self.mesh = init_device_mesh(device, (self.world_size,))
             for layer in self.layers:
-                fully_shard(layer, mesh=self.mesh, reshard_after_forward=False)
+                fully_shard(layer, mesh=self.mesh, reshard_after_forward=self.lockstep)
                 layer.set_gradient_divide_factor(1.0)
                 layer.set_force_sum_reduction_for_comms(True)
-                layer.set_reshard_after_backward(False)
+                layer.set_reduce_scatter_unused_params(True)  # a layer part of which a rank did not use (MoE)
+                layer.set_reshard_after_backward(self.lockstep)
+            if self.lockstep:
+                self._prefetch()
+
+    def _prefetch(self) -> None:
+        """Each layer's forward prefetches the next layer's parameters, its backward the previous one's. Every layer
+        is its own FSDP2 root (the engine calls the embeddings and the head itself), whose communication state
+        exists only after its first forward: one forward of one token, on every rank, makes it."""
+        with torch.no_grad():
+            self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.replicated[0].device))
+        for before, after in zip(self.layers, self.layers[1:]):
+            before.set_modules_to_forward_prefetch([after])
+            after.set_modules_to_backward_prefetch([before])
 
     @contextlib.contextmanager
     def gathered(self) -> Iterator[None]:
         """While inside, the FSDP2 layers hold their full parameters (one all-gather per layer, on every rank alike),
         so that forwards and backwards, however many each rank runs (sampling, packs), need no collective;
-        resharded on exit (before the optimizer step, which updates the shards)."""
+        resharded on exit (before the optimizer step, which updates the shards). In resharded mode the layers do
+        not reshard after each forward while inside."""
         for layer in self.layers:
+            layer.set_reshard_after_forward(False)
             layer.unshard()
         try:
             yield
         finally:
             for layer in self.layers:
                 layer.reshard()
+                layer.set_reshard_after_forward(self.lockstep)
 
     def no_sync(self):
         """While inside, backward passes accumulate local gradients without any collective (until `final_sync`)."""
@@ -96,13 +159,18 @@ class DataParallel:
 
     @contextlib.contextmanager
     def accumulate(self) -> Iterator[None]:
-        """One step's backward passes: `gathered` and `no_sync` together."""
+        """One step's backward passes: `gathered` and `no_sync` together; in resharded mode nothing (each backward
+        reduce-scatters its layers' gradients)."""
+        if self.lockstep:
+            yield
+            return
         with self.gathered(), self.no_sync():
             yield
 
     def final_sync(self):
-        """Around the step's last backward: the FSDP2 layers reduce-scatter the accumulated gradient (a sum)."""
-        return self._gradient_sync(True)
+        """Around the step's last backward: the FSDP2 layers reduce-scatter the accumulated gradient (a sum); in
+        resharded mode nothing (every backward did)."""
+        return contextlib.nullcontext() if self.lockstep else self._gradient_sync(True)
 
     @contextlib.contextmanager
     def _gradient_sync(self, enabled: bool) -> Iterator[None]:
@@ -233,6 +301,7 @@ def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float
     plan = shard(list(trees), dp.world_size, dp.model.config, layout=layout, cost=cost or CostModel())
     with dp.accumulate():
         result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
-                                 engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync())
+                                 engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync(),
+                                 lockstep=dp.lockstep)
     dp.reduce_replicated()
     return result, plan

@@ -30,6 +30,7 @@ import torch
 from ..models import max_positions
 from ..tree import Node
 from .head import decoder_and_head
+from .lockstep import FORWARD
 
 
 @dataclass(frozen=True)
@@ -125,7 +126,7 @@ def default_budget(device: torch.device) -> int:
 _fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(compute dtype, s, split): MemoryModel}
 
 
-def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
+def memory_model(model, forward, tokens: int, split: bool):
     """The `MemoryModel` of `model` for a tree of `tokens` physical positions, fitted once per model, compute dtype
     (the parameters', or an active autocast's), scale s and attention path (split or masked), from the bytes that
     three probe forwards save for backward.
@@ -135,7 +136,9 @@ def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
     fewer than 7 positions, whose trees are a few tokens, gets the fixed bytes only.
 
     forward(nodes, P, ancestors) -> (hidden [S, H], cache): the engine's pack forward; split: the model runs split
-    prefix attention (`attention.PrefixSplit`)."""
+    prefix attention (`attention.PrefixSplit`). A generator that yields FORWARD before each probe forward (the
+    probes are decoder forwards like the packs', so under lock-step the other ranks run dummies: `lockstep.py`)
+    and returns the `MemoryModel`."""
     head = decoder_and_head(model)[1].weight
     scale = 256 if tokens >= 4096 else 16
     limit = max_positions(model.config)
@@ -145,12 +148,13 @@ def memory_model(model, forward, tokens: int, split: bool) -> MemoryModel:
     compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.dtype
     fitted = _fitted.setdefault(model, {})
     if (compute, scale, split) not in fitted:
-        fitted[compute, scale, split] = _fit(model, forward, scale, split)
+        fitted[compute, scale, split] = yield from _fit(model, forward, scale, split)
     return fitted[compute, scale, split]
 
 
-def _fit(model, forward, s: int, split: bool) -> MemoryModel:
-    """Fit a, b and s of `MemoryModel` from the saved bytes of three probes of scale `s` (none for s = 0)."""
+def _fit(model, forward, s: int, split: bool):
+    """Fit a, b and s of `MemoryModel` from the saved bytes of three probes of scale `s` (none for s = 0); a
+    generator of the probes' FORWARD events, as `memory_model`."""
     head = decoder_and_head(model)[1].weight
     vocab, dtype = model.config.vocab_size, head.dtype
     params = list(model.parameters())
@@ -158,18 +162,20 @@ def _fit(model, forward, s: int, split: bool) -> MemoryModel:
 
     def probe(S, P):
         prefix = Node(torch.randint(0, vocab, (P,), generator=g), 0, [])
+        yield FORWARD
         with torch.no_grad():
             _, cache = forward([prefix], 0, [])
         state = [tuple(t.detach().requires_grad_(True) for t in layer) for layer in cache.node_state(0, P)]
         node = Node(torch.randint(0, vocab, (S,), generator=g), P, [])
         leaves = [t for layer in state for t in layer]  # counted as state, not as activations
+        yield FORWARD
         return saved_bytes(params + leaves, lambda: forward([node], P, [state])), state
 
     per_token = per_key = state_per_token = 0.0
     if s > 0:
-        b1, state = probe(s, 2 * s)
-        b2, _ = probe(2 * s, 2 * s)
-        b3, _ = probe(s, 6 * s)
+        b1, state = yield from probe(s, 2 * s)
+        b2, _ = yield from probe(2 * s, 2 * s)
+        b3, _ = yield from probe(s, 6 * s)
         per_key = max(b3 - b1, 0) / (4 * s)
         per_token = max((b2 - b1) / s - per_key, 0.0)
         state_per_token = sum(t.numel() * t.element_size() for layer in state for t in layer) / (2 * s)

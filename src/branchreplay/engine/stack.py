@@ -38,6 +38,7 @@ from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
 from .config import EngineConfig
 from .context_parallel import ContextParallelTree, run_prefix
+from .lockstep import BACKWARD, FORWARD, LockStep, drain
 from .embedding import DeferredEmbeddingGrad
 from .families import family_of, layer_windows
 from .head import check_head, decoder_and_head, token_logprobs, token_values
@@ -58,6 +59,7 @@ def replay_backward(
     engine: EngineConfig = EngineConfig(),
     force: bool = False,
     final_backward: contextlib.AbstractContextManager | None = None,
+    lockstep: bool = False,
 ) -> ReplayResult:
     """Forward and backward of `loss` over every rollout of `trees`, each unique position computed once.
 
@@ -76,6 +78,9 @@ def replay_backward(
         final_backward: a context entered around the call's LAST backward pass (the root pack of the last tree),
             which always runs, through every layer (with a zero loss if nothing else flows there). Data parallelism
             uses it to reduce gradients once per step instead of once per pack (`engine/distributed.py`).
+        lockstep: run every decoder forward and backward in step with the other ranks of the default process group
+            (`lockstep.LockStep`: FSDP2 with its parameters gathered per layer); every backward then runs through
+            every layer. Every rank must make the same number of calls with it.
     A tree whose rollouts fall in different regimes of a length-dependent rotary encoding (longrope, dynamic NTK:
     `engine/positions.py`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
 
@@ -85,7 +90,7 @@ def replay_backward(
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
-    return _replay(model, trees, loss, temperature, engine, force, final_backward)
+    return _replay(model, trees, loss, temperature, engine, force, final_backward, lockstep)
 
 
 @torch.no_grad()
@@ -96,43 +101,55 @@ def replay_logprobs(
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
     force: bool = False,
+    lockstep: bool = False,
 ) -> ReplayResult:
     """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
     rollout alone. Same arguments and errors as `replay_backward`."""
-    return _replay(model, trees, None, temperature, engine, force)
+    return _replay(model, trees, None, temperature, engine, force, None, lockstep)
 
 
 def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool = False,
-            final_backward=None) -> ReplayResult:
+            final_backward=None, lockstep: bool = False) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
     run = _Run(model, temperature, engine, loss, force)
-    results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
     _check_context_parallel(trees, run.rotaries)
+    for tree in trees:
+        run.check(tree)
+    run.lockstep = lockstep
     with run.prefix_split:  # the model runs split prefix attention until the last tree is done (attention.py)
-        for t, tree in enumerate(trees):
-            run.check(tree)
-            if isinstance(tree, ContextParallelTree):  # its prefix once across the ranks (context_parallel.py)
-                run.final_backward = final_backward if t == len(trees) - 1 and loss is not None else None
-                results.append(run.run_tree(tree))
-                continue
-            # rollouts whose full forwards pick other rotary frequencies run as separate sub-forests (positions.py)
-            parts, order = [], []
-            groups = regimes(run.rotaries, [len(r) for r in tree.rollouts])
-            for k, (length, members) in enumerate(groups):
-                sub = tree if len(members) == len(tree.rollouts) else RolloutTree([tree.rollouts[i] for i in members])
-                last = t == len(trees) - 1 and k == len(groups) - 1
-                run.final_backward = final_backward if last and loss is not None else None
-                with held_at_length(model, length, run.rotaries):
-                    parts.append(run.run_tree(sub))
-                order += members
-            results.append(_in_order(ReplayResult.merge(parts), order))
+        events = _trees(run, model, trees, final_backward)
+        results = LockStep(run.dummy_forward, loss is not None).run(events) if lockstep else drain(events)
     if run.deferred is not None:  # what the packs left of the input embedding's gradient (embedding.py)
         with torch.autocast(run.device.type, enabled=False):
             run.deferred.apply()
     return ReplayResult.merge(results)
+
+
+def _trees(run: _Run, model, trees: list, final_backward):
+    """The trees one after another, as the generator of their collective events (`lockstep.py`); returns their
+    results."""
+    results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
+    train = run.loss is not None
+    for t, tree in enumerate(trees):
+        if isinstance(tree, ContextParallelTree):  # its prefix once across the ranks (context_parallel.py)
+            run.final_backward = final_backward if t == len(trees) - 1 and train else None
+            results.append((yield from run.run_tree(tree)))
+            continue
+        # rollouts whose full forwards pick other rotary frequencies run as separate sub-forests (positions.py)
+        parts, order = [], []
+        groups = regimes(run.rotaries, [len(r) for r in tree.rollouts])
+        for k, (length, members) in enumerate(groups):
+            sub = tree if len(members) == len(tree.rollouts) else RolloutTree([tree.rollouts[i] for i in members])
+            last = t == len(trees) - 1 and k == len(groups) - 1
+            run.final_backward = final_backward if last and train else None
+            with held_at_length(model, length, run.rotaries):
+                parts.append((yield from run.run_tree(sub)))
+            order += members
+        results.append(_in_order(ReplayResult.merge(parts), order))
+    return results
 
 
 def _check_context_parallel(trees: list, rotaries) -> None:
@@ -186,6 +203,7 @@ class _Run:
         self.replay, self.memory_budget = engine.replay, engine.memory_budget
         self.replay_set: set[int] = set()
         self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)
+        self.lockstep = False  # every forward and backward in step with the other ranks (`lockstep.py`)
         embedding = self.decoder.get_input_embeddings()
         self.deferred = DeferredEmbeddingGrad(embedding) if loss is not None and embedding.weight.requires_grad \
             else None
@@ -202,10 +220,11 @@ class _Run:
                              "layers drop the prefix cache, and the engine recomputes packs itself "
                              "(EngineConfig.replay)")
 
-    def run_tree(self, tree: RolloutTree | ContextParallelTree) -> ReplayResult:
+    def run_tree(self, tree: RolloutTree | ContextParallelTree):
         """One tree through the execution stack: per-rollout logprobs and entropy, the loss, the planner's predicted
         peak bytes (None without a loss) and the number of replayed packs. A `ContextParallelTree` runs its prefix
-        across the ranks first (`context_parallel.run_prefix`), then its branches against the prefix's state."""
+        across the ranks first (`context_parallel.run_prefix`), then its branches against the prefix's state. A
+        generator of the tree's collective events (`lockstep.py`) that returns the result."""
         part = tree if isinstance(tree, ContextParallelTree) else None
         scheduled = schedule(part.below() if part else tree.root, self.pack_overhead_tokens, self.attention_per_key,
                              self.prefix_position_overhead)
@@ -213,7 +232,8 @@ class _Run:
         peak, replayed = None, 0
         if self.loss is not None:
             budget = None if self.replay != "auto" else self.memory_budget or default_budget(self.device)
-            memory = memory_model(self.model, self.forward, tree.stats.physical_tokens, self.prefix_split.applies)
+            memory = yield from memory_model(self.model, self.forward, tree.stats.physical_tokens,
+                                             self.prefix_split.applies)
             step_plan = plan(root, memory, self.packs_of, budget, replay_all=self.replay == "replay",
                              head_chunk_tokens=self.head_chunk_tokens)
             self.replay_set = step_plan.replay
@@ -224,9 +244,10 @@ class _Run:
         self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
         self.loss_value = 0.0
         if part is None:
-            self.children(root, ancestors=[], parent_h=None)
+            yield from self.children(root, ancestors=[], parent_h=None)
         else:
-            run_prefix(self, part, lambda ancestors, h: self.children(root, ancestors, h), self.final_backward)
+            yield from run_prefix(self, part, lambda ancestors, h: self.children(root, ancestors, h),
+                                  self.final_backward)
         kept, merged = scheduled.kept, scheduled.merged
         if self.critic:
             return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs,
@@ -253,13 +274,14 @@ class _Run:
 
     # -- traversal ------------------------------------------------------------------------------------------------
 
-    def children(self, parent: Node, ancestors: list[NodeState], parent_h: torch.Tensor | None) -> None:
+    def children(self, parent: Node, ancestors: list[NodeState], parent_h: torch.Tensor | None):
         """Run the subtrees under `parent`, pack by pack; on return, the ancestors' leaves hold their gradients.
-        The last root pack of the run's final tree is the last backward (post-order): it takes `final_backward`."""
+        The last root pack of the run's final tree is the last backward (post-order): it takes `final_backward`.
+        A generator of the packs' collective events (`lockstep.py`), as `pack`."""
         packs = self.packs_of(parent)
         for i, pack in enumerate(packs):
             final = self.final_backward is not None and not ancestors and i == len(packs) - 1
-            self.pack(pack, parent.end, ancestors, parent_h, final)
+            yield from self.pack(pack, parent.end, ancestors, parent_h, final)
 
     def packs_of(self, parent: Node) -> list[list[Node]]:
         """The packs in which `parent`'s children run (one node each in a recurrent family). Childless children of
@@ -271,16 +293,19 @@ class _Run:
             return batched_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
         return packs(parent.children, self.max_pack_tokens)
 
-    def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h, final: bool = False) -> None:
+    def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h, final: bool = False):
         """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
 
-        Kept: the pack's autograd graph lives while its subtrees run. Replayed: the first forward runs without a
+        A generator that yields FORWARD before each decoder forward and BACKWARD before the backward when the
+        backward runs through every layer (lock-step or final). Kept: the pack's autograd graph lives while its
+        subtrees run. Replayed: the first forward runs without a
         graph (only the state and last hidden states handed to the children are kept) and is recomputed, with a
         graph, just before the backward: the same values, since it is the same computation on the same inputs."""
         train = self.loss is not None
         replay = train and id(nodes[0]) in self.replay_set
         defer = self.deferred is not None and not final  # the embedding's gradient later, in one pass (embedding.py)
         capture = self.deferred.capture if defer else contextlib.nullcontext
+        yield FORWARD
         with torch.no_grad() if replay else contextlib.nullcontext(), capture() as embedded:
             hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
         pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
@@ -291,14 +316,15 @@ class _Run:
                 continue
             state = cache.node_state(a, b)
             if not train:
-                self.children(node, ancestors + [state], hidden[b - 1])
+                yield from self.children(node, ancestors + [state], hidden[b - 1])
                 continue
             state_leaves, h_leaf = [tuple(_leaf(t) for t in layer) for layer in state], _leaf(hidden[b - 1])
-            self.children(node, ancestors + [state_leaves], h_leaf)
+            yield from self.children(node, ancestors + [state_leaves], h_leaf)
             leaves.append(((a, b), state_leaves, h_leaf))
         if not train:
             return
         if replay:
+            yield FORWARD
             with capture() as embedded:
                 hidden, cache = self.forward(nodes, P, ancestors)
             pack_loss = self.pack_loss(nodes, hidden, parent_h)
@@ -317,9 +343,11 @@ class _Run:
             grads.append(torch.ones_like(pack_loss))
         # backward outside an active autocast (its ops take the forward's dtypes; PyTorch's AMP notes advise so)
         no_autocast = torch.autocast(self.device.type, enabled=False)
-        if final:  # the run's last backward: through every layer, inside `final_backward`
-            if not outputs:
-                outputs, grads = [hidden.sum() * 0], [torch.ones((), dtype=hidden.dtype, device=hidden.device)]
+        if final or self.lockstep:  # through every layer (and its collectives), even with nothing to carry back
+            outputs.append(hidden.sum() * 0)
+            grads.append(torch.ones((), dtype=hidden.dtype, device=hidden.device))
+            yield BACKWARD
+        if final:  # the run's last backward, inside `final_backward`
             if self.deferred is not None:  # the earlier packs' embedding gradients, in the same backward
                 more_outputs, more_grads = self.deferred.outputs()
                 outputs, grads = outputs + more_outputs, grads + more_grads
@@ -373,6 +401,11 @@ class _Run:
             out = self.decoder(input_ids=tokens, position_ids=(P + local)[None], attention_mask=mask, cache=cache,
                                use_cache=True)
         return out.last_hidden_state[0], cache
+
+    def dummy_forward(self) -> torch.Tensor:
+        """A forward of one token (id 0, position 0) through every decoder layer, the lock-step's dummy
+        (`lockstep.py`). Returns its hidden state [1, H]."""
+        return self.forward([Node(torch.zeros(1, dtype=torch.long), 0, [])], 0, [])[0]
 
     # -- the nodes' losses -----------------------------------------------------------------------------------------
 

@@ -49,6 +49,7 @@ ScaleRewards = Literal["group", "batch", "none"]
 LRScheduler = Literal["cosine", "linear", "constant"]
 ParallelStrategy = Literal["auto", "fsdp2", "ddp"]
 ParallelLayout = Literal["auto", "whole-or-split", "context-parallel"]  # engine.sharding.LAYOUTS
+FsdpMode = Literal["auto", "gather-once", "resharded"]  # engine.distributed.FsdpMode
 ImportanceSamplingLevel = Literal["token", "sequence"]
 Algorithm = Literal["grpo", "ppo", "rloo", "reinforce_pp", "dpo"]
 KLEstimator = Literal["k1", "k3"]
@@ -318,13 +319,22 @@ class ParallelConfig:
         "all-gathered per layer, 'context-parallel'), or one of 'whole-or-split' and 'context-parallel' forced "
         "(context-parallel where a tree's prompt has a position per rank and the family is full attention, the "
         "other trees whole). Every layout gives the same gradient"))
+    fsdp_mode: FsdpMode = field(default="auto", metadata=help_of(
+        "FSDP2 during the step (engine/distributed.py): 'gather-once' (every layer all-gathered once per step, full "
+        "parameters and gradients held through it, the gradient reduce-scattered once: fewest bytes moved), "
+        "'resharded' (each layer gathered when a pack runs it and freed after, its gradient reduce-scattered per "
+        "backward, the ranks' packs in lock-step: one layer's full parameters at a time), or 'auto': gather-once "
+        "when 2 x the parameter bytes take at most a quarter of a rank's memory (its GPU's, or the machine's over "
+        "the local ranks), else resharded. Both give the same gradient"))
     timeout_s: float = field(default=600.0, metadata=help_of(
         "seconds a collective waits for the other ranks before the run stops with an error, > 0 (a rank that dies "
-        "stops the others within it; checkpoints are written atomically, so none is left half-written)"))
+        "stops the others within it, gloo at once, with an error naming the dead rank (rl/parallel.py's heartbeat); "
+        "checkpoints are written atomically, so none is left half-written)"))
 
     def __post_init__(self):
         choice("parallel.strategy", self.strategy, ParallelStrategy)
         choice("parallel.layout", self.layout, ParallelLayout)
+        choice("parallel.fsdp_mode", self.fsdp_mode, FsdpMode)
         check("parallel.timeout_s", self.timeout_s > 0, "> 0 seconds", self.timeout_s)
 
 

@@ -23,23 +23,32 @@ from ..tree import ReplayResult, RolloutTree, TreeStats
 
 
 def tree_backward(model, trees: list[RolloutTree], loss, *, temperature: float, engine: EngineConfig,
-                  force: bool = False, final_backward=None) -> ReplayResult:
+                  force: bool = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
     """Forward and backward of `loss` over `trees` by `engine.method`; gradients accumulate into `param.grad`.
-    Same arguments, result and errors as `engine.replay_backward` (`final_backward`: branchreplay only)."""
+    Same arguments, result and errors as `engine.replay_backward` (`final_backward`, `lockstep`: branchreplay
+    only)."""
     if engine.method == "branchreplay":
         return replay_backward(model, trees, loss, temperature=temperature, engine=engine, force=force,
-                               final_backward=final_backward)
+                               final_backward=final_backward, lockstep=lockstep)
+    _no_lockstep(lockstep, engine.method)
     return _reference(model, trees, loss, temperature, engine.method)
 
 
 def tree_logprobs(model, trees: list[RolloutTree], *, temperature: float, engine: EngineConfig,
-                  force: bool = False) -> ReplayResult:
+                  force: bool = False, lockstep: bool = False) -> ReplayResult:
     """Per-rollout logprobs and entropies (a critic's values) without a graph, by `engine.method`; as
     `engine.replay_logprobs`."""
     if engine.method == "branchreplay":
-        return replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force)
+        return replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force, lockstep=lockstep)
+    _no_lockstep(lockstep, engine.method)
     with torch.no_grad():
         return _reference(model, trees, None, temperature, engine.method)
+
+
+def _no_lockstep(lockstep: bool, method: str) -> None:
+    if lockstep:
+        raise ValueError(f"engine.method={method!r} does not run FSDP2's resharded mode (its lock-step is the "
+                         "engine's): use parallel.fsdp_mode gather-once, or engine.method branchreplay")
 
 
 def _reference(model, trees: list[RolloutTree], loss, temperature: float, method: str) -> ReplayResult:

@@ -6,13 +6,23 @@ a group's samples do not depend on the world size; the groups are gathered, so e
 computes the same advantages and loss weights (normalised over the whole step); the trees then go to ranks by
 predicted cost (`engine.sharding`) and the gradient is reduced once (`engine.distributed`). Losses, loss statistics
 and stop requests are reduced across ranks; rank 0 alone writes the run folder.
+
+A rank that dies (killed, out of memory) makes the others' next collective fail: gloo at once (the peer's socket
+closes), nccl at the collective timeout (`parallel.timeout_s`). Which rank it was, the error does not say (gloo names
+an address). So every rank keeps a `Heartbeat` in torch.distributed's rendezvous store, a counter bumped twice a
+second from a daemon thread, and after a failed collective `Heartbeat.dead_ranks` names the ranks whose counter
+stood still.
 """
 
 from __future__ import annotations
 
+import atexit
+import datetime
 import hashlib
 import os
-from dataclasses import dataclass
+import threading
+import time
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,6 +37,7 @@ class Ranks:
 
     rank: int
     world_size: int
+    heartbeat: Heartbeat | None = field(default=None, compare=False)
 
     def mine(self, n: int) -> list[int]:
         """The indices of `n` groups that this rank samples and scores: k with k % world_size == rank."""
@@ -63,7 +74,7 @@ def launch(strategy: str, config: dict, timeout_s: float = 600.0) -> Ranks | Non
         raise ValueError(f"parallel.strategy={strategy!r} needs torchrun: launch with `torchrun --nproc_per_node N "
                          "-m branchreplay train ...`, or leave parallel.strategy at 'auto' for one process")
     rank, world = init(timeout_s=timeout_s)
-    ranks = Ranks(rank, world)
+    ranks = Ranks(rank, world, Heartbeat(rank, world))
     digest = hashlib.sha256(yaml.safe_dump(config, sort_keys=True).encode()).hexdigest()
     digests = ranks.gather(digest)
     different = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -71,3 +82,53 @@ def launch(strategy: str, config: dict, timeout_s: float = 600.0) -> Ranks | Non
         raise ValueError(f"ranks {different} were started with a configuration different from rank 0's: start every "
                          "rank with the same --config and overrides")
     return ranks
+
+
+class Heartbeat:
+    """This rank's liveness counter in the rendezvous store (TCPStore at MASTER_ADDR:MASTER_PORT, torchrun's agent
+    or rank 0), bumped every `period_s` seconds by a daemon thread until `stop()` (at the latest at exit: a thread
+    left inside the store's C++ client while the process exits makes it abort).
+
+    `dead_ranks()` reads every rank's counter, waits `wait_s` seconds (several periods), reads again, and returns
+    the other ranks whose counter did not move; when the store itself cannot be reached, rank 0 (which holds it
+    when the ranks were not started by torchrun) is taken for dead. Both in a rank's own words: seconds."""
+
+    PREFIX = "branchreplay/heartbeat/"
+
+    def __init__(self, rank: int, world_size: int, period_s: float = 0.5, wait_s: float = 2.0):
+        self.rank, self.world_size, self.period_s, self.wait_s = rank, world_size, period_s, wait_s
+        self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                   timeout=datetime.timedelta(seconds=5))
+        self.store.add(self._key(rank), 1)
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._beat, name="branchreplay-heartbeat", daemon=True)
+        self.thread.start()
+        atexit.register(self.stop)
+
+    def stop(self) -> None:
+        """End the beats (idempotent); the others then take this rank for dead, so call it only at the end."""
+        self.stopped.set()
+        self.thread.join(timeout=10)
+
+    def _key(self, rank: int) -> str:
+        return f"{self.PREFIX}{rank}"
+
+    def _beat(self) -> None:
+        store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                              timeout=datetime.timedelta(seconds=5))  # its own connection: a store is not shared
+        while not self.stopped.wait(self.period_s):
+            try:
+                store.add(self._key(self.rank), 1)
+            except Exception:  # noqa: BLE001 (the store is gone: nobody is left to read the counter)
+                return
+
+    def dead_ranks(self) -> list[int]:
+        """The other ranks that stopped beating (class docstring); [] when every rank is alive."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        try:
+            before = [self.store.add(self._key(r), 0) for r in others]
+            time.sleep(self.wait_s)
+            after = [self.store.add(self._key(r), 0) for r in others]
+        except Exception:  # noqa: BLE001 (the store cannot be reached: its host is gone)
+            return [0] if self.rank != 0 else []
+        return [r for r, a, b in zip(others, before, after) if a == b]

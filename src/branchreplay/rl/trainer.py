@@ -54,7 +54,7 @@ from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule
 
 from ..check.self_check import ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError
-from ..engine.distributed import DataParallel, shutdown
+from ..engine.distributed import DataParallel, fsdp_mode, shutdown
 from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_loss, token_weights
@@ -96,6 +96,12 @@ class TrainingFailed(RuntimeError):
     def __init__(self, run_dir: Path, why: str):
         super().__init__(f"{why}. Fix it, then resume from the last good step: branchreplay train --resume {run_dir}")
         self.run_dir = run_dir
+
+
+class RankDied(TrainingFailed):
+    """Another rank of a data-parallel run died (killed, out of memory): this rank's collective failed, and the
+    heartbeats (`parallel.Heartbeat`) name the dead rank. The last checkpoint in `run_dir` is complete (written
+    atomically), so the run resumes from it."""
 
 
 @dataclass
@@ -225,7 +231,8 @@ class Trainer:
         self.dp = None
         if self.ranks is not None:  # after the reference copy: fully_shard changes the model in place
             strategy = "fsdp2" if config.parallel.strategy == "auto" else config.parallel.strategy
-            self.dp = DataParallel(model, strategy, device=model.device.type, broadcast=False)  # broadcast above
+            self.dp = DataParallel(model, strategy, device=model.device.type, broadcast=False,  # broadcast above
+                                   mode=fsdp_mode(model, config.parallel.fsdp_mode))
         g = config.grpo
         self.num_updates = {"ppo": config.ppo.num_ppo_epochs, "dpo": 1}.get(config.algorithm, g.num_iterations)
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -407,9 +414,9 @@ class Trainer:
         entropy = old = None  # the current policy's entropies (and the old pass), when a pass before the update ran
         vllm = batch.sampler_logprobs is not None  # the old policy's logprobs are ours, the sampler's are compared
         cap = cfg.sampling.vllm_importance_sampling_cap  # truncated importance sampling needs them before the loss
-        if local and (self.num_updates > 1 or algorithm != "grpo" or cap is not None):  # before any update
-            with self.gathered(), self.autocast():
-                old = tree_logprobs(self.model, local, temperature=temperature, engine=engine, force=self.force)
+        lockstep = self.dp is not None and self.dp.lockstep  # every rank joins every pass, with or without trees
+        if (local or lockstep) and (self.num_updates > 1 or algorithm != "grpo" or cap is not None):  # before updates
+            old = self.policy_logprobs(local)
             for r, lp in zip(_rollouts(local), old.logprobs):
                 r.old_logprobs = lp
             entropy = old.entropy
@@ -437,9 +444,7 @@ class Trainer:
             metrics = {}
             if quantile:  # this update's entropies: the old-policy pass's (the same weights) for the first one
                 if entropy is None or k > 0:
-                    with self.gathered(), self.autocast():
-                        entropy = tree_logprobs(self.model, local, temperature=temperature, engine=engine,
-                                                  force=self.force).entropy if local else []
+                    entropy = self.policy_logprobs(local).entropy if local or lockstep else []
                 metrics["entropy_mask/kept"] = self.keep_high_entropy(local, entropy, advantages)
             if self.dp is not None:  # every rank has the same `trained`: all of them run the collectives, or none
                 result = self.accumulate_sharded(local, loss_fn) if trained else None
@@ -480,6 +485,7 @@ class Trainer:
             out.update({"dist/world_size": self.ranks.world_size, "dist/imbalance": plan.imbalance,
                         "dist/recomputed_positions": plan.recomputed_positions, "dist/layout": plan.layout,
                         "dist/bytes_moved": max(plan.bytes_moved),
+                        **({"dist/fsdp_mode": self.dp.mode} if self.dp.mode else {}),
                         **{f"dist/physical_tokens/rank{r}": n for r, n in enumerate(plan.physical_tokens)}})
         if isinstance(result, ReplayResult) and engine.method == "branchreplay":  # the last update's (schedule.py)
             out.update({"engine/schedule": result.schedule, "engine/shared_nodes_merged": result.shared_nodes_merged})
@@ -582,7 +588,8 @@ class Trainer:
         trees = local or [_idle_tree(self.model)]  # a rank without rollouts still joins the one reduction
         with self.dp.accumulate(), self.autocast():
             result = accumulate(self.model, trees, loss_fn, g.micro_batch_prompts, self.config.sampling.temperature,
-                                self.config.engine, self.force, final_backward=self.dp.final_sync())
+                                self.config.engine, self.force, final_backward=self.dp.final_sync(),
+                                lockstep=self.dp.lockstep)
         if not local:
             result = ReplayResult([], [], 0.0, result.stats)
         self.dp.reduce_replicated()
@@ -596,6 +603,16 @@ class Trainer:
     def gathered(self):
         """The FSDP2 layers' full parameters while inside (sampling and logprob forwards: any number per rank)."""
         return self.dp.gathered() if self.dp is not None else contextlib.nullcontext()
+
+    def policy_logprobs(self, local: list[RolloutTree]) -> ReplayResult:
+        """The policy's logprobs and entropies of this rank's trees, without a graph. FSDP2 resharded: in lock-step
+        with the other ranks (every rank calls it, `local` possibly empty), one layer's parameters at a time;
+        otherwise with the full parameters gathered."""
+        cfg = self.config
+        lockstep = self.dp is not None and self.dp.lockstep
+        with contextlib.nullcontext() if lockstep else self.gathered(), self.autocast():
+            return tree_logprobs(self.model, local, temperature=cfg.sampling.temperature, engine=cfg.engine,
+                                 force=self.force, lockstep=lockstep)
 
     def train_step(self, step: int) -> dict | None:
         """generate + update (DPO: `dpo_step`); returns the step's metrics, or None (with a warning) when the reward
@@ -742,6 +759,9 @@ class Trainer:
         try:
             with _stop_on_signals(stop, self.console):
                 self._loop(run_dir, log, stop)
+        except RuntimeError as e:
+            self.raise_if_a_rank_died(run_dir, e)
+            raise
         finally:
             log.close()
         if self.stopping(stop):
@@ -794,6 +814,18 @@ class Trainer:
         found = latest_checkpoint(run_dir)
         if found is None or found.name != f"step-{self.step:06d}":
             self.save(run_dir)
+
+    def raise_if_a_rank_died(self, run_dir: Path, error: RuntimeError) -> None:
+        """Raise `RankDied` when `error` (a failed collective) came from another rank that stopped beating
+        (`parallel.Heartbeat`); return otherwise, and at once in one process or for the trainer's own errors."""
+        if self.ranks is None or self.ranks.heartbeat is None or isinstance(error, TrainingFailed):
+            return
+        dead = self.ranks.heartbeat.dead_ranks()
+        if dead:
+            said = " ".join(str(error).split())[:200]
+            raise RankDied(run_dir, f"rank {', '.join(map(str, dead))} of {self.ranks.world_size} died during step "
+                           f"{self.step + 1} (no heartbeat for {self.ranks.heartbeat.wait_s:g} s; the collective "
+                           f"said: {said})") from error
 
     def stopping(self, stop: list) -> bool:
         """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
@@ -866,17 +898,23 @@ class Trainer:
 # -- pieces ---------------------------------------------------------------------------------------------------------
 
 def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, temperature: float,
-               engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None) -> ReplayResult:
+               engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None,
+               lockstep: bool = False) -> ReplayResult:
     """`methods.tree_backward` (the engine, or a reference by `engine.method`) over consecutive micro-batches of
     `micro_batch_prompts` trees (0 = all at once), with the run's `engine` section; gradients accumulate in
     param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last micro-batch's last backward.
-    Returns the results merged (`ReplayResult.merge`)."""
+    `lockstep` (FSDP2 resharded): every rank makes as many calls as the rank with the most micro-batches, the
+    missing ones empty. Returns the results merged (`ReplayResult.merge`)."""
     size = micro_batch_prompts or len(trees) or 1
     starts = list(range(0, len(trees), size)) or [0]
+    if lockstep:  # one small collective: the ranks' numbers of micro-batches
+        calls = torch.tensor([len(starts)])
+        torch.distributed.all_reduce(calls, op=torch.distributed.ReduceOp.MAX)
+        starts += [len(trees)] * (int(calls) - len(starts))
     return ReplayResult.merge([tree_backward(model, trees[i : i + size], loss, temperature=temperature,
-                                             engine=engine, force=force,
-                                             final_backward=final_backward if i == starts[-1] else None)
-                               for i in starts])
+                                             engine=engine, force=force, lockstep=lockstep,
+                                             final_backward=final_backward if k == len(starts) - 1 else None)
+                               for k, i in enumerate(starts)])
 
 
 def micro_batches(trees: list[RolloutTree], micro_batch_prompts: int):
