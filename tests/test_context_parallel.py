@@ -58,6 +58,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.engine import replay_logprobs
     from branchreplay.engine.distributed import DataParallel, replay_backward_sharded, shutdown
     from branchreplay.losses import GRPOLoss
+    from branchreplay.rl.trainer import accumulate
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
@@ -85,6 +86,20 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                             "train_logprob_err": max((float((a - naive.logprobs[index[id(r)]]).abs().max())
                                                       for a, r in zip(result.logprobs, mine)), default=0.0),
                             "rollouts": len(mine), "physical": plan.physical_tokens}
+        # the trainer's micro-batches of one tree in lock-step: the ranks hold different numbers of whole trees
+        # before their context-parallel part, which every rank must still run in the same call
+        trees = _trees("forest", single.config.vocab_size)
+        expected, _ = _naive(single, trees, loss)
+        model = tiny_model("llama", dtype=torch.float64, seed=0)
+        with keep_float64(model):
+            dp = DataParallel(model, **RESHARDED)
+            plan = shard(trees, world, model.config, cost=FREE_COMMUNICATION)
+            with dp.accumulate():
+                accumulate(model, plan.parts[rank], loss, 1, 1.0, final_backward=dp.final_sync(), lockstep=True)
+            dp.reduce_replicated()
+        report["forest-resharded-micro-batches"] = {
+            "err": max_rel_grad_err(dp.full_grads(), expected), "layout": plan.layout,
+            "whole": [sum(not isinstance(t, cp.ContextParallelTree) for t in part) for part in plan.parts]}
         # the control: each rank's piece keeps only its own queries' gradients (the reduce-scatter left out)
         trees = _trees("prompt-and-shared-responses", single.config.vocab_size)
         expected, _ = _naive(single, trees, loss)
@@ -137,6 +152,9 @@ def test_a_context_parallel_prefix_gives_the_naive_gradient(reports):
             assert r["layout"] == "context-parallel", (case, r)
             assert r["err"] <= 1e-10, f"{world} ranks, rank {rank}, {case}: max relative error {r['err']:.2e}"
             assert r["logprob_err"] <= 1e-10 and r["train_logprob_err"] <= 1e-10, (case, r)  # forward only too
+        r = report["forest-resharded-micro-batches"]  # the trainer's micro-batches (grpo.micro_batch_prompts=1)
+        assert r["err"] <= 1e-10 and r["layout"] == "context-parallel", r
+        assert world == 3 or len(set(r["whole"])) > 1, r  # on 2 ranks the ranks make different numbers of calls
         for mode in ("gather-once", "resharded") if world == 2 else ():
             r = report[f"fsdp2-{mode}-adamw-3-steps"]
             assert r["err"] <= 1e-10 and r["layout"] == "context-parallel", (mode, r)

@@ -400,6 +400,7 @@ def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> N
     from branchreplay.check.reference import max_rel_grad_err
     from branchreplay.engine import replay_backward
     from branchreplay.engine.distributed import DataParallel
+    from branchreplay.engine.head import check_head
     from branchreplay.losses import GRPOLoss
     from branchreplay.rl.trainer import _idle_tree, accumulate
 
@@ -412,6 +413,8 @@ def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> N
     for r in tree.rollouts:
         r.ref_logprobs = torch.zeros(len(r), dtype=torch.float64)
     replay_backward(single, tree, loss)
+    if rank == 0:  # the engine's head check cached on rank 0 only, as after the trainer's self-check there
+        check_head(model)
     dp = DataParallel(model, **_strategy(strategy))
     idle = [] if dp.lockstep else [_idle_tree(model)]  # in lock-step a rank with zero packs runs dummies only
     with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
@@ -428,7 +431,8 @@ def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> N
 def test_an_idle_rank_joins_the_reduction_with_zeros(strategy, tmp_path):
     """A rank without trained rollouts in a step (fewer than ranks) runs the trainer's zero-weight idle tree, or in
     FSDP2's resharded mode no tree at all (zero packs: the lock-step's dummies): the reductions still happen on every
-    rank and the gradient is the other rank's alone."""
+    rank and the gradient is the other rank's alone. The engine's head check has run on rank 0 only (the trainer's
+    self-check): its forwards must not gather layers on rank 1 alone."""
     mp.spawn(_idle_worker, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
         err = json.loads((tmp_path / f"rank{rank}.json").read_text())["err"]
@@ -439,13 +443,15 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from branchreplay.bench.fsdp_memory import HeldBytes
-    from branchreplay.engine.distributed import DataParallel, replay_backward_sharded
+    from branchreplay.engine.distributed import DataParallel, fsdp_mode, replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     torch.set_num_threads(1)
-    report = {}
+    # "auto" on ranks of different memory: rank 0's would hold the model 10 times over, rank 1's not: both resharded
+    need = 2 * sum(p.numel() * p.element_size() for p in tiny_model("llama", seed=0).parameters())
+    report = {"auto": fsdp_mode(tiny_model("llama", seed=0), "auto", memory_bytes=need * (40 if rank == 0 else 2))}
     for mode in ("gather-once", "resharded"):
         model = tiny_model("llama", seed=0, num_hidden_layers=6)
         dp = DataParallel(model, "fsdp2", mode=mode)
@@ -472,3 +478,46 @@ def test_resharded_fsdp2_holds_a_layer_at_a_time_and_gather_once_the_whole_model
         replicated = model - 6 * layer
         assert r["gather-once"] >= 2 * 6 * layer + replicated, r
         assert r["resharded"] <= 2 * 6 * layer / 2 + 2 * replicated + 3 * layer, r
+        assert r["auto"] == "resharded", r  # the smallest rank's memory decides, for every rank
+
+
+def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(monkeypatch):
+    """Of 3 ranks, rank 1 stopped beating and rank 2 stopped because it found rank 1 dead (`leaving`): rank 0
+    names rank 1 only (with 3 or more ranks a slower survivor must not blame the one that left first)."""
+    import torch.distributed as dist
+
+    from branchreplay.rl.parallel import Heartbeat
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    heartbeat = Heartbeat(0, 3, period_s=0.05, wait_s=0.3)
+    try:
+        for rank in (1, 2):
+            store.add(f"{Heartbeat.PREFIX}{rank}/beats", 1)
+        store.set(f"{Heartbeat.PREFIX}2/leaving", "1")
+        assert heartbeat.dead_ranks() == [1]
+    finally:
+        heartbeat.stop()
+
+
+def test_a_rank_died_error_skips_the_teardown_of_the_broken_group(monkeypatch, tmp_path):
+    """`train` closes the process group after a failed run (a barrier), except after RankDied: the group is broken,
+    its barrier would raise another error (gloo) or block (nccl) in place of the one-line message."""
+    import branchreplay.rl.trainer as trainer
+    from branchreplay.rl.trainer import RankDied
+
+    class Dying:
+        def __init__(self, config):
+            pass
+
+        def fit(self, resume):
+            raise RankDied(tmp_path, "rank 1 of 2 died during step 3")
+
+    torn_down = []
+    monkeypatch.setattr(trainer, "Trainer", Dying)
+    monkeypatch.setattr(trainer, "shutdown", lambda: torn_down.append(True))
+    with pytest.raises(RankDied, match="rank 1 of 2 died during step 3"):
+        trainer.train(None)
+    assert not torn_down

@@ -47,6 +47,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from .head import check_head
+from .lockstep import collective_device
+
 Strategy = Literal["fsdp2", "ddp"]
 FsdpMode = Literal["auto", "gather-once", "resharded"]
 GATHER_ONCE_SHARE = 0.25
@@ -57,13 +60,19 @@ memory."""
 def fsdp_mode(model, requested: FsdpMode = "auto", memory_bytes: int | None = None) -> str:
     """The FSDP2 mode: `requested` unless "auto", which is "gather-once" when the model's parameters and their
     gradients, unsharded (2 x parameter bytes), take at most `GATHER_ONCE_SHARE` of `memory_bytes` (default: the
-    rank's memory, `rank_memory_bytes`), else "resharded". Gather-once moves fewer bytes (one all-gather and one
+    rank's memory, `rank_memory_bytes`), else "resharded"; with torch.distributed initialised, the smallest rank's
+    memory, so that every rank takes the same mode. Gather-once moves fewer bytes (one all-gather and one
     reduce-scatter per step, against two and one per pack) and needs no lock-step; resharded holds one layer's full
     parameters at a time."""
     if requested != "auto":
         return requested
+    memory = memory_bytes or rank_memory_bytes(model)
+    if dist.is_initialized():
+        smallest = torch.tensor([memory], dtype=torch.int64, device=collective_device())
+        dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
+        memory = int(smallest)
     need = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
-    return "gather-once" if need <= GATHER_ONCE_SHARE * (memory_bytes or rank_memory_bytes(model)) else "resharded"
+    return "gather-once" if need <= GATHER_ONCE_SHARE * memory else "resharded"
 
 
 def rank_memory_bytes(model) -> int:
@@ -96,7 +105,7 @@ class DataParallel:
     `mode`: FSDP2's "gather-once" or "resharded" (module docstring; `fsdp_mode` resolves "auto"). `lockstep`: the
     engine must run its calls with `lockstep=True` (resharded). Construct it on every rank with the same model
     configuration; resharded runs one forward of one token at construction (FSDP2's prefetch needs every layer's
-    state initialised)."""
+    state initialised) and the engine's head check (`head.check_head`) with the parameters gathered."""
 
     def __init__(self, model, strategy: Strategy, device: str = "cpu", broadcast: bool = True,
                  mode: str = "gather-once"):
@@ -126,6 +135,8 @@ class DataParallel:
                 layer.set_reshard_after_backward(self.lockstep)
             if self.lockstep:
                 self._prefetch()
+                with self.gathered():  # the engine's head check, on every rank now: cached on some ranks only (a
+                    check_head(model)  # self-check before sharding), its forwards would gather layers alone
 
     def _prefetch(self) -> None:
         """Each layer's forward prefetches the next layer's parameters, its backward the previous one's. Every layer

@@ -63,7 +63,7 @@ class LockStep:
     def run(self, events: Events[T]) -> T:
         """Run `events` to its end in step with the other ranks; returns the generator's return value. Raises
         RuntimeError when the ranks wait for context-parallel events of different kinds (different plans)."""
-        device = _device()
+        device = collective_device()
         dummy = self.dummy_forward().sum() * 0 if self.train else None  # every rank at once, as the first tick
         self.ticks += 1
         result, pending = None, None
@@ -106,7 +106,7 @@ def _choose(kinds: list[str | None]) -> str:
                        "context-parallel parts, in the same order)")
 
 
-def _device() -> torch.device:
-    """The device of the kinds' all-gather: CPU (gloo, or the CPU half of "cpu:gloo,cuda:nccl"), CUDA on a
-    process group that is nccl only."""
+def collective_device() -> torch.device:
+    """The device of a small collective of the default process group (the lock-step's kinds, the trainer's counts):
+    CPU (gloo, or the CPU half of "cpu:gloo,cuda:nccl"), CUDA on a process group that is nccl only."""
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")

@@ -90,8 +90,11 @@ class Heartbeat:
     left inside the store's C++ client while the process exits makes it abort).
 
     `dead_ranks()` reads every rank's counter, waits `wait_s` seconds (several periods), reads again, and returns
-    the other ranks whose counter did not move; when the store itself cannot be reached, rank 0 (which holds it
-    when the ranks were not started by torchrun) is taken for dead. Both in a rank's own words: seconds."""
+    the other ranks whose counter did not move and that did not say they were `leaving()` (a survivor that found
+    the dead rank and is exiting: with 3 or more ranks the slower survivors must not name it); when the store
+    itself cannot be reached, rank 0 (which holds it when the ranks were not started by torchrun) is taken for
+    dead. Both in a rank's own words: seconds. A beat that fails (the store slow to answer) is retried at the next
+    period."""
 
     PREFIX = "branchreplay/heartbeat/"
 
@@ -110,8 +113,15 @@ class Heartbeat:
         self.stopped.set()
         self.thread.join(timeout=10)
 
-    def _key(self, rank: int) -> str:
-        return f"{self.PREFIX}{rank}"
+    def leaving(self) -> None:
+        """Say in the store that this rank stops on purpose (it found a dead rank), before it exits."""
+        try:
+            self.store.set(self._key(self.rank, "leaving"), "1")
+        except Exception:  # noqa: BLE001 (the store is gone: nobody is left to read it)
+            pass
+
+    def _key(self, rank: int, what: str = "beats") -> str:
+        return f"{self.PREFIX}{rank}/{what}"
 
     def _beat(self) -> None:
         store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
@@ -119,8 +129,8 @@ class Heartbeat:
         while not self.stopped.wait(self.period_s):
             try:
                 store.add(self._key(self.rank), 1)
-            except Exception:  # noqa: BLE001 (the store is gone: nobody is left to read the counter)
-                return
+            except Exception:  # noqa: BLE001 (slow or gone: the next period tries again; `stop` ends the loop)
+                continue
 
     def dead_ranks(self) -> list[int]:
         """The other ranks that stopped beating (class docstring); [] when every rank is alive."""
@@ -129,6 +139,7 @@ class Heartbeat:
             before = [self.store.add(self._key(r), 0) for r in others]
             time.sleep(self.wait_s)
             after = [self.store.add(self._key(r), 0) for r in others]
+            stopped = [r for r, a, b in zip(others, before, after) if a == b]
+            return [r for r in stopped if not self.store.check([self._key(r, "leaving")])]
         except Exception:  # noqa: BLE001 (the store cannot be reached: its host is gone)
             return [0] if self.rank != 0 else []
-        return [r for r, a, b in zip(others, before, after) if a == b]

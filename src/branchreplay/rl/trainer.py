@@ -54,7 +54,9 @@ from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule
 
 from ..check.self_check import ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError
+from ..engine.context_parallel import ContextParallelTree
 from ..engine.distributed import DataParallel, fsdp_mode, shutdown
+from ..engine.lockstep import collective_device
 from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
 from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_loss, token_weights
@@ -822,6 +824,7 @@ class Trainer:
             return
         dead = self.ranks.heartbeat.dead_ranks()
         if dead:
+            self.ranks.heartbeat.leaving()
             said = " ".join(str(error).split())[:200]
             raise RankDied(run_dir, f"rank {', '.join(map(str, dead))} of {self.ranks.world_size} died during step "
                            f"{self.step + 1} (no heartbeat for {self.ranks.heartbeat.wait_s:g} s; the collective "
@@ -903,18 +906,21 @@ def accumulate(model, trees: list[RolloutTree], loss, micro_batch_prompts: int, 
     """`methods.tree_backward` (the engine, or a reference by `engine.method`) over consecutive micro-batches of
     `micro_batch_prompts` trees (0 = all at once), with the run's `engine` section; gradients accumulate in
     param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last micro-batch's last backward.
-    `lockstep` (FSDP2 resharded): every rank makes as many calls as the rank with the most micro-batches, the
-    missing ones empty. Returns the results merged (`ReplayResult.merge`)."""
+    `lockstep` (FSDP2 resharded): every rank makes as many calls as the rank with the most micro-batches of whole
+    trees, the missing ones empty, and runs its context-parallel parts (which the ranks run together; the sharding
+    puts them last) in its last call. Returns the results merged (`ReplayResult.merge`)."""
     size = micro_batch_prompts or len(trees) or 1
-    starts = list(range(0, len(trees), size)) or [0]
+    whole = [t for t in trees if not isinstance(t, ContextParallelTree)] if lockstep else trees
+    calls = [whole[i : i + size] for i in range(0, len(whole), size)] or [[]]
     if lockstep:  # one small collective: the ranks' numbers of micro-batches
-        calls = torch.tensor([len(starts)])
-        torch.distributed.all_reduce(calls, op=torch.distributed.ReduceOp.MAX)
-        starts += [len(trees)] * (int(calls) - len(starts))
-    return ReplayResult.merge([tree_backward(model, trees[i : i + size], loss, temperature=temperature,
-                                             engine=engine, force=force, lockstep=lockstep,
-                                             final_backward=final_backward if k == len(starts) - 1 else None)
-                               for k, i in enumerate(starts)])
+        count = torch.tensor([len(calls)], device=collective_device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        calls += [[] for _ in range(int(count) - len(calls))]
+        calls[-1] = calls[-1] + [t for t in trees if isinstance(t, ContextParallelTree)]
+    return ReplayResult.merge([tree_backward(model, part, loss, temperature=temperature, engine=engine, force=force,
+                                             lockstep=lockstep,
+                                             final_backward=final_backward if k == len(calls) - 1 else None)
+                               for k, part in enumerate(calls)])
 
 
 def micro_batches(trees: list[RolloutTree], micro_batch_prompts: int):
@@ -1052,6 +1058,8 @@ def train(config: Config, resume: str | None = None) -> Path:
     calls it (rl/parallel.py); the process group is closed after a run that succeeded (`distributed.shutdown`)."""
     try:
         run_dir = Trainer(config).fit(resume)
+    except RankDied:
+        raise  # the process group is broken: no barrier (cli.py exits at once)
     except (TrainingInterrupted, TrainingFailed):
         shutdown()  # every rank stopped at the same step, after the checkpoint
         raise
