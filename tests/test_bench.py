@@ -6,16 +6,11 @@ import pytest
 import torch
 
 from branchreplay.bench import flops as F
-from branchreplay.bench.baselines import (
-    padded_backward,
-    padded_shape,
-    prefix_grouper_version,
-    prompt_groups,
-    prompt_sharing_backward,
-)
+from branchreplay.bench.baselines import prefix_grouper_version, prompt_groups, prompt_sharing_backward
 from branchreplay.bench.output import plot
 from branchreplay.bench.runner import METHODS, Bench, BenchOptions, run_bench
 from branchreplay.bench.scenarios import Scenario, agent_trajectories, scenario_grid, tree_sampled
+from branchreplay.check.padded import padded_backward, padded_shape
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.cli import main

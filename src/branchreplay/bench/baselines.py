@@ -1,12 +1,7 @@
 """The baselines `branchreplay bench` compares the execution stack with, each exact (same gradients as the naive
-per-rollout computation of `reference.naive_backward`, to floating-point tolerance).
+per-rollout computation of `reference.naive_backward`, to floating-point tolerance), and their memory estimates.
 
-padded_backward: the batch TRL's GRPOTrainer builds (trl/trainer/grpo_trainer.py, `_generate_and_score_completions`
-    and `_get_per_token_logps_and_entropies`): prompts left-padded, completions right-padded, concatenated into one
-    [B, P_max + C_max] batch with an attention mask, one forward/backward, logits only on the last C_max + 1
-    positions (TRL's `logits_to_keep + 1`). Departs from TRL in passing explicit position ids (TRL leaves them to
-    the model, which with left padding shifts a row's positions; RoPE is shift-invariant, absolute embeddings
-    are not) and in one batch for all rollouts (TRL splits it into `per_device_train_batch_size` micro-batches).
+padded_backward: TRL's padded batch (`check/padded.py`, where the `padded` reference of `engine.method` lives).
 
 prompt_sharing_backward: prompt-only sharing, as Prefix Grouper (Liu et al. 2025, arXiv:2506.05433; PyPI
     `prefix-grouper`, verl `use_prefix_grouper`): each group's shared prompt runs once; every suffix (everything after
@@ -17,8 +12,8 @@ prompt_sharing_backward: prompt-only sharing, as Prefix Grouper (Liu et al. 2025
         impl="equivalent": our own, with transformers' cache: the prompt with `use_cache=True`, then one batch of
             right-padded suffixes against a DynamicCache holding the prompt's K/V expanded to G rows.
 
-A rollout's prompt, for both: its positions before the first trained one (loss mask 1), as TRL splits prompt and
-completion. Prompt-sharing groups rollouts with identical prompts.
+A rollout's prompt: its positions before the first trained one (loss mask 1, `padded.prompt_length`), as TRL
+splits prompt and completion. Prompt-sharing groups rollouts with identical prompts.
 """
 
 from __future__ import annotations
@@ -26,8 +21,8 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from ..check.reference import per_position, rows_logprobs
-from ..losses import LossFn, loss_inputs
+from ..check.padded import padded_shape, prompt_length, row_losses
+from ..losses import LossFn
 from ..models import head_dim
 from ..tree import ReplayResult, Rollout
 
@@ -37,20 +32,6 @@ PROMPT_SHARING_LABELS = {
 }
 
 
-def prompt_length(r: Rollout) -> int:
-    """Positions before the first trained one (at least 1 and at most len(r) - 1, so a suffix is never empty;
-    len(r) - 1 for a rollout with nothing trained)."""
-    trained = (r.loss_mask > 0).nonzero()
-    P = int(trained[0]) if trained.numel() else len(r) - 1
-    return max(1, min(P, len(r) - 1)) if len(r) > 1 else 1
-
-
-def padded_shape(rollouts: list[Rollout]) -> tuple[int, int, int]:
-    """(B, P_max, C_max) of the padded batch: rollouts, longest prompt, longest completion (tokens)."""
-    prompts = [prompt_length(r) for r in rollouts]
-    return len(rollouts), max(prompts), max(len(r) - P for r, P in zip(rollouts, prompts))
-
-
 def prompt_groups(rollouts: list[Rollout]) -> list[tuple[int, list[int]]]:
     """(prompt length P, indices of the rollouts) per distinct prompt, in order of first appearance."""
     groups: dict[tuple, tuple[int, list[int]]] = {}
@@ -58,33 +39,6 @@ def prompt_groups(rollouts: list[Rollout]) -> list[tuple[int, list[int]]]:
         P = prompt_length(r)
         groups.setdefault((P, tuple(r.token_ids[:P].tolist())), (P, []))[1].append(i)
     return list(groups.values())
-
-
-# -----------------------------------------------------------------------------
-# padded batch (TRL)
-
-def padded_backward(model, rollouts: list[Rollout], loss: LossFn, *, temperature: float = 1.0,
-                    pad_token_id: int = 0) -> ReplayResult:
-    """TRL's padded batch: one forward/backward of [B, P_max + C_max], gradients into `param.grad`.
-    Returns per-rollout logprobs/entropy at trained positions and the loss, as `reference.naive_backward` (stats
-    None: no tree is built)."""
-    device = model.device
-    B, P_max, C_max = padded_shape(rollouts)
-    T = P_max + C_max
-    ids = torch.full((B, T), pad_token_id, dtype=torch.long)
-    mask = torch.zeros((B, T), dtype=torch.long)
-    prompts = [prompt_length(r) for r in rollouts]
-    for i, (r, P) in enumerate(zip(rollouts, prompts)):
-        C = len(r) - P
-        ids[i, P_max - P : P_max + C] = r.token_ids
-        mask[i, P_max - P : P_max + C] = 1
-    position_ids = (mask.cumsum(1) - 1).clamp_min(0)
-    ids, mask, position_ids = ids.to(device), mask.to(device), position_ids.to(device)
-    logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=C_max + 1,
-                   use_cache=False).logits[:, :-1]  # [B, C_max, V]: column c predicts completion token c
-    completion = ids[:, P_max:]  # [B, C_max]
-    rows = [(i, torch.arange(len(r) - P, device=device)) for i, (r, P) in enumerate(zip(rollouts, prompts))]
-    return _row_losses(logits, completion, rollouts, prompts, rows, loss, temperature)
 
 
 # -----------------------------------------------------------------------------
@@ -110,8 +64,8 @@ def prompt_sharing_backward(model, rollouts: list[Rollout], loss: LossFn, *, tem
         targets = torch.stack([torch.nn.functional.pad(s, (0, S_max - len(s))) for s in suffixes]).to(model.device)
         rows = [(g, torch.arange(len(s), device=model.device)) for g, s in enumerate(suffixes)]
         group = [rollouts[i] for i in members]
-        # the LM head runs on the valid rows only (the rows predicting suffix tokens), inside _row_losses
-        result = _row_losses(predictors, targets, group, [P] * len(group), rows, loss, temperature,
+        # the LM head runs on the valid rows only (the rows predicting suffix tokens), inside row_losses
+        result = row_losses(predictors, targets, group, [P] * len(group), rows, loss, temperature,
                              head=model.get_output_embeddings())
         for i, lp, ent in zip(members, result.logprobs, result.entropy):
             logprobs[i], entropy[i] = lp, ent
@@ -260,36 +214,3 @@ def prompt_sharing_peak_bytes(rollouts: list[Rollout], config, dtype: torch.dtyp
         saved = (P + G * S) * per_token + kv + G * S * (P + S) + 3 * 4 * G * S * config.vocab_size
         worst = max(worst, saved)
     return int(PEAK_OVER_SAVED * worst)
-
-
-# -----------------------------------------------------------------------------
-# shared: logprobs of padded rows, per-rollout losses, one backward
-
-def _row_losses(x: torch.Tensor, targets: torch.Tensor, rollouts: list[Rollout], starts: list[int], rows,
-                loss: LossFn, temperature: float, head=None) -> ReplayResult:
-    """Row b of x ([B, C, V] logits, or [B, C, H] hidden states when `head` is given: the head then runs on the
-    valid rows only) predicts targets[b, c], the token at absolute position starts[b] + c of rollouts[b]. `rows`:
-    (b, columns [n]) of each rollout's valid columns. The loss of each rollout on its trained positions (the same
-    call as `naive_backward` makes), summed, then one backward."""
-    if head is not None:
-        flat = torch.cat([x[b, cols] for b, cols in rows])  # [sum n, H]
-        logits_flat = head(flat)
-        logits, offset = [], 0
-        for _, cols in rows:
-            logits.append(logits_flat[offset : offset + len(cols)])
-            offset += len(cols)
-    else:
-        logits = [x[b, cols] for b, cols in rows]
-    logprobs, entropy, losses = [], [], []
-    for (b, cols), lg, r, s in zip(rows, logits, rollouts, starts):
-        positions = (r.loss_mask > 0).nonzero().squeeze(1)  # absolute, all >= s
-        local = (positions - s).to(lg.device)
-        lp, ent = rows_logprobs(lg, local, targets[b, cols][local], temperature)
-        logprobs.append(per_position(lp, positions, len(r)))
-        entropy.append(per_position(ent, positions, len(r)))
-        if loss is not None and positions.numel() > 0:
-            losses.append(loss(loss_inputs([r], positions, lp, ent)))
-    total = torch.stack(losses).sum() if losses else None
-    if total is not None and total.requires_grad:
-        total.backward()
-    return ReplayResult(logprobs, entropy, 0.0 if total is None else total.item(), None)

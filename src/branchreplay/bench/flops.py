@@ -91,9 +91,9 @@ def naive_work(rollouts: list[Rollout]) -> Work:
 
 
 def padded_work(rollouts: list[Rollout]) -> Work:
-    """One [B, P_max + C_max] batch (left-padded prompts, right-padded completions, see `baselines.padded_shape`);
+    """One [B, P_max + C_max] batch (left-padded prompts, right-padded completions, see `check.padded.padded_shape`);
     head on B x (C_max + 1) rows."""
-    from .baselines import padded_shape
+    from ..check.padded import padded_shape
 
     B, P_max, C_max = padded_shape(rollouts)
     return Work(B * (P_max + C_max), B * ((P_max + C_max) * (P_max + C_max + 1) // 2), B * (C_max + 1))

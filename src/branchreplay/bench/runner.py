@@ -3,7 +3,7 @@ model (tiny Llama, `BENCH_MODEL`) and the same rollouts.
 
 Methods (all give the naive gradient, to floating-point tolerance; each row reports its error):
     naive           each rollout alone, unpadded (`check.reference.naive_backward`): the reference.
-    padded          TRL's padded batch, one [B, T_max] forward/backward (`baselines.padded_backward`).
+    padded          TRL's padded batch, one [B, T_max] forward/backward (`check.padded.padded_backward`).
     prompt-sharing  the prompt once, each suffix against the prompt's K/V repeated per suffix (Prefix Grouper;
                     `baselines.prompt_sharing_backward`, the PyPI package when installed, else our equivalent).
     branchreplay    the execution stack over the prefix tree (`engine.replay_backward`).
@@ -51,9 +51,9 @@ from ..losses import GRPOLoss
 from ..models import load_model, tiny_model
 from ..tree import Rollout, RolloutTree
 from . import flops as F
+from ..check.padded import padded_backward
 from .baselines import (
     PROMPT_SHARING_LABELS,
-    padded_backward,
     padded_peak_bytes,
     prefix_grouper_version,
     prompt_groups,

@@ -4,7 +4,7 @@
     naive         each rollout alone, unpadded, through the unmodified Hugging Face forward
                   (`check.reference.naive_backward`): the reference every exactness test compares with.
     padded        TRL's padded batch: prompts left-padded, completions right-padded, one [B, T_max] forward and
-                  backward (`bench.baselines.padded_backward`).
+                  backward (`check.padded.padded_backward`).
 
 All three give the same logprobs and gradients to floating-point tolerance, so two runs of one config and seed that
 differ only in the method train the same model (`scripts/compare_methods.py`, docs/convergence.md); they differ in
@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from ..bench.baselines import padded_backward
+from ..check.padded import padded_backward
 from ..check.reference import naive_backward
 from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..tree import ReplayResult, RolloutTree, TreeStats

@@ -1,6 +1,6 @@
 import sys, time, statistics as st, torch
 from branchreplay.bench.runner import BENCH_MODEL, trees_of
-from branchreplay.bench.baselines import padded_backward
+from branchreplay.check.padded import padded_backward
 from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import replay_backward, EngineConfig
 from branchreplay.losses import GRPOLoss
