@@ -270,6 +270,17 @@ def rloo_loss(sums: torch.Tensor, old_sums: torch.Tensor, advantages: torch.Tens
     return per_sequence.sum() / (num_sequences or len(sums))
 
 
+def rloo_clip_metrics(sums: torch.Tensor, old_sums: torch.Tensor, advantages: torch.Tensor, *,
+                      epsilon_low: float = 0.2, epsilon_high: float = 0.2) -> dict[str, float]:
+    """TRL 1.16 RLOOTrainer's clip metrics of `rloo_loss` (same arguments): the fraction of sequences whose ratio is
+    clipped below (ratio < 1 - epsilon_low with A < 0: clip_ratio/low_mean), above (ratio > 1 + epsilon_high with
+    A > 0: clip_ratio/high_mean), and their sum (clip_ratio/region_mean)."""
+    ratio = torch.exp(sums.detach() - old_sums)
+    low = ((ratio < 1 - epsilon_low) & (advantages < 0)).double().mean().item()
+    high = ((ratio > 1 + epsilon_high) & (advantages > 0)).double().mean().item()
+    return {"clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high}
+
+
 def gspo_loss(logprobs: list[torch.Tensor], entropy: list[torch.Tensor], rollouts, loss: GRPOLoss) -> torch.Tensor:
     """GRPO with sequence-level importance sampling (GSPO, Zheng et al. 2025; TRL 1.16 GRPOTrainer with
     importance_sampling_level="sequence"): `loss`'s clipped term, KL and entropy bonus, with the token ratio
@@ -397,3 +408,19 @@ def dpo_loss(chosen_logps: torch.Tensor, rejected_logps: torch.Tensor, ref_chose
         raise ValueError(f"DPO label_smoothing must be in [0, 0.5) for 'robust', got {label_smoothing}")
     z = beta * (chosen - rejected)
     return (-(1 - label_smoothing) * logsigmoid(z) + label_smoothing * logsigmoid(-z)) / (1 - 2 * label_smoothing)
+
+
+def dpo_metrics(sums: torch.Tensor, ref_sums: torch.Tensor | None, lengths: torch.Tensor, *, beta: float,
+                loss_type: str) -> dict[str, float]:
+    """TRL 1.16 DPOTrainer's metrics of a step's pairs. sums, ref_sums, lengths: [2B] float64, the policy's and the
+    reference's summed completion logprobs (nats) and the completion lengths (tokens), chosen and rejected
+    interleaved (pair k at 2k, 2k + 1). The implicit rewards are beta x (sums - ref_sums), or for simpo
+    (reference-free, as TRL's CPOTrainer) beta x the mean logprob per token; returns rewards/chosen,
+    rewards/rejected, rewards/accuracies (the fraction of pairs with chosen > rejected), rewards/margins and
+    logps/chosen, logps/rejected (summed logprobs), each a mean over the pairs."""
+    rewards = beta * sums / lengths.clamp(min=1) if loss_type == "simpo" else beta * (sums - ref_sums)
+    chosen, rejected = rewards[0::2], rewards[1::2]
+    return {"rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
+            "rewards/accuracies": (chosen > rejected).double().mean().item(),
+            "rewards/margins": (chosen - rejected).mean().item(),
+            "logps/chosen": sums[0::2].mean().item(), "logps/rejected": sums[1::2].mean().item()}

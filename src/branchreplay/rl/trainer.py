@@ -59,7 +59,8 @@ from ..engine.distributed import DataParallel, fsdp_mode, shutdown
 from ..engine.lockstep import collective_device
 from ..engine.sequence import replay_function_backward, replay_sequence_backward, sequence_sums
 from ..engine.sharding import shard
-from ..losses import GRPOLoss, LossStats, ValueLoss, dpo_loss, gspo_loss, rloo_loss, token_weights
+from ..losses import (GRPOLoss, LossStats, ValueLoss, dpo_loss, dpo_metrics, gspo_loss, rloo_clip_metrics, rloo_loss,
+                      token_weights)
 from ..models import apply_lora, autocast, load_policy, model_folder
 from ..tree import ReplayResult, Rollout, RolloutTree
 from ..value import ValueModel, check_critic
@@ -575,13 +576,11 @@ class Trainer:
             results.append(result)
             sums.append(s)
         result, s = ReplayResult.merge(results), torch.cat(sums)
-        ratio = torch.exp(s - old_sums)
-        low = ((ratio < 1 - g.epsilon) & (advantages < 0)).double().mean().item()
-        high = ((ratio > 1 + g.epsilon_high) & (advantages > 0)).double().mean().item()
         masks = [r.loss_mask for r in rollouts]
         entropy = sum(float((e.double() * m).sum()) for e, m in zip(result.entropy, masks))
         return result, {"entropy": entropy / max(sum(float(m.sum()) for m in masks), 1.0),
-                        "clip_ratio/low_mean": low, "clip_ratio/high_mean": high, "clip_ratio/region_mean": low + high}
+                        **rloo_clip_metrics(s, old_sums, advantages, epsilon_low=g.epsilon,
+                                            epsilon_high=g.epsilon_high)}
 
     def accumulate_sharded(self, local: list[RolloutTree], loss_fn: GRPOLoss) -> ReplayResult:
         """This rank's trees forward and backward (micro-batched), the gradient reduced once over the ranks; the
@@ -690,20 +689,11 @@ class Trainer:
         self.optimizer.step()
         self.scheduler.step()
         t2 = time.perf_counter()
-        s = torch.cat(sums)
-        if d.loss_type == "simpo":
-            rewards = d.beta * s / lengths.clamp(min=1)
-        else:
-            rewards = d.beta * (s - ref)
-        chosen, rejected = rewards[0::2], rewards[1::2]
         stats = sum((t.stats for t in trees[1:]), trees[0].stats)
         self.num_tokens += stats.logical_tokens
         return {
             "step": step, "loss": loss_value, "grad_norm": grad_norm, "learning_rate": lr,
-            "rewards/chosen": chosen.mean().item(), "rewards/rejected": rejected.mean().item(),
-            "rewards/accuracies": (chosen > rejected).double().mean().item(),
-            "rewards/margins": (chosen - rejected).mean().item(),
-            "logps/chosen": s[0::2].mean().item(), "logps/rejected": s[1::2].mean().item(),
+            **dpo_metrics(torch.cat(sums), ref, lengths, beta=d.beta, loss_type=d.loss_type),
             "num_tokens": self.num_tokens,
             "tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
             "tree/token_ratio": stats.token_ratio,
