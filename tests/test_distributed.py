@@ -21,6 +21,9 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective that one rank skips fails the test instead of hanging CI
 
 
+STRATEGIES = ["fsdp2", "fsdp2-resharded", "ddp"]
+
+
 def _strategy(name: str) -> dict:
     """DataParallel's strategy and FSDP2 mode of a test parameter: "fsdp2" gathers once per step,
     "fsdp2-resharded" per layer."""
@@ -38,7 +41,7 @@ CASES = [("llama", "four-groups", torch.float64), ("llama", "one-group-split", t
          ("llama", "uneven-groups", torch.float32), ("lfm2", "recurrent", torch.float64)]
 
 
-def _worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from branchreplay.check.numerics import keep_float64
@@ -50,60 +53,69 @@ def _worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     torch.set_num_threads(1)
-    report = {}
-    for arch, case, dtype in CASES:
-        single, model = tiny_model(arch, dtype=dtype, seed=0), tiny_model(arch, dtype=dtype, seed=0)
-        trees = _trees(case, single.config.vocab_size)
+    reports = {}
+    for strategy in STRATEGIES:  # one spawn for the three: the processes' start-up is most of a run
+        report = reports[strategy] = {}
+        for arch, case, dtype in CASES:
+            single, model = tiny_model(arch, dtype=dtype, seed=0), tiny_model(arch, dtype=dtype, seed=0)
+            trees = _trees(case, single.config.vocab_size)
+            loss = GRPOLoss(entropy_coef=0.01)
+            with keep_float64(single), keep_float64(model):
+                replay_backward(single, trees, loss)
+                expected = [p.grad.clone() for p in single.parameters()]
+                dp = DataParallel(model, **_strategy(strategy))
+                _, plan = replay_backward_sharded(dp, trees, loss)
+                report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "tol": TOL[dtype],
+                                "physical": plan.physical_tokens, "recomputed": plan.recomputed_positions}
+        # bfloat16 mixed precision (float32 parameters under autocast, models.autocast): whole groups per rank run
+        # the same bfloat16 ops as in one process, so only the float32 sums of the ranks' gradients differ
+        single, model = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
+        trees = _trees("four-groups", single.config.vocab_size)
         loss = GRPOLoss(entropy_coef=0.01)
-        with keep_float64(single), keep_float64(model):
+        with autocast("bfloat16", "cpu"):
             replay_backward(single, trees, loss)
             expected = [p.grad.clone() for p in single.parameters()]
             dp = DataParallel(model, **_strategy(strategy))
-            _, plan = replay_backward_sharded(dp, trees, loss)
-            report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "tol": TOL[dtype],
-                            "physical": plan.physical_tokens, "recomputed": plan.recomputed_positions}
-    # bfloat16 mixed precision (float32 parameters under autocast, models.autocast): whole groups per rank run
-    # the same bfloat16 ops as in one process, so only the float32 sums of the ranks' gradients differ
-    single, model = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
-    trees = _trees("four-groups", single.config.vocab_size)
-    loss = GRPOLoss(entropy_coef=0.01)
-    with autocast("bfloat16", "cpu"):
-        replay_backward(single, trees, loss)
-        expected = [p.grad.clone() for p in single.parameters()]
-        dp = DataParallel(model, **_strategy(strategy))
-        replay_backward_sharded(dp, trees, loss)
-    full = dp.full_grads()
-    report["four-groups-bfloat16-autocast"] = {"err": max_rel_grad_err(full, expected), "tol": 1e-5,
-                                               "dtype": str(full[0].dtype)}
-    # three AdamW steps on 4 groups, against the same steps in one process
-    single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
-    dp = DataParallel(model, **_strategy(strategy))
-    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, model)]
-    loss = GRPOLoss()
-    with keep_float64(single), keep_float64(model):
-        for step in range(3):
-            trees = _trees("four-groups", 256, seed=step)
-            for opt in opts:
-                opt.zero_grad(set_to_none=True)
-            replay_backward(single, trees, loss)
             replay_backward_sharded(dp, trees, loss)
-            for opt in opts:
-                opt.step()
-    params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
-    report["adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in single.parameters()]),
-                               "tol": 1e-10}
+        full = dp.full_grads()
+        report["four-groups-bfloat16-autocast"] = {"err": max_rel_grad_err(full, expected), "tol": 1e-5,
+                                                   "dtype": str(full[0].dtype)}
+        # three AdamW steps on 4 groups, against the same steps in one process
+        single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+        dp = DataParallel(model, **_strategy(strategy))
+        opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (single, model)]
+        loss = GRPOLoss()
+        with keep_float64(single), keep_float64(model):
+            for step in range(3):
+                trees = _trees("four-groups", 256, seed=step)
+                for opt in opts:
+                    opt.zero_grad(set_to_none=True)
+                replay_backward(single, trees, loss)
+                replay_backward_sharded(dp, trees, loss)
+                for opt in opts:
+                    opt.step()
+        params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
+        report["adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in single.parameters()]),
+                                   "tol": 1e-10}
     shutdown()  # on success only, as the product (engine.distributed.shutdown)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump(report, f)
+        json.dump(reports, f)
 
 
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2-resharded", "ddp"])
-def test_sharded_step_equals_single_process(strategy, tmp_path):
-    mp.spawn(_worker, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
+@pytest.fixture(scope="module")
+def sharded_reports(tmp_path_factory):
+    """Every rank's reports of one run of `_worker` (every strategy) on 2 processes."""
+    out = tmp_path_factory.mktemp("sharded")
+    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_sharded_step_equals_single_process(strategy, sharded_reports):
     for rank in range(2):
-        report = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        report = sharded_reports[rank][strategy]
         assert set(report) == {case for _, case, _ in CASES} | {"adamw-3-steps", "four-groups-bfloat16-autocast"}
         assert report["four-groups-bfloat16-autocast"]["dtype"] == "torch.float32"  # float32 master gradients
         for case, r in report.items():
@@ -394,7 +406,7 @@ def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
     assert _records(tmp_path / "neox")[-1]["dist/world_size"] == 2
 
 
-def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> None:
+def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from branchreplay.check.reference import max_rel_grad_err
@@ -407,35 +419,45 @@ def _idle_worker(rank: int, world: int, port: int, strategy: str, out: str) -> N
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
     torch.set_num_threads(1)
-    single, model = (tiny_model("llama", dtype=torch.float64, seed=0) for _ in range(2))
+    single = tiny_model("llama", dtype=torch.float64, seed=0)
     tree = _trees("four-groups", 256)[0]
     loss = GRPOLoss(beta=0.04)  # the idle tree carries reference logprobs too
     for r in tree.rollouts:
         r.ref_logprobs = torch.zeros(len(r), dtype=torch.float64)
     replay_backward(single, tree, loss)
-    if rank == 0:  # the engine's head check cached on rank 0 only, as after the trainer's self-check there
-        check_head(model)
-    dp = DataParallel(model, **_strategy(strategy))
-    idle = [] if dp.lockstep else [_idle_tree(model)]  # in lock-step a rank with zero packs runs dummies only
-    with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
-        accumulate(model, [tree] if rank == 0 else idle, loss, 0, 1.0,
-                   final_backward=dp.final_sync(), lockstep=dp.lockstep)
-    dp.reduce_replicated()
-    err = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
+    errs = {}
+    for strategy in STRATEGIES:  # one spawn for the three
+        model = tiny_model("llama", dtype=torch.float64, seed=0)
+        if rank == 0:  # the engine's head check cached on rank 0 only, as after the trainer's self-check there
+            check_head(model)
+        dp = DataParallel(model, **_strategy(strategy))
+        idle = [] if dp.lockstep else [_idle_tree(model)]  # in lock-step a rank with zero packs runs dummies only
+        with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
+            accumulate(model, [tree] if rank == 0 else idle, loss, 0, 1.0,
+                       final_backward=dp.final_sync(), lockstep=dp.lockstep)
+        dp.reduce_replicated()
+        errs[strategy] = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
-        json.dump({"err": err}, f)
+        json.dump(errs, f)
     shutdown()  # on success only, as the product (engine.distributed.shutdown)
 
 
-@pytest.mark.parametrize("strategy", ["fsdp2", "fsdp2-resharded", "ddp"])
-def test_an_idle_rank_joins_the_reduction_with_zeros(strategy, tmp_path):
+@pytest.fixture(scope="module")
+def idle_errors(tmp_path_factory):
+    """Every rank's gradient errors, by strategy, of one run of `_idle_worker` on 2 processes."""
+    out = tmp_path_factory.mktemp("idle")
+    mp.spawn(_idle_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_an_idle_rank_joins_the_reduction_with_zeros(strategy, idle_errors):
     """A rank without trained rollouts in a step (fewer than ranks) runs the trainer's zero-weight idle tree, or in
     FSDP2's resharded mode no tree at all (zero packs: the lock-step's dummies): the reductions still happen on every
     rank and the gradient is the other rank's alone. The engine's head check has run on rank 0 only (the trainer's
     self-check): its forwards must not gather layers on rank 1 alone."""
-    mp.spawn(_idle_worker, args=(2, free_port(), strategy, str(tmp_path)), nprocs=2, join=True)
     for rank in range(2):
-        err = json.loads((tmp_path / f"rank{rank}.json").read_text())["err"]
+        err = idle_errors[rank][strategy]
         assert err <= 1e-10, f"{strategy} rank {rank}: {err:.2e}"
 
 
