@@ -104,12 +104,16 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 
 
+def _two_ranks(worker, out) -> list[dict]:
+    """`worker(rank, world, port, out)` on 2 gloo processes; each rank's JSON report (out/rank{r}.json)."""
+    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
 @pytest.fixture(scope="module")
 def sharded_reports(tmp_path_factory):
     """Every rank's reports of one run of `_worker` (every strategy) on 2 processes."""
-    out = tmp_path_factory.mktemp("sharded")
-    mp.spawn(_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return _two_ranks(_worker, tmp_path_factory.mktemp("sharded"))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
@@ -445,9 +449,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
 @pytest.fixture(scope="module")
 def idle_errors(tmp_path_factory):
     """Every rank's gradient errors, by strategy, of one run of `_idle_worker` on 2 processes."""
-    out = tmp_path_factory.mktemp("idle")
-    mp.spawn(_idle_worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
-    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+    return _two_ranks(_idle_worker, tmp_path_factory.mktemp("idle"))
 
 
 @pytest.mark.parametrize("strategy", STRATEGIES)
