@@ -18,10 +18,10 @@ import time
 import torch
 import torch.multiprocessing as mp
 
-from branchreplay.bench.fsdp_memory import HeldBytes, model_bytes
+from branchreplay.bench.fsdp_memory import HeldBytes
 from branchreplay.bench.runner import BENCH_MODEL
 from branchreplay.check.shapes import make_rollouts, shared_prompt
-from branchreplay.engine.distributed import free_port
+from branchreplay.engine.distributed import free_port, param_bytes
 from branchreplay.models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -84,8 +84,7 @@ def main() -> None:
         torch.save([p.grad for p in model.parameters()], os.path.join(tmp, "grads.pt"))
         mp.spawn(_worker, args=(args.nproc, free_port(), args, tmp), nprocs=args.nproc, join=True)
         ranks = [json.load(open(os.path.join(tmp, f"rank{r}.json"))) for r in range(args.nproc)]
-    full = model_bytes(model)
-    layer = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    full, layer = param_bytes(model), param_bytes(model.model.layers[0])
     out = {"model": f"tiny llama, {args.layers} layers, hidden {BENCH_MODEL['hidden_size']}, float32",
            "world_size": args.nproc, "groups": GROUPS, "model_param_bytes": full, "layer_param_bytes": layer,
            "load_average": os.getloadavg(), "modes": {}}

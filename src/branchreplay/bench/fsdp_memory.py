@@ -12,7 +12,6 @@ It reads FSDP2's internals (`FSDPParam`), which only this measurement needs.
 from __future__ import annotations
 
 
-
 def _storages(tensors) -> int:
     """Bytes of the distinct storages behind `tensors` (None skipped; a DTensor by its local tensor): FSDP2's full
     parameters of a layer are views of one all-gather buffer, counted once."""
@@ -63,8 +62,3 @@ class HeldBytes:
 
     def sample(self) -> None:
         self.peak = max(self.peak, self.now())
-
-
-def model_bytes(model) -> int:
-    """The model's parameter bytes, unsharded."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())

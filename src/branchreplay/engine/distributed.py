@@ -40,6 +40,7 @@ make it a sum on both.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator
 from typing import Literal
 
@@ -71,15 +72,18 @@ def fsdp_mode(model, requested: FsdpMode = "auto", memory_bytes: int | None = No
         smallest = torch.tensor([memory], dtype=torch.int64, device=collective_device())
         dist.all_reduce(smallest, op=dist.ReduceOp.MIN)
         memory = int(smallest)
-    need = 2 * sum(p.numel() * p.element_size() for p in model.parameters())
+    need = 2 * param_bytes(model)
     return "gather-once" if need <= GATHER_ONCE_SHARE * memory else "resharded"
+
+
+def param_bytes(module) -> int:
+    """The bytes of `module`'s parameters, unsharded."""
+    return sum(p.numel() * p.element_size() for p in module.parameters())
 
 
 def rank_memory_bytes(model) -> int:
     """The memory of one rank: its GPU's (`total_memory`) for a model on CUDA, else the machine's physical memory
     divided by the local world size (LOCAL_WORLD_SIZE, as torchrun sets it)."""
-    import os
-
     device = next(model.parameters()).device
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
@@ -247,7 +251,6 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int
     nccl, the CPU ones: counts, objects, norms, over gloo), unless `backend`. Raises RuntimeError without the
     torchrun environment. Not run on a GPU yet."""
     import datetime
-    import os
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise RuntimeError("no torchrun environment (RANK, WORLD_SIZE): launch with `torchrun --nproc_per_node N "

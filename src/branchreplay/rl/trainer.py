@@ -417,7 +417,7 @@ class Trainer:
         entropy = old = None  # the current policy's entropies (and the old pass), when a pass before the update ran
         vllm = batch.sampler_logprobs is not None  # the old policy's logprobs are ours, the sampler's are compared
         cap = cfg.sampling.vllm_importance_sampling_cap  # truncated importance sampling needs them before the loss
-        lockstep = self.dp is not None and self.dp.lockstep  # every rank joins every pass, with or without trees
+        lockstep = self.lockstep  # every rank joins every pass, with or without trees
         if (local or lockstep) and (self.num_updates > 1 or algorithm != "grpo" or cap is not None):  # before updates
             old = self.policy_logprobs(local)
             for r, lp in zip(_rollouts(local), old.logprobs):
@@ -610,10 +610,14 @@ class Trainer:
         with the other ranks (every rank calls it, `local` possibly empty), one layer's parameters at a time;
         otherwise with the full parameters gathered."""
         cfg = self.config
-        lockstep = self.dp is not None and self.dp.lockstep
-        with contextlib.nullcontext() if lockstep else self.gathered(), self.autocast():
+        with contextlib.nullcontext() if self.lockstep else self.gathered(), self.autocast():
             return tree_logprobs(self.model, local, temperature=cfg.sampling.temperature, engine=cfg.engine,
-                                 force=self.force, lockstep=lockstep)
+                                 force=self.force, lockstep=self.lockstep)
+
+    @property
+    def lockstep(self) -> bool:
+        """FSDP2 resharded: every engine call runs in lock-step with the other ranks (`engine/lockstep.py`)."""
+        return self.dp is not None and self.dp.lockstep
 
     def train_step(self, step: int) -> dict | None:
         """generate + update (DPO: `dpo_step`); returns the step's metrics, or None (with a warning) when the reward
