@@ -58,7 +58,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.engine import replay_logprobs
     from branchreplay.engine.distributed import DataParallel, replay_backward_sharded, shutdown
     from branchreplay.losses import GRPOLoss
-    from branchreplay.rl.trainer import accumulate
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
@@ -86,20 +85,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                             "train_logprob_err": max((float((a - naive.logprobs[index[id(r)]]).abs().max())
                                                       for a, r in zip(result.logprobs, mine)), default=0.0),
                             "rollouts": len(mine), "physical": plan.physical_tokens}
-        # the trainer's micro-batches of one tree in lock-step: the ranks hold different numbers of whole trees
-        # before their context-parallel part, which every rank must still run in the same call
-        trees = _trees("forest", single.config.vocab_size)
-        expected, _ = _naive(single, trees, loss)
-        model = tiny_model("llama", dtype=torch.float64, seed=0)
-        with keep_float64(model):
-            dp = DataParallel(model, **RESHARDED)
-            plan = shard(trees, world, model.config, cost=FREE_COMMUNICATION)
-            with dp.accumulate():
-                accumulate(model, plan.parts[rank], loss, 1, 1.0, final_backward=dp.final_sync(), lockstep=True)
-            dp.reduce_replicated()
-        report["forest-resharded-micro-batches"] = {
-            "err": max_rel_grad_err(dp.full_grads(), expected), "layout": plan.layout,
-            "whole": [sum(not isinstance(t, cp.ContextParallelTree) for t in part) for part in plan.parts]}
+        report["forest-resharded-micro-batches"] = _micro_batched_forest(rank, world, single, loss)
         # the control: each rank's piece keeps only its own queries' gradients (the reduce-scatter left out)
         trees = _trees("prompt-and-shared-responses", single.config.vocab_size)
         expected, _ = _naive(single, trees, loss)
@@ -133,6 +119,29 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     shutdown()  # on success only, as the product (engine.distributed.shutdown)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+
+
+def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
+    """The trainer's micro-batches of one tree in lock-step (FSDP2 resharded): the ranks hold different numbers of
+    whole trees before their context-parallel part, which every rank must still run in the same call. The
+    gradient's error against `single`'s naive one, the layout and each rank's number of whole trees."""
+    from branchreplay.check.numerics import keep_float64
+    from branchreplay.check.reference import max_rel_grad_err
+    from branchreplay.engine.context_parallel import ContextParallelTree
+    from branchreplay.engine.distributed import DataParallel
+    from branchreplay.rl.trainer import accumulate
+
+    trees = _trees("forest", single.config.vocab_size)
+    expected, _ = _naive(single, trees, loss)
+    model = tiny_model("llama", dtype=torch.float64, seed=0)
+    with keep_float64(model):
+        dp = DataParallel(model, **RESHARDED)
+        plan = shard(trees, world, model.config, cost=FREE_COMMUNICATION)
+        with dp.accumulate():
+            accumulate(model, plan.parts[rank], loss, 1, 1.0, final_backward=dp.final_sync(), lockstep=True)
+        dp.reduce_replicated()
+    return {"err": max_rel_grad_err(dp.full_grads(), expected), "layout": plan.layout,
+            "whole": [sum(not isinstance(t, ContextParallelTree) for t in part) for part in plan.parts]}
 
 
 @pytest.fixture(scope="module", params=[2, 3], ids=["2-processes", "3-processes"])

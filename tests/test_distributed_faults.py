@@ -1,0 +1,174 @@
+"""Faults in a data-parallel run on 2 CPU processes with gloo: a rank killed mid-step (`RankDied`, the heartbeat
+of rl/parallel.py), a reward error in the held-out eval and a checkpoint write error on one rank, each stopping
+every rank at once; the checkpoint left behind resumes."""
+
+import os
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from branchreplay.engine.distributed import free_port, shutdown
+from test_distributed import _records, _train_config
+
+
+def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int) -> None:
+    import signal
+    from pathlib import Path
+
+    from branchreplay.rl.trainer import RankDied
+    from test_trainer import make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    trainer = make_trainer(_train_config(Path(tmp), 3, "fsdp2", "killed"), dtype=torch.float64)
+    if rank == killed:  # kill -9 of itself in step 3, after sampling, as its backward starts: the others are in theirs
+        backward = trainer.accumulate_sharded
+        trainer.accumulate_sharded = lambda *args: os.kill(os.getpid(), signal.SIGKILL) if trainer.step == 2 \
+            else backward(*args)
+    t0 = time.perf_counter()
+    try:
+        trainer.fit()
+        outcome = "no error"
+    except RankDied as e:
+        outcome = str(e)
+    (Path(tmp) / "survivor.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    os._exit(0)  # as the CLI after RankDied: the broken process group is not torn down
+
+
+@pytest.mark.parametrize("killed", [1, 0], ids=["rank-1", "rank-0-the-store"])
+def test_a_rank_killed_mid_step_stops_the_other_with_its_name_and_the_checkpoint_resumes(killed, tmp_path):
+    """kill -9 of one rank in step 3 of a 2-rank FSDP2 run (checkpoint at step 2): the other's collective fails at
+    once (gloo), its heartbeat check names the dead rank in a one-line RankDied within parallel.timeout_s (120 s
+    here), and the step-2 checkpoint resumes in one process to the end of the run. Rank 0 holds the rendezvous
+    store here (no torchrun agent): its death is found by the store going away."""
+    from test_trainer import make_trainer
+
+    context = mp.get_context("spawn")  # not mp.spawn: it would stop rank 0 as soon as rank 1 dies
+    port = free_port()
+    procs = [context.Process(target=_killed_worker, args=(r, 2, port, str(tmp_path), killed)) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == ([0, -9] if killed == 1 else [-9, 0])
+    seconds, outcome = (tmp_path / "survivor.txt").read_text().split("\n", 1)
+    assert "\n" not in outcome and outcome.startswith(f"rank {killed} of 2 died during step 3"), outcome
+    assert f"--resume {tmp_path / 'killed'}" in outcome and float(seconds) <= 120, (seconds, outcome)
+    assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step-000002"
+    make_trainer(_train_config(tmp_path, 3, run="killed"), dtype=torch.float64).fit(resume=tmp_path / "killed")
+    assert [r["step"] for r in _records(tmp_path / "killed")] == [1, 2, 3]
+
+
+def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    from pathlib import Path
+
+    from test_trainer import byte_reward, make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+    def reward(completions, **kwargs):
+        if rank == 1:
+            raise RuntimeError("grader crashed")
+        return byte_reward(completions, **kwargs)
+
+    trainer = make_trainer(_train_config(Path(tmp), 1), reward_fn=reward)
+    t0 = time.perf_counter()
+    try:
+        trainer.evaluate()
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    shutdown()  # on success only, as the product (engine.distributed.shutdown)
+
+
+def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
+    """Rank 1's reward raises during the sharded eval: rank 1 raises it, and rank 0 a RuntimeError naming rank 1,
+    both at once (they used to wait for each other until the collective timeout)."""
+    mp.spawn(_eval_error_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
+    assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes  # the timeout is 120 s
+    assert "grader crashed" in outcomes[1][1]
+    assert outcomes[0][1].startswith("RuntimeError: held-out evaluation failed on rank 1") and "grader crashed" in \
+        outcomes[0][1]
+
+
+def _save_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    from pathlib import Path
+
+    import branchreplay.rl.checkpoint as checkpoint
+    from test_trainer import make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    trainer = make_trainer(_train_config(Path(tmp), 1))
+    checkpoint._write_rank0 = disk_full  # rank 0's files fail, after every rank wrote its optimizer shards
+    t0 = time.perf_counter()
+    try:
+        trainer.save(Path(tmp) / "run")
+        outcome = "no error"
+    except Exception as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    shutdown()
+
+
+def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path):
+    """No half-written checkpoint, and no rank waits for the collective timeout (120 s) to learn of it."""
+    mp.spawn(_save_error_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
+    assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes
+    assert "No space left on device" in outcomes[0][1]
+    assert outcomes[1][1].startswith("RuntimeError: writing the checkpoint failed on rank 0"), outcomes[1]
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert not [p for p in checkpoints.iterdir() if p.name != "latest"] if checkpoints.exists() else True
+
+
+def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(monkeypatch):
+    """Of 3 ranks, rank 1 stopped beating and rank 2 stopped because it found rank 1 dead (`leaving`): rank 0
+    names rank 1 only (with 3 or more ranks a slower survivor must not blame the one that left first)."""
+    import torch.distributed as dist
+
+    from branchreplay.rl.parallel import Heartbeat
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    heartbeat = Heartbeat(0, 3, period_s=0.05, wait_s=0.3)
+    try:
+        for rank in (1, 2):
+            store.add(f"{Heartbeat.PREFIX}{rank}/beats", 1)
+        store.set(f"{Heartbeat.PREFIX}2/leaving", "1")
+        assert heartbeat.dead_ranks() == [1]
+    finally:
+        heartbeat.stop()
+
+
+def test_a_rank_died_error_skips_the_teardown_of_the_broken_group(monkeypatch, tmp_path):
+    """`train` closes the process group after a failed run (a barrier), except after RankDied: the group is broken,
+    its barrier would raise another error (gloo) or block (nccl) in place of the one-line message."""
+    import branchreplay.rl.trainer as trainer
+    from branchreplay.rl.trainer import RankDied
+
+    class Dying:
+        def __init__(self, config):
+            pass
+
+        def fit(self, resume):
+            raise RankDied(tmp_path, "rank 1 of 2 died during step 3")
+
+    torn_down = []
+    monkeypatch.setattr(trainer, "Trainer", Dying)
+    monkeypatch.setattr(trainer, "shutdown", lambda: torn_down.append(True))
+    with pytest.raises(RankDied, match="rank 1 of 2 died during step 3"):
+        trainer.train(None)
+    assert not torn_down
