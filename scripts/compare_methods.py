@@ -1,6 +1,6 @@
-"""One training config run with each `engine.method` side by side, in one process, in lockstep (docs/convergence.md).
+"""One training config run with each `train.method` side by side, in one process, in lockstep (docs/convergence.md).
 
-Every method gets its own Trainer built from the same config and seed (`--engine.method` set per trainer). Step s
+Every method gets its own Trainer built from the same config and seed (`--train.method` set per trainer). Step s
 runs for each method in turn, so their per-step times are measured under the same conditions. After every step the
 script records each run's metrics, whether the sampled completions are identical to the first method's, and the
 distance between the parameters: max |theta_m - theta_first| over every entry, and ||theta_m - theta_first|| /
@@ -31,7 +31,7 @@ import torch
 from branchreplay.check.numerics import keep_float64
 from branchreplay.models import load_policy, tiny_model
 from branchreplay.rl.config import Config, apply_overrides
-from branchreplay.rl.trainer import Trainer
+from branchreplay.rl.run.trainer import Trainer
 
 PANELS = [("reward", "reward (mean over the step's rollouts)"), ("eval/accuracy", "held-out accuracy"),
           ("loss", "loss"), ("kl", "KL to the reference (k3)"), ("entropy", "entropy (nats per token)"),
@@ -103,7 +103,7 @@ def plot(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--config", help="YAML config (default: the dataclass defaults; --tiny: the tests' settings)")
-    ap.add_argument("--methods", default="branchreplay,naive", help="comma list of engine.method values; the "
+    ap.add_argument("--methods", default="branchreplay,naive", help="comma list of train.method values; the "
                     "first is the one the others are compared with")
     ap.add_argument("--out", required=True, help="folder for metrics.jsonl and convergence.png")
     ap.add_argument("--tiny", action="store_true", help="the tests' tiny Llama and toy task (nothing downloaded)")
@@ -131,9 +131,9 @@ def main() -> None:
         config = Config.from_dict(apply_overrides({}, overrides))
     trainers, stack = {}, contextlib.ExitStack()
     for method in methods:
-        cfg = Config.from_dict({**config.to_dict(), "engine": {**config.to_dict()["engine"], "method": method},
-                                "train": {**config.to_dict()["train"], "log_completions": True,
-                                          "output_dir": str(out / f"run-{method}")}})
+        cfg = Config.from_dict({**config.to_dict(), "train": {**config.to_dict()["train"], "method": method,
+                                                               "log_completions": True,
+                                                               "output_dir": str(out / f"run-{method}")}})
         trainers[method] = make_trainer(cfg, args.tiny, stack)
     rows = []
     eval_steps, steps = config.train.eval_steps, config.train.steps

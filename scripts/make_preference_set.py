@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 
 from branchreplay.models import chat_prompt_ids, load_policy
-from branchreplay.rl.rewards import make_reward, score
-from branchreplay.rl.sampling import SamplingConfig, eos_token_ids, sample_group
-from branchreplay.rl.tasks import TaskConfig, build_messages, load_task
+from branchreplay.rl.data.rewards import make_reward, score
+from branchreplay.rl.rollouts.sampling import SamplingConfig, eos_token_ids, sample_group
+from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 
 
 def main() -> None:

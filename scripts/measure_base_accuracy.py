@@ -30,8 +30,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from branchreplay.rl.rewards import reasoning_gym_reward
-from branchreplay.rl.tasks import SYSTEM_PROMPT, TaskConfig, build_messages, load_task
+from branchreplay.rl.data.rewards import reasoning_gym_reward
+from branchreplay.rl.data.tasks import SYSTEM_PROMPT, TaskConfig, build_messages, load_task
 
 GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 

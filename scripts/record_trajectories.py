@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 from branchreplay.rl.config import parse_args
-from branchreplay.rl.trainer import Trainer
+from branchreplay.rl.run.trainer import Trainer
 from branchreplay.tree import RolloutTree
 
 

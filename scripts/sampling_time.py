@@ -21,9 +21,9 @@ import torch
 
 from branchreplay.models import load_policy
 from branchreplay.rl.config import Config
-from branchreplay.rl.sampling import sample_group, sample_groups
-from branchreplay.rl.sampling_config import SamplingConfig
-from branchreplay.rl.tasks import load_task, prompt_token_ids
+from branchreplay.rl.rollouts.sampling import sample_group, sample_groups
+from branchreplay.rl.config.sampling import SamplingConfig
+from branchreplay.rl.data.tasks import load_task, prompt_token_ids
 
 
 def main() -> None:

@@ -30,7 +30,7 @@ from transformers import AutoTokenizer
 from branchreplay.bench.measure import measure
 from branchreplay.check.reference import max_rel_grad_err
 from branchreplay.models import default_model_dir
-from branchreplay.rl.tasks import TaskConfig, build_messages, load_task
+from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 from branchreplay.trl import TreeGRPOTrainer
 
 CONTEXT = ("The following notes are shared by every question of this batch. Arithmetic is done left to right, "

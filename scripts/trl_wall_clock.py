@@ -31,8 +31,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from branchreplay.models import default_model_dir
-from branchreplay.rl.rewards import reasoning_gym_reward
-from branchreplay.rl.tasks import TaskConfig, build_messages, load_task
+from branchreplay.rl.data.rewards import reasoning_gym_reward
+from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 from branchreplay.trl import TreeGRPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -11,13 +11,15 @@ import torch
 
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.losses import GRPOLoss
-from branchreplay.rl.agent import AgentConfig, trajectory_reward
+from branchreplay.rl.agent.task import AgentConfig, trajectory_reward
 from branchreplay.rl.config import Config
-from branchreplay.rl.conversation import Conversation
-from branchreplay.rl.environments import TRUNCATED, EnvResponse, ToolEnvironment
-from branchreplay.rl.sampling import SamplingConfig
-from branchreplay.rl.trainer import Trainer, accumulate, prompt_indices
-from branchreplay.rl.trajectories import sample_trajectories
+from branchreplay.rl.agent.conversation import Conversation
+from branchreplay.rl.agent.environments import TRUNCATED, EnvResponse, ToolEnvironment
+from branchreplay.rl.rollouts.sampling import SamplingConfig
+from branchreplay.rl.data.order import prompt_indices
+from branchreplay.rl.policy import accumulate
+from branchreplay.rl.run.trainer import Trainer
+from branchreplay.rl.rollouts.trajectories import sample_trajectories
 from branchreplay.tree import RolloutTree
 from conftest import grads
 from test_environments import EOS, TurnTokenizerWithDecode, _chatty_model

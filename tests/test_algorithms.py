@@ -19,7 +19,9 @@ from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.sequence import replay_sequence_backward, sequence_sums
 from branchreplay.losses import GRPOLoss, ValueLoss, rloo_loss
 from branchreplay.models import tiny_model
-from branchreplay.rl import algorithms
+from branchreplay.rl.algorithms.ppo import ppo
+from branchreplay.rl.algorithms.reinforce_pp import reinforce_pp
+from branchreplay.rl.algorithms.rloo import rloo
 from branchreplay.rl.config import Config, PPOConfig
 from branchreplay.tree import Rollout, RolloutTree
 from branchreplay.value import ValueModel, check_critic
@@ -71,7 +73,7 @@ def _engine_vs_naive(model, rollouts, make_loss):
 
 @pytest.mark.parametrize("arch, dtype", [(arch, torch.float64) for arch in ARCHS] + [("llama", torch.float32)])
 def test_ppo_critic_and_policy_equal_naive(arch, dtype, keep64):
-    """The whole PPO update: the critic's values over the tree (one per unique position), algorithms.ppo's GAE
+    """The whole PPO update: the critic's values over the tree (one per unique position), ppo()'s GAE
     targets from them, then the value loss on the critic and the clipped policy loss on the policy."""
     critic = _critic(arch, dtype, keep64)
     policy = tiny_model(arch, dtype=dtype)
@@ -82,7 +84,7 @@ def test_ppo_critic_and_policy_equal_naive(arch, dtype, keep64):
     scale = max(v.abs().max().item() for v in naive_values)
     assert max((a - b).abs().max().item() for a, b in zip(values, naive_values)) <= VALUE_TOL[dtype] * scale
     scores = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0])
-    metrics = algorithms.ppo(rollouts, scores, [True] * 7 + [False], values,
+    metrics = ppo(rollouts, scores, [True] * 7 + [False], values,
                              PPOConfig(kl_estimator="k3", missing_eos_penalty=0.5))
     assert set(metrics) >= {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward"}
     g = torch.Generator().manual_seed(1)
@@ -106,7 +108,7 @@ def test_rloo_sequence_loss_equals_naive(arch, dtype, tiny64):
     """RLOO's sequence-level clipped ratio, off-policy (the sums moved away from the old ones: some ratios clip)."""
     model = tiny64(arch, dtype)
     rollouts = _rollouts(model.config.vocab_size)
-    algorithms.rloo(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05,
+    rloo(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05,
                     normalize_advantages=True)
     advantages = torch.tensor([float(r.advantages[0]) for r in rollouts], dtype=torch.float64)
     sums = sequence_sums(replay_logprobs(model, _trees(rollouts)).logprobs, rollouts)
@@ -132,7 +134,7 @@ def test_rloo_sequence_loss_equals_naive(arch, dtype, tiny64):
 def test_reinforce_pp_per_token_advantages_equal_naive(arch, dtype, tiny64):
     model = tiny64(arch, dtype)
     rollouts = _rollouts(model.config.vocab_size)
-    algorithms.reinforce_pp(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05, gamma=0.9)
+    reinforce_pp(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05, gamma=0.9)
     assert len(set(rollouts[0].advantages[rollouts[0].loss_mask > 0].tolist())) > 1  # per token, not per rollout
     result, expected, err = _engine_vs_naive(model, rollouts, lambda: GRPOLoss(0.2, 0.28))
     print(f"reinforce_pp {arch} {dtype}: {err:.1e}")
@@ -205,7 +207,7 @@ def test_ppo_advantages_match_trl_padded_loop(kl_estimator, whiten_rewards):
     ended = [True, True, False, True, True, True, True, False]
     cfg = PPOConfig(kl_coef=0.05, kl_estimator=kl_estimator, gamma=0.99, lam=0.9, whiten_rewards=whiten_rewards,
                     missing_eos_penalty=1.0)
-    metrics = algorithms.ppo(rollouts, scores, ended, values, cfg)
+    metrics = ppo(rollouts, scores, ended, values, cfg)
 
     mask, pad = _padded(rollouts)
     logprobs, ref_logprobs = pad("old_logprobs"), pad("ref_logprobs")
@@ -243,7 +245,7 @@ def test_rloo_matches_trl_compute_loss_and_advantages():
     trl = pytest.importorskip("trl", reason="TRL is a dev dependency (pip install -e '.[dev]')")
     rollouts = _rollouts(256)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
-    algorithms.rloo(rollouts, rewards, beta=0.05, normalize_advantages=True)
+    rloo(rollouts, rewards, beta=0.05, normalize_advantages=True)
     mask, pad = _padded(rollouts)
     old, ref = pad("old_logprobs"), pad("ref_logprobs")
     kl = ((old - ref) * mask).sum(-1)
@@ -280,7 +282,7 @@ def test_reinforce_pp_matches_verl():
     reset after the mask, masked_whiten over the batch."""
     rollouts = _rollouts(256)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
-    algorithms.reinforce_pp(rollouts, rewards, beta=0.05, gamma=0.9)
+    reinforce_pp(rollouts, rewards, beta=0.05, gamma=0.9)
     mask, pad = _padded(rollouts)
     token_level = -0.05 * (pad("old_logprobs") - pad("ref_logprobs")) * mask
     token_level[torch.arange(len(rollouts)), mask.sum(1).long() - 1] += rewards
@@ -352,7 +354,7 @@ def test_ppo_resume_equals_a_straight_run(tmp_path):
     assert (run / "checkpoints" / "step-000001" / "critic" / "model.safetensors").is_file()
     resumed = make_trainer(_config(tmp_path / "b", "ppo", train={"steps": 2}))
     resumed.fit(resume=run)
-    for a, b in [(straight.model, resumed.model), (straight.critic, resumed.critic)]:
+    for a, b in [(straight.model, resumed.model), (straight.algorithm.critic.model, resumed.algorithm.critic.model)]:
         for p, q in zip(a.parameters(), b.parameters()):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
@@ -397,3 +399,37 @@ def test_sequence_losses_do_not_depend_on_micro_batching(tmp_path, algorithm, gr
         weights.append([p.detach().clone() for p in trainer.model.parameters()])
     for a, b in zip(*weights):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_docs_own_algorithm_trains_from_the_current_folder(tmp_path, monkeypatch):
+    """docs/algorithms.md's "Write your own algorithm", the file as the page has it, run as `--algorithm
+    my_algorithms:LeaveOneOutGRPO` from the current folder: its advantages are each rollout's reward minus the
+    mean of the other rewards of its group, two steps train and log its metric; a spec that does not import or is
+    not an Algorithm is refused by name."""
+    from pathlib import Path
+
+    from branchreplay.rl.shards import Shards
+    from test_trainer import _metrics, make_trainer
+
+    page = (Path(__file__).parents[1] / "docs" / "algorithms.md").read_text()
+    code = page.split("## Write your own algorithm")[1].split("```python\n")[1].split("```")[0]
+    (tmp_path / "my_algorithms.py").write_text(code)
+    monkeypatch.chdir(tmp_path)
+    trainer = make_trainer(_config(tmp_path, "my_algorithms:LeaveOneOutGRPO", train={"steps": 2}))
+    batch = trainer.generate(1)
+    part = trainer.algorithm
+    part.prepare(batch, Shards.of(part.trained(batch.trees), None, trainer.model.config))
+    start = 0
+    for group in batch.rollouts:
+        rewards = batch.rewards[start : start + len(group)].double()
+        start += len(group)
+        for i, r in enumerate(group):
+            others = (rewards.sum() - rewards[i]) / (len(group) - 1)
+            assert torch.allclose(r.advantages, torch.full_like(r.advantages, float(rewards[i] - others)))
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    records = [r for r in _metrics(trainer.fit()) if r["step"] > 0]
+    assert len(records) == 2 and all(r["advantages/abs_mean"] > 0 for r in records)
+    assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before))
+    for spec, said in (("my_algorithms:Missing", "cannot be imported"), ("os:getcwd", "is not a subclass")):
+        with pytest.raises(ValueError, match=f"algorithm='{spec}' {said}"):
+            make_trainer(_config(tmp_path / "other", spec))

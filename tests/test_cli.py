@@ -137,17 +137,21 @@ def test_verify_refuses_flags_it_would_ignore(capsys):
 
 def test_verify_loss_dpo_passes_and_fails_a_wrong_gradient(capsys, monkeypatch):
     """`verify --loss dpo --json`: every DPO loss type on pair trees, passed at float64; a second pass that
-    doubles its loss (a wrong dL/ds) is caught: exit 1."""
+    doubles its loss (a wrong dL/ds) is caught: exit 1. With --nproc 2 the data-parallel DPO update passes."""
     import branchreplay.engine.sequence as sequence
 
     assert main(["verify", "--arch", "llama", "--loss", "dpo", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["passed"] is True and out["loss"] == "dpo" and out["max_rel_grad_err"] <= 1e-10
-    original = sequence._linear
-    monkeypatch.setattr(sequence, "_linear", lambda x: 2 * original(x))
+    original = sequence.linear_loss
+    monkeypatch.setattr(sequence, "linear_loss", lambda x: 2 * original(x))
     assert main(["verify", "--arch", "llama", "--loss", "dpo", "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["passed"] is False
-    assert main(["verify", "--loss", "dpo", "--nproc", "2"]) == 2
+    monkeypatch.undo()  # data-parallel: the trainer's DPO update on 2 gloo processes against one process
+    assert main(["verify", "--loss", "dpo", "--nproc", "2", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is True and out["loss"] == "dpo" and out["world_size"] == 2
+    assert out["max_rel_grad_err"] <= 1e-10
 
 
 @pytest.mark.parametrize("loss", ["ppo", "rloo"])
@@ -165,11 +169,11 @@ def test_verify_loss_ppo_and_rloo_pass_and_catch_a_wrong_critic_or_ratio(loss, c
         original = stack.token_values
         monkeypatch.setattr(stack, "token_values", lambda head, rows: 2 * original(head, rows))
     else:
-        original = sequence._linear
-        monkeypatch.setattr(sequence, "_linear", lambda x: 2 * original(x))
+        original = sequence.linear_loss
+        monkeypatch.setattr(sequence, "linear_loss", lambda x: 2 * original(x))
     assert main(["verify", "--arch", "llama", "--loss", loss, "--json"]) == 1
     assert json.loads(capsys.readouterr().out)["passed"] is False
-    assert main(["verify", "--loss", loss, "--nproc", "2"]) == 2
+    # --nproc 2 --loss ppo | rloo runs `check.parallel.algorithm_gradients`: tests/test_distributed_algorithms.py
 
 
 def test_config_files_and_model_specs_that_fail_are_one_line_errors(tmp_path, capsys, monkeypatch):

@@ -87,16 +87,18 @@ def test_help_lists_every_field():
 
 
 def test_engine_section_typed_choices_and_every_field_helped():
-    """EngineConfig is the run config's `engine` section (train defaults to the self-check of unknown families; a
-    library call refuses them); closed choices are Literals; every field's help is its metadata."""
+    """EngineConfig is the run config's `engine` section and holds only what the engine reads (train defaults to the
+    self-check of unknown families, a library call refuses them: `train.unknown_family`, not an engine field);
+    closed choices are Literals; every field's help is its metadata."""
     import dataclasses
 
     from branchreplay.engine import EngineConfig
     from branchreplay.rl.config import SECTIONS
 
     config = Config.from_dict(apply_overrides({}, ["--engine.replay", "keep", "--engine.max_pack_tokens=32"]))
-    assert config.engine == EngineConfig(replay="keep", max_pack_tokens=32, unknown_family="self-check")
-    assert Config().engine.unknown_family == "self-check" and EngineConfig().unknown_family == "refuse"
+    assert config.engine == EngineConfig(replay="keep", max_pack_tokens=32)
+    assert Config().train.unknown_family == "self-check"
+    assert not {"unknown_family", "method"} & {f.name for f in dataclasses.fields(EngineConfig)}
     with pytest.raises(ValueError, match=r"engine.replay='sometimes' is not valid; accepted values: keep, replay, "):
         Config.from_dict({"engine": {"replay": "sometimes"}})
     with pytest.raises(ValueError, match=r"engine.memory_budget=0 is out of range"):
@@ -104,7 +106,7 @@ def test_engine_section_typed_choices_and_every_field_helped():
     text = help_text()
     line = next(li for li in text.splitlines() if li.startswith("--engine.replay "))
     assert "one of 'keep', 'replay', 'auto'" in line and "default 'auto'" in line
-    assert "default 'self-check'" in next(li for li in text.splitlines() if li.startswith("--engine.unknown_family"))
+    assert "default 'self-check'" in next(li for li in text.splitlines() if li.startswith("--train.unknown_family"))
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{section}.{f.name} has no help in its metadata"
@@ -187,3 +189,15 @@ def test_trl_flat_grpo_config_names_map_onto_sections(tmp_path):
         Config.from_dict({"use_peft": False, "model": {"lora_r": 16}})
     with pytest.raises(ValueError, match="use_peft='no' is not true or false"):
         Config.from_dict({"use_peft": "no"})
+
+
+def test_a_run_folder_config_from_before_the_move_still_reads(tmp_path):
+    """engine.method and engine.unknown_family moved to the train section: a config.yaml of an earlier run reads them
+    there, with a warning naming the file; on the command line the old names are unknown keys."""
+    old = tmp_path / "config.yaml"
+    old.write_text("engine:\n  method: naive\n  unknown_family: refuse\n  max_pack_tokens: 32\n")
+    with pytest.warns(UserWarning, match=r"engine.method is now train.method"):
+        config = Config.from_yaml(old)
+    assert (config.train.method, config.train.unknown_family, config.engine.max_pack_tokens) == ("naive", "refuse", 32)
+    with pytest.raises(ValueError, match="unknown key 'engine.method'"):
+        apply_overrides({}, ["--engine.method", "naive"])

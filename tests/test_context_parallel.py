@@ -129,7 +129,7 @@ def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
     from branchreplay.check.reference import max_rel_grad_err
     from branchreplay.engine.context_parallel import ContextParallelTree
     from branchreplay.engine.distributed import DataParallel
-    from branchreplay.rl.trainer import accumulate
+    from branchreplay.rl.policy import accumulate
 
     trees = _trees("forest", single.config.vocab_size)
     expected, _ = _naive(single, trees, loss)

@@ -9,8 +9,8 @@ import torch
 
 from branchreplay.models import tiny_model
 from branchreplay.rl.config import Config
-from branchreplay.rl.tasks import TaskConfig, load_task, prompt_messages
-from branchreplay.rl.trainer import Trainer
+from branchreplay.rl.data.tasks import TaskConfig, load_task, prompt_messages
+from branchreplay.rl.run.trainer import Trainer
 from test_trainer import ByteTokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -211,7 +211,7 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
 
 
 def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
-    from branchreplay.rl.parallel import launch
+    from branchreplay.rl.run.parallel import launch
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
 
@@ -225,7 +225,7 @@ def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
 def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
     """--parallel.strategy fsdp2 without torchrun, and ranks started with different configurations."""
-    from branchreplay.rl.parallel import launch
+    from branchreplay.rl.run.parallel import launch
 
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
@@ -298,7 +298,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.engine.distributed import DataParallel
     from branchreplay.engine.head import check_head
     from branchreplay.losses import GRPOLoss
-    from branchreplay.rl.trainer import _idle_tree, accumulate
+    from branchreplay.rl.policy import accumulate, idle_tree
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
@@ -315,7 +315,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
         if rank == 0:  # the engine's head check cached on rank 0 only, as after the trainer's self-check there
             check_head(model)
         dp = DataParallel(model, **_strategy(strategy))
-        idle = [] if dp.lockstep else [_idle_tree(model)]  # in lock-step a rank with zero packs runs dummies only
+        idle = [] if dp.lockstep else [idle_tree()]  # in lock-step a rank with zero packs runs dummies only
         with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
             accumulate(model, [tree] if rank == 0 else idle, loss, 0, 1.0,
                        final_backward=dp.final_sync(), lockstep=dp.lockstep)

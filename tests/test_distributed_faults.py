@@ -1,5 +1,5 @@
 """Faults in a data-parallel run on 2 CPU processes with gloo: a rank killed mid-step (`RankDied`, the heartbeat
-of rl/parallel.py), a reward error in the held-out eval and a checkpoint write error on one rank, each stopping
+of rl/run/parallel.py), a reward error in the held-out eval and a checkpoint write error on one rank, each stopping
 every rank at once; the checkpoint left behind resumes."""
 
 import os
@@ -17,7 +17,7 @@ def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int) -> N
     import signal
     from pathlib import Path
 
-    from branchreplay.rl.trainer import RankDied
+    from branchreplay.rl.run.stops import RankDied
     from test_trainer import make_trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
@@ -25,8 +25,8 @@ def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int) -> N
     torch.set_num_threads(1)
     trainer = make_trainer(_train_config(Path(tmp), 3, "fsdp2", "killed"), dtype=torch.float64)
     if rank == killed:  # kill -9 of itself in step 3, after sampling, as its backward starts: the others are in theirs
-        backward = trainer.accumulate_sharded
-        trainer.accumulate_sharded = lambda *args: os.kill(os.getpid(), signal.SIGKILL) if trainer.step == 2 \
+        backward = trainer.policy.backward
+        trainer.policy.backward = lambda *args: os.kill(os.getpid(), signal.SIGKILL) if trainer.step == 2 \
             else backward(*args)
     t0 = time.perf_counter()
     try:
@@ -100,7 +100,7 @@ def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
 def _save_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
     from pathlib import Path
 
-    import branchreplay.rl.checkpoint as checkpoint
+    import branchreplay.rl.run.checkpoint as checkpoint
     from test_trainer import make_trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
@@ -137,7 +137,7 @@ def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(
     names rank 1 only (with 3 or more ranks a slower survivor must not blame the one that left first)."""
     import torch.distributed as dist
 
-    from branchreplay.rl.parallel import Heartbeat
+    from branchreplay.rl.run.parallel import Heartbeat
 
     port = free_port()
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
@@ -156,8 +156,8 @@ def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(
 def test_a_rank_died_error_skips_the_teardown_of_the_broken_group(monkeypatch, tmp_path):
     """`train` closes the process group after a failed run (a barrier), except after RankDied: the group is broken,
     its barrier would raise another error (gloo) or block (nccl) in place of the one-line message."""
-    import branchreplay.rl.trainer as trainer
-    from branchreplay.rl.trainer import RankDied
+    import branchreplay.rl.run.trainer as trainer
+    from branchreplay.rl.run.stops import RankDied
 
     class Dying:
         def __init__(self, config):

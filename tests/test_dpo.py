@@ -115,7 +115,7 @@ def test_preferences_plain_conversational_and_parquet(tmp_path):
     rows (as the sampler renders prompts), the tokenizer's ids plus EOS for plain ones; Parquet reads the same."""
     from datasets import Dataset
 
-    from branchreplay.rl.preferences import load_preferences, pair_trees
+    from branchreplay.rl.data.preferences import load_preferences, pair_trees
     from test_trainer import ByteTokenizer
 
     tok = ByteTokenizer()
@@ -144,7 +144,7 @@ def test_preferences_bad_rows_named(tmp_path):
     """chosen == rejected, or a prompt that leaves no room under max_length: skipped with a warning and counted; an
     empty response, a missing column, a template that renders the prompt differently inside the conversation:
     errors naming the row or the column."""
-    from branchreplay.rl.preferences import load_preferences
+    from branchreplay.rl.data.preferences import load_preferences
     from test_trainer import ByteTokenizer
 
     tok = ByteTokenizer()
@@ -194,7 +194,7 @@ def test_dpo_trainer_trains_and_logs_trl_names(tmp_path, loss_type):
     from test_trainer import _metrics, make_trainer
 
     trainer = make_trainer(_dpo_config(tmp_path, _preference_file(tmp_path), loss_type=loss_type))
-    assert (trainer.ref_model is None) == (loss_type == "simpo")  # simpo is reference-free
+    assert (trainer.reference is None) == (loss_type == "simpo")  # simpo is reference-free
     before = [p.detach().clone() for p in trainer.model.parameters()]
     run = trainer.fit()
     records = [r for r in _metrics(run) if r["step"] > 0]

@@ -6,8 +6,8 @@ import time
 
 import pytest
 
-from branchreplay.rl.conversation import Conversation, TemplateNotPrefixStableError, message_delta_ids
-from branchreplay.rl.environments import TRUNCATED, ToolEnvironment, load_environment
+from branchreplay.rl.agent.conversation import Conversation, TemplateNotPrefixStableError, message_delta_ids
+from branchreplay.rl.agent.environments import TRUNCATED, ToolEnvironment, load_environment
 
 EOS = 2
 
@@ -173,7 +173,7 @@ def test_bad_tools_and_environment_specs_refused():
         load_environment("branchreplay.nosuch:Env")
     with pytest.raises(ValueError, match="lacks reset, step, final_reward"):
         load_environment("branchreplay.tree:Node")
-    env = load_environment("branchreplay.rl.environments:ToolEnvironment", tools=[add], system_prompt="s",
+    env = load_environment("branchreplay.rl.agent.environments:ToolEnvironment", tools=[add], system_prompt="s",
                            reward=lambda m, i: 0.0)
     assert isinstance(env, ToolEnvironment)
 
@@ -192,7 +192,7 @@ class Feedback:
         return [{"role": "user", "content": item["question"]}]
 
     def step(self, messages, item):
-        from branchreplay.rl.environments import EnvResponse
+        from branchreplay.rl.agent.environments import EnvResponse
 
         n = sum(m["role"] == "assistant" for m in messages)
         return EnvResponse([{"role": "user", "content": "more"}], done=n >= 3, reward=0.1 * n)
@@ -223,8 +223,8 @@ def test_turn_branching_shares_turns_and_logprobs_equal_naive():
     import torch
 
     from branchreplay.check.reference import naive_backward
-    from branchreplay.rl.sampling import SamplingConfig
-    from branchreplay.rl.trajectories import sample_trajectories
+    from branchreplay.rl.rollouts.sampling import SamplingConfig
+    from branchreplay.rl.rollouts.trajectories import sample_trajectories
     from branchreplay.tree import Rollout, RolloutTree
 
     model, tok = _chatty_model(), TurnTokenizerWithDecode()
@@ -248,8 +248,8 @@ def test_turn_branching_shares_turns_and_logprobs_equal_naive():
 def test_trajectory_limits_end_it():
     import torch
 
-    from branchreplay.rl.sampling import SamplingConfig
-    from branchreplay.rl.trajectories import sample_trajectories
+    from branchreplay.rl.rollouts.sampling import SamplingConfig
+    from branchreplay.rl.rollouts.trajectories import sample_trajectories
 
     model, tok = _chatty_model(), TurnTokenizerWithDecode()
     config = SamplingConfig(temperature=1.0, max_new_tokens=12)
@@ -273,7 +273,7 @@ def test_trajectory_limits_end_it():
 def test_calculator_tool_and_task():
     """The built-in tool task: `calculate` evaluates arithmetic only, the worked example comes before the question,
     and the reward is the task's verifier on the last reply."""
-    from branchreplay.rl.environments import calculate, calculator
+    from branchreplay.rl.agent.environments import calculate, calculator
 
     assert (calculate("12 * (3 + 4)"), calculate("7 / 2"), calculate("-3 + 5")) == (84, 3.5, 2)
     for bad in ('__import__("os")', "x + 1", "2 ** 10", "True + 1"):
@@ -288,7 +288,7 @@ def test_calculator_tool_and_task():
 
 
 def test_guess_number_replies_and_reward():
-    from branchreplay.rl.environments import GuessNumber
+    from branchreplay.rl.agent.environments import GuessNumber
 
     env = GuessNumber(1, 10)
     items = env.items(5, seed=3)

@@ -110,7 +110,7 @@ def test_a_lora_run_saves_the_adapter_only_resumes_evaluates_and_exports(model_f
     from transformers import AutoModelForCausalLM
 
     from branchreplay.cli import main
-    from branchreplay.rl.checkpoint import latest_checkpoint, load_weights
+    from branchreplay.rl.run.checkpoint import latest_checkpoint, load_weights
 
     straight, stopped = tmp_path / "straight", tmp_path / "resumed"
     assert main(_train_args(model_folder, straight)) == 0
@@ -147,7 +147,7 @@ def test_a_lora_run_saves_the_adapter_only_resumes_evaluates_and_exports(model_f
 def test_a_full_checkpoint_into_a_lora_model_is_refused(model_folder, tmp_path):
     from transformers import AutoModelForCausalLM
 
-    from branchreplay.rl.checkpoint import load_weights
+    from branchreplay.rl.run.checkpoint import load_weights
 
     lora = apply_lora(AutoModelForCausalLM.from_pretrained(model_folder), 4, 8.0, ["q_proj"])
     (tmp_path / "full").mkdir()
@@ -162,7 +162,7 @@ def test_export_of_a_full_run_loads_with_transformers_and_respects_the_umask(mod
     from transformers import AutoModelForCausalLM
 
     from branchreplay.cli import main
-    from branchreplay.rl.checkpoint import latest_checkpoint
+    from branchreplay.rl.run.checkpoint import latest_checkpoint
 
     run, out = tmp_path / "run", tmp_path / "exported"
     args = _train_args(model_folder, run, steps=1)
@@ -188,7 +188,7 @@ def test_export_refuses_a_merge_that_changes_the_model_and_eval_refuses_another_
     from transformers import AutoModelForCausalLM
 
     from branchreplay.cli import main
-    from branchreplay.rl.checkpoint import latest_checkpoint, load_weights
+    from branchreplay.rl.run.checkpoint import latest_checkpoint, load_weights
 
     tied = tmp_path / "tied"
     tiny_model("llama", tie_word_embeddings=True).save_pretrained(tied)

@@ -1,4 +1,4 @@
-"""engine.method: the trainer with the naive reference or TRL's padded batch instead of the execution stack trains
+"""train.method: the trainer with the naive reference or TRL's padded batch instead of the execution stack trains
 the same model. Two runs of one config and seed, float64 (RMSNorms in float64 too, `keep_float64`), stay equal."""
 
 import pytest
@@ -13,8 +13,8 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def _run(tmp_path, method: str, steps: int = 3, **sections):
-    config = make_config(tmp_path / method, engine={"method": method}, model={"dtype": "float64"},
-                         train={"steps": steps, "log_completions": True}, **sections)
+    config = make_config(tmp_path / method, model={"dtype": "float64"},
+                         train={"method": method, "steps": steps, "log_completions": True}, **sections)
     model = tiny_model("llama", dtype=torch.float64, seed=0)
     with keep_float64(model):
         trainer = make_trainer(config, dtype=torch.float64, model=model)
@@ -53,8 +53,8 @@ def test_a_wrong_gradient_is_seen(tmp_path):
     ("algorithm", "ppo", "algorithm=ppo"),
 ])
 def test_reference_methods_refuse_what_they_do_not_run(section, values, named):
-    data = {"engine": {"method": "padded"}, section: values}
+    data = {"train": {"method": "padded"}, section: values}
     with pytest.raises(ValueError, match=named):
         Config.from_dict(data)
-    with pytest.raises(ValueError, match="engine.method"):
-        Config.from_dict({"engine": {"method": "tree"}})
+    with pytest.raises(ValueError, match="train.method"):
+        Config.from_dict({"train": {"method": "tree"}})

@@ -74,7 +74,7 @@ def test_trainer_bfloat16_keeps_float32_master_weights_and_optimizer_state(tmp_p
     assert abs(ours["grad_norm"] - theirs["grad_norm"]) <= 0.1 * theirs["grad_norm"]
     mixed.fit(resume=None)  # the whole loop, checkpoints included
     assert all(p.dtype == torch.float32 for p in mixed.model.parameters())
-    state = mixed.optimizer.state[mixed.params[0]]
+    state = mixed.policy.optimizer.state[mixed.policy.params[0]]
     assert state["exp_avg"].dtype == state["exp_avg_sq"].dtype == torch.float32
 
 

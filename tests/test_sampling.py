@@ -1,4 +1,4 @@
-"""Tests for branchreplay.rl.sampling: shared-prefill group sampling with an optional branching schedule.
+"""Tests for branchreplay.rl.rollouts.sampling: shared-prefill group sampling with an optional branching schedule.
 
 Every model is a tiny random config built here (nothing downloaded). The reference for logprobs is the same model
 run on prompt + completion alone, without a cache and unpadded.
@@ -8,7 +8,7 @@ import pytest
 import torch
 import transformers
 
-from branchreplay.rl.sampling import SamplingConfig, _filter_logits, sample_group
+from branchreplay.rl.rollouts.sampling import SamplingConfig, _filter_logits, sample_group
 
 V = 256
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
@@ -197,7 +197,7 @@ def test_batched_groups_equal_each_group_alone(kind, branching):
     """sample_groups draws, per group from its own generator, the tokens sample_group draws for that group alone,
     with its logprobs to 1e-12 in float64 (early EOS drops streams mid-way); the reference logprobs check the stacked
     caches' masked slots. Llama and GPT-2 (learned positions) run stacked; Mistral's sliding window runs per group."""
-    import branchreplay.rl.sampling as sampling
+    import branchreplay.rl.rollouts.sampling as sampling
 
     model = make_model(kind).double()
     config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching)
@@ -219,7 +219,7 @@ def test_batched_groups_equal_each_group_alone(kind, branching):
 
 def test_batched_groups_with_one_wrong_mask_are_seen(monkeypatch):
     """Control: stacked caches whose empty slots are visible give other logprobs than each group alone."""
-    import branchreplay.rl.sampling as sampling
+    import branchreplay.rl.rollouts.sampling as sampling
 
     model = make_model("llama").double()
     config = SamplingConfig(temperature=1.0, max_new_tokens=4)

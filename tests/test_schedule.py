@@ -125,7 +125,7 @@ def test_the_trainer_logs_the_schedule(tmp_path):
     record = make_trainer(make_config(tmp_path)).train_step(1)
     assert record["engine/schedule"] in ("tree", "mixed", "packed")
     assert record["engine/shared_nodes_merged"] >= 0
-    naive = make_trainer(make_config(tmp_path / "naive", engine={"method": "naive"})).train_step(1)
+    naive = make_trainer(make_config(tmp_path / "naive", train={"method": "naive"})).train_step(1)
     assert "engine/schedule" not in naive
 
 

@@ -6,10 +6,10 @@ import torch
 from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MambaConfig, MambaForCausalLM
 
 import branchreplay.check.self_check as self_check
-from branchreplay.engine import EngineConfig, UnsupportedModelError
+from branchreplay.engine import UnsupportedModelError
 from branchreplay.models import tiny_model
 
-SELF_CHECK = EngineConfig(unknown_family="self-check")
+SELF_CHECK = "self-check"
 
 
 def _neox(dtype=torch.float32, seed=0):
@@ -69,8 +69,8 @@ def test_a_cached_verdict_is_used_and_a_registered_family_is_not_checked(monkeyp
 
 def test_refuse_and_unknown_recurrent_families():
     with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*branchreplay verify"):
-        self_check.ensure_supported(_neox(), EngineConfig(unknown_family="refuse"), {})
+        self_check.ensure_supported(_neox(), "refuse", {})
     mamba = MambaForCausalLM(MambaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, state_size=4))
     mamba.config.model_type = "my_mamba"  # a recurrent family the registry does not know
-    with pytest.raises(UnsupportedModelError, match="recurrent or hybrid layers.*refused even with engine.unknown_fam"):
+    with pytest.raises(UnsupportedModelError, match="recurrent or hybrid layers.*refused even with train.unknown_fam"):
         self_check.ensure_supported(mamba, SELF_CHECK, {})

@@ -9,7 +9,7 @@ from branchreplay.check.verify import float64_copy
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss, token_weights
 from branchreplay.models import chat_prompt_ids, load_model
-from branchreplay.rl.sampling import SamplingConfig, sample_group
+from branchreplay.rl.rollouts.sampling import SamplingConfig, sample_group
 from branchreplay.tree import Rollout, RolloutTree
 
 pytestmark = pytest.mark.smollm2

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-from branchreplay.rl.rewards import (
+from branchreplay.rl.data.rewards import (
     RewardFunctionError,
     compute_rewards,
     load_reward_function,
@@ -15,8 +15,8 @@ from branchreplay.rl.rewards import (
     math_verify_reward,
     reasoning_gym_reward,
 )
-from branchreplay.rl.task_config import DEFAULT_TASK, DEFAULT_TASK_CONFIG
-from branchreplay.rl.tasks import (
+from branchreplay.rl.config.task import DEFAULT_TASK, DEFAULT_TASK_CONFIG
+from branchreplay.rl.data.tasks import (
     FEW_SHOT,
     SYSTEM_PROMPT,
     TaskConfig,
@@ -219,7 +219,7 @@ def test_compute_rewards_weight_count_must_match():
 def test_a_reward_module_in_the_current_folder_imports_without_pythonpath(tmp_path, monkeypatch):
     import sys
 
-    from branchreplay.rl.rewards import load_reward_function
+    from branchreplay.rl.data.rewards import load_reward_function
 
     (tmp_path / "my_rewards_issue14.py").write_text("def length(completions, **kwargs):\n"
                                                     "    return [float(len(c)) for c in completions]\n")

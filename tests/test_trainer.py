@@ -15,10 +15,13 @@ from branchreplay.check.reference import max_rel_grad_err
 from branchreplay.engine import UnsupportedModelError, replay_logprobs
 from branchreplay.losses import LOSS_TYPES, GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.rl.advantages import group_advantages
-from branchreplay.rl.checkpoint import latest_checkpoint, save_checkpoint
+from branchreplay.rl.algorithms.advantages import group_advantages
+from branchreplay.rl.run.checkpoint import latest_checkpoint, save_checkpoint
 from branchreplay.rl.config import Config
-from branchreplay.rl.trainer import Trainer, TrainingFailed, TrainingInterrupted, accumulate, prompt_indices
+from branchreplay.rl.data.order import prompt_indices
+from branchreplay.rl.policy import accumulate
+from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
+from branchreplay.rl.run.trainer import Trainer
 from branchreplay.tree import RolloutTree
 from conftest import grads
 
@@ -252,7 +255,7 @@ def test_keep_checkpoints(tmp_path):
     run = tmp_path / "ckpts"
     for step in (1, 2, 3):
         trainer.step = step
-        save_checkpoint(run, step, trainer.model, trainer.optimizer, trainer.scheduler, keep=2)
+        save_checkpoint(run, step, trainer.model, trainer.policy.optimizer, trainer.policy.scheduler, keep=2)
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["latest", "step-000002", "step-000003"]
 
 
@@ -261,7 +264,7 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
     the earlier format (the full optimizer state inside trainer_state.pt) resumes to the same optimizer state."""
     from transformers import AutoModelForCausalLM
 
-    from branchreplay.rl.checkpoint import STATE, load_checkpoint
+    from branchreplay.rl.run.checkpoint import STATE, load_checkpoint
 
     trainer = make_trainer(make_config(tmp_path, train={"steps": 2}))
     run = trainer.fit()
@@ -279,16 +282,18 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
 
     shutil.rmtree(folder / "optimizer")
     state = torch.load(folder / STATE, weights_only=False)
-    by_name = get_optimizer_state_dict(trainer.model, trainer.optimizer,
+    by_name = get_optimizer_state_dict(trainer.model, trainer.policy.optimizer,
                                        options=StateDictOptions(full_state_dict=True))
-    for earlier in (trainer.optimizer.state_dict(), by_name):  # keyed by position (before data parallelism), by name
+    # keyed by position (before data parallelism), by name
+    for earlier in (trainer.policy.optimizer.state_dict(), by_name):
         state["optimizer"] = earlier
         torch.save(state, folder / STATE)
         assert latest_checkpoint(run) == folder
         fresh = make_trainer(make_config(tmp_path, train={"output_dir": str(tmp_path / "fresh")}))
-        assert load_checkpoint(folder, fresh.model, fresh.optimizer, fresh.scheduler)[0] == 2
-        for p, q in zip(trainer.params, fresh.params):
-            assert torch.equal(trainer.optimizer.state[p]["exp_avg"], fresh.optimizer.state[q]["exp_avg"])
+        assert load_checkpoint(folder, fresh.model, fresh.policy.optimizer, fresh.policy.scheduler)[0] == 2
+        for p, q in zip(trainer.policy.params, fresh.policy.params):
+            ours, theirs = trainer.policy.optimizer.state[p], fresh.policy.optimizer.state[q]
+            assert torch.equal(ours["exp_avg"], theirs["exp_avg"])
 
 
 def test_a_checkpoint_copied_without_its_dcp_metadata_is_not_complete(tmp_path):
@@ -365,7 +370,7 @@ def test_log_completions_and_tensorboard_notice(tmp_path):
     if importlib.util.find_spec("tensorboard") is None:
         assert "TensorBoard: off" in console.export_text()
     assert trainer.reward_name() == "byte_reward"
-    from branchreplay.rl.log import MetricsLog
+    from branchreplay.rl.run.log import MetricsLog
 
     MetricsLog(run, truncate_after=1).close()  # what a resume from step 1 does to both logs
     assert {json.loads(line)["step"] for line in (run / "completions.jsonl").read_text().splitlines()} == {1}
@@ -374,7 +379,7 @@ def test_log_completions_and_tensorboard_notice(tmp_path):
 def test_every_engine_call_takes_the_engine_section(tmp_path, monkeypatch):
     """--engine.* reaches replay_backward and replay_logprobs (old logprobs with num_iterations 2, reference with
     beta > 0)."""
-    import branchreplay.rl.methods as methods_module
+    import branchreplay.rl.policy as methods_module
 
     seen = []
     for name in ("replay_backward", "replay_logprobs"):
@@ -411,7 +416,7 @@ def test_unregistered_family_is_self_checked_once_per_run_folder(tmp_path, monke
     monkeypatch.setattr(self_check, "self_check", lambda m: pytest.fail("checked again despite the cached verdict"))
     resumed = make_trainer(make_config(tmp_path, train={"steps": 2}), model=model).fit(resume=run)
     assert resumed == run
-    refused = make_config(tmp_path / "other", train={"steps": 1}, engine={"unknown_family": "refuse"})
+    refused = make_config(tmp_path / "other", train={"steps": 1, "unknown_family": "refuse"})
     with pytest.raises(UnsupportedModelError, match="gpt_neox"):
         make_trainer(refused, model=model).fit()
 

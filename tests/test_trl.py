@@ -208,7 +208,7 @@ def test_dpo_loss_and_gradient_equal_trl(trl_dpo, loss_type):
 
     from branchreplay.engine.sequence import replay_sequence_backward
     from branchreplay.losses import dpo_loss
-    from branchreplay.rl.preferences import PreferencePair, pair_trees
+    from branchreplay.rl.data.preferences import PreferencePair, pair_trees
 
     trainer, examples = trl_dpo[loss_type], _dpo_examples()
     batch = DataCollatorForPreference(pad_token_id=0)(examples)
@@ -261,10 +261,10 @@ def test_simpo_equals_trl_cpo_loss():
 
 def test_top_entropy_quantile_equals_trl(trl_trainers):
     """top_entropy_quantile=0.5: TRL masks the per-token policy loss below the batch's entropy median; ours zeroes
-    those tokens' advantages (`algorithms.keep_high_entropy`) from the policy's entropies over the tree. The KL term
-    and the normaliser keep every token on both sides. The entropy bonus is off here: TRL's averages over the kept
+    those tokens' advantages (`algorithms.grpo.keep_high_entropy`) from the policy's entropies over the tree. The KL
+    term and the normaliser keep every token on both sides. The entropy bonus is off here: TRL's averages over the kept
     tokens, ours over all of them (a documented departure)."""
-    from branchreplay.rl.algorithms import keep_high_entropy
+    from branchreplay.rl.algorithms.grpo import keep_high_entropy
 
     trainer = trl_trainers["dapo"]
     trainer.top_entropy_quantile, trainer._entropy_bonus_enabled = 0.5, False  # the attributes TRL reads

@@ -1,7 +1,7 @@
 """sampling.backend=vllm: the client and the trainer against a stand-in vLLM server, and (marked `vllm`) against a
 real one.
 
-The stand-in speaks the endpoints the client uses (rl/vllm_client.py) from a thread of this process. It samples
+The stand-in speaks the endpoints the client uses (rl/rollouts/vllm_client.py) from a thread of this process. It samples
 tokens at random and reports their logprobs under ITS OWN copy of the tiny model, minus OFFSET, and loads the
 weights the trainer syncs, so that the run's own old-policy logprobs t and the server's s differ by exactly OFFSET
 on every token as long as the sync works: sampling/logprob_diff_mean = OFFSET, and after the first update a sync
@@ -25,8 +25,9 @@ import torch
 
 from branchreplay.models import tiny_model
 from branchreplay.rl.config import Config
-from branchreplay.rl.trainer import Trainer, TrainingFailed
-from branchreplay.rl.vllm_client import VLLMClient, VLLMError
+from branchreplay.rl.run.stops import TrainingFailed
+from branchreplay.rl.run.trainer import Trainer
+from branchreplay.rl.rollouts.vllm_client import VLLMClient, VLLMError
 from test_trainer import DATA, ByteTokenizer, byte_reward
 
 OFFSET = 0.05  # the stand-in's logprobs are its model's minus this

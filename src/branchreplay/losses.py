@@ -93,20 +93,30 @@ class LossStats:
     so that the metrics are token means of the same ratio, clip and KL values as the loss (TRL's `_compute_loss`
     logs `clip_ratio/*` from the `coef_1` and advantages it just used).
 
-    sums: [5] float64 on the loss's device, or None before the first node: trained (rollout, position) pairs; of
-    them, ratio < 1 - epsilon_low where A < 0; ratio > 1 + epsilon_high where A > 0; the sum of next-token
-    entropies (nats); the sum of the k3 KL estimates. Kept on the device (no sync per node) until `metrics`.
-    kl: whether the loss had a KL term.
+    sums: [width] float64 on the loss's device, or None before the first node. `GRPOLoss`'s five: trained (rollout,
+    position) pairs; of them, ratio < 1 - epsilon_low where A < 0; ratio > 1 + epsilon_high where A > 0; the sum of
+    next-token entropies (nats); the sum of the k3 KL estimates. `ValueLoss`'s three: its own. Kept on the device
+    (no sync per node) until read. kl: whether the loss had a KL term. Data parallelism sums `totals()` over the
+    ranks and sets them back with `set_totals`.
     """
 
     sums: torch.Tensor | None = None
     kl: bool = False
+    width: int = 5
 
-    def add(self, values: torch.Tensor, kl: bool) -> None:
-        """Add one node's [5] sums (in the order of `sums`)."""
+    def add(self, values: torch.Tensor, kl: bool = False) -> None:
+        """Add one node's [width] sums (in the order of `sums`)."""
         values = values.detach().to(torch.float64)
         self.sums = values if self.sums is None else self.sums + values
         self.kl = self.kl or kl
+
+    def totals(self) -> list[float]:
+        """The sums and the KL flag as [width + 1] floats (zeros before the first node)."""
+        return (self.sums.tolist() if self.sums is not None else [0.0] * self.width) + [float(self.kl)]
+
+    def set_totals(self, totals: list[float]) -> None:
+        """The inverse of `totals` (after they were summed over the ranks: a KL term on any rank sets `kl`)."""
+        self.sums, self.kl = torch.tensor(totals[:-1], dtype=torch.float64), totals[-1] > 0
 
     def metrics(self) -> dict[str, float]:
         """TRL's names: entropy, clip_ratio/low_mean, clip_ratio/high_mean, clip_ratio/region_mean and, with a KL
@@ -224,14 +234,14 @@ class ValueLoss:
     loss = coef * sum_i sum_t weights[i, t] * l[i, t]; with weights = mask / (completion tokens of the step) it is
     TRL's `vf_coef * 0.5 * masked_mean(...)`. R are the rollouts' `returns`, old_v their `old_values`.
 
-    `stats` ([3] float64: trained (rollout, position) pairs, clipped ones where the clipped term is larger, sum of
-    l) gives TRL's `loss/value_avg` and `val/clipfrac_avg` (`value_metrics`).
+    `stats` (`LossStats` of width 3: trained (rollout, position) pairs, clipped ones where the clipped term is larger,
+    sum of l) gives TRL's `loss/value_avg` and `val/clipfrac_avg` (`value_metrics`).
     Raises ValueError: a node without returns or old_values, or a policy's inputs (no values).
     """
 
     cliprange_value: float = 0.2
     coef: float = 0.1
-    stats: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    stats: LossStats = field(default_factory=lambda: LossStats(width=3), compare=False, repr=False)
 
     def __call__(self, x: LossInputs) -> torch.Tensor:
         if x.values is None:
@@ -244,14 +254,13 @@ class ValueLoss:
         per_token = 0.5 * torch.maximum(unclipped_loss, clipped_loss)  # [k, L']
         with torch.no_grad():
             trained = (x.weights > 0).to(per_token.dtype)
-            sums = torch.stack([trained.sum(), ((clipped_loss > unclipped_loss) * trained).sum(),
-                                (per_token.detach() * trained).sum()]).double()
-            self.stats = sums if self.stats is None else self.stats + sums
+            self.stats.add(torch.stack([trained.sum(), ((clipped_loss > unclipped_loss) * trained).sum(),
+                                        (per_token.detach() * trained).sum()]))
         return self.coef * (x.weights * per_token).sum()
 
     def value_metrics(self) -> dict[str, float]:
         """TRL's names: loss/value_avg (0.5 x the mean clipped squared error) and val/clipfrac_avg, token means."""
-        tokens, clipped, total = self.stats.tolist() if self.stats is not None else (0.0, 0.0, 0.0)
+        tokens, clipped, total = self.stats.totals()[:3]
         n = max(tokens, 1.0)
         return {"loss/value_avg": total / n, "val/clipfrac_avg": clipped / n}
 

@@ -356,6 +356,18 @@ def autocast(dtype: str, device_type: str):
     return contextlib.nullcontext()
 
 
+def tied_names(model) -> dict[str, str]:
+    """{name of a parameter that repeats an earlier one (tied weights, e.g. lm_head.weight): the earlier name}."""
+    first: dict[int, str] = {}
+    tied = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            tied[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return tied
+
+
 def head_dim(config) -> int:
     """Channels per attention head: `config.head_dim` where the config sets it (Gemma, Qwen3), else hidden_size //
     num_attention_heads (Llama, GPT-2)."""

@@ -1,7 +1,7 @@
 """The baselines `branchreplay bench` compares the execution stack with, each exact (same gradients as the naive
 per-rollout computation of `reference.naive_backward`, to floating-point tolerance), and their memory estimates.
 
-padded_backward: TRL's padded batch (`check/padded.py`, where the `padded` reference of `engine.method` lives).
+padded_backward: TRL's padded batch (`check/padded.py`, where the `padded` reference of `train.method` lives).
 
 prompt_sharing_backward: prompt-only sharing, as Prefix Grouper (Liu et al. 2025, arXiv:2506.05433; PyPI
     `prefix-grouper`, verl `use_prefix_grouper`): each group's shared prompt runs once; every suffix (everything after

@@ -1,4 +1,4 @@
-"""TRL's padded batch, exact: the `padded` reference of `engine.method` (rl/methods.py) and a baseline of
+"""TRL's padded batch, exact: the `padded` reference of `train.method` (rl/policy.py) and a baseline of
 `branchreplay bench` (bench/baselines.py).
 
 padded_backward: the batch TRL's GRPOTrainer builds (trl/trainer/grpo_trainer.py, `_generate_and_score_completions`

@@ -1,6 +1,6 @@
 """First use of a model family outside the registry: the engine against the naive reference on the user's own model.
 
-`EngineConfig.unknown_family="self-check"` (the default of `train`) runs, before the first step, the naive
+`train.unknown_family="self-check"` (the default of `train`) runs, before the first step, the naive
 reference (`reference.naive_backward`) and the engine (`engine.replay_backward`, the family as
 `families.generic_family` guesses it) on a small random tree of a few hundred tokens (a shared prompt with
 branches of branches, old and reference logprobs off-policy so that clipping and KL are exercised), both in the
@@ -46,12 +46,13 @@ RECURRENT_CONFIG_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_
 """Config fields of recurrent layers (SSM state, short convolutions, linear attention) in transformers' configs."""
 
 
-def ensure_supported(model, engine: EngineConfig, verdicts: dict, log=print) -> bool:
+def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> bool:
     """Whether the engine must run `model` as an unregistered family (`force=True` in its calls).
 
-    A registered family: False. An unregistered one, per `engine.unknown_family`: "refuse" raises; "self-check"
-    takes the verdict of `verdicts` ({`verdict_key`: {model_class, dtype, max_rel_grad_err, bound, passed}}, the
-    run folder's cache) or runs `self_check` and adds its verdict there, logs it, and returns True when it passed.
+    A registered family: False. An unregistered one, per `unknown_family` (the run's train.unknown_family):
+    "refuse" raises; "self-check" takes the verdict of `verdicts` ({`verdict_key`: {model_class, dtype,
+    max_rel_grad_err, bound, passed}}, the run folder's cache) or runs `self_check` and adds its verdict there,
+    logs it, and returns True when it passed.
 
     Raises:
         UnsupportedModelError: "refuse"; recurrent or hybrid layers the registry does not know; or a self-check
@@ -59,7 +60,7 @@ def ensure_supported(model, engine: EngineConfig, verdicts: dict, log=print) -> 
     """
     if model.config.model_type in FAMILIES:
         return False
-    if engine.unknown_family == "refuse":
+    if unknown_family == "refuse":
         family_of(model)  # raises the refusal that names the family and `branchreplay verify --force`
     _refuse_recurrent(model)
     dtype = next(model.parameters()).dtype
@@ -128,7 +129,7 @@ def _refuse_recurrent(model) -> None:
         raise UnsupportedModelError(
             f"{config.model_type}: not in the engine's registry and has recurrent or hybrid layers ({', '.join(what)}):"
             " an unknown family's recurrent state cannot be guessed, so it is refused even with "
-            "engine.unknown_family='self-check'; registering it needs its state in engine/recurrent.py")
+            "train.unknown_family='self-check'; registering it needs its state in engine/recurrent.py")
 
 
 def _grads(model, run) -> list[torch.Tensor]:

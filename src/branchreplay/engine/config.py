@@ -8,8 +8,6 @@ from typing import Literal
 from ..fields import check, choice, help_of
 
 Replay = Literal["keep", "replay", "auto"]
-UnknownFamily = Literal["refuse", "self-check"]
-Method = Literal["branchreplay", "naive", "padded"]
 PACK_OVERHEAD_TOKENS = 48  # scripts/pack_overhead.py: 45-59 on the bench Llama (1-2 threads), 49 on SmolLM2
 PREFIX_POSITION_OVERHEAD = 0.1  # scripts/pack_overhead.py: +9% per child position (1 thread), +33 per pack (2)
 EVERY_SHARED_NODE = {"pack_overhead_tokens": 0, "prefix_position_overhead": 0}
@@ -19,8 +17,9 @@ self-check and the exactness tests run their small trees as trees with it."""
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """How the execution stack runs a tree. None of these change the result, only time and memory (and, with
-    `unknown_family`, whether a model outside the registry runs at all). Each field's help is its metadata."""
+    """How the execution stack runs a tree. None of these change the result, only time and memory. Each field's
+    help is its metadata. (Whether a model outside the registry runs at all is the caller's: `force`, and the
+    trainer's `train.unknown_family`.)"""
 
     max_pack_tokens: int = field(default=256, metadata=help_of(
         "most tokens of sibling nodes run as one pack (one query sequence against one copy of their prefix K/V), "
@@ -56,19 +55,6 @@ class EngineConfig:
         "largest activations (engine/planner.py)"))
     memory_budget: int | None = field(default=None, metadata=help_of(
         "bytes for replay='auto', > 0; default (null): 90% of the device's available memory when the step starts"))
-    unknown_family: UnknownFamily = field(default="refuse", metadata=help_of(
-        "what `train` does with a model family outside the registry (engine/families.py): 'refuse' it, or "
-        "'self-check' it before the first step (check/self_check.py: the engine against the naive reference on a "
-        "small random tree of the model itself, refused with the measured error above the dtype's bound; the "
-        "verdict is cached in the run folder). Recurrent or hybrid layers of an unknown family are always refused. "
-        "Read by the trainer; a direct replay_backward call refuses an unknown family unless force=True"))
-
-    method: Method = field(default="branchreplay", metadata=help_of(
-        "how `train` computes the logprobs and gradients, all equal to floating-point tolerance: 'branchreplay' "
-        "(the execution stack over the prefix tree), 'naive' (each rollout alone, unpadded: the reference) or "
-        "'padded' (TRL's padded batch); the two references run GRPO / REINFORCE++ / PPO token losses, for side by "
-        "side runs (scripts/compare_methods.py). Read by the trainer (rl/methods.py)"))
-
     def __post_init__(self):
         for name in ("max_pack_tokens", "max_batch_tokens", "chunk_tokens", "head_chunk_tokens"):
             check(f"engine.{name}", getattr(self, name) >= 1, ">= 1", getattr(self, name))
@@ -76,7 +62,5 @@ class EngineConfig:
         check("engine.prefix_position_overhead", self.prefix_position_overhead >= 0, ">= 0",
               self.prefix_position_overhead)
         choice("engine.replay", self.replay, Replay)
-        choice("engine.unknown_family", self.unknown_family, UnknownFamily)
-        choice("engine.method", self.method, Method)
         if self.memory_budget is not None:
             check("engine.memory_budget", self.memory_budget > 0, "> 0 bytes", self.memory_budget)

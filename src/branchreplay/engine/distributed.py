@@ -212,29 +212,9 @@ class DataParallel:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
-    @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float) -> float:
-        """Clip the reduced gradients to a total L2 norm of `max_norm`, as torch.nn.utils.clip_grad_norm_ (scale
-        max_norm / (norm + 1e-6) when below 1), with the norm over the whole model: the FSDP2 shards' squares summed
-        over ranks, the replicated parameters counted once. Returns the norm before clipping."""
-        local = torch.zeros((), dtype=torch.float64)
-        replicated = torch.zeros((), dtype=torch.float64)
-        for p in self.model.parameters():
-            if p.grad is None:
-                continue
-            g = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-            if hasattr(p.grad, "to_local"):
-                local += g.double().pow(2).sum().cpu()
-            else:
-                replicated += g.double().pow(2).sum().cpu()
-        dist.all_reduce(local)
-        norm = float((local + replicated).sqrt())
-        coef = min(max_norm / (norm + 1e-6), 1.0)
-        if coef < 1.0:
-            for p in self.model.parameters():
-                if p.grad is not None:
-                    p.grad.mul_(coef)
-        return norm
+        """`clip_grad_norm_` of this model alone; returns the norm before clipping."""
+        return clip_grad_norm_([self], max_norm)
 
     def full_grads(self) -> list[torch.Tensor]:
         """Every parameter's reduced gradient as a full (unsharded) tensor, zeros where none (for checks)."""
@@ -243,6 +223,29 @@ class DataParallel:
             g = p.grad if p.grad is not None else torch.zeros_like(p)
             out.append(g.full_tensor() if hasattr(g, "full_tensor") else g)
         return out
+
+
+@torch.no_grad()
+def clip_grad_norm_(parallels: list[DataParallel], max_norm: float) -> float:
+    """Clip the reduced gradients of the models of `parallels` together to a total L2 norm of `max_norm`, as
+    torch.nn.utils.clip_grad_norm_ over all their parameters (scale max_norm / (norm + 1e-6) when below 1), with the
+    norm over the whole models: the FSDP2 shards' squares summed over ranks, the replicated parameters counted once
+    (float64). Every rank calls it. Returns the norm before clipping."""
+    params = [p for dp in parallels for p in dp.model.parameters() if p.grad is not None]
+    local = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if hasattr(p.grad, "to_local"):
+            local += p.grad.to_local().double().pow(2).sum().cpu()
+        else:
+            replicated += p.grad.double().pow(2).sum().cpu()
+    dist.all_reduce(local)
+    norm = float((local + replicated).sqrt())
+    coef = min(max_norm / (norm + 1e-6), 1.0)
+    if coef < 1.0:
+        for p in params:
+            p.grad.mul_(coef)
+    return norm
 
 
 def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int]:

@@ -16,6 +16,10 @@ and dtype (pass 1's are kept in float64 for a float64 model, in float32 otherwis
 over a token-level loss is one forward pass without a graph; a caller that already ran that pass (the old-policy
 logprobs of the first update) hands it in and skips it. A loss of the summed logprobs s_i = sum_t loss_mask[i, t]
 logp[i, t] (`replay_sequence_backward`) is the special case g[i, t] = (dL/ds_i) loss_mask[i, t], h = 0.
+
+The pieces are public for data parallelism (`rl.policy.Policy.function_backward`), where pass 1 runs on each rank's
+trees, its values are gathered to every rank, and pass 2 runs on each rank's trees again: `function_coefficients`
+(g and h from the values), `linear_trees` and `linear_loss` (pass 2's trees and loss).
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ import torch
 from ..losses import LossInputs
 from ..tree import ReplayResult, Rollout, RolloutTree
 from .config import EngineConfig
+from .context_parallel import ContextParallelTree
 from .stack import replay_backward, replay_logprobs
 
 SequenceLoss = Callable[[torch.Tensor], torch.Tensor]
@@ -56,17 +61,10 @@ def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss
         first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force)
     if len(first.logprobs) != len(rollouts):
         raise ValueError(f"first holds {len(first.logprobs)} rollouts, the trees {len(rollouts)}")
-    logprobs = [lp.double().clone().requires_grad_(True) for lp in first.logprobs]
-    entropy = [e.double().clone().requires_grad_(True) for e in first.entropy]
-    value = loss(logprobs, entropy)
-    if value.dim() != 0 or not torch.isfinite(value):
-        raise ValueError(f"the loss must return a finite scalar, got {value!r}")
-    grads = torch.autograd.grad(value, logprobs + entropy, allow_unused=True)
-    n = len(rollouts)
-    g = [torch.zeros_like(lp) if d is None else d for lp, d in zip(logprobs, grads[:n])]
-    h = [torch.zeros_like(e) if d is None else d for e, d in zip(entropy, grads[n:])]
-    second = _linear_backward(model, trees, g, h, temperature, engine, force, final_backward)
-    return float(value.detach()), first, second
+    value, g, h = function_coefficients(loss, first.logprobs, first.entropy)
+    second = replay_backward(model, linear_trees(trees, g, h), linear_loss, temperature=temperature, engine=engine,
+                             force=force, final_backward=final_backward)
+    return value, first, second
 
 
 def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss: SequenceLoss, *,
@@ -90,15 +88,10 @@ def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss
     s = torch.as_tensor(sums, dtype=torch.float64)
     if s.shape != (len(rollouts),):
         raise ValueError(f"sums has shape {tuple(s.shape)}, expected ({len(rollouts)},): one per rollout")
-    leaf = s.clone().requires_grad_(True)
-    value = loss(leaf)
-    if value.dim() != 0 or not torch.isfinite(value):
-        raise ValueError(f"the sequence loss must return a finite scalar, got {value!r}")
-    (c,) = torch.autograd.grad(value, leaf)
-    g = [c[i] * r.loss_mask for i, r in enumerate(rollouts)]  # dL/dlogp[i, t] = dL/ds_i on the summed positions
-    h = [torch.zeros(len(r), dtype=torch.float64) for r in rollouts]
-    second = _linear_backward(model, trees, g, h, temperature, engine, force, final_backward)
-    return float(value.detach()), s, second
+    value, g, h = sequence_coefficients(loss, s, rollouts)
+    second = replay_backward(model, linear_trees(trees, g, h), linear_loss, temperature=temperature, engine=engine,
+                             force=force, final_backward=final_backward)
+    return value, s, second
 
 
 def sequence_sums(logprobs: list[torch.Tensor], rollouts: list[Rollout]) -> torch.Tensor:
@@ -106,19 +99,54 @@ def sequence_sums(logprobs: list[torch.Tensor], rollouts: list[Rollout]) -> torc
     return torch.stack([(lp.double() * r.loss_mask).sum() for lp, r in zip(logprobs, rollouts)])
 
 
-def _linear_backward(model, trees: list[RolloutTree], g: list[torch.Tensor], h: list[torch.Tensor], temperature,
-                     engine, force, final_backward) -> ReplayResult:
-    """Pass 2: `replay_backward` of sum_i sum_t g[i, t] logp[i, t] + h[i, t] H[i, t] (per rollout [T] coefficients,
-    in the trees' rollout order), the coefficients riding on each rollout's weights and advantages."""
-    linear, k = [], 0
+def function_coefficients(loss: TokenFunctionLoss, logprobs: list[torch.Tensor], entropy: list[torch.Tensor]
+                          ) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
+    """Pass 1's derivatives: (the loss value, g = dL/dlogp and h = dL/dH per rollout [T] float64) of `loss` at the
+    rollouts' `logprobs` and `entropy` (per rollout [T]), by autograd on float64 leaves. Raises ValueError when
+    `loss` does not return a finite scalar."""
+    logprobs = [lp.double().clone().requires_grad_(True) for lp in logprobs]
+    entropy = [e.double().clone().requires_grad_(True) for e in entropy]
+    value = loss(logprobs, entropy)
+    if value.dim() != 0 or not torch.isfinite(value):
+        raise ValueError(f"the loss must return a finite scalar, got {value!r}")
+    grads = torch.autograd.grad(value, logprobs + entropy, allow_unused=True)
+    n = len(logprobs)
+    g = [torch.zeros_like(lp) if d is None else d for lp, d in zip(logprobs, grads[:n])]
+    h = [torch.zeros_like(e) if d is None else d for e, d in zip(entropy, grads[n:])]
+    return float(value.detach()), g, h
+
+
+def sequence_coefficients(loss: SequenceLoss, sums: torch.Tensor, rollouts: list[Rollout]
+                          ) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
+    """`function_coefficients` of a loss of the summed logprobs `sums` [N] float64: g[i, t] = dL/ds_i on the
+    rollout's loss_mask, h = 0. Raises ValueError when `loss` does not return a finite scalar."""
+    leaf = sums.clone().requires_grad_(True)
+    value = loss(leaf)
+    if value.dim() != 0 or not torch.isfinite(value):
+        raise ValueError(f"the sequence loss must return a finite scalar, got {value!r}")
+    (c,) = torch.autograd.grad(value, leaf)
+    g = [c[i] * r.loss_mask for i, r in enumerate(rollouts)]  # dL/dlogp[i, t] = dL/ds_i on the summed positions
+    h = [torch.zeros(len(r), dtype=torch.float64) for r in rollouts]
+    return float(value.detach()), g, h
+
+
+def linear_trees(trees: list, g: list[torch.Tensor], h: list[torch.Tensor]) -> list:
+    """Pass 2's trees: each of `trees` (`RolloutTree`s, or a rank's `ContextParallelTree` parts) rebuilt with the
+    coefficients riding on its rollouts, g[i] [T] on the weights and h[i] [T] on the advantages (per rollout of the
+    trees, in order), so that `linear_loss` over them is sum_i sum_t g[i, t] logp[i, t] + h[i, t] H[i, t]."""
+    out, k = [], 0
     for t in trees:
-        linear.append(RolloutTree([Rollout(r.token_ids, loss_mask=r.loss_mask, weights=g[k + i] * r.loss_mask,
-                                           advantages=h[k + i] * r.loss_mask) for i, r in enumerate(t.rollouts)]))
-        k += len(t.rollouts)
-    return replay_backward(model, linear, _linear, temperature=temperature, engine=engine, force=force,
-                           final_backward=final_backward)
+        rollouts = [Rollout(r.token_ids, loss_mask=r.loss_mask, weights=g[k + i] * r.loss_mask,
+                            advantages=h[k + i] * r.loss_mask) for i, r in enumerate(t.rollouts)]
+        k += len(rollouts)
+        if isinstance(t, ContextParallelTree):
+            out.append(ContextParallelTree(t.prefix, RolloutTree(rollouts) if rollouts else None, t.rounds, t.rank))
+        else:
+            out.append(RolloutTree(rollouts))
+    return out
 
 
-def _linear(x: LossInputs) -> torch.Tensor:
-    """sum over the node's rollouts and positions of g * logp + h * H (the weights carry g, the advantages h)."""
+def linear_loss(x: LossInputs) -> torch.Tensor:
+    """Pass 2's loss over a node: sum over its rollouts and positions of g * logp + h * H (the weights carry g, the
+    advantages h: `linear_trees`)."""
     return (x.weights * x.logprobs).sum() + (x.advantages * x.entropy).sum()

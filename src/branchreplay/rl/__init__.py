@@ -1,6 +1,13 @@
-"""The training side: RL over prefix trees (today GRPO; the modules are named for what they do, not for GRPO alone).
+"""The training side: RL over prefix trees, one loop for every algorithm.
 
-`config` (the run configuration and its one parser), `trainer` (the loop), `evaluation` (held-out score),
-`sampling` (rollouts of a group, the prompt prefilled once), `tasks` and `rewards` (reasoning-gym, math-verify,
-users' functions), `advantages` (group-relative), `checkpoint` (atomic save and resume), `log` (the run log).
+    policy.py     the model as the engine runs it (temperature, engine section, method, family check, data
+                  parallelism, mixed precision, its optimizer): what the algorithms call
+    shards.py     a step's trees over the ranks, and every rollout's values on every rank
+    algorithms/   one part per algorithm (grpo, rloo, reinforce_pp, ppo, dpo), chosen by name; the estimators' math
+    rollouts/     a step's batch: in-process sampling, the vLLM client, multi-turn trajectories, the sampler mismatch
+    agent/        multi-turn environments, the conversation's token bookkeeping, agent metrics and evaluation
+    data/         tasks, users' datasets, reward functions, preference pairs, the step's prompt order
+    config/       the run configuration (torch-free): sections, TRL's names, the parser of train and eval
+    run/          the trainer, the updates loop, checkpoints, the metrics log, evaluation, export, ranks
+    cli.py        train, eval, export, vllm-serve
 """

@@ -1,0 +1,120 @@
+"""Multi-turn agent tasks in a run (config section `agent`): which environment answers the assistant's turns, the
+limits of a trajectory, how its per-turn rewards combine with the final one, its metrics, and the greedy held-out
+evaluation. The sampling itself is `trajectories.sample_trajectories`; the environments are `environments.py`.
+
+    agent.environment: calculator     the default task's arithmetic with a `calculate` tool (the task's verifier)
+                       guess_number   guess a number from 1 to 10 with higher / lower replies
+                       pkg.mod:Class  a user environment (`environments.Environment`), built with environment_kwargs
+
+Items: an environment with an `items(n, seed)` method brings its own (task.size of them for training, task.eval_size
+held out, the held-out ones seeded with task.seed + tasks.EVAL_SEED_OFFSET); the others take the task's
+reasoning-gym splits (`tasks.load_task`). A trajectory's reward is `final_reward + turn_reward_weight x (sum or
+mean of its per-turn rewards)`, one scalar per trajectory, so every algorithm's advantage estimator applies as in
+single-turn training (verl's multi-turn rollouts do the same with their turn scores); groups are the trajectories of
+one item, of any size.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+
+from ...models import max_positions
+from .environments import GuessNumber, calculator, load_environment
+from ..data.rewards import make_reward
+from ..config.agent import AgentConfig
+from ..config.sampling import SamplingConfig
+from ..config.task import EVAL_SEED_OFFSET, reward_specs
+from ..data.tasks import load_task
+from ..rollouts.trajectories import ItemError, Trajectory, sample_trajectories
+
+def load_agent_task(config) -> tuple:
+    """(environment, train items, held-out items) of a run `config` (`rl.config.Config`) whose agent.environment
+    is set. Raises ValueError for an environment that does not import or lacks a method (`load_environment`)."""
+    a, task = config.agent, config.task
+    kwargs = dict(a.environment_kwargs or {})
+    splits = None
+    if a.environment == "calculator":
+        if len(reward_specs(task.reward)) != 1:
+            raise ValueError(f"agent.environment=calculator scores with one task.reward, got {task.reward!r}")
+        splits = load_task(task)
+        env = calculator(make_reward(task.reward, splits[0]), timeout_s=a.tool_timeout_s, **kwargs)
+    elif a.environment == "guess_number":
+        env = GuessNumber(**kwargs)
+    else:
+        env = load_environment(a.environment, **kwargs)
+    if callable(getattr(env, "items", None)):
+        return env, env.items(task.size, seed=task.seed), env.items(task.eval_size, seed=task.seed + EVAL_SEED_OFFSET)
+    splits = splits or load_task(task)
+    return env, splits[0], splits[1]
+
+
+def bind(env, tokenizer) -> None:
+    """The environment's optional `bind(tokenizer)` (a tool environment checks the template's tool support)."""
+    if callable(getattr(env, "bind", None)):
+        env.bind(tokenizer)
+
+
+def trajectory_reward(trajectory: Trajectory, config: AgentConfig) -> float:
+    """final_reward + turn_reward_weight x (sum or mean of the per-turn rewards)."""
+    turns = trajectory.turn_rewards
+    combined = sum(turns) / len(turns) if turns and config.turn_reward_reduction == "mean" else sum(turns)
+    return trajectory.reward + config.turn_reward_weight * combined
+
+
+def turn_branching(config) -> tuple:
+    """sampling.turn_branching of a run, or (grpo.num_generations,) when it is empty."""
+    return config.sampling.turn_branching or (config.grpo.num_generations,)
+
+
+def context_limit(config: AgentConfig, model) -> int | None:
+    """agent.max_context_tokens, or the model's max_position_embeddings (None when it has none)."""
+    return config.max_context_tokens or max_positions(model.config)
+
+
+def trajectory_metrics(groups: list[list[Trajectory]]) -> dict:
+    """turns/mean, tool_calls/mean (per trajectory), tool_calls/error_rate (failed calls over calls; 0 without
+    calls), agent/trajectories (the step's count: groups shrink when trajectories end early) and the fraction of
+    trajectories by how they ended (agent/ended_by/<done | truncated | end_of_sequence | max_turns | context>;
+    `trajectories.Trajectory.ended_by`)."""
+    flat = [t for g in groups for t in g]
+    n = max(len(flat), 1)
+    calls = sum(t.tool_calls for t in flat)
+    out = {"turns/mean": sum(t.turns for t in flat) / n, "tool_calls/mean": calls / n, "agent/trajectories": len(flat),
+           "tool_calls/error_rate": sum(t.tool_errors for t in flat) / calls if calls else 0.0}
+    for reason in ("done", "truncated", "end_of_sequence", "max_turns", "context"):
+        out[f"agent/ended_by/{reason}"] = sum(t.ended_by == reason for t in flat) / n
+    return out
+
+
+@torch.no_grad()
+def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None) -> dict:
+    """Greedy multi-turn held-out evaluation: one trajectory per item (top-1 token at every step), up to
+    agent.max_turns replies of sampling.max_new_tokens. Returns eval/accuracy (mean final reward: the task's
+    success), eval/frac_correct (final reward 1), eval/reward (the combined reward trained on), eval/turns_mean,
+    eval/tool_calls_mean, eval/mean_length (assistant tokens) and time/eval_s. Items that raise ItemError are
+    skipped with a warning (eval/skipped counts them)."""
+    t0, a = time.perf_counter(), config.agent
+    greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=config.sampling.max_new_tokens)
+    done, skipped = [], 0
+    for i, item in enumerate(items):
+        if progress is not None:
+            progress(i, len(items))
+        try:
+            done += sample_trajectories(model, tokenizer, env, item, (1,), greedy, eos, None, a.max_turns,
+                                        context_limit(a, model), a.max_tool_output_tokens)
+        except ItemError as e:
+            warnings.warn(f"held-out item {i} skipped: {e}", RuntimeWarning, stacklevel=2)
+            skipped += 1
+    if progress is not None:
+        progress(len(items), len(items))
+    n, counts = max(len(done), 1), trajectory_metrics([done])
+    return {"eval/accuracy": sum(t.reward for t in done) / n,
+            "eval/frac_correct": sum(t.reward == 1 for t in done) / n,
+            "eval/reward": sum(trajectory_reward(t, a) for t in done) / n,
+            "eval/turns_mean": counts["turns/mean"],
+            "eval/tool_calls_mean": counts["tool_calls/mean"],
+            "eval/mean_length": sum(sum(t.conversation.loss_mask) for t in done) / n,
+            "eval/skipped": skipped, "time/eval_s": time.perf_counter() - t0}

@@ -1,0 +1,77 @@
+"""RLOO, as TRL 1.16's RLOOTrainer (trl/trainer/rloo_trainer.py; Ahmadian et al. 2024, "Back to Basics"): the KL
+in the reward (grpo.beta times the summed k1 of the sampling policy against the reference; TRL's RLOOConfig.beta
+defaults to 0.05), a leave-one-out baseline per group, optional normalisation (rloo.normalize_advantages), one
+advantage per completion; the loss TRL's sequence-level clipped ratio of the summed completion logprobs
+(`losses.rloo_loss`), a mean over the step's completions, whose exact gradient over the trees takes two passes
+(`Policy.function_backward`). grpo.delta, entropy_coef, use_bias_correction_kl and loss_type do not apply (TRL's
+RLOO has none of them).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...engine.sequence import sequence_sums
+from ...losses import rloo_clip_metrics, rloo_loss
+from ...tree import Rollout
+from .advantages import kl_per_token, normalize, rloo_advantages
+from .base import Algorithm, step_rollouts, trains
+
+
+class RLOO(Algorithm):
+    """RLOO as a part of the loop (module docstring)."""
+
+    name = "rloo"
+
+    def __init__(self, config, policy, reference=None):
+        super().__init__(config, policy, reference)
+        self.num_updates = config.grpo.num_iterations
+
+    def prepare(self, batch, shards) -> dict:
+        g = self.config.grpo
+        metrics = self.passes(batch, shards, old=True)
+        metrics.update(rloo(step_rollouts(batch, shards), batch.rewards, g.beta, self.config.rloo.normalize_advantages))
+        self.num_sequences = len(shards.rollouts)  # TRL's mean over the step's completions
+        self.shards = shards.keep(lambda t: trains(t, 0.0, g.entropy_coef))  # all-zero advantages: no gradient
+        rollouts = self.shards.rollouts
+        self.old_sums = sequence_sums([r.old_logprobs for r in rollouts], rollouts) if rollouts else None
+        self.advantages = torch.tensor([float(r.advantages[0]) for r in rollouts], dtype=torch.float64)
+        return metrics
+
+    def backward(self, update: int):
+        """One update of the sequence-level loss; the first reuses the old-policy pass as its pass 1 (the same
+        weights). Metrics: TRL's entropy (a token mean) and clip_ratio/low_mean, high_mean, region_mean."""
+        shards, g = self.shards, self.config.grpo
+        if not shards.trees:
+            return None, {}
+        rollouts = shards.rollouts
+
+        def loss(logprobs, entropy):
+            return rloo_loss(sequence_sums(logprobs, rollouts), self.old_sums, self.advantages, epsilon_low=g.epsilon,
+                             epsilon_high=g.epsilon_high, num_sequences=self.num_sequences)
+
+        first = self.old.take(rollouts) if update == 0 else None
+        _, logprobs, entropy, result = self.policy.function_backward(shards, loss, first)
+        masks = [r.loss_mask for r in rollouts]
+        tokens = sum(float((e.double() * m).sum()) for e, m in zip(entropy, masks))
+        return result, {"entropy": tokens / max(sum(float(m.sum()) for m in masks), 1.0),
+                        **rloo_clip_metrics(sequence_sums(logprobs, rollouts), self.old_sums, self.advantages,
+                                            epsilon_low=g.epsilon, epsilon_high=g.epsilon_high)}
+
+
+def rloo(rollouts: list[Rollout], rewards: torch.Tensor, beta: float, normalize_advantages: bool) -> dict:
+    """RLOO's advantages (module docstring) on `rollouts` [B] (the step's, with `old_logprobs`, and `ref_logprobs`
+    when beta > 0), `rewards` [B] float; TRL 1.16 RLOOTrainer `_generate_and_score_completions`. Returns {"kl":
+    mean per-token k1 over the completion tokens} when beta > 0 (TRL logs it so)."""
+    rewards = rewards.double().clone()
+    metrics = {}
+    if beta > 0:
+        kls = [kl_per_token(r.old_logprobs, r.ref_logprobs, "k1") * r.loss_mask for r in rollouts]
+        rewards = rewards - beta * torch.stack([k.sum() for k in kls])
+        metrics["kl"] = float(sum(k.sum() for k in kls) / max(sum(float(r.loss_mask.sum()) for r in rollouts), 1.0))
+    advantages = rloo_advantages(rewards, [r.group for r in rollouts])
+    if normalize_advantages:
+        advantages = normalize(advantages)
+    for r, a in zip(rollouts, advantages.tolist()):
+        r.advantages = torch.full((len(r),), a, dtype=torch.float64)
+    return metrics

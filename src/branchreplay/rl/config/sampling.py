@@ -1,0 +1,108 @@
+"""The `sampling` section of the run config: `SamplingConfig`, and the per-turn forks of multi-turn sampling.
+
+Torch-free, so that the run config parses (and `--help` prints) before torch loads; `rl/rollouts/sampling.py`
+samples with it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from ...fields import check, choice, help_of
+
+Backend = Literal["hf", "vllm"]
+
+
+@dataclass
+class SamplingConfig:
+    """How to sample one group. Raises ValueError naming the field and its accepted range when one is out of range."""
+
+    temperature: float = field(default=1.0, metadata=help_of(
+        "> 0; logits are divided by it before both sampling and the recorded logprob (and in training)"))
+    top_p: float = field(default=1.0, metadata=help_of("in (0, 1]; nucleus filtering for sampling only (1.0 = off)"))
+    top_k: int = field(default=0, metadata=help_of(">= 0; keep the k most likely tokens for sampling only (0 = off)"))
+    max_new_tokens: int = field(default=64, metadata=help_of(">= 1; completion length limit in tokens"))
+    branching: tuple[tuple[int, int], ...] = field(default=(), metadata=help_of(
+        "((depth, factor), ...) with depths strictly increasing in [0, max_new_tokens) and factors >= 1: each live "
+        "stream forks into `factor` streams before generating the token at `depth` (depth 0 = the first generated "
+        "token). ((0, 2), (32, 4)) gives 2 streams from the start, each forking into 4 at depth 32: 8 samples. The "
+        "product of the factors must equal grpo.num_generations. Empty (the default) means num_generations "
+        "independent samples, i.e. ((0, num_generations),). Single-turn tasks only: a multi-turn task forks inside "
+        "a turn with sampling.turn_branching"))
+    turn_branching: tuple = field(default=(), metadata=help_of(
+        "multi-turn tasks (agent.environment): how many replies each conversation draws at turn t, one entry per "
+        "turn, turns past the list drawing 1. An entry is a factor f >= 1, or a ((depth, factor), ...) schedule as "
+        "sampling.branching that also forks inside the turn. [2, 4]: 2 first replies, each continued 4 ways after "
+        "the environment's answer, so trajectories share whole earlier turns; [[[0, 2], [16, 2]]]: 2 first replies "
+        "that each fork at their 16th token. The product of every entry's factors must equal grpo.num_generations "
+        "(trajectories that end early make smaller groups). Empty: [grpo.num_generations], independent "
+        "trajectories that share only the opening messages"))
+
+    backend: Backend = field(default="hf", metadata=help_of(
+        "'hf': sampling here with transformers (the prompt prefilled once per group); 'vllm': a vLLM server "
+        "(`branchreplay vllm-serve --model SPEC`, in its own venv from `make vllm`) samples, with prefix caching, "
+        "and gets the weights after every optimizer update; the run's own logprobs stay the old-policy ones and "
+        "the mismatch is logged (sampling/logprob_diff_mean, sampling/mismatch_kl). Single-turn GRPO, RLOO, "
+        "REINFORCE++ and PPO without sampling.branching, in one process. With top_p < 1 or top_k the server's "
+        "logprobs are of the filtered, renormalised distribution (as TRL's vLLM), so the mismatch includes it"))
+    vllm_url: str = field(default="http://127.0.0.1:8000", metadata=help_of(
+        "the vLLM server of sampling.backend=vllm (it must read this machine's temporary files: weights are synced "
+        "as a file)"))
+    vllm_timeout_s: float = field(default=600.0, metadata=help_of(
+        "seconds one vLLM request may take before the server counts as not answering (the run then checkpoints "
+        "and stops), > 0"))
+    vllm_importance_sampling_cap: float | None = field(default=None, metadata=help_of(
+        "TRL's truncated importance sampling (vllm_importance_sampling_correction, token_truncate): each trained "
+        "token's policy term times min(exp(logp_old - logp_vllm), cap), > 0; null = off. Token-level losses only "
+        "(algorithm grpo, not GSPO)"))
+
+    def __post_init__(self):
+        choice("sampling.backend", self.backend, Backend)
+        check("sampling.vllm_timeout_s", self.vllm_timeout_s > 0, "> 0 seconds", self.vllm_timeout_s)
+        if self.vllm_importance_sampling_cap is not None:
+            check("sampling.vllm_importance_sampling_cap", self.vllm_importance_sampling_cap > 0, "> 0 (or null)",
+                  self.vllm_importance_sampling_cap)
+        check("sampling.temperature", self.temperature > 0, "> 0", self.temperature)
+        check("sampling.top_p", 0 < self.top_p <= 1, "in (0, 1]", self.top_p)
+        check("sampling.top_k", self.top_k >= 0, ">= 0 (0 = off)", self.top_k)
+        check("sampling.max_new_tokens", self.max_new_tokens >= 1, ">= 1", self.max_new_tokens)
+        self.branching = tuple((int(d), int(f)) for d, f in self.branching)
+        depths = [d for d, _ in self.branching]
+        check("sampling.branching", all(b > a for a, b in zip(depths, depths[1:])), "depths strictly increasing",
+              self.branching)
+        check("sampling.branching", not depths or (0 <= depths[0] and depths[-1] < self.max_new_tokens),
+              f"depths in [0, max_new_tokens={self.max_new_tokens})", self.branching)
+        check("sampling.branching", all(f >= 1 for _, f in self.branching), "factors >= 1", self.branching)
+        self.turn_branching = tuple(self._turn_entry(t, e) for t, e in enumerate(self.turn_branching))
+
+    def _turn_entry(self, t: int, entry):
+        """One turn_branching entry: an int factor >= 1, or a schedule of (depth, factor) pairs (as `branching`)."""
+        name = f"sampling.turn_branching[{t}]"
+        if isinstance(entry, int) and not isinstance(entry, bool):
+            check(name, entry >= 1, "a factor >= 1 or a list of [depth, factor] pairs", entry)
+            return entry
+        ok = isinstance(entry, (list, tuple)) and len(entry) > 0 and all(
+            isinstance(p, (list, tuple)) and len(p) == 2 and all(isinstance(x, int) for x in p) for p in entry)
+        check(name, ok, "a factor >= 1 or a non-empty list of [depth, factor] pairs", entry)
+        pairs = tuple((int(d), int(f)) for d, f in entry)
+        depths = [d for d, _ in pairs]
+        check(name, all(b > a for a, b in zip(depths, depths[1:])) and 0 <= depths[0] and
+              depths[-1] < self.max_new_tokens and all(f >= 1 for _, f in pairs),
+              f"depths strictly increasing in [0, max_new_tokens={self.max_new_tokens}), factors >= 1", entry)
+        return pairs
+
+
+def turn_schedule(turn_branching: tuple, turn: int) -> dict[int, int]:
+    """{generated depth: factor} of the replies drawn at `turn` (0-based) by a `SamplingConfig.turn_branching`:
+    an int entry f forks at depth 0, a schedule as given, a turn past the list draws one reply."""
+    if turn >= len(turn_branching):
+        return {0: 1}
+    entry = turn_branching[turn]
+    return {0: entry} if isinstance(entry, int) else dict(entry)
+
+
+def turn_factor(entry) -> int:
+    """Replies one conversation draws at a turn with this turn_branching entry (the product of its factors)."""
+    return entry if isinstance(entry, int) else math.prod(f for _, f in entry)

@@ -1,0 +1,263 @@
+"""The policy as the training side runs it: a model together with everything an engine call needs, so that the
+algorithms call `logprobs`, `backward` and `function_backward` and never pass a temperature, an engine section or
+a family check around.
+
+`Policy` holds the model (a causal LM, or PPO's critic), the temperature its logprobs are taken at, the `engine`
+section, `method` (train.method: how the logprobs and gradients are computed), `force` (an unregistered family that
+passed its self-check), the micro-batch size, mixed precision, and, under torchrun, its `DataParallel` and the
+`Ranks`; once the run builds it, its AdamW and learning-rate schedule. The reference policy of the KL term and
+DPO, and PPO's critic, are Policies built from the policy (`sibling`).
+
+train.method, all three equal to floating-point tolerance, so that two runs of one config and seed that differ
+only in the method train the same model (scripts/compare_methods.py, docs/convergence.md):
+
+    branchreplay  the execution stack over the prefix tree (`engine.replay_backward`): each unique position once.
+    naive         each rollout alone, unpadded, through the unmodified Hugging Face forward
+                  (`check.reference.naive_backward`): the reference every exactness test compares with.
+    padded        TRL's padded batch: prompts left-padded, completions right-padded, one [B, T_max] forward and
+                  backward (`check.padded.padded_backward`).
+
+The two references run token-level losses of whole rollouts (GRPO, REINFORCE++, PPO's policy and, naive, its
+critic): `Config` refuses the rest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field, replace
+
+import torch
+from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
+                          get_linear_schedule_with_warmup)
+
+from ..check.padded import padded_backward
+from ..check.reference import naive_backward
+from ..engine import EngineConfig, replay_backward, replay_logprobs
+from ..engine import sequence
+from ..engine.context_parallel import ContextParallelTree
+from ..engine.distributed import DataParallel, clip_grad_norm_
+from ..engine.lockstep import collective_device
+from ..models import autocast, tied_names
+from ..tree import ReplayResult, Rollout, RolloutTree, TreeStats
+
+SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
+             "constant": get_constant_schedule_with_warmup}
+
+
+@dataclass
+class Policy:
+    """A model and how the engine runs it (module docstring).
+
+    model: a Hugging Face causal LM (a peft model for LoRA), or a critic (`value.ValueModel`).
+    temperature: logprobs are of softmax(logits / temperature), the sampler's (1.0 for DPO and a critic).
+    engine: the run's `EngineConfig`. method: "branchreplay", "naive" or "padded". force: run an unregistered family
+    (after its self-check). micro_batch: trees per engine call in `backward` (0 = all at once). dtype: the run's
+    model.dtype ("bfloat16": the forwards under autocast). dp: its `DataParallel` under torchrun, else None. ranks:
+    the run's `rl.run.parallel.Ranks`, else None. scope: a context every forward runs in (LoRA's reference: the
+    adapter off). optimizer, scheduler: AdamW and its schedule (`make_optimizer`), None for a frozen policy.
+    """
+
+    model: torch.nn.Module
+    temperature: float = 1.0
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    method: str = "branchreplay"
+    force: bool = False
+    micro_batch: int = 0
+    dtype: str = "float32"
+    dp: DataParallel | None = None
+    ranks: object | None = None
+    scope: object = contextlib.nullcontext
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: object | None = None
+
+    def sibling(self, model: torch.nn.Module, temperature: float | None = None, scope=contextlib.nullcontext
+                ) -> Policy:
+        """Another model run as this one is (engine, method, force, micro-batching, dtype, ranks), without data
+        parallelism or optimizer until given (`distribute`, `make_optimizer`): the reference policy, a critic."""
+        return replace(self, model=model, temperature=self.temperature if temperature is None else temperature,
+                       dp=None, scope=scope, optimizer=None, scheduler=None)
+
+    def distribute(self, strategy: str, mode: str | None, broadcast: bool = True) -> None:
+        """Make the model data-parallel over the ranks (`engine.distributed.DataParallel`): "fsdp2" in FSDP2 `mode`
+        ("gather-once" or "resharded"), or "ddp". Every rank calls it with the same model configuration."""
+        self.dp = DataParallel(self.model, strategy, device=self.model.device.type, broadcast=broadcast,
+                               mode=mode or "gather-once")
+
+    @property
+    def params(self) -> list[torch.nn.Parameter]:
+        """The trained parameters (after `distribute`, FSDP2's sharded ones)."""
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def make_optimizer(self, grpo, total_updates: int) -> None:
+        """AdamW over `params` with the grpo section's learning rate and weight decay, and its schedule
+        (grpo.lr_scheduler, grpo.warmup_steps, decaying over `total_updates` optimizer updates), stepped once per
+        update. Data-parallel: foreach off (FSDP2's DTensors and plain tensors cannot share one foreach kernel)."""
+        self.optimizer = torch.optim.AdamW(self.params, lr=grpo.learning_rate, weight_decay=grpo.weight_decay,
+                                           **({} if self.dp is None else {"foreach": False}))
+        extra = {"num_training_steps": total_updates} if grpo.lr_scheduler != "constant" else {}
+        self.scheduler = SCHEDULES[grpo.lr_scheduler](self.optimizer, num_warmup_steps=grpo.warmup_steps, **extra)
+
+    def zero_grad(self) -> None:
+        """Zeros, not None: AdamW then moves every parameter, as TRL's."""
+        for p in self.params:
+            p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
+
+    def step(self) -> None:
+        """One optimizer update and one step of its schedule."""
+        self.optimizer.step()
+        self.scheduler.step()
+
+    def full_state_dict(self) -> dict:
+        """The model's weights unsharded, a tied weight under each of its names (what a vLLM server loads). Under
+        FSDP2 a collective that every rank calls, complete on rank 0."""
+        if self.dp is None or self.dp.strategy != "fsdp2":
+            return self.model.state_dict()
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        state.update({name: state[kept] for name, kept in tied_names(self.model).items() if kept in state})
+        return state
+
+    def autocast(self):
+        """The forwards' mixed precision (`models.autocast`)."""
+        return autocast(self.dtype, self.model.device.type)
+
+    def gathered(self):
+        """The FSDP2 layers' full parameters while inside (sampling and forwards outside the engine's step)."""
+        return self.dp.gathered() if self.dp is not None else contextlib.nullcontext()
+
+    @property
+    def lockstep(self) -> bool:
+        """FSDP2 resharded: every engine call runs in lock-step with the other ranks (`engine/lockstep.py`)."""
+        return self.dp is not None and self.dp.lockstep
+
+    def logprobs(self, trees: list) -> ReplayResult:
+        """Per-rollout logprobs and entropies (a critic's values) of `trees`, without a graph. Under torchrun every
+        rank calls it (`trees` possibly empty): FSDP2 resharded in lock-step, else with the parameters gathered."""
+        with contextlib.nullcontext() if self.lockstep else self.gathered(), self.autocast(), self.scope():
+            return tree_logprobs(self.model, trees, temperature=self.temperature, engine=self.engine,
+                                 method=self.method, force=self.force, lockstep=self.lockstep)
+
+    def backward(self, trees: list, loss) -> ReplayResult:
+        """Forward and backward of `loss` over `trees` in micro-batches; gradients accumulate in `param.grad`.
+        Under torchrun (every rank calls it, `trees` this rank's, possibly none): the gradient is reduced once over
+        the ranks, and the loss and the loss's statistics (`losses.LossStats`) are summed over them, so every rank
+        returns the step's totals."""
+        if self.dp is None:
+            with self.autocast(), self.scope():
+                return accumulate(self.model, trees, loss, self.micro_batch, self.temperature, self.engine,
+                                  self.force, method=self.method)
+        work = trees or [idle_tree()]  # a rank without rollouts still joins the one reduction
+        with self.dp.accumulate(), self.autocast(), self.scope():
+            result = accumulate(self.model, work, loss, self.micro_batch, self.temperature, self.engine, self.force,
+                                final_backward=self.dp.final_sync(), lockstep=self.dp.lockstep, method=self.method)
+        if not trees:
+            result = ReplayResult([], [], 0.0, result.stats)
+        self.dp.reduce_replicated()
+        stats = getattr(loss, "stats", None)
+        totals = self.ranks.sum([result.loss, *(stats.totals() if stats is not None else [])])
+        result.loss = totals[0]
+        if stats is not None:
+            stats.set_totals(totals[1:])
+        return result
+
+    def function_backward(self, shards, loss, first: tuple[list, list] | None = None
+                          ) -> tuple[float, list[torch.Tensor], list[torch.Tensor], ReplayResult]:
+        """The exact gradient of `loss`(logprobs, entropies) of every rollout of the step (`shards.rollouts`: a loss
+        that couples a rollout's tokens, or the rollouts: GSPO, RLOO, DPO) in two passes (`engine.sequence`): pass 1
+        on this rank's trees, its values gathered to every rank (`Shards.everywhere`), or `first`, those values
+        (logprobs, entropies per rollout of `shards.rollouts`) from a pass under the current weights; the
+        coefficients g = dL/dlogp and h = dL/dH from them on every rank alike; then pass 2, the linear loss over this
+        rank's trees (`backward`). Returns (the loss value, the logprobs and entropies of pass 1, pass 2's result,
+        whose loss is set to the loss value)."""
+        if first is None:
+            result = self.logprobs(shards.local)
+            first = shards.everywhere(result.logprobs), shards.everywhere(result.entropy)
+        logprobs, entropy = first
+        value, g, h = sequence.function_coefficients(loss, logprobs, entropy)
+        result = self.backward(sequence.linear_trees(shards.local, shards.mine(g), shards.mine(h)),
+                               sequence.linear_loss)
+        result.loss = value
+        return value, logprobs, entropy, result
+
+
+def clip_grad_norm(policies: list[Policy], max_norm: float) -> float:
+    """Clip the gradients of every parameter of `policies` together to a total L2 norm of `max_norm` (TRL's one
+    optimizer over policy and critic); returns the norm before clipping. One process: torch's `clip_grad_norm_`;
+    data-parallel: over the whole models (`engine.distributed.clip_grad_norm_`)."""
+    if all(p.dp is None for p in policies):
+        return torch.nn.utils.clip_grad_norm_([q for p in policies for q in p.params], max_norm).item()
+    return clip_grad_norm_([p.dp for p in policies], max_norm)
+
+
+def tree_backward(model, trees: list, loss, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
+                  force: bool = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
+    """Forward and backward of `loss` over `trees` by `method` (module docstring); gradients accumulate into
+    `param.grad`. Same arguments, result and errors as `engine.replay_backward` (`final_backward`, `lockstep`:
+    branchreplay only)."""
+    if method == "branchreplay":
+        return replay_backward(model, trees, loss, temperature=temperature, engine=engine, force=force,
+                               final_backward=final_backward, lockstep=lockstep)
+    _no_lockstep(lockstep, method)
+    return _reference(model, trees, loss, temperature, method)
+
+
+def tree_logprobs(model, trees: list, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
+                  force: bool = False, lockstep: bool = False) -> ReplayResult:
+    """Per-rollout logprobs and entropies (a critic's values) without a graph, by `method`; as
+    `engine.replay_logprobs`."""
+    if method == "branchreplay":
+        return replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force, lockstep=lockstep)
+    _no_lockstep(lockstep, method)
+    with torch.no_grad():
+        return _reference(model, trees, None, temperature, method)
+
+
+def accumulate(model, trees: list, loss, micro_batch_prompts: int, temperature: float,
+               engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None,
+               lockstep: bool = False, method: str = "branchreplay") -> ReplayResult:
+    """`tree_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once); gradients
+    accumulate in param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last micro-batch's
+    last backward. `lockstep` (FSDP2 resharded): every rank makes as many calls as the rank with the most
+    micro-batches of whole trees, the missing ones empty, and runs its context-parallel parts (which the ranks run
+    together; the sharding puts them last) in its last call. Returns the results merged (`ReplayResult.merge`)."""
+    size = micro_batch_prompts or len(trees) or 1
+    whole = [t for t in trees if not isinstance(t, ContextParallelTree)] if lockstep else trees
+    calls = [whole[i : i + size] for i in range(0, len(whole), size)] or [[]]
+    if lockstep:  # one small collective: the ranks' numbers of micro-batches
+        count = torch.tensor([len(calls)], device=collective_device())
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        calls += [[] for _ in range(int(count) - len(calls))]
+        calls[-1] = calls[-1] + [t for t in trees if isinstance(t, ContextParallelTree)]
+    return ReplayResult.merge([tree_backward(model, part, loss, temperature=temperature, engine=engine, method=method,
+                                             force=force, lockstep=lockstep,
+                                             final_backward=final_backward if k == len(calls) - 1 else None)
+                               for k, part in enumerate(calls)])
+
+
+def idle_tree() -> RolloutTree:
+    """Two tokens with zero loss weight: the backward of a rank that has no rollouts this step (fewer trained
+    rollouts than ranks) runs through every layer and joins the gradient reduction with zeros (a policy's loss or
+    a critic's: it carries every per-position field)."""
+    zeros = [0.0, 0.0]
+    return RolloutTree([Rollout([0, 0], [0, 1], advantages=0.0, weights=zeros, old_logprobs=zeros,
+                                ref_logprobs=zeros, returns=zeros, old_values=zeros)])
+
+
+def _no_lockstep(lockstep: bool, method: str) -> None:
+    if lockstep:
+        raise ValueError(f"train.method={method!r} does not run FSDP2's resharded mode (its lock-step is the "
+                         "engine's): use parallel.fsdp_mode gather-once, or train.method branchreplay")
+
+
+def _reference(model, trees: list, loss, temperature: float, method: str) -> ReplayResult:
+    if not trees:
+        return ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))
+    rollouts = [r for t in trees for r in t.rollouts]
+    stats = sum((t.stats for t in trees[1:]), trees[0].stats)
+    if method == "naive":
+        result = naive_backward(model, rollouts, loss, temperature=temperature)
+    else:  # the pads are masked out of every attention: any id in the vocabulary serves
+        result = padded_backward(model, rollouts, loss, temperature=temperature)
+    result.stats = stats  # the tree's sizes (what branchreplay would have run), as every method logs them
+    return result

@@ -1,0 +1,314 @@
+"""Rollout generation for one group: one prompt, G samples, the prompt prefilled once.
+
+The prompt is run once with batch size 1; its KV cache is then copied to the live streams (one cache row per
+stream) and every stream decodes token by token against it with explicit position ids. A branching schedule
+forks streams at given generated depths, so samples share response prefixes as well as the prompt.
+
+Finished streams (EOS sampled) are dropped from the cache at once, so every row of the cache always has the same
+length (prompt + generated depth): no padding and no attention mask are ever needed, and a pad id equal to the EOS
+id (SmolLM2) cannot confuse anything.
+
+Cache rows are copied, forked and dropped with `Cache.reorder_cache(index)` (an `index_select` along the batch
+dimension), the beam-search path that every transformers cache layer implements, linear-attention/SSM layers
+included; `batch_select_indices` / `batch_repeat_interleave` exist only on KV layers.
+"""
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+from transformers import DynamicCache
+
+from ...engine.families import layer_windows
+from ...engine.recurrent import layer_kinds
+from ...models import max_positions
+from ..config.sampling import SamplingConfig
+
+
+@dataclass
+class Sample:
+    """One sampled completion.
+
+    completion_ids: sampled token ids, at most max_new_tokens, ending with the first EOS if one was sampled.
+    logprobs: float32 logprob (nats) of each id under log_softmax(logits / temperature) over the FULL vocabulary,
+        i.e. before top-k/top-p filtering, which is what training recomputes. Same length as completion_ids.
+    truncated: True when no EOS was sampled within max_new_tokens.
+    parent: for branching, the index of the earlier sample this one forked from (they share exactly the tokens
+        generated before the fork, the longest prefix it shares with any earlier sample); None when it shares no
+        generated token with an earlier sample.
+    """
+
+    completion_ids: list[int]
+    logprobs: list[float]
+    truncated: bool
+    parent: int | None = None
+
+
+def _filter_logits(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """Top-k then nucleus filtering of [n, V] float32 logits: dropped entries become -inf."""
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        probs = sorted_logits.softmax(dim=-1)
+        drop_sorted = probs.cumsum(dim=-1) - probs >= top_p  # mass strictly before it already reaches top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        logits = logits.masked_fill(drop, float("-inf"))
+    return logits
+
+
+@torch.no_grad()
+def sample_group(
+    model,
+    prompt_ids: list[int],
+    num_generations: int,
+    config: SamplingConfig,
+    eos_token_ids: set[int] | list[int],
+    generator: torch.Generator | None = None,
+) -> list[Sample]:
+    """Sample `num_generations` completions of one prompt, prefilling the prompt once.
+
+    model: a decoder-only Hugging Face causal LM (Llama, Qwen2/3, Mistral, GPT-2, ...). It is run in eval mode
+        (no dropout) and its previous train/eval mode is restored afterwards.
+    prompt_ids: the prompt's token ids, at least one.
+    eos_token_ids: ids that end a completion (the EOS is kept in it). Ids only decide where a completion ends;
+        nothing is ever compared with a pad id.
+    generator: a torch.Generator on the model's device; a fixed seed makes the result deterministic.
+
+    Returns num_generations Samples. With branching, the children of a fork are consecutive: for ((0, 2), (4, 2))
+    samples 0 and 1 share their first 4 generated tokens, and so do samples 2 and 3. A stream that ended before a
+    fork is copied as it is, so its children are identical.
+
+    Raises ValueError when prompt_ids is empty, num_generations < 1, the product of the branching factors
+    differs from num_generations, or the prompt plus max_new_tokens exceeds the model's maximum positions
+    (`models.max_positions`), before any token is sampled.
+    """
+    schedule = _schedule(model, prompt_ids, num_generations, config)
+    was_training = model.training
+    model.eval()
+    try:
+        cache, logits = prefill(model, prompt_ids)
+        return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
+    finally:
+        model.train(was_training)
+
+
+@torch.no_grad()
+def sample_groups(model, prompts: list[list[int]], num_generations: int, config: SamplingConfig,
+                  eos_token_ids: set[int] | list[int], generators: list[torch.Generator | None]) -> list[list[Sample]]:
+    """`sample_group` for every prompt of a step in ONE decoding loop: each prompt is prefilled once, alone; then
+    every live stream of every group decodes its next token in one batched forward per generated position.
+
+    The prompts' caches are stacked left-aligned to the longest prompt: a shorter prompt's cache row starts with
+    empty (zero) key/value slots that an attention mask hides from every query, and each stream keeps its own
+    position ids, so a stream sees exactly the keys it would see alone (the masked slots get weight 0). Group k
+    draws its tokens from its own `generators[k]`, as `sample_group` does, so its samples do not depend on the
+    other groups; they equal `sample_group`'s up to the floating-point order of the batched matmuls (a draw can
+    flip only where that moves a cumulative probability across the uniform number drawn; in the tests, never).
+
+    A model with recurrent (SSM / conv) or sliding-window layers, whose caches cannot be left-aligned this way, runs
+    `sample_group` per prompt instead. Arguments, result (one list of Samples per prompt) and errors as
+    `sample_group`'s."""
+    schedules = [_schedule(model, p, num_generations, config) for p in prompts]
+    if len(prompts) < 2 or not stackable(model.config):
+        return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
+    was_training = model.training
+    model.eval()
+    try:
+        filled = [prefill(model, p) for p in prompts]
+        cache, visible = _stacked([c for c, _ in filled], [len(p) for p in prompts], model.config)
+        logits = torch.cat([lg for _, lg in filled])  # [groups, V]
+        start = torch.tensor([len(p) for p in prompts], device=logits.device)  # each row's first generated position
+        return _decode_groups(model, cache, logits, visible, start, schedules[0], config, eos_token_ids, generators)
+    finally:
+        model.train(was_training)
+
+
+def stackable(config) -> bool:
+    """Whether every decoder layer is full attention, whose caches `sample_groups` stacks left-aligned."""
+    return all(k == "attention" for k in layer_kinds(config)) and all(w is None for w in layer_windows(config))
+
+
+def _schedule(model, prompt_ids: list[int], num_generations: int, config: SamplingConfig) -> dict[int, int]:
+    """{generated depth: fan-out} of `config.branching`, after `sample_group`'s checks (its ValueErrors)."""
+    if not prompt_ids:
+        raise ValueError("prompt_ids must hold at least one token")
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
+    schedule = dict(config.branching or ((0, num_generations),))
+    if math.prod(schedule.values()) != num_generations:
+        raise ValueError(
+            f"branching={config.branching} makes {math.prod(schedule.values())} samples but num_generations="
+            f"{num_generations}: make the product of the branching factors equal num_generations"
+        )
+    limit = max_positions(model.config)
+    if limit is not None and len(prompt_ids) + config.max_new_tokens > limit:
+        raise ValueError(
+            f"the prompt ({len(prompt_ids)} tokens) plus max_new_tokens ({config.max_new_tokens}) is more than the "
+            f"model's max_position_embeddings ({limit}): lower SamplingConfig.max_new_tokens "
+            f"(--sampling.max_new_tokens) to at most {max(limit - len(prompt_ids), 0)} or shorten the prompt"
+        )
+    return schedule
+
+
+@torch.no_grad()
+def sample_from(model, cache, logits: torch.Tensor, position: int, schedule: dict[int, int], config: SamplingConfig,
+                eos_token_ids, generator: torch.Generator | None = None) -> list[Sample]:
+    """The decoding loop of `sample_group` from a prefix already in `cache` (batch 1, `position` tokens) with its
+    [1, V] next-token `logits`: forks by `schedule` ({generated depth: factor}), at most config.max_new_tokens
+    tokens. The cache is consumed (its rows are forked and dropped). The model must be in eval mode."""
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=logits.device)
+    streams = _Streams()
+    for depth in range(config.max_new_tokens):
+        if depth in schedule:
+            rows = streams.fork(schedule[depth], depth).to(logits.device)
+            cache.reorder_cache(rows)
+            logits = logits[rows]
+        if not streams.live:  # every stream has ended; only forks remain
+            continue
+        tokens, logprobs = _draw(logits, config, generator)
+        keep = streams.drop_finished(streams.append(tokens, logprobs, eos))
+        if keep is not None:
+            cache.reorder_cache(keep)
+            tokens = tokens[keep]
+        if streams.live and depth < config.max_new_tokens - 1:
+            logits = _decode_one(model, tokens, cache, torch.full_like(tokens, position + depth))
+    return streams.samples
+
+
+def _decode_groups(model, cache, logits, visible, start, schedule, config, eos_token_ids, generators):
+    """`sample_from` over the stacked rows of several groups (`sample_groups`): cache row r belongs to one group's
+    stream; visible [rows, P_max] marks its prompt's real key slots, start [rows] its first generated position."""
+    eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=logits.device)
+    groups = [_Streams() for _ in generators]
+    for depth in range(config.max_new_tokens):
+        if depth in schedule:
+            before = [len(g.live) for g in groups]
+            index = _rows([g.fork(schedule[depth], depth) for g in groups], before, logits.device)
+            cache.reorder_cache(index)
+            logits, visible, start = logits[index], visible[index], start[index]
+        counts = [len(g.live) for g in groups]
+        if not sum(counts):
+            continue
+        drawn, kept, offset = [], [], 0
+        for group, n, generator in zip(groups, counts, generators):
+            if n:
+                tokens, logprobs = _draw(logits[offset : offset + n], config, generator)
+                drawn.append(tokens)
+                ended = group.append(tokens, logprobs, eos)
+                kept.append(group.drop_finished(ended))
+                if kept[-1] is None:
+                    kept[-1] = torch.arange(n, device=tokens.device)
+            else:
+                kept.append(torch.zeros(0, dtype=torch.long, device=logits.device))
+            offset += n
+        tokens = torch.cat(drawn)
+        index = _rows(kept, counts, logits.device)
+        if len(index) < len(tokens):
+            cache.reorder_cache(index)
+            tokens, visible, start = tokens[index], visible[index], start[index]
+        if len(tokens) and depth < config.max_new_tokens - 1:
+            mask = torch.cat([visible, torch.ones((len(tokens), depth + 1), dtype=visible.dtype,
+                                                  device=visible.device)], dim=1)
+            logits = _decode_one(model, tokens, cache, (start + depth)[:, None], mask)
+    return [g.samples for g in groups]
+
+
+def _rows(local: list[torch.Tensor], counts: list[int], device) -> torch.Tensor:
+    """The stacked cache's row index (on `device`) from each group's index into its own `counts[k]` rows (the
+    groups' rows are consecutive, in group order)."""
+    offsets = [sum(counts[:k]) for k in range(len(counts))]
+    return torch.cat([rows.cpu() + o for rows, o in zip(local, offsets)]).to(device)
+
+
+def _stacked(caches: list[DynamicCache], lengths: list[int], config) -> tuple[DynamicCache, torch.Tensor]:
+    """One cache of the prompts' batch-1 caches, left-aligned to the longest (zero key/value slots before a shorter
+    prompt), and visible [prompts, P_max] long (1: a real slot)."""
+    width = max(lengths)
+    stacked = DynamicCache(config=config)
+    for layer in range(len(caches[0].layers)):
+        keys = [torch.nn.functional.pad(c.layers[layer].keys, (0, 0, width - n, 0)) for c, n in zip(caches, lengths)]
+        values = [torch.nn.functional.pad(c.layers[layer].values, (0, 0, width - n, 0))
+                  for c, n in zip(caches, lengths)]
+        stacked.update(torch.cat(keys), torch.cat(values), layer)
+    device = caches[0].layers[0].keys.device
+    visible = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=device)
+    return stacked, visible
+
+
+@dataclass
+class _Streams:
+    """The group's samples in final order, and which of them the cache rows hold: live[row] = the index in `samples`
+    of the stream in cache row `row`."""
+
+    samples: list[Sample] = field(default_factory=lambda: [Sample([], [], truncated=True)])
+    live: list[int] = field(default_factory=lambda: [0])
+
+    def fork(self, f: int, depth: int) -> torch.Tensor:
+        """Stream i becomes streams i*f .. i*f+f-1 (its lineage goes on in i*f). Returns the index of the new rows
+        into the old ones ([rows * f], for the cache rows and the logits)."""
+        self.samples = [
+            Sample(list(s.completion_ids), list(s.logprobs), s.truncated,
+                   (None if s.parent is None else s.parent * f) if k == 0 else (i * f if depth > 0 else None))
+            for i, s in enumerate(self.samples)
+            for k in range(f)
+        ]
+        rows = len(self.live)
+        self.live = [i * f + k for i in self.live for k in range(f)]
+        return torch.arange(rows).repeat_interleave(f)
+
+    def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
+        """Add each live stream's drawn token ([rows, 1]) and logprob ([rows]); returns [rows] bool, ended on EOS."""
+        ended = torch.isin(tokens[:, 0], eos)
+        for i, token, logprob, end in zip(self.live, tokens[:, 0].tolist(), logprobs.tolist(), ended.tolist()):
+            self.samples[i].completion_ids.append(token)
+            self.samples[i].logprobs.append(logprob)
+            self.samples[i].truncated = not end
+        return ended
+
+    def drop_finished(self, ended: torch.Tensor) -> torch.Tensor | None:
+        """Remove the streams that `ended` from `live`; returns the index of the rows kept (None: all are)."""
+        if not ended.any():
+            return None
+        keep = (~ended).nonzero()[:, 0]
+        self.live = [self.live[row] for row in keep.tolist()]
+        return keep
+
+
+def prefill(model, ids: list[int], cache=None, position: int = 0) -> tuple[DynamicCache, torch.Tensor]:
+    """`ids` once, batch size 1, at positions `position` ... after what `cache` holds (a new cache when None): the
+    cache and the [1, V] float32 logits of the next token."""
+    device = model.device
+    cache = DynamicCache(config=model.config) if cache is None else cache
+    out = model(input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.arange(position, position + len(ids), device=device)[None], cache=cache,
+                use_cache=True, logits_to_keep=1)
+    return cache, out.logits[:, -1].float()
+
+
+def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row of [rows, V] logits: sampled from the top-k / top-p filtered softmax(logits / T), [rows, 1];
+    and its logprob under the unfiltered log_softmax(logits / T), [rows] (what training recomputes)."""
+    scaled = logits / config.temperature
+    probs = _filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator)  # [rows, 1]
+    return tokens, scaled.log_softmax(dim=-1).gather(-1, tokens)[:, 0]
+
+
+def _decode_one(model, tokens: torch.Tensor, cache, positions: torch.Tensor, mask: torch.Tensor | None = None
+                ) -> torch.Tensor:
+    """Each live stream's last token ([rows, 1]) at its position ([rows, 1]) against the cache (`mask` [rows, keys]:
+    which key slots each row sees, None: all): the [rows, V] next logits."""
+    out = model(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache, use_cache=True)
+    return out.logits[:, -1].float()
+
+
+def eos_token_ids(model, tokenizer) -> set[int]:
+    """The tokenizer's EOS id plus the model's generation_config EOS ids (an int or a list)."""
+    ids = {tokenizer.eos_token_id} if tokenizer.eos_token_id is not None else set()
+    gen = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids |= set(gen) if isinstance(gen, (list, tuple)) else ({gen} if gen is not None else set())
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation_config defines an EOS token id")
+    return ids

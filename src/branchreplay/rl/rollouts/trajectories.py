@@ -1,0 +1,203 @@
+"""Multi-turn rollouts with tree sampling across turns: trajectories that share their earlier turns.
+
+For one dataset item, the environment's opening messages are prefilled once. Turn t then samples
+`turn_branching[t]` assistant replies (1 past the list; an entry may be a (depth, factor) schedule that also forks
+inside the turn, `sampling.turn_schedule`) from the conversation so far; each reply that called for an answer gets
+the environment's messages (`environments.Environment.step`), and its conversation goes on to turn t + 1. So with
+turn_branching (2, 4), 2 first replies are each continued 4 ways after their tool result: up to 8 trajectories,
+which share the prompt, and in fours their first turn. The ids are built by `conversation.
+Conversation` (assistant turns as sampled, environment turns as the template's delta), so shared turns are the same
+ids and `tree.RolloutTree` shares their nodes.
+
+KV caches: one per conversation prefix that continues. A child copies its parent's cache (`copy.deepcopy`) and
+prefills only its own new tokens (its reply and the environment's answer): the shared history is never run again.
+A trajectory ends when the environment says done (or answers with no message), its reply was cut at
+sampling.max_new_tokens (no end-of-turn: `truncated`), its reply ended on an EOS id other than the template's end of
+turn (the tokenizer's EOS: `end_of_sequence`, e.g. Qwen's <|endoftext|>), it reached `max_turns` replies, or its
+next reply could pass `max_context_tokens` (the environment's answer that would not fit is dropped, so the
+trajectory ends with its last reply). A tool message longer than
+`max_tool_output_tokens` is cut to that many tokens with a marker before it enters the conversation. An item whose
+`reset`, `step` or `final_reward` raises, or whose opening messages leave no room for a reply, raises `ItemError`
+(the trainer skips it). `tool_calls` and `tool_errors` count the calls whose results entered the conversation.
+With a template that renders tools itself, the environment's `template_tools` (JSON schemas) go to the template.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..agent.conversation import Conversation
+from ..agent.environments import TRUNCATED, Environment
+from .sampling import prefill, sample_from
+from ..config.sampling import SamplingConfig, turn_schedule
+
+
+class ItemError(ValueError):
+    """A dataset item that cannot start a trajectory: the environment's reset raised, or the opening messages
+    leave no room for a reply under the context limit. The message names the item."""
+
+
+@dataclass
+class Trajectory:
+    """One multi-turn rollout: its conversation (ids, loss mask, messages), the sampler's logprob of each ids
+    position (0.0 outside assistant turns), per-turn rewards, the final reward, and counts for the metrics."""
+
+    conversation: Conversation
+    logprobs: list[float]
+    turn_rewards: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    turns: int = 0
+    tool_calls: int = 0
+    tool_errors: int = 0
+    truncated: bool = False
+    ended_by: str = "done"  # done, truncated, end_of_sequence, max_turns or context
+
+
+@dataclass
+class Limits:
+    """When a trajectory stops growing (module docstring): assistant replies (>= 1), total tokens (None = no
+    limit), and the tokens one tool message may add (None = no cut)."""
+
+    max_turns: int = 4
+    max_context_tokens: int | None = None
+    max_tool_output_tokens: int | None = None
+
+    def __post_init__(self):
+        if self.max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
+
+
+@torch.no_grad()
+def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_branching: tuple,
+                        config: SamplingConfig, eos_token_ids, generator: torch.Generator | None = None,
+                        max_turns: int = 4, max_context_tokens: int | None = None,
+                        max_tool_output_tokens: int | None = None, timings: dict | None = None) -> list[Trajectory]:
+    """The trajectories of `item`, depth first (children of one turn consecutive), at most the product of the
+    turn_branching factors (`sampling.SamplingConfig.turn_branching`: ints or (depth, factor) schedules).
+
+    timings: when given, timings["env_s"] accumulates the seconds spent in the environment (reset, step,
+    final_reward), the rest of the call being the model's. Raises ItemError (reset failed, or the opening leaves no
+    room for a reply), ValueError for max_turns < 1."""
+    limits = Limits(max_turns, max_context_tokens, max_tool_output_tokens)
+    clock = _Clock(timings)
+    tools = getattr(env, "template_tools", None)
+    try:
+        with clock:
+            opening = env.reset(item)
+    except Exception as e:  # noqa: BLE001 (any failure of a user's reset skips its item)
+        raise ItemError(f"the environment's reset failed for item {_short(item)}: {type(e).__name__}: {e}") from e
+    start = Conversation.start(tokenizer, opening, tools=tools)
+    limit = max_context_tokens or math.inf
+    if len(start.ids) + config.max_new_tokens > limit:
+        raise ItemError(f"the opening messages of item {_short(item)} take {len(start.ids)} tokens: with "
+                        f"sampling.max_new_tokens ({config.max_new_tokens}) more than the context limit "
+                        f"({max_context_tokens})")
+    was_training = model.training
+    model.eval()
+    out: list[Trajectory] = []
+    try:
+        cache, logits = prefill(model, start.ids)
+        todo = [(Trajectory(start, [0.0] * len(start.ids)), cache, logits)]
+        while todo:
+            parent, cache, logits = todo.pop()
+            prefix = len(parent.conversation.ids)
+            # the decoding consumes its cache (rows forked and dropped): it gets a copy, the children need this one
+            samples = sample_from(model, copy.deepcopy(cache), logits, prefix, turn_schedule(turn_branching,
+                                  parent.turns), config, eos_token_ids, generator)
+            children = []
+            for sample in samples:
+                child = copy.deepcopy(parent)
+                text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+                child.conversation.add_assistant(sample.completion_ids, text)
+                child.logprobs += sample.logprobs
+                child.turns += 1
+                nxt = _next(child, sample.truncated, env, item, tokenizer, limits, config, clock, tools)
+                if nxt is None:
+                    child.reward = float(_call(clock, env.final_reward, child.conversation.messages, item))
+                    out.append(child)
+                    continue
+                new = child.conversation.ids[prefix:]
+                child_cache, child_logits = prefill(model, new, copy.deepcopy(cache), position=prefix)
+                children.append((child, child_cache, child_logits))
+            todo.extend(reversed(children))  # depth first, in sampling order
+    finally:
+        model.train(was_training)
+    return out
+
+
+def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, tokenizer, limits: Limits,
+          config: SamplingConfig, clock, tools):
+    """Whether `child` goes on after its last reply: None when it ends (recorded in `ended_by`), else True after
+    the environment's messages were appended."""
+    if truncated:
+        child.truncated, child.ended_by = True, "truncated"
+        return None
+    if child.conversation.ids[-1] != tokenizer.eos_token_id:  # another EOS id (Qwen's <|endoftext|>): no turn follows
+        child.ended_by = "end_of_sequence"
+        return None
+    response = _call(clock, env.step, child.conversation.messages, item)
+    if response.reward is not None:
+        child.turn_rewards.append(float(response.reward))
+    if response.done or not response.messages:
+        child.ended_by = "done"
+        return None
+    if child.turns >= limits.max_turns:
+        child.ended_by = "max_turns"
+        return None
+    before = len(child.conversation.ids)
+    messages = [_cut(m, tokenizer, limits.max_tool_output_tokens) for m in response.messages]
+    child.conversation.add_environment(tokenizer, messages, tools=tools)
+    if len(child.conversation.ids) + config.max_new_tokens > (limits.max_context_tokens or math.inf):
+        child.ended_by = "context"
+        child.conversation.ids = child.conversation.ids[:before]  # the environment's reply is not trained on
+        child.conversation.loss_mask = child.conversation.loss_mask[:before]
+        child.conversation.messages = child.conversation.messages[: -len(messages)]
+        return None
+    child.logprobs += [0.0] * (len(child.conversation.ids) - before)
+    child.tool_calls += response.tool_calls  # counted once the model reads their results
+    child.tool_errors += response.tool_errors
+    return True
+
+
+def _call(clock, method, messages: list[dict], item: dict):
+    """env.step or env.final_reward, timed; any exception becomes an ItemError naming the item (it is skipped)."""
+    try:
+        with clock:
+            return method(messages, item)
+    except Exception as e:  # noqa: BLE001 (a user environment's failure skips its item, never the run)
+        raise ItemError(f"the environment's {method.__name__} failed for item {_short(item)}: "
+                        f"{type(e).__name__}: {e}") from e
+
+
+def _cut(message: dict, tokenizer, max_tokens: int | None) -> dict:
+    """A tool message whose content is longer than `max_tokens` tokens, cut there with the TRUNCATED marker."""
+    if max_tokens is None or message.get("role") != "tool":
+        return message
+    ids = tokenizer(str(message["content"]), add_special_tokens=False).input_ids
+    if len(ids) <= max_tokens:
+        return message
+    return {**message, "content": tokenizer.decode(ids[:max_tokens], skip_special_tokens=True) + TRUNCATED}
+
+
+class _Clock:
+    """Adds the seconds spent inside `with clock:` to timings["env_s"] (nothing when timings is None)."""
+
+    def __init__(self, timings: dict | None):
+        self.timings = timings
+
+    def __enter__(self):
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc):
+        if self.timings is not None:
+            self.timings["env_s"] = self.timings.get("env_s", 0.0) + time.perf_counter() - self.t0
+
+
+def _short(item: dict) -> str:
+    text = repr(item)
+    return text if len(text) <= 120 else text[:117] + "..."

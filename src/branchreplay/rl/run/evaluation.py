@@ -1,0 +1,122 @@
+"""Held-out evaluation: greedy answers to the task's held-out split, scored by the task's reward; for a multi-turn
+task, greedy trajectories scored by its environment (`agent.task.evaluate_agent`)."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+from ...engine.distributed import raise_together
+from ...models import apply_lora, autocast, load_policy
+from ..agent.task import bind, evaluate_agent, load_agent_task
+from .checkpoint import load_weights
+from ..config import Config
+from ..data.rewards import make_rewards, score
+from ..rollouts.sampling import Sample, eos_token_ids
+from ..data.tasks import load_task, prompt_token_ids
+
+EVAL_BATCH = 16  # held-out prompts decoded together
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None, ranks=None, env=None
+             ) -> dict:
+    """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
+
+    data: items (default: the task's held-out split, task.eval_size items); reward_fn: a `rewards.RewardFunctions`
+    or one TRL-style function (default: task.reward, `rewards.make_rewards`); progress: called as progress(done,
+    total) after each batch of answers; ranks: a data-parallel run's `rl.run.parallel.Ranks`, which evaluate items rank,
+    rank + world, ... each and gather the scores (every rank returns the same metrics). Returns eval/accuracy (mean
+    reward: in [0, 1] for the task's verifier, partial credit included; custom or weighted rewards keep their
+    range), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens),
+    time/eval_s.
+    env: a multi-turn environment (with `data` its held-out items): `agent.task.evaluate_agent`'s metrics instead."""
+    if env is not None:
+        return evaluate_agent(model, tokenizer, config, env, data, eos_token_ids(model, tokenizer), progress)
+    t0 = time.perf_counter()
+    if data is None:
+        data = load_task(config.task)[1]
+    reward_fn = reward_fn or make_rewards(config.task, data)
+    if len(data) == 0:
+        raise ValueError("the held-out split is empty (task.eval_size=0, or an empty task.eval_dataset): hold out "
+                         "some items, or set train.eval_steps -1")
+    indices = ranks.mine(len(data)) if ranks is not None else range(len(data))
+    items = [data[i] for i in indices]
+    try:
+        prompts = [prompt_token_ids(tokenizer, item, config.task) for item in items]
+        completions = greedy_completions(model, prompts, config.sampling.max_new_tokens,
+                                         eos_token_ids(model, tokenizer), progress=progress)
+        samples = [[Sample(c, [0.0] * len(c), truncated=False)] for c in completions]
+        scores = score(reward_fn, tokenizer, items, samples, config.task).tolist() if items else []
+        lengths, error = [len(c) for c in completions], None
+    except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait in the gather)
+        if ranks is None:
+            raise
+        scores, lengths, error = [], [], e
+    if ranks is not None:
+        raise_together(error, "held-out evaluation")
+        parts = ranks.gather((scores, lengths))
+        scores, lengths = [x for p, _ in parts for x in p], [n for _, ln in parts for n in ln]
+    scores_t = torch.tensor(scores)
+    return {"eval/accuracy": scores_t.mean().item(), "eval/frac_correct": (scores_t == 1).float().mean().item(),
+            "eval/mean_length": sum(lengths) / len(lengths), "time/eval_s": time.perf_counter() - t0}
+
+
+@torch.no_grad()
+def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
+                       batch_size: int = EVAL_BATCH, progress=None) -> list[list[int]]:
+    """Greedy completions (ending with their EOS if any) of `prompts`, `batch_size` at a time, left-padded with an
+    EOS id under an attention mask (HF generate; on SmolLM2 this gave the same tokens as decoding each prompt alone,
+    2.4x faster on 2 CPU cores). progress(done, total) is called before the first batch and after each."""
+    pad, out = min(eos), []
+    for i in range(0, len(prompts), batch_size):
+        if progress is not None:
+            progress(i, len(prompts))
+        chunk = prompts[i : i + batch_size]
+        width = max(map(len, chunk))
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+        generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
+                                   eos_token_id=sorted(eos), pad_token_id=pad)[:, width:].tolist()
+        for row in generated:
+            end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
+            out.append(row[: end + 1])
+    if progress is not None:
+        progress(len(out), len(prompts))
+    return out
+
+
+def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
+    """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
+    held-out split; prints and returns the metrics."""
+    env = None  # the task, its reward and the checkpoint's folder before the model's load
+    if config.agent.environment is not None:
+        env, _, data = load_agent_task(config)
+        reward_fn = None
+    else:
+        data = load_task(config.task)[1]
+        reward_fn = make_rewards(config.task, data)
+    if checkpoint is not None and not Path(checkpoint).is_dir():
+        raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
+                                "folder)")
+    model, tokenizer = load_policy(config.model.spec, config.model.dtype, config.model.device)
+    if config.model.lora_r:  # the run's adapter layers, which the checkpoint's adapter fills
+        model = apply_lora(model, config.model.lora_r, config.model.lora_alpha, config.model.lora_targets())
+    if checkpoint is not None:
+        load_weights(model, checkpoint)
+    if env is not None:
+        bind(env, tokenizer)
+    with autocast(config.model.dtype, model.device.type):  # as the trainer's held-out eval computes it
+        metrics = evaluate(model, tokenizer, config, data, reward_fn, env=env)
+    name = config.agent.environment or config.task.name
+    table = Table(title=f"held-out {name} ({config.task.eval_size} items)")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in metrics.items():
+        table.add_row(key, f"{value:.4g}")
+    Console().print(table)
+    return metrics

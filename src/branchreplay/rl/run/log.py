@@ -1,0 +1,161 @@
+"""What a training run leaves in its folder: the metrics log (and TensorBoard), the summary table and the plot."""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.table import Table
+
+
+class MetricsLog:
+    """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
+    TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports (said on the console when it does not), and
+    RUN_DIR/completions.jsonl, the sampled completions of each step (`write_completions`, train.log_completions).
+    Lines of steps after `truncate_after` (written after the checkpoint a resume starts from) are dropped from both,
+    so a resumed run's logs read as an uninterrupted one."""
+
+    def __init__(self, run_dir: Path, truncate_after: int, console: Console | None = None):
+        self.path = run_dir / "metrics.jsonl"
+        self.records = _truncated(self.path, truncate_after)
+        _truncated(run_dir / "completions.jsonl", truncate_after)
+        self.completions = None  # opened on the first write_completions
+        self.file = open(self.path, "a")
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(run_dir / "tb"))
+        except ImportError:
+            self.tb = None
+            if console is not None:  # said once, when the run starts: never silently off
+                console.print("TensorBoard: off (pip install tensorboard to mirror metrics.jsonl into RUN_DIR/tb)")
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+        self.file.write(json.dumps(record) + "\n")
+        self.file.flush()
+        if self.tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self.tb.add_scalar(key, value, record["step"])
+
+    def write_completions(self, step: int, rows: list[dict]) -> None:
+        """Append one JSON object per sampled completion of `step` to RUN_DIR/completions.jsonl (TRL's
+        log_completions): each row's fields and "step"."""
+        if self.completions is None:
+            self.completions = open(self.path.with_name("completions.jsonl"), "a")
+        self.completions.write("".join(json.dumps({"step": step, **row}) + "\n" for row in rows))
+        self.completions.flush()
+
+    def close(self) -> None:
+        self.file.close()
+        if self.completions is not None:
+            self.completions.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+class NoLog:
+    """The metrics log of a rank other than 0: records kept in memory, nothing written."""
+
+    def __init__(self):
+        self.records: list[dict] = []
+
+    def write(self, record: dict) -> None:
+        self.records.append(record)
+
+    def write_completions(self, step: int, rows: list[dict]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+def _truncated(path: Path, after: int) -> list[dict]:
+    """The records of the JSONL file `path` up to step `after`, rewritten atomically without the later ones."""
+    if not path.is_file():
+        return []
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if r["step"] <= after]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in records))
+    os.replace(tmp, path)
+    return records
+
+
+def summarize(console: Console, run_dir: Path, records: list[dict], reward_name: str = "reward") -> Path:
+    """Print a table of the run's main metrics (first, last, best) and save RUN_DIR/training.png: train reward and
+    held-out score by step, labelled with `reward_name` (the reward functions' or the environment's name), whole
+    steps on the axis. Returns the plot's path."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
+    table = Table(title=f"run {run_dir}")
+    for col in ("metric", "first", "last", "min", "max"):
+        table.add_column(col, justify="left" if col == "metric" else "right")
+    for key in ("reward", "rewards/accuracies", "rewards/margins", "eval/accuracy", "eval/frac_correct", "loss",
+                "entropy", "completions/mean_length", "turns/mean", "tool_calls/mean", "tool_calls/error_rate",
+                "eval/turns_mean", "eval/tool_calls_mean", "tree/token_ratio", "time/sample_s", "time/sample_env_s",
+                "time/train_s", "time/step_s"):
+        values = [r[key] for r in records if key in r]
+        if values:
+            table.add_row(key, *(f"{v:.4g}" for v in (values[0], values[-1], min(values), max(values))))
+    console.print(table)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    plotted = False
+    for key, label, style in (("reward", f"train reward ({reward_name})", "-"),
+                              ("rewards/accuracies", "DPO preference accuracy", "-"),
+                              ("eval/accuracy", f"held-out ({reward_name})", "o-")):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+            plotted = True
+    ax.set_xlabel("step")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
+    ax.set_ylabel("mean score")
+    if plotted:
+        ax.legend()
+    ax.grid(alpha=0.3)
+    path = run_dir / "training.png"
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    console.print(f"plot: {path}")
+    return path
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """Peak memory so far: torch.cuda.max_memory_allocated on a GPU, else the process's peak RSS (getrusage)."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+def progress_info(record: dict) -> str:
+    """One line for the progress bar: reward (DPO: the preference accuracy), loss, tokens per second (logical
+    positions per step second)."""
+    if "loss" not in record:
+        return "skipped (reward failed)"
+    tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
+    head = (f"reward {record['reward']:.3f}" if "reward" in record
+            else f"rewards/accuracies {record['rewards/accuracies']:.3f}")
+    return f"{head}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"
+
+
+def step_line(record: dict, total_steps: int) -> str:
+    """One printed line per step (kept above the progress bar): the bar's info, the sampling / training split in
+    seconds, and the held-out accuracy when the step evaluated."""
+    parts = [f"step {record['step']}/{total_steps}"]
+    if "loss" in record:
+        parts += [progress_info(record), f"sample {record['time/sample_s']:.1f} s",
+                  f"train {record['time/train_s']:.1f} s"]
+    elif record["step"] > 0:
+        parts.append(progress_info(record))
+    if "eval/accuracy" in record:
+        parts.append(f"held-out accuracy {record['eval/accuracy']:.3f} ({record['time/eval_s']:.0f} s)")
+    return "  ".join(parts)

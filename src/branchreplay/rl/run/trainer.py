@@ -1,0 +1,371 @@
+"""The training run: one loop for every algorithm (config `algorithm`), the losses and their gradients computed over
+prefix trees.
+
+One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`):
+  1. the step's batch: `train.seed`-seeded prompts, sampled and scored (`rollouts.sampler.Sampler`: every group of
+     a step in one decoding loop, or the vLLM server, or multi-turn trajectories through an environment), their
+     rollouts with group advantages and loss weights over the whole step; an algorithm that brings its own batch
+     (DPO's preference pairs) gives it instead;
+  2. the updates (`update.run_updates`): the algorithm's part (`algorithms/`) chooses the trees that train, runs its
+     passes (old policy, reference, critic) and advantages, then each update's engine calls; the loop clips, steps
+     AdamW and the learning-rate schedule, and logs;
+  3. evaluation, the metrics log and atomic checkpoints on schedule.
+Under torchrun every rank runs the same loop (`parallel.py`): each samples its share of the groups and gets the
+whole batch, each trains its share of the trees (`rl.shards`), gradients are reduced once per update
+(`engine.distributed`). The model stays in eval mode: dropout would break the equality with the per-rollout
+computation. Evaluation decodes greedily with HF `generate`, left-padded in batches.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
+
+from ...check.self_check import ensure_supported
+from ...engine import UnsupportedModelError
+from ...engine.distributed import fsdp_mode, shutdown
+from ...models import apply_lora, load_policy, model_folder
+from ..agent.task import bind, load_agent_task
+from ..algorithms import algorithm_class
+from ..config import Config
+from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards
+from ..data.tasks import load_task
+from ..policy import Policy
+from ..rollouts.sampler import Sampler
+from ..rollouts.trajectories import ItemError
+from ..rollouts.vllm_client import VLLMClient, VLLMError
+from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .evaluation import evaluate
+from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, step_line, summarize
+from .parallel import launch
+from .stops import RankDied, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died, stop_on_signals
+from .update import run_updates
+
+SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families (check/self_check.py)
+
+
+class Trainer:
+    """A run of `config`. Everything is built from `config` unless injected (tests inject a tiny model, a character
+    tokenizer, a list of {question, answer, ...} items and a reward function with TRL's signature; for a multi-turn
+    task an `env`, `rl.agent.environments.Environment`, which then scores the trajectories).
+
+    policy: the trained `Policy`; reference: the frozen reference `Policy` or None; algorithm: the part
+    (`algorithms.base.Algorithm`); source: where a step's batch comes from (`Sampler`, or the part's own)."""
+
+    def __init__(self, config: Config, model=None, tokenizer=None, train_data=None, eval_data=None, reward_fn=None,
+                 console: Console | None = None, env=None):
+        self.ranks = launch(config.parallel.strategy, config.to_dict(), config.parallel.timeout_s)  # None: one process
+        self.rank = self.ranks.rank if self.ranks else 0
+        self.config, self.console = config, console or Console(quiet=self.rank != 0)
+        part = algorithm_class(config.algorithm)
+        part.check(config)
+        check_parallel(config, self.ranks, part)
+        # the task, the environment and the reward before the model: a typo there should not cost a model load
+        self.env, self.train_data, self.eval_data, self.rewards = load_data(config, env, train_data, eval_data,
+                                                                          reward_fn)
+        model, self.tokenizer = load_model(config, model, tokenizer)
+        g = config.grpo
+        self.policy = Policy(model.eval(), config.sampling.temperature if part.samples else 1.0, config.engine,
+                             config.train.method, micro_batch=g.micro_batch_prompts, dtype=config.model.dtype,
+                             ranks=self.ranks)
+        vllm = None
+        if config.sampling.backend == "vllm" and self.rank == 0:  # rank 0 alone talks to the server
+            vllm = VLLMClient.connect(config.sampling.vllm_url, model_folder(config.model.spec), self.tokenizer,
+                                      config.sampling.vllm_timeout_s)
+        if self.env is not None:
+            bind(self.env, self.tokenizer)
+        if self.ranks is not None:
+            for p in model.parameters():  # every rank starts from rank 0's weights, the reference copy too
+                torch.distributed.broadcast(p.data, src=0)
+            # rank 0 runs the self-check before sharding and tells the others (its verdict in the run folder)
+            self.policy.force = self.check_family(Path(config.train.output_dir))
+        self.reference = None
+        if part.needs_reference(config):  # frozen initial weights, copied before a checkpoint loads or sharding
+            self.reference = self.policy.sibling(model, scope=model.disable_adapter) if config.model.lora_r else \
+                self.policy.sibling(copy.deepcopy(model).requires_grad_(False))
+        self.algorithm = part(config, self.policy, self.reference)
+        if self.ranks is not None:  # after the copies: fully_shard changes the model in place
+            self.distribute()
+        for p in self.trained:
+            p.make_optimizer(g, config.train.steps * self.algorithm.num_updates)
+        self.algorithm.status = lambda text: self.status(text)
+        self.source = Sampler(config, self.policy, self.tokenizer, self.train_data, self.rewards, self.env, vllm,
+                              self.ranks, status=lambda text: self.status(text)) if part.samples \
+            else self.algorithm.batches(self.tokenizer)
+        self.step, self.num_tokens = 0, 0
+        self.failure: str | None = None  # why the last step was skipped (the warning's text)
+        self.completion_rows: list[dict] = []  # the last step's, for RUN_DIR/completions.jsonl (log_completions)
+        self.status = lambda text: None  # the progress bar's current phase; set by the run loop
+
+    @property
+    def model(self):
+        return self.policy.model
+
+    @property
+    def trained(self) -> list[Policy]:
+        """The policies the updates move: the policy, and PPO's critic."""
+        return [self.policy] + ([self.algorithm.critic] if self.algorithm.critic is not None else [])
+
+    def distribute(self) -> None:
+        """The trained policies data-parallel with parallel.strategy (auto: FSDP2; LoRA: DDP, its adapters
+        replicated) and FSDP2's mode (decided once, from the smallest rank's memory)."""
+        p = self.config.parallel
+        strategy = p.strategy if p.strategy != "auto" else "ddp" if self.config.model.lora_r else "fsdp2"
+        mode = fsdp_mode(self.model, p.fsdp_mode) if strategy == "fsdp2" else None
+        self.policy.distribute(strategy, mode, broadcast=False)  # broadcast in __init__
+        if self.algorithm.critic is not None:
+            self.algorithm.critic.distribute(strategy, mode)
+
+    # -- one step ---------------------------------------------------------------------------------------------------
+
+    def generate(self, step: int):
+        """The batch of `step` (>= 1): sampled and scored, or the part's own (DPO's pairs). Raises
+        RewardFunctionError from the reward, ItemError when every item's environment failed."""
+        return self.source.batch(step)
+
+    def update(self, batch) -> dict:
+        """The step's optimizer updates on `batch` (`update.run_updates`); returns their metrics."""
+        metrics = run_updates(self.algorithm, batch, self.ranks, self.config.parallel.layout,
+                              self.config.grpo.max_grad_norm)
+        self.source.stale = True  # the weights moved: the vLLM server needs them again
+        return metrics
+
+    def train_step(self, step: int) -> dict | None:
+        """generate + update; returns the step's metrics, or None (with a warning) when the reward failed."""
+        t0 = time.perf_counter()
+        try:
+            batch = self.generate(step)
+        except (RewardFunctionError, ItemError) as e:
+            warnings.warn(f"step {step} skipped: {e}", RuntimeWarning, stacklevel=2)
+            self.failure = str(e)
+            return None
+        t1 = time.perf_counter()
+        if self.config.train.log_completions and self.rank == 0:
+            self.completion_rows = batch.completions(self.tokenizer, self.algorithm.logs_group_advantages)
+        self.status(f"step {step}: training on {sum(len(t.rollouts) for t in batch.trees)} rollouts")
+        metrics = self.update(batch)
+        t2 = time.perf_counter()
+        self.num_tokens += batch.logical_tokens
+        env_s = batch.metrics.get("time/sample_env_s")
+        timing = {"time/sample_model_s": t1 - t0 - env_s} if env_s is not None else {}
+        return {"step": step, **batch.step_metrics(), "num_tokens": self.num_tokens, **batch.metrics, **metrics,
+                "time/sample_s": t1 - t0, **timing,
+                "time/train_s": t2 - t1,  # the whole update, its no-grad passes (time/logprob_s) included
+                "time/step_s": t2 - t0, "memory/peak_bytes": peak_memory_bytes(self.model.device)}
+
+    # -- the run ------------------------------------------------------------------------------------------------------
+
+    def fit(self, resume: str | Path | None = None) -> Path:
+        """Train `train.steps` steps in the run folder (train.output_dir, or `resume`); returns the run folder.
+
+        Raises ValueError when the folder already holds checkpoints and `resume` is not given, FileNotFoundError when
+        `resume` holds none, TrainingInterrupted after SIGINT/SIGTERM (the checkpoint is written first)."""
+        cfg = self.config.train
+        run_dir = Path(resume if resume is not None else cfg.output_dir)
+        if resume is None and latest_checkpoint(run_dir) is not None:
+            raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, or choose another "
+                             "--train.output_dir")
+        if resume is not None:
+            found = latest_checkpoint(run_dir)
+            if found is None:
+                raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+            self.step, extra = load_checkpoint(found, self.model, self.policy.optimizer, self.policy.scheduler,
+                                               critic=self.critic_state())
+            self.num_tokens = extra.get("num_tokens", 0)
+            self.console.print(f"resumed {run_dir} from {found.name}")
+        cfg.output_dir = str(run_dir)
+        if self.rank == 0:  # rank 0 alone writes the run folder
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self.config.save(run_dir / "config.yaml")
+        if self.ranks is None:  # data-parallel runs checked before sharding (__init__)
+            self.policy.force = self.check_family(run_dir)
+        for p in (self.reference, self.algorithm.critic):  # they run the policy's family
+            if p is not None:
+                p.force = self.policy.force
+        log = MetricsLog(run_dir, truncate_after=self.step, console=self.console) if self.rank == 0 else NoLog()
+        stop: list[str] = []
+        try:
+            with stop_on_signals(stop, self.console):
+                self._loop(run_dir, log, stop)
+        except RuntimeError as e:
+            raise_if_a_rank_died(self.ranks, self.step + 1, run_dir, e)
+            raise
+        finally:
+            log.close()
+        if self.stopping(stop):
+            raise TrainingInterrupted(run_dir, self.step)
+        if self.rank == 0:
+            summarize(self.console, run_dir, log.records, reward_name=self.reward_name())
+        return run_dir
+
+    def _loop(self, run_dir: Path, log, stop: list) -> None:
+        """Steps until train.steps or a stop signal; evaluates and saves on schedule, and always saves at the end."""
+        cfg = self.config.train
+        bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
+                       TimeRemainingColumn(), console=self.console)
+        task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
+        self.status = lambda text: bar.update(task, info=text)
+        with bar:
+            first_eval = self.step == 0 and not log.records and cfg.eval_steps >= 0
+            if self.ranks is not None:  # rank 0 holds the metrics log: its decision is everyone's
+                first_eval = self.ranks.gather(first_eval)[0]
+            if first_eval:
+                log.write({"step": 0, **self.evaluate()})
+                bar.console.print(step_line(log.records[-1], cfg.steps))
+            failed = 0  # consecutive skipped steps
+            while self.step < cfg.steps and not self.stopping(stop):
+                try:
+                    record = self.train_step(self.step + 1)
+                except VLLMError as e:  # raised before the step's update: the state is the last step's
+                    self.save(run_dir)
+                    raise TrainingFailed(run_dir, f"step {self.step + 1}: the vLLM sampler failed ({e})") from e
+                failed = failed + 1 if record is None else 0
+                if cfg.max_failed_steps and failed >= cfg.max_failed_steps:
+                    self.step -= failed - 1  # the last good step: no update happened since, so its state is this
+                    self.save(run_dir)
+                    raise TrainingFailed(run_dir, f"steps {self.step + 1}-{self.step + failed} failed "
+                                         f"({self.failure}); stopped after train.max_failed_steps="
+                                         f"{cfg.max_failed_steps}")
+                record = record or {"step": self.step + 1}
+                self.step += 1
+                if self.completion_rows:
+                    log.write_completions(self.step, self.completion_rows)
+                    self.completion_rows = []
+                last = self.step == cfg.steps
+                if cfg.eval_steps >= 0 and (last or (cfg.eval_steps and self.step % cfg.eval_steps == 0)):
+                    record.update(self.evaluate())
+                log.write(record)
+                bar.console.print(step_line(record, cfg.steps))
+                bar.update(task, completed=self.step, info=progress_info(record))
+                if cfg.save_steps and self.step % cfg.save_steps == 0:
+                    self.save(run_dir)
+        found = latest_checkpoint(run_dir)
+        if found is None or found.name != f"step-{self.step:06d}":
+            self.save(run_dir)
+
+    def stopping(self, stop: list) -> bool:
+        """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
+        return self.ranks.any(bool(stop)) if self.ranks else bool(stop)
+
+    def check_family(self, run_dir: Path) -> bool:
+        """`check.self_check.ensure_supported` on the policy, its verdicts kept in run_dir/self_check.json
+        (written atomically, by rank 0); True when the family is unregistered and passed (the engine then runs it
+        forced). In a data-parallel run rank 0 checks before sharding and gathers its verdict to every rank."""
+        if self.ranks is None:
+            return self._check_family(run_dir)
+        outcome = (None, None)  # rank 0 decides; the others take its verdict (no rank may disagree)
+        if self.rank == 0:
+            try:
+                outcome = (self._check_family(run_dir), None)
+            except UnsupportedModelError as e:
+                outcome = (None, str(e))
+        force, error = self.ranks.gather(outcome)[0]
+        if error is not None:
+            raise UnsupportedModelError(error)
+        return force
+
+    def _check_family(self, run_dir: Path) -> bool:
+        path = run_dir / SELF_CHECK
+        verdicts = json.loads(path.read_text()) if path.is_file() else {}
+        known = dict(verdicts)
+        try:
+            return ensure_supported(self.model, self.config.train.unknown_family, verdicts, log=self.console.print)
+        finally:  # a failed verdict is kept too: the refusal is the same on the next try
+            if verdicts != known:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                write_atomic(path, json.dumps(verdicts, indent=1))
+
+    def save(self, run_dir: Path) -> Path:
+        """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`)."""
+        return save_checkpoint(run_dir, self.step, self.model, self.policy.optimizer, self.policy.scheduler,
+                               keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
+                               tokenizer=self.tokenizer, critic=self.critic_state())
+
+    def critic_state(self) -> tuple | None:
+        """(critic, its optimizer, its scheduler) for the checkpoint, or None without a critic."""
+        critic = self.algorithm.critic
+        return None if critic is None else (critic.model, critic.optimizer, critic.scheduler)
+
+    def reward_name(self) -> str:
+        """What the run's reward is, for the plot: the environment, DPO's preferences, or the reward functions."""
+        if self.env is not None:
+            return self.config.agent.environment or type(self.env).__name__
+        return " + ".join(self.rewards.names) if self.algorithm.samples else "preferences"
+
+    def evaluate(self) -> dict:
+        """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
+        with self.policy.gathered(), self.policy.autocast():
+            return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.rewards,
+                            progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"),
+                            ranks=self.ranks, env=self.env)
+
+
+def load_data(config: Config, env, train_data, eval_data, reward_fn) -> tuple:
+    """(environment or None, train items, held-out items, `RewardFunctions` or None) of `config`, each from the
+    arguments when given (tests inject them): a multi-turn environment and its items, else the task's splits and
+    reward functions (an environment scores its own trajectories: no reward functions)."""
+    if env is None and config.agent.environment is not None:
+        env, env_train, env_eval = load_agent_task(config)
+        train_data = env_train if train_data is None else train_data
+        eval_data = env_eval if eval_data is None else eval_data
+    if train_data is None:
+        train_data, eval_data = load_task(config.task)
+    if reward_fn is not None:  # an injected function (tests), alone
+        return env, train_data, eval_data, RewardFunctions([reward_fn], [1.0])
+    return env, train_data, eval_data, None if env is not None else make_rewards(config.task, train_data)
+
+
+def load_model(config: Config, model=None, tokenizer=None) -> tuple:
+    """(model, tokenizer) of config.model unless given, LoRA adapters applied (model.lora_r). Raises ValueError for
+    float16 training and for a bfloat16 run handed a model whose parameters are not float32."""
+    m = config.model
+    if m.dtype == "float16":
+        raise ValueError("model.dtype=float16 cannot train: float16 mixed precision needs loss scaling, which "
+                         "branchreplay does not do; use bfloat16 (same speed, float32's exponent range)")
+    if model is None:
+        model, tokenizer = load_policy(m.spec, m.dtype, m.device)
+    if m.dtype == "bfloat16" and next(model.parameters()).dtype != torch.float32:
+        raise ValueError(f"model.dtype=bfloat16 trains float32 master weights under autocast; the given model's "
+                         f"parameters are {next(model.parameters()).dtype}: pass it in float32")
+    if m.lora_r:  # before anything copies the model: the adapters are its only trainable parameters
+        model = apply_lora(model, m.lora_r, m.lora_alpha, m.lora_targets(), seed=config.train.seed)
+    return model, tokenizer
+
+
+def check_parallel(config: Config, ranks, part) -> None:
+    """What a data-parallel run refuses, by name: a reference train.method (its padded or naive computation runs
+    whole trees in one process), LoRA with FSDP2 (its adapters are replicated: parallel.strategy ddp), and fewer
+    rollouts a step than ranks."""
+    if ranks is None:
+        return
+    if config.train.method != "branchreplay":
+        raise ValueError(f"train.method={config.train.method} runs in one process: start it without torchrun")
+    if config.model.lora_r and config.parallel.strategy == "fsdp2":
+        raise ValueError("model.lora_r (LoRA) runs data-parallel with its adapters replicated: set "
+                         "parallel.strategy ddp (or auto)")
+    rollouts = config.grpo.prompts_per_step * config.grpo.num_generations if part.samples else \
+        2 * config.dpo.pairs_per_step
+    if rollouts < ranks.world_size:
+        raise ValueError(f"a step has {rollouts} rollouts for {ranks.world_size} ranks: raise them or start fewer "
+                         "processes")
+
+
+def train(config: Config, resume: str | None = None) -> Path:
+    """Build the model, task and trainer from `config` and train; returns the run folder. Under torchrun every rank
+    calls it (rl/run/parallel.py); the process group is closed after a run that succeeded (`distributed.shutdown`)."""
+    try:
+        run_dir = Trainer(config).fit(resume)
+    except RankDied:
+        raise  # the process group is broken: no barrier (cli.py exits at once)
+    except (TrainingInterrupted, TrainingFailed):
+        shutdown()  # every rank stopped at the same step, after the checkpoint
+        raise
+    shutdown()
+    return run_dir
