@@ -113,16 +113,17 @@ def test_engine_section_typed_choices_and_every_field_helped():
 
 
 def test_resuming_a_run_from_before_use_bias_correction_kl_keeps_its_objective(tmp_path):
-    """A run saved before the option existed trained with plain k3: its resume keeps it (with a warning) unless
-    the command line chooses; a run that saved the option gets what it saved."""
+    """A run saved before the option existed trained with plain k3: its resume keeps it (with a warning), and a
+    command line that would switch it is refused (another objective, config/resume.py); a run that saved the option
+    gets what it saved."""
     data = Config.from_dict({"grpo": {"beta": 0.04}}).to_dict()
     del data["grpo"]["use_bias_correction_kl"]
     (tmp_path / "config.yaml").write_text(yaml.safe_dump(data))
     with pytest.warns(UserWarning, match="predates grpo.use_bias_correction_kl"):
         config, _ = parse_args(["--resume", str(tmp_path)])
     assert config.grpo.use_bias_correction_kl is False
-    config, _ = parse_args(["--resume", str(tmp_path), "--grpo.use_bias_correction_kl", "true"])
-    assert config.grpo.use_bias_correction_kl is True
+    with pytest.raises(ValueError, match="grpo.use_bias_correction_kl was False, now True"):  # another objective
+        parse_args(["--resume", str(tmp_path), "--grpo.use_bias_correction_kl", "true"])
     Config.from_dict({"grpo": {"beta": 0.04}}).save(tmp_path / "config.yaml")
     assert parse_args(["--resume", str(tmp_path)])[0].grpo.use_bias_correction_kl is True
 
@@ -201,3 +202,39 @@ def test_a_run_folder_config_from_before_the_move_still_reads(tmp_path):
     assert (config.train.method, config.train.unknown_family, config.engine.max_pack_tokens) == ("naive", "refuse", 32)
     with pytest.raises(ValueError, match="unknown key 'engine.method'"):
         apply_overrides({}, ["--engine.method", "naive"])
+
+
+def test_a_data_parallel_run_resumes_in_one_process_without_a_flag(tmp_path, monkeypatch):
+    """The run's parallel.strategy fsdp2 (its torchrun launch) becomes auto when the resume is not started by
+    torchrun, with a warning; the command line still decides when it names the strategy."""
+    monkeypatch.delenv("RANK", raising=False)
+    Config.from_dict({"parallel": {"strategy": "fsdp2"}}).save(tmp_path / "config.yaml")
+    with pytest.warns(UserWarning, match="not started by torchrun, so it runs in one process"):
+        config, _ = parse_args(["--resume", str(tmp_path)])
+    assert config.parallel.strategy == "auto"
+    assert parse_args(["--resume", str(tmp_path), "--parallel.strategy", "ddp"])[0].parallel.strategy == "ddp"
+
+
+def test_reading_a_config_never_imports_trl_or_torch(tmp_path):
+    """An unknown key, a TRL field that is not supported and a missing data file are errors before any heavy
+    import (TRL's GRPOConfig names are a list kept here, checked against the installed TRL below)."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom branchreplay.rl.config import Config, parse_args\n"
+            "for data in ({'learning_rte': 1}, {'steps_per_generation': 2}):\n"
+            "    try:\n        Config.from_dict(data)\n    except ValueError as e:\n        print(e)\n"
+            "try:\n    parse_args(['--task.dataset', 'no/such.jsonl', '--task.reward', 'math_verify'])\nexcept FileNotFoundError as e:\n    print(e)\n"
+            "print('trl' in sys.modules, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert "did you mean 'learning_rate'" in out and "TRL's steps_per_generation is not supported" in out
+    assert "task.dataset no/such.jsonl does not exist" in out and out.strip().endswith("False False")
+
+
+def test_the_kept_trl_field_names_are_trls():
+    import dataclasses
+
+    trl = pytest.importorskip("trl")
+    from branchreplay.rl.config.trl_fields import TRL_GRPO_FIELDS
+
+    assert TRL_GRPO_FIELDS == {f.name for f in dataclasses.fields(trl.GRPOConfig)}

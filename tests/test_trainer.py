@@ -439,3 +439,43 @@ def test_smollm2_one_step(tmp_path):
     assert latest_checkpoint(run).name == "step-000001"
     if records[1]["reward_std"] > 0:
         assert not torch.equal(before, trainer.model.model.norm.weight)
+
+
+def test_a_resume_may_lengthen_the_run_and_keeps_every_config(tmp_path):
+    """A finished 2-step cosine run resumed to 4 steps: steps 3 and 4 train at the 4-step schedule's rates for steps
+    3 and 4 (before: 0.0 at step 3, the 2-step schedule's end, which the optimizer's saved state carried);
+    config.yaml keeps the 2-step config and config-resumed-at-step-3.yaml the 4-step one; a second resume starts
+    from the newest."""
+    import yaml
+
+    lr = {"learning_rate": 1e-3, "lr_scheduler": "cosine"}
+    fresh = _metrics(make_trainer(make_config(tmp_path / "fresh", grpo=lr, train={"steps": 4})).fit())
+    run = make_trainer(make_config(tmp_path, grpo=lr, train={"steps": 2})).fit()
+    make_trainer(make_config(tmp_path, grpo=lr, train={"steps": 4})).fit(resume=run)
+    rates = [r["learning_rate"] for r in _metrics(run)]
+    assert rates[:2] == pytest.approx([1e-3, 5e-4]) and 0.0 not in rates
+    assert rates[2:] == pytest.approx([r["learning_rate"] for r in fresh][2:])
+    assert yaml.safe_load((run / "config.yaml").read_text())["train"]["steps"] == 2
+    assert yaml.safe_load((run / "config-resumed-at-step-3.yaml").read_text())["train"]["steps"] == 4
+    make_trainer(make_config(tmp_path, grpo=lr, train={"steps": 5})).fit(resume=run)
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config-resumed-at-step-3.yaml",
+                                                                "config-resumed-at-step-5.yaml", "config.yaml"]
+
+
+def test_a_resume_that_changes_the_run_is_refused_by_name(tmp_path):
+    """`train --resume RUN --algorithm rloo` (and a loss type, a group size) would make one folder hold two runs:
+    refused by name before anything loads, on the command line as in `fit`; train.steps below the checkpoint's
+    step too."""
+    from branchreplay.rl.config import parse_args
+
+    run = make_trainer(make_config(tmp_path, train={"steps": 2})).fit()
+    with pytest.raises(ValueError, match=r"algorithm was 'grpo', now 'rloo'. Start another run"):
+        parse_args(["--resume", str(run), "--train.steps", "4", "--algorithm", "rloo"])
+    with pytest.raises(ValueError, match=r"grpo.loss_type was 'dapo', now 'grpo'.*another --train.output_dir"):
+        parse_args(["--resume", str(run), "--grpo.loss_type", "grpo"])
+    with pytest.raises(ValueError, match=r"checkpoint is at step 2, so train.steps=1 trains nothing"):
+        parse_args(["--resume", str(run), "--train.steps", "1"])
+    with pytest.raises(ValueError, match=r"grpo.num_generations was 4, now 2"):
+        make_trainer(make_config(tmp_path, grpo={"num_generations": 2}, train={"steps": 3})).fit(resume=run)
+    config, _ = parse_args(["--resume", str(run), "--train.steps", "3", "--engine.max_pack_tokens", "8"])
+    assert config.train.steps == 3 and config.engine.max_pack_tokens == 8  # what a resume may change

@@ -24,6 +24,7 @@ critic): `Config` refuses the rest.
 from __future__ import annotations
 
 import contextlib
+import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -96,6 +97,15 @@ class Policy:
                                            **({} if self.dp is None else {"foreach": False}))
         extra = {"num_training_steps": total_updates} if grpo.lr_scheduler != "constant" else {}
         self.scheduler = SCHEDULES[grpo.lr_scheduler](self.optimizer, num_warmup_steps=grpo.warmup_steps, **extra)
+
+    def continue_schedule(self) -> None:
+        """After a checkpoint's optimizer and scheduler states were loaded: the next update's learning rate is this
+        schedule's (built for this run's train.steps) at the checkpoint's step, where the optimizer's saved one was
+        the schedule's of the run that wrote it (the same when train.steps did not change)."""
+        with warnings.catch_warnings():  # torch warns of a schedule step before any optimizer step: none is skipped
+            warnings.simplefilter("ignore", UserWarning)
+            self.scheduler.last_epoch -= 1
+            self.scheduler.step()
 
     def zero_grad(self) -> None:
         """Zeros, not None: AdamW then moves every parameter, as TRL's."""

@@ -43,6 +43,7 @@ from .sampling import SamplingConfig, turn_factor
 from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelConfig, PPOConfig,
                        ReinforcePPConfig, RLOOConfig, TrainConfig)
 from .task import TaskConfig
+from .resume import check_resume, latest_config, launch_free, read
 from .trl_names import from_trl_names, help_lines
 from .values import TRL_COMMAND_LINE, apply_overrides, coerce, field_types, kind, plain
 
@@ -238,9 +239,11 @@ def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resum
     value or None} for each of `options`), the one parser of `train` (--config, --resume) and `eval` (--config,
     --checkpoint). Options take `--name value` or `--name=value`.
 
-    With --resume and no --config, the run's own config.yaml is the base; train.output_dir becomes RUN_DIR. With
-    --checkpoint and no --config, the config.yaml of the run holding it (`run_config`), when there is one.
-    Raises ValueError for a bad argument (see `apply_overrides`), FileNotFoundError for a missing file."""
+    With --resume and no --config, the run's newest config is the base (`resume.latest_config`); train.output_dir
+    becomes RUN_DIR, and what a resume may not change is refused by name (`resume.check_resume`). With
+    --checkpoint and no --config, the config of the run holding it (`run_config`), when there is one.
+    Raises ValueError for a bad argument (see `apply_overrides`), FileNotFoundError for a missing file (a config,
+    a data file: `check_files`)."""
     named, overrides, i = dict.fromkeys(options), [], 0
     while i < len(argv):
         key, eq, value = argv[i].partition("=")
@@ -254,29 +257,52 @@ def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resum
             overrides.append(argv[i])
         i += 1
     resume, path = named.get("--resume"), named.get("--config")
-    if resume is not None and path is None:
-        path = Path(resume) / "config.yaml"
+    own = latest_config(resume) if resume is not None else None
+    path = path if path is not None else own
     checkpoint = named.get("--checkpoint")
     if checkpoint is not None and path is None:  # eval of a run: its own config, unless --config is given
         path = run_config(checkpoint)
     if path is not None and not Path(path).is_file():
         raise FileNotFoundError(f"config file {path} does not exist")
-    if resume is not None and path == Path(resume) / "config.yaml":
-        overrides = _keep_objective(path, overrides)
+    if own is not None and Path(path) == own:
+        overrides = launch_free(read(own), _keep_objective(own, overrides))
     config = Config.from_yaml(path, overrides) if path else Config.from_dict(apply_overrides({}, overrides))
     if resume is not None:
         config.train.output_dir = str(resume)
+        if own.is_file():
+            check_resume(saved_config(resume).to_dict(), config.to_dict(), Path(resume))
+    check_files(config)
     return config, named
 
 
+def saved_config(run_dir: str | Path) -> Config:
+    """What the run in `run_dir` trained with: its newest config (`resume.latest_config`), read as a resume reads it
+    (`_keep_objective`), without the warnings."""
+    path = latest_config(run_dir)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return Config.from_yaml(path, _keep_objective(path, []))
+
+
+def check_files(config: Config) -> None:
+    """Raise FileNotFoundError naming the field for a data file the run names that does not exist (before torch
+    loads: a typo costs no model load)."""
+    files = [("task.dataset", config.task.dataset), ("task.eval_dataset", config.task.eval_dataset)]
+    if config.algorithm == "dpo":
+        files.append(("dpo.dataset", config.dpo.dataset))
+    for field_name, path in files:
+        if path is not None and not Path(path).is_file():
+            raise FileNotFoundError(f"{field_name} {path} does not exist")
+
+
 def run_config(checkpoint: str | Path) -> Path | None:
-    """The config.yaml of the run that holds `checkpoint` (a run folder, or one of its checkpoints/step-N folders),
-    or None when there is none (a folder from elsewhere)."""
+    """The newest config of the run that holds `checkpoint` (a run folder, or one of its checkpoints/step-N
+    folders: `resume.latest_config`), or None when there is none (a folder from elsewhere)."""
     folder = Path(checkpoint)
     candidates = [folder] + ([folder.parent.parent] if folder.parent.name == "checkpoints" else [])
     for candidate in candidates:
         if (candidate / "config.yaml").is_file():
-            return candidate / "config.yaml"
+            return latest_config(candidate)
     return None
 
 

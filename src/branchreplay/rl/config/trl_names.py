@@ -29,6 +29,7 @@ import dataclasses
 import warnings
 
 from ...fields import nearest
+from .trl_fields import TRL_GRPO_FIELDS
 
 TRL_NAMES: dict[str, str] = {
     "model_name_or_path": "model.spec",
@@ -115,7 +116,7 @@ def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None
         if key in NO_EFFECT:
             ignored.append(key)
             continue
-        if key in _trl_fields():
+        if key in TRL_GRPO_FIELDS:
             raise ValueError(f"TRL's {key} is not supported here (it would change the run); remove it, or see "
                              "--help for the TRL names that are")
         raise ValueError(_unknown(key, sections))
@@ -227,15 +228,6 @@ def _same(a, b) -> bool:
         return float(a) == float(b)
     except (TypeError, ValueError):
         return a == b
-
-
-def _trl_fields() -> set[str]:
-    """GRPOConfig's field names, when TRL is installed (the `trl` extra); else none."""
-    try:
-        from trl import GRPOConfig
-    except ImportError:
-        return set()
-    return {f.name for f in dataclasses.fields(GRPOConfig)}
 
 
 def _unknown(key: str, sections: dict[str, type]) -> str:

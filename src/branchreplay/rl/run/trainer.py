@@ -35,6 +35,8 @@ from ...models import apply_lora, load_policy, model_folder
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
 from ..config import Config
+from ..config.resume import FIRST, changed_fields, check_resume, latest_config
+from ..config.run import saved_config
 from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards
 from ..data.tasks import load_task
 from ..policy import Policy
@@ -176,14 +178,18 @@ class Trainer:
             found = latest_checkpoint(run_dir)
             if found is None:
                 raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+            saved = saved_config(run_dir).to_dict() if latest_config(run_dir).is_file() else None
+            if saved is not None:  # what a resume may change (config/resume.py)
+                check_resume(saved, self.config.to_dict(), run_dir)
             self.step, extra = load_checkpoint(found, self.model, self.policy.optimizer, self.policy.scheduler,
                                                critic=self.critic_state())
+            for p in self.trained:  # a longer run: the schedule over the new train.steps, from the checkpoint's step
+                p.continue_schedule()
             self.num_tokens = extra.get("num_tokens", 0)
             self.console.print(f"resumed {run_dir} from {found.name}")
         cfg.output_dir = str(run_dir)
         if self.rank == 0:  # rank 0 alone writes the run folder
-            run_dir.mkdir(parents=True, exist_ok=True)
-            self.config.save(run_dir / "config.yaml")
+            self.save_config(run_dir, saved if resume is not None else None)
         if self.ranks is None:  # data-parallel runs checked before sharding (__init__)
             self.policy.force = self.check_family(run_dir)
         for p in (self.reference, self.algorithm.critic):  # they run the policy's family
@@ -249,6 +255,19 @@ class Trainer:
         found = latest_checkpoint(run_dir)
         if found is None or found.name != f"step-{self.step:06d}":
             self.save(run_dir)
+
+    def save_config(self, run_dir: Path, saved: dict | None) -> None:
+        """config.yaml for a new run; for a resume that changed fields (`config.resume.RESUMABLE`), the config it
+        trains with as config-resumed-at-step-N.yaml (N: its first step), the earlier ones kept."""
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if saved is None:
+            self.config.save(run_dir / FIRST)
+            return
+        changed = changed_fields(saved, self.config.to_dict())
+        if changed:
+            self.config.save(run_dir / f"config-resumed-at-step-{self.step + 1}.yaml")
+            self.console.print(f"from step {self.step + 1}: {', '.join(changed)} changed (config-resumed-at-step-"
+                               f"{self.step + 1}.yaml; {FIRST} and the others keep what the earlier steps used)")
 
     def stopping(self, stop: list) -> bool:
         """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
