@@ -178,6 +178,38 @@ def test_failing_environment_skips_the_item_and_an_all_failed_step(tmp_path, bro
     assert metrics["eval/skipped"] == 1 and metrics["eval/turns_mean"] > 0
 
 
+class BadReplies(Counter):
+    """Counter, but its step answers "dict reply" with a dict as the content, "no reply" with None, and its final
+    reward of "nan reward" is NaN."""
+
+    def step(self, messages, item):
+        content = {"dict reply": {"text": "go on"}, "no reply": None}.get(item["question"], "go on")
+        if content != "go on":
+            return EnvResponse([{"role": "user", "content": content}])
+        return super().step(messages, item)
+
+    def final_reward(self, messages, item):
+        return float("nan") if item["question"] == "nan reward" else super().final_reward(messages, item)
+
+
+@pytest.mark.parametrize("question, said", [
+    ("dict reply", r"BadReplies's step's message 0 has 'content' \{'text': 'go on'\} \(a dict\)"),
+    ("no reply", r"BadReplies's step's message 0 has 'content' None \(a NoneType\)"),
+    ("nan reward", r"BadReplies's final_reward gave the reward nan"),
+])
+def test_an_environment_reply_the_template_cannot_take_skips_the_item_by_name(tmp_path, question, said):
+    """A reply whose content is not a string (a dict, None) used to crash the run in the chat template, and a NaN
+    final reward stopped it ("rewards hold NaN"): now the item is skipped with a warning naming the environment,
+    the field and the item, as when the environment raises."""
+    items = [{"question": question, "target": 0}, *ITEMS]
+    trainer = Trainer(make_config(tmp_path), model=_chatty_model(), tokenizer=TurnTokenizerWithDecode(),
+                      train_data=items, eval_data=items[:3], env=BadReplies())
+    step = next(s for s in range(1, 20) if 0 in prompt_indices(len(items), 2, 0, s))
+    with pytest.warns(RuntimeWarning, match=f"{said}.*for item .*{question}"):
+        batch = trainer.generate(step)
+    assert len(batch.rollouts) == 1 and torch.isfinite(batch.rewards).all()
+
+
 def test_a_reply_ending_on_another_eos_id_ends_the_trajectory():
     """A model whose generation config adds EOS ids (Qwen's <|endoftext|>, Llama 3.1's <|eom_id|>): a reply that
     stops on one of them is not the template's end of turn, so no environment turn follows it."""

@@ -238,3 +238,11 @@ def test_the_kept_trl_field_names_are_trls():
     from branchreplay.rl.config.trl_fields import TRL_GRPO_FIELDS
 
     assert TRL_GRPO_FIELDS == {f.name for f in dataclasses.fields(trl.GRPOConfig)}
+
+
+def test_misspelt_command_line_options_get_the_nearest_name():
+    """As a misspelt YAML key does: --learning_rte, --grop.beta, --resum and --algorithm grop name what was meant."""
+    for args, meant in ((["--learning_rte", "1e-5"], "--learning_rate"), (["--grop.beta", "0.1"], "--grpo.beta"),
+                        (["--resum", "runs/x"], "--resume"), (["--algorithm", "grop"], "grpo")):
+        with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
+            Config.from_dict(apply_overrides({}, args))

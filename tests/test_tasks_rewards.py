@@ -202,6 +202,17 @@ def test_compute_rewards_wrong_output_names_function_and_lengths(bad):
     assert "length 3" in str(err.value)
 
 
+def test_compute_rewards_refuses_values_that_are_not_numbers():
+    """A string is never read as a number ("1.0" used to become 1.0 silently); numpy scalars and one-element
+    tensors are numbers, as TRL takes them."""
+    import numpy as np
+
+    with pytest.raises(RewardFunctionError, match=r"'strings' returned '1.0' \(a str\) for sample 1; a reward is a "):
+        compute_rewards([const([0.0, "1.0", None], "strings")], None, **KW)
+    out = compute_rewards([const([np.float32(0.5), torch.tensor(2.0), np.int64(1)])], None, **KW)
+    assert out.tolist() == [0.5, 2.0, 1.0]
+
+
 def test_compute_rewards_wraps_raising_function():
     def broken(**kwargs):
         raise KeyError("answer")

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import importlib
 
+from ...fields import nearest
+
 ALGORITHMS: dict[str, str] = {
     "grpo": "grpo:GRPO",
     "ppo": "ppo:PPO",
@@ -31,7 +33,8 @@ def check_algorithm(name) -> None:
     """Raise ValueError naming `algorithm` unless `name` is a key of `ALGORITHMS` or a `package.module:Class` spec
     (imported when the run starts)."""
     if not (isinstance(name, str) and (name in ALGORITHMS or ":" in name)):
-        raise ValueError(f"algorithm={name!r} is not valid; accepted values: {', '.join(ALGORITHMS)}, or "
+        close = nearest(name, list(ALGORITHMS)) if isinstance(name, str) else ""
+        raise ValueError(f"algorithm={name!r} is not valid{close}; accepted values: {', '.join(ALGORITHMS)}, or "
                          "package.module:Class (an algorithms.base.Algorithm of your own)")
 
 

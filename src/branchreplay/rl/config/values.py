@@ -48,8 +48,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             i += 1
             continue
         if not arg.startswith("--") or "." not in arg.split("=", 1)[0]:
-            raise ValueError(f"unexpected argument '{arg}': overrides look like --section.field=value "
-                             f"(sections: {', '.join(SECTIONS)})")
+            raise ValueError(f"unexpected argument '{arg}'{nearest(arg.split('=', 1)[0], _option_names())}: "
+                             f"overrides look like --section.field=value (sections: {', '.join(SECTIONS)})")
         key, eq, value = arg[2:].partition("=")
         if not eq:
             if i + 1 >= len(overrides):
@@ -57,7 +57,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
             value, i = overrides[i + 1], i + 1
         section, _, name = key.partition(".")
         if section not in SECTIONS:
-            raise ValueError(f"unknown config section '{section}' in --{key}; valid sections: {', '.join(SECTIONS)}")
+            raise ValueError(f"unknown config section '{section}' in --{key}{nearest('--' + key, _option_names())}; "
+                             f"valid sections: {', '.join(SECTIONS)}")
         hints = field_types(SECTIONS[section])
         if name not in hints:
             raise ValueError(f"unknown key '{key}'{nearest(name, list(hints))}; valid keys of '{section}': "
@@ -66,6 +67,12 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
         i += 1
     return data
 
+
+def _option_names() -> list[str]:
+    """Every option `train` and `eval` take, for the nearest one to a misspelt option."""
+    fields = [f"--{section}.{name}" for section, cls in SECTIONS.items() for name in field_types(cls)]
+    return ["--algorithm", "--config", "--resume", "--checkpoint", "--threads", *fields,
+            *(f"--{name}" for name in TRL_NAMES)]
 
 
 def field_types(cls: type) -> dict[str, type]:

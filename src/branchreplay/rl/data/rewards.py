@@ -12,6 +12,7 @@ column per function in a [B, n_funcs] float32 tensor with None -> NaN, then ``na
 from __future__ import annotations
 
 import importlib
+import numbers
 import os
 import sys
 import threading
@@ -173,7 +174,8 @@ def compute_rewards(
 
     Raises:
         ValueError: no functions, or ``weights`` of the wrong length.
-        RewardFunctionError: a function raised (chained), or returned a non-list or a list whose length is not B.
+        RewardFunctionError: a function raised (chained), or returned a non-list, a list whose length is not B, or
+            a value that is neither a number nor None (a string "1.0" is refused, never read as a number).
     """
     per_func = reward_columns(funcs, weights, prompts=prompts, completions=completions,
                               completion_ids=completion_ids, columns=columns)
@@ -200,11 +202,23 @@ def reward_columns(funcs: list[Callable], weights: list[float] | None, *, prompt
         if not isinstance(out, list) or len(out) != batch:
             got = f"a list of length {len(out)}" if isinstance(out, list) else f"a {type(out).__name__}"
             raise RewardFunctionError(f"reward function {name!r} returned {got}; expected a list of length {batch}")
+        wrong = next((k for k, r in enumerate(out) if not _is_reward(r)), None)
+        if wrong is not None:
+            value = out[wrong]
+            raise RewardFunctionError(f"reward function {name!r} returned {value!r} (a {type(value).__name__}) for "
+                                      f"sample {wrong}; a reward is a number, or None for no reward (TRL's)")
         per_func[:, i] = torch.tensor([float("nan") if r is None else float(r) for r in out], dtype=torch.float32)
     if batch and torch.isnan(per_func).all(dim=1).any():
         rows = torch.isnan(per_func).all(dim=1).nonzero().flatten().tolist()
         warnings.warn(f"all reward functions returned None for samples {rows}; their reward is 0.0", stacklevel=2)
     return per_func
+
+
+def _is_reward(value) -> bool:
+    """None, or a real number: a Python or numpy one, or a one-element tensor (what TRL turns into a float)."""
+    if value is None or isinstance(value, numbers.Real):
+        return True
+    return isinstance(value, torch.Tensor) and value.numel() == 1 and not value.is_complex()
 
 
 def score(rewards, tokenizer, items: list[dict], samples: list[list], task: TaskConfig | None = None

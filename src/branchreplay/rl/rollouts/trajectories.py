@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import copy
 import math
+import numbers
 import time
 from dataclasses import dataclass, field
 
 import torch
 
-from ..agent.conversation import Conversation
-from ..agent.environments import TRUNCATED, Environment
+from ..agent.conversation import Conversation, TemplateNotPrefixStableError
+from ..agent.environments import TRUNCATED, Environment, check_messages
 from .sampling import prefill, sample_from
 from ..config.sampling import SamplingConfig, turn_schedule
 
@@ -86,12 +87,8 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
     limits = Limits(max_turns, max_context_tokens, max_tool_output_tokens)
     clock = _Clock(timings)
     tools = getattr(env, "template_tools", None)
-    try:
-        with clock:
-            opening = env.reset(item)
-    except Exception as e:  # noqa: BLE001 (any failure of a user's reset skips its item)
-        raise ItemError(f"the environment's reset failed for item {_short(item)}: {type(e).__name__}: {e}") from e
-    start = Conversation.start(tokenizer, opening, tools=tools)
+    opening = _checked(_call(clock, env.reset, item), env, "reset", item)
+    start = _render(lambda: Conversation.start(tokenizer, opening, tools=tools), env, "reset", item)
     limit = max_context_tokens or math.inf
     if len(start.ids) + config.max_new_tokens > limit:
         raise ItemError(f"the opening messages of item {_short(item)} take {len(start.ids)} tokens: with "
@@ -118,7 +115,8 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
                 child.turns += 1
                 nxt = _next(child, sample.truncated, env, item, tokenizer, limits, config, clock, tools)
                 if nxt is None:
-                    child.reward = float(_call(clock, env.final_reward, child.conversation.messages, item))
+                    child.reward = _number(_call(clock, env.final_reward, child.conversation.messages, item), env,
+                                           "final_reward", item)
                     out.append(child)
                     continue
                 new = child.conversation.ids[prefix:]
@@ -142,7 +140,7 @@ def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, toke
         return None
     response = _call(clock, env.step, child.conversation.messages, item)
     if response.reward is not None:
-        child.turn_rewards.append(float(response.reward))
+        child.turn_rewards.append(_number(response.reward, env, "step", item))
     if response.done or not response.messages:
         child.ended_by = "done"
         return None
@@ -150,8 +148,9 @@ def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, toke
         child.ended_by = "max_turns"
         return None
     before = len(child.conversation.ids)
-    messages = [_cut(m, tokenizer, limits.max_tool_output_tokens) for m in response.messages]
-    child.conversation.add_environment(tokenizer, messages, tools=tools)
+    messages = [_cut(m, tokenizer, limits.max_tool_output_tokens)
+                for m in _checked(response.messages, env, "step", item)]
+    _render(lambda: child.conversation.add_environment(tokenizer, messages, tools=tools), env, "step", item)
     if len(child.conversation.ids) + config.max_new_tokens > (limits.max_context_tokens or math.inf):
         child.ended_by = "context"
         child.conversation.ids = child.conversation.ids[:before]  # the environment's reply is not trained on
@@ -164,14 +163,52 @@ def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, toke
     return True
 
 
-def _call(clock, method, messages: list[dict], item: dict):
-    """env.step or env.final_reward, timed; any exception becomes an ItemError naming the item (it is skipped)."""
+def _call(clock, method, *args):
+    """env.reset, env.step or env.final_reward, timed; any exception becomes an ItemError naming the environment and
+    the item (it is skipped)."""
     try:
         with clock:
-            return method(messages, item)
+            return method(*args)
     except Exception as e:  # noqa: BLE001 (a user environment's failure skips its item, never the run)
-        raise ItemError(f"the environment's {method.__name__} failed for item {_short(item)}: "
+        raise ItemError(f"the environment {_name(method)}'s {method.__name__} failed for item {_short(args[-1])}: "
                         f"{type(e).__name__}: {e}") from e
+
+
+def _checked(messages, env, method: str, item: dict) -> list[dict]:
+    """`messages` from env.`method`, checked (`environments.check_messages`); an ItemError naming the environment,
+    the item and the field when they cannot be rendered."""
+    try:
+        check_messages(messages, f"{method}'s")
+    except ValueError as e:
+        raise ItemError(f"the environment {type(env).__name__}'s {e}, for item {_short(item)}") from e
+    return messages
+
+
+def _render(add, env, method: str, item: dict):
+    """`add()` (the chat template rendering env.`method`'s messages); a template that fails on them is an
+    ItemError naming the environment and the item (a template that is not prefix-stable stays an error of the
+    run: every item would fail)."""
+    try:
+        return add()
+    except TemplateNotPrefixStableError:
+        raise
+    except Exception as e:  # noqa: BLE001 (what the template cannot render skips the item, never the run)
+        raise ItemError(f"the chat template could not render the environment {type(env).__name__}'s {method} "
+                        f"messages for item {_short(item)}: {type(e).__name__}: {e}") from e
+
+
+def _number(value, env, method: str, item: dict) -> float:
+    """A reward from env.`method`, as a float; a value that is not a finite number is an ItemError (the item is
+    skipped, as when the environment raises)."""
+    if not isinstance(value, numbers.Real) or not math.isfinite(value):
+        raise ItemError(f"the environment {type(env).__name__}'s {method} gave the reward {value!r} for item "
+                        f"{_short(item)}: a reward is a finite number")
+    return float(value)
+
+
+def _name(method) -> str:
+    owner = getattr(method, "__self__", None)
+    return type(owner).__name__ if owner is not None else "?"
 
 
 def _cut(message: dict, tokenizer, max_tokens: int | None) -> dict:

@@ -137,14 +137,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 def progress_info(record: dict) -> str:
-    """One line for the progress bar: reward (DPO: the preference accuracy), loss, tokens per second (logical
-    positions per step second)."""
+    """One line for the progress bar: reward (DPO: the preference accuracy), loss (PPO: the policy's and the
+    critic's), tokens per second (logical positions per step second)."""
     if "loss" not in record:
         return "skipped (reward failed)"
     tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
     head = (f"reward {record['reward']:.3f}" if "reward" in record
             else f"rewards/accuracies {record['rewards/accuracies']:.3f}")
-    return f"{head}  loss {record['loss']:+.4f}  {tokens_per_s:.0f} tok/s"
+    loss = f"loss {record['loss']:+.4f}"
+    if "loss/value_avg" in record:  # PPO: the policy loss and the critic's, as TRL's PPOTrainer logs them
+        loss = f"policy loss {record['loss']:+.4f}  value loss {record['loss/value_avg']:.4f}"
+    return f"{head}  {loss}  {tokens_per_s:.0f} tok/s"
 
 
 def step_line(record: dict, total_steps: int) -> str:
