@@ -2,9 +2,9 @@
 prompt.
 
 For each of the first --prompts questions of the train split (TaskConfig's default task), the policy samples --g
-completions at temperature 1 (the trainer's sampler, `rl.sampling.sample_group`, one seed per prompt); the task's
-verifier scores them (`rl.rewards.make_reward`). A prompt with at least one completion scoring the maximum and one
-scoring less gives one row, TRL's conversational preference format:
+completions at temperature 1 (the trainer's sampler, `rl.rollouts.sampling.sample_group`, one seed per prompt); the
+task's verifier scores them (`rl.data.rewards.make_reward`). A prompt with at least one completion scoring the maximum
+and one scoring less gives one row, TRL's conversational preference format:
 
     {"prompt": [system and user messages, as the trainer's], "chosen": [{"role": "assistant", "content": ...}],
      "rejected": [{"role": "assistant", "content": ...}]}
@@ -35,7 +35,7 @@ from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--model", default="smollm2", help="model spec, as model.spec")
     parser.add_argument("--prompts", type=int, default=96, help="train questions to sample, from the first")
     parser.add_argument("--g", type=int, default=8, help="completions per question")
@@ -71,7 +71,8 @@ def main() -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"{out}: {len(rows)} pairs from {min(args.prompts, len(train))} prompts ({same} with equal rewards, "
-          f"skipped) in {time.perf_counter() - start:.0f} s")
+          f"skipped) in {time.perf_counter() - start:.0f} s; a DPO step takes dpo.pairs_per_step of them (8 by "
+          "default), all of them when there are fewer")
 
 
 if __name__ == "__main__":

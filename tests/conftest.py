@@ -46,3 +46,23 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def model_folder(tmp_path_factory):
+    """A tiny random Llama saved with a whitespace word-level tokenizer and a one-line chat template, so that
+    `train`, `eval` and `export` load it as model.spec."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    folder = tmp_path_factory.mktemp("tiny-llama-lora")
+    tiny_model("llama").save_pretrained(folder)
+    vocab = {str(i): i for i in range(256)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="0", eos_token="2")
+    fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
+                          "{% if add_generation_prompt %}7 {% endif %}")
+    fast.save_pretrained(folder)
+    return folder

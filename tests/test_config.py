@@ -224,7 +224,8 @@ def test_reading_a_config_never_imports_trl_or_torch(tmp_path):
     code = ("import sys\nfrom branchreplay.rl.config import Config, parse_args\n"
             "for data in ({'learning_rte': 1}, {'steps_per_generation': 2}):\n"
             "    try:\n        Config.from_dict(data)\n    except ValueError as e:\n        print(e)\n"
-            "try:\n    parse_args(['--task.dataset', 'no/such.jsonl', '--task.reward', 'math_verify'])\nexcept FileNotFoundError as e:\n    print(e)\n"
+            "try:\n    parse_args(['--task.dataset', 'no/such.jsonl', '--task.reward', 'math_verify'])\n"
+            "except FileNotFoundError as e:\n    print(e)\n"
             "print('trl' in sys.modules, 'torch' in sys.modules)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert "did you mean 'learning_rate'" in out and "TRL's steps_per_generation is not supported" in out

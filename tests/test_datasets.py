@@ -132,3 +132,32 @@ def test_plain_file_prompts_are_text_as_in_trl(tmp_path):
     batch = Trainer(raw, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
                     train_data=train, eval_data=held_out, reward_fn=reward).generate(1)
     assert batch.prompt_ids[0] == ByteTokenizer()(batch.items[0]["question"]).input_ids  # TRL: plain text, no template
+
+
+def test_a_run_is_evaluated_from_any_folder_and_titled_with_its_data(model_folder, tmp_path, monkeypatch, capsys):
+    """A run started with a relative data file and a reward module of its folder: its saved config names them by
+    absolute path, so `eval --checkpoint RUN_DIR` works from another folder (it worked only from the one the run
+    started in), and the table is titled with the file and its held-out rows (it said the default task's)."""
+    import yaml
+
+    from branchreplay.cli import main
+
+    start, elsewhere = tmp_path / "project", tmp_path / "elsewhere"
+    start.mkdir()
+    elsewhere.mkdir()
+    _jsonl(start / "train.jsonl", [{"prompt": f"{a} {b}"} for a in range(5) for b in range(2)])
+    (start / "my_rewards.py").write_text("def lengths(completions, **kwargs):\n"
+                                         "    return [float(len(c) % 3) for c in completions]\n")
+    monkeypatch.chdir(start)
+    run = start / "run"
+    assert main(["train", "--model.spec", str(model_folder), "--task.dataset", "train.jsonl", "--task.eval_size", "3",
+                 "--task.reward", "my_rewards:lengths", "--grpo.num_generations", "2", "--grpo.prompts_per_step",
+                 "1", "--sampling.max_new_tokens", "3", "--train.steps", "1", "--train.eval_steps", "-1",
+                 "--train.output_dir", "run"]) == 0
+    saved = yaml.safe_load((run / "config.yaml").read_text())["task"]
+    assert saved["dataset"] == str(start / "train.jsonl") and saved["reward"] == f"{start / 'my_rewards.py'}:lengths"
+    monkeypatch.chdir(elsewhere)
+    capsys.readouterr()
+    assert main(["eval", "--checkpoint", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert f"held-out{start / 'train.jsonl'}(3items)" in "".join(out.split()) and "eval/accuracy" in out  # wrapped

@@ -236,3 +236,14 @@ def test_dpo_step_does_not_depend_on_micro_batching(tmp_path):
         records.append(make_trainer(config).train_step(1))
     for key in ("loss", "grad_norm", "rewards/margins", "logps/chosen"):
         assert records[0][key] == pytest.approx(records[1][key], rel=1e-5, abs=1e-7), key
+
+
+def test_fewer_pairs_than_a_step_takes_are_said_and_a_step_takes_them_all(tmp_path):
+    """dpo.pairs_per_step 40 on a file of 16 pairs: a warning says a step trains on all 16 (as TRL's data loader
+    makes a batch of the data), and every step has 16 pairs, none twice (they used to repeat without a word)."""
+    from test_trainer import make_trainer
+
+    with pytest.warns(RuntimeWarning, match="has 16 pairs, fewer than dpo.pairs_per_step=40: a step trains on all 16"):
+        trainer = make_trainer(_dpo_config(tmp_path, _preference_file(tmp_path), pairs_per_step=40))
+    batch = trainer.generate(1)
+    assert sorted(p.row for p in batch.pairs) == list(range(16))

@@ -1,6 +1,8 @@
 """LoRA through peft (`model.lora_r`): the engine through a `PeftModel` against the naive reference, the adapters the
 only trained parameters, adapter-only checkpoints that resume, `eval` and `export` of a LoRA run."""
 
+import re
+
 import pytest
 import torch
 
@@ -66,26 +68,6 @@ def test_lora_fields_are_checked():
         Config.from_dict({"model": {"lora_target_modules": "q_proj"}})
     assert Config.from_dict({"model": {"lora_r": 8, "lora_target_modules": "q_proj, v_proj"}}
                             ).model.lora_targets() == ["q_proj", "v_proj"]
-
-
-@pytest.fixture(scope="module")
-def model_folder(tmp_path_factory):
-    """A tiny random Llama saved with a whitespace word-level tokenizer and a one-line chat template, so that
-    `train`, `eval` and `export` load it as model.spec."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    folder = tmp_path_factory.mktemp("tiny-llama-lora")
-    tiny_model("llama").save_pretrained(folder)
-    vocab = {str(i): i for i in range(256)}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="0"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer.decoder = decoders.WordPiece()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="0", eos_token="2")
-    fast.chat_template = ("{% for m in messages %}{{ m['content'] }} {% endfor %}"
-                          "{% if add_generation_prompt %}7 {% endif %}")
-    fast.save_pretrained(folder)
-    return folder
 
 
 def length_reward(completions, **kwargs):
@@ -181,7 +163,7 @@ def test_export_of_a_full_run_loads_with_transformers_and_respects_the_umask(mod
     assert (out / "tokenizer.json").is_file()
 
 
-def test_export_refuses_a_merge_that_changes_the_model_and_eval_refuses_another_alpha(model_folder, tmp_path):
+def test_export_refuses_a_merge_that_changes_the_model_and_eval_refuses_another_alpha(model_folder, tmp_path, capsys):
     """Adapters on the LM head of a model with tied embeddings cannot be merged (the merge moves the embedding
     too): export compares the reloaded folder with the adapter model itself, refuses, and writes nothing. An
     adapter loaded into LoRA layers of another lora_alpha is refused by name."""
@@ -201,6 +183,20 @@ def test_export_refuses_a_merge_that_changes_the_model_and_eval_refuses_another_
     assert main(args) == 0
     assert main(["export", str(run), str(out)]) == 2
     assert not out.exists() and not list(tmp_path.glob(".tmp-exported-*"))
+    said = capsys.readouterr().err  # far above the bound, which is a fraction of the logits' scale
+    diff, bound = (float(x) for x in re.search(r"are ([\d.e+-]+) away .* the bound is ([\d.e+-]+)", said).groups())
+    assert diff > 30 * bound, said
     other = apply_lora(AutoModelForCausalLM.from_pretrained(tied), 4, 8.0, ["lm_head", "q_proj"])
     with pytest.raises(ValueError, match="lora_alpha=32.0, the model's LoRA layers 8.0"):
         load_weights(other, latest_checkpoint(run))
+
+
+def test_the_reload_bound_follows_the_logits_scale():
+    """export refused every SmolLM2 LoRA run: a plain merge moved logits of about 33 by 3.1e-4 (a fraction 9.4e-6,
+    float32 rounding), over a flat 1e-4. The bound is a fraction of the logits' scale: that merge passes, a
+    difference of 0.1% of the scale does not, and small logits keep a floor of 1e-5."""
+    from branchreplay.rl.run.export import reload_tolerance
+
+    logits = torch.full((1, 8, 16), 33.0)
+    assert reload_tolerance(logits) > 3.1e-4 and reload_tolerance(logits) < 1e-3 * 33
+    assert reload_tolerance(torch.full((1, 8, 16), 0.01)) == 1e-5

@@ -479,3 +479,53 @@ def test_a_resume_that_changes_the_run_is_refused_by_name(tmp_path):
         make_trainer(make_config(tmp_path, grpo={"num_generations": 2}, train={"steps": 3})).fit(resume=run)
     config, _ = parse_args(["--resume", str(run), "--train.steps", "3", "--engine.max_pack_tokens", "8"])
     assert config.train.steps == 3 and config.engine.max_pack_tokens == 8  # what a resume may change
+
+
+def test_a_reward_that_fails_on_the_held_out_answers_skips_that_evaluation(tmp_path):
+    """One rule with the training steps: a reward that raises (or returns the wrong number of values) while scoring
+    the held-out answers skips that evaluation with a warning and the run goes on; it used to end the run with a
+    traceback from the step-0 evaluation."""
+    from rich.console import Console
+
+    def broken_on_held_out(completions, **kwargs):
+        if len(completions) == 4:  # the 4 held-out answers (training scores 2 prompts x 4)
+            raise KeyError("answer")
+        return byte_reward(completions, **kwargs)
+
+    for name, reward in (("raises", broken_on_held_out),
+                         ("too-few", lambda completions, **kw: byte_reward(completions)[: 3 if len(completions) == 4
+                                                                                    else None])):
+        trainer = make_trainer(make_config(tmp_path / name, train={"steps": 2, "eval_steps": 2}), reward_fn=reward)
+        trainer.console = Console(record=True, width=200, force_terminal=False)
+        with pytest.warns(RuntimeWarning, match="held-out evaluation at step 0 skipped: reward function"):
+            run = trainer.fit()
+        records = _metrics(run)
+        assert [r["step"] for r in records] == [0, 1, 2] and "reward" in records[2]
+        assert "eval/error" in records[0] and "eval/accuracy" not in records[0]
+        assert "step 0/2  held-out evaluation skipped (reward function" in trainer.console.export_text()
+
+
+def test_an_incomplete_latest_checkpoint_is_named_on_resume(tmp_path):
+    """A latest checkpoint with a file missing used to make --resume fall back to the previous one without a word:
+    it says which one was incomplete, what it lacks, and which one it resumes from."""
+    run = make_trainer(make_config(tmp_path, train={"steps": 2, "save_steps": 1})).fit()
+    (run / "checkpoints" / "step-000002" / "model.safetensors").unlink()
+    with pytest.warns(RuntimeWarning, match=r"latest checkpoint is incomplete \(step-000002 lacks model.safetensors\)"
+                                            r"; resuming from step-000001"):
+        make_trainer(make_config(tmp_path, train={"steps": 2, "save_steps": 1})).fit(resume=run)
+    assert latest_checkpoint(run).name == "step-000002"
+
+
+def test_what_the_held_out_score_is_called():
+    """"accuracy" when the task says its scores are one (its verifier, math_verify, or an environment declaring
+    scores_accuracy, as the built-in ones), else "mean reward": an agent run printed "held-out accuracy 2.000" for
+    an environment whose rewards are not in [0, 1]."""
+    from branchreplay.rl.agent.environments import GuessNumber, calculator
+    from branchreplay.rl.run.evaluation import score_name
+
+    config = Config()
+    assert score_name(config) == "accuracy" and score_name(config, GuessNumber()) == "accuracy"
+    assert score_name(config, calculator(byte_reward)) == "accuracy"
+    assert score_name(config, object()) == "mean reward"
+    custom = Config.from_dict({"task": {"reward": "task,test_lora:length_reward", "reward_weights": [1.0, 0.5]}})
+    assert score_name(custom) == "mean reward"

@@ -275,10 +275,12 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def raise_together(error: BaseException | None, what: str) -> None:
+def raise_together(error: BaseException | None, what: str, kinds: tuple[type, ...] = ()) -> None:
     """Raise on every rank when any rank failed at `what` (a collective: every rank calls it, in place of a barrier):
-    the failing rank its own `error`, the others a RuntimeError "`what` failed on rank R: ...", so that no rank
-    waits for the collective timeout in the next collective. Without a process group, raise `error` if any."""
+    the failing rank its own `error`, the others "`what` failed on rank R: ..." as a RuntimeError, or, when the
+    failure is of one of `kinds` (exception classes the caller handles), as that class, so that every rank takes
+    the same path; no rank waits for the collective timeout in the next collective. Without a process group, raise
+    `error` if any."""
     if not dist.is_initialized():
         if error is not None:
             raise error
@@ -289,7 +291,8 @@ def raise_together(error: BaseException | None, what: str) -> None:
         raise error
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        raise RuntimeError(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+        kind = next((k for k in kinds if failed[0][1].startswith(f"{k.__name__}: ")), RuntimeError)
+        raise kind(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
 
 
 def shutdown() -> None:

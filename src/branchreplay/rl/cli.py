@@ -58,7 +58,8 @@ def _train(argv: list[str]) -> int:
             sys.stderr.flush()
             os._exit(1)
         return 1
-    print(f"run folder: {run_dir}")
+    if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
+        print(f"run folder: {run_dir}")
     return 0
 
 

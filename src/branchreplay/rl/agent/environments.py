@@ -8,6 +8,8 @@ a rubric) and TRL 1.16's tool calling (plain Python functions with docstrings as
     env.bind(tokenizer)        (optional) called once with the policy's tokenizer before any reset
     env.template_tools         (optional) JSON schemas the chat template renders (transformers' `tools=`)
     env.items(n, seed)         (optional) the environment's own dataset items; else the task's (`rl.agent`)
+    env.scores_accuracy        (optional) True when final_reward is a success score in [0, 1]: the held-out
+                               score is then called an accuracy, else the mean reward
 
 `ToolEnvironment` runs plain functions as tools. A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 in the assistant's text (the Hermes / Qwen format of transformers' tool-aware templates). A turn without a call
@@ -252,7 +254,9 @@ def calculator(reward_fn, **kwargs) -> ToolEnvironment:
         return float(reward_fn(completions=[messages[-1]["content"]], answer=[item["answer"]],
                                metadata=[item.get("metadata", {})])[0])
 
-    return ToolEnvironment([calculate], CALCULATOR_PROMPT, reward, examples=CALCULATOR_EXAMPLE, **kwargs)
+    env = ToolEnvironment([calculate], CALCULATOR_PROMPT, reward, examples=CALCULATOR_EXAMPLE, **kwargs)
+    env.scores_accuracy = True  # the task's verifier: a score in [0, 1]
+    return env
 
 
 # -- built-in: guess the number with higher / lower replies ---------------------------------------------------------
@@ -267,6 +271,8 @@ class GuessNumber:
     user replies "higher", "lower" or, on a reply without a tagged number, how to answer. Done when the guess is
     right. Final reward 1.0 for a right guess, else 0.0; per-turn reward None. The opening messages hold one worked
     game (1 to 10)."""
+
+    scores_accuracy = True  # the final reward is 1 for a right guess, else 0
 
     def __init__(self, low: int = 1, high: int = 10):
         if low >= high:

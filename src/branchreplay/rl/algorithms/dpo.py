@@ -9,6 +9,8 @@ The reference's summed logprobs come from the frozen reference each step, or onc
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ...engine.sequence import sequence_sums
@@ -33,10 +35,14 @@ class DPO(Algorithm):
         return config.dpo.loss_type != "simpo"  # simpo is reference-free
 
     def batches(self, tokenizer) -> PairBatches:
-        """The run's preference pairs (dpo.dataset, tokenized), dpo.pairs_per_step a step."""
+        """The run's preference pairs (dpo.dataset, tokenized), dpo.pairs_per_step a step (all of them, with a
+        warning, when there are fewer)."""
         d = self.config.dpo
         pairs, _ = load_preferences(d.dataset, tokenizer, d.max_length)
-        return PairBatches(pairs, d.pairs_per_step, self.config.train.seed)
+        if len(pairs) < d.pairs_per_step:  # as TRL's data loader, a batch holds at most the data
+            warnings.warn(f"dpo.dataset {d.dataset} has {len(pairs)} pairs, fewer than dpo.pairs_per_step="
+                          f"{d.pairs_per_step}: a step trains on all {len(pairs)}", RuntimeWarning, stacklevel=2)
+        return PairBatches(pairs, min(d.pairs_per_step, len(pairs)), self.config.train.seed)
 
     def prepare(self, batch, shards) -> dict:
         self.shards = shards

@@ -43,6 +43,7 @@ from .sampling import SamplingConfig, turn_factor
 from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelConfig, PPOConfig,
                        ReinforcePPConfig, RLOOConfig, TrainConfig)
 from .task import TaskConfig
+from .resolve import resolved
 from .resume import check_resume, latest_config, launch_free, read
 from .trl_names import from_trl_names, help_lines
 from .values import TRL_COMMAND_LINE, apply_overrides, coerce, field_types, kind, plain
@@ -270,7 +271,7 @@ def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resum
     if resume is not None:
         config.train.output_dir = str(resume)
         if own.is_file():
-            check_resume(saved_config(resume).to_dict(), config.to_dict(), Path(resume))
+            check_resume(resolved(saved_config(resume)).to_dict(), resolved(config).to_dict(), Path(resume))
     check_files(config)
     return config, named
 

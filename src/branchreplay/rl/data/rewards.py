@@ -12,6 +12,7 @@ column per function in a [B, n_funcs] float32 tensor with None -> NaN, then ``na
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import numbers
 import os
 import sys
@@ -19,6 +20,7 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from reasoning_gym.dataset import ProceduralDataset
@@ -120,7 +122,10 @@ def load_reward_function(spec: str) -> Callable:
 def import_from_cwd(module_name: str):
     """`importlib.import_module`, with the current folder on the path while it imports (as `python -m` has it, and
     as TRL's scripts find a reward module beside the config): `my_rewards:fn` works without PYTHONPATH. The path is
-    restored afterwards; the module stays imported."""
+    restored afterwards; the module stays imported. A path to a .py file (what a run's saved config holds for a
+    module of the folder it started in: `config.resolve`) is loaded from that file, once."""
+    if module_name.endswith(".py"):
+        return _import_file(Path(module_name))
     cwd = os.getcwd()
     added = cwd not in sys.path
     if added:
@@ -130,6 +135,22 @@ def import_from_cwd(module_name: str):
     finally:
         if added:
             sys.path.remove(cwd)
+
+
+def _import_file(path: Path):
+    """The module of the Python file `path`, imported once (kept in sys.modules under its stem, as a plain import
+    from its folder would name it, unless another module holds that name)."""
+    if not path.is_file():
+        raise ImportError(f"no such file {path}")
+    known = sys.modules.get(path.stem)
+    if known is not None and Path(getattr(known, "__file__", "") or "").resolve() == path.resolve():
+        return known
+    spec = importlib.util.spec_from_file_location(path.stem if known is None else f"branchreplay_user.{path.stem}",
+                                                  path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def make_reward(spec: str, dataset: ProceduralDataset | None) -> Callable:

@@ -174,10 +174,11 @@ class Sampler:
         Items whose environment fails (ItemError) are skipped with a warning; raises ItemError when every item
         was."""
         cfg, a = self.config, self.config.agent
-        groups, timings = self.sample_items(step, items)
+        groups, timings, errors = self.sample_items(step, items)
         kept = [k for k in range(len(items)) if k in groups]
         if not kept:
-            raise ItemError(f"step {step}: every item was skipped (see the warnings above)")
+            raise ItemError(f"step {step}: every item was skipped: {errors[0]}"
+                            + (f" (and {len(errors) - 1} more, in the warnings above)" if len(errors) > 1 else ""))
         groups = [groups[k] for k in kept]
         flat = [t for g in groups for t in g]
         rewards = torch.tensor([trajectory_reward(t, a) for t in flat], dtype=torch.float32)
@@ -188,11 +189,12 @@ class Sampler:
                      [t.truncated for t in flat], trajectories=groups, items=[items[k] for k in kept],
                      metrics={**trajectory_metrics(groups), "time/sample_env_s": timings["env_s"]})
 
-    def sample_items(self, step: int, items: list[dict]) -> tuple[dict, dict]:
+    def sample_items(self, step: int, items: list[dict]) -> tuple[dict, dict, list[str]]:
         """This rank's items' trajectories ({k: its trajectories}; items whose environment failed are left out with
-        a warning), gathered from every rank under torchrun; and {"env_s": this rank's environment seconds}."""
+        a warning), gathered from every rank under torchrun; {"env_s": this rank's environment seconds}; and why
+        the items left out were (every rank's)."""
         cfg, a = self.config, self.config.agent
-        groups, timings = {}, {"env_s": 0.0}
+        groups, timings, errors = {}, {"env_s": 0.0}, []
         branching, limit = turn_branching(cfg), context_limit(a, self.policy.model)
         with self.policy.gathered(), self.policy.autocast():
             for k in self.mine(len(items)):
@@ -203,7 +205,10 @@ class Sampler:
                                                     limit, a.max_tool_output_tokens, timings)
                 except ItemError as e:
                     warnings.warn(f"step {step}: item {k} skipped: {e}", RuntimeWarning, stacklevel=3)
+                    errors.append(str(e))
         if self.ranks is not None:
-            for part in self.ranks.gather(groups):
+            parts = self.ranks.gather((groups, errors))
+            errors = [e for _, part in parts for e in part]
+            for part, _ in parts:
                 groups.update(part)
-        return groups, timings
+        return groups, timings, errors

@@ -291,10 +291,32 @@ def _complete(root: Path) -> list[Path]:
 def _is_complete(path: Path) -> bool:
     """Renamed into place only when complete; a copy that lost the DCP metadata is not (a folder without an
     optimizer/ subfolder is of the earlier format, its optimizer state inside trainer_state.pt)."""
+    return not missing(path)
+
+
+def missing(path: Path) -> list[str]:
+    """What a checkpoint folder lacks to be complete, as paths relative to it ([] when complete)."""
+    if not path.is_dir():
+        return ["the folder"]
     optimizer = path / OPTIMIZER
-    return (((path / WEIGHTS).is_file() or (path / ADAPTER).is_file()) and (path / STATE).is_file()
-            and (not optimizer.exists() or (optimizer / ".metadata").is_file())
-            and (not (path / CRITIC).exists() or _is_complete(path / CRITIC)))
+    out = [] if (path / WEIGHTS).is_file() or (path / ADAPTER).is_file() else [WEIGHTS]
+    out += [] if (path / STATE).is_file() else [STATE]
+    out += [f"{OPTIMIZER}/.metadata"] if optimizer.exists() and not (optimizer / ".metadata").is_file() else []
+    if (path / CRITIC).exists():
+        out += [f"{CRITIC}/{m}" for m in missing(path / CRITIC)]
+    return out
+
+
+def incomplete_latest(run_dir: str | Path, found: Path | None) -> str:
+    """Why the checkpoint that `latest` points at is not the one a resume takes (`found`, `latest_checkpoint`'s):
+    "step-000003 lacks model.safetensors", or "" when it is."""
+    pointer = checkpoints_dir(run_dir) / "latest"
+    if not pointer.is_file():
+        return ""
+    name = pointer.read_text().strip()
+    if found is not None and found.name == name:
+        return ""
+    return f"{name} lacks {', '.join(missing(checkpoints_dir(run_dir) / name))}"
 
 
 def _rng_state() -> dict:

@@ -15,8 +15,9 @@ from ...models import apply_lora, autocast, load_policy
 from ..agent.task import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
 from ..config import Config
-from ..data.rewards import make_rewards, score
+from ..data.rewards import RewardFunctionError, make_rewards, score
 from ..rollouts.sampling import Sample, eos_token_ids
+from ..config.task import reward_specs
 from ..data.tasks import load_task, prompt_token_ids
 
 EVAL_BATCH = 16  # held-out prompts decoded together
@@ -58,7 +59,7 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
             raise
         scores, lengths, error = [], [], e
     if ranks is not None:
-        raise_together(error, "held-out evaluation")
+        raise_together(error, "held-out evaluation", kinds=(RewardFunctionError,))
         parts = ranks.gather((scores, lengths))
         scores, lengths = [x for p, _ in parts for x in p], [n for _, ln in parts for n in ln]
     scores_t = torch.tensor(scores)
@@ -90,6 +91,17 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos
     return out
 
 
+def score_name(config: Config, env=None) -> str:
+    """What the held-out score (eval/accuracy) is, for people: "accuracy" when the task says its scores are one (the
+    task's verifier or math_verify alone, each in [0, 1]; an environment with `scores_accuracy` True, as the
+    built-in ones), else "mean reward" (a user's reward functions and environments keep their own range)."""
+    if env is not None:
+        return "accuracy" if getattr(env, "scores_accuracy", False) else "mean reward"
+    graded = all(spec in ("task", "math_verify") for spec in reward_specs(config.task.reward))
+    weights = config.task.reward_weights
+    return "accuracy" if graded and len(reward_specs(config.task.reward)) == 1 and not weights else "mean reward"
+
+
 def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
     """Evaluate model.spec, with a checkpoint's weights if given (a checkpoint folder or a run folder), on the
     held-out split; prints and returns the metrics."""
@@ -112,8 +124,8 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
         bind(env, tokenizer)
     with autocast(config.model.dtype, model.device.type):  # as the trainer's held-out eval computes it
         metrics = evaluate(model, tokenizer, config, data, reward_fn, env=env)
-    name = config.agent.environment or config.task.name
-    table = Table(title=f"held-out {name} ({config.task.eval_size} items)")
+    name = config.agent.environment or config.task.eval_dataset or config.task.dataset or config.task.name
+    table = Table(title=f"held-out {name} ({len(data)} items)")  # the data actually scored
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in metrics.items():

@@ -119,8 +119,8 @@ def summarize(console: Console, run_dir: Path, records: list[dict], reward_name:
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
     ax.set_ylabel("mean score")
-    if plotted:
-        ax.legend()
+    if plotted:  # below the axes: inside, it covered the reward curve
+        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=2, frameon=False)
     ax.grid(alpha=0.3)
     path = run_dir / "training.png"
     fig.savefig(path, dpi=120, bbox_inches="tight")
@@ -140,7 +140,8 @@ def progress_info(record: dict) -> str:
     """One line for the progress bar: reward (DPO: the preference accuracy), loss (PPO: the policy's and the
     critic's), tokens per second (logical positions per step second)."""
     if "loss" not in record:
-        return "skipped (reward failed)"
+        why = " ".join(str(record.get("skipped", "the reward failed")).split())
+        return f"skipped ({why if len(why) <= 100 else why[:97] + '...'})"
     tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
     head = (f"reward {record['reward']:.3f}" if "reward" in record
             else f"rewards/accuracies {record['rewards/accuracies']:.3f}")
@@ -150,9 +151,10 @@ def progress_info(record: dict) -> str:
     return f"{head}  {loss}  {tokens_per_s:.0f} tok/s"
 
 
-def step_line(record: dict, total_steps: int) -> str:
+def step_line(record: dict, total_steps: int, score: str = "accuracy") -> str:
     """One printed line per step (kept above the progress bar): the bar's info, the sampling / training split in
-    seconds, and the held-out accuracy when the step evaluated."""
+    seconds, and the held-out score when the step evaluated, called `score` ("accuracy" when the task's scores are
+    one, else "mean reward": `rl.run.evaluation.score_name`), or why the evaluation was skipped."""
     parts = [f"step {record['step']}/{total_steps}"]
     if "loss" in record:
         parts += [progress_info(record), f"sample {record['time/sample_s']:.1f} s",
@@ -160,5 +162,7 @@ def step_line(record: dict, total_steps: int) -> str:
     elif record["step"] > 0:
         parts.append(progress_info(record))
     if "eval/accuracy" in record:
-        parts.append(f"held-out accuracy {record['eval/accuracy']:.3f} ({record['time/eval_s']:.0f} s)")
+        parts.append(f"held-out {score} {record['eval/accuracy']:.3f} ({record['time/eval_s']:.0f} s)")
+    if "eval/error" in record:
+        parts.append(f"held-out evaluation skipped ({record['eval/error'][:100]})")
     return "  ".join(parts)

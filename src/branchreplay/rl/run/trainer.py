@@ -36,6 +36,7 @@ from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
 from ..config import Config
 from ..config.resume import FIRST, changed_fields, check_resume, latest_config
+from ..config.resolve import resolved
 from ..config.run import saved_config
 from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards
 from ..data.tasks import load_task
@@ -43,8 +44,8 @@ from ..policy import Policy
 from ..rollouts.sampler import Sampler
 from ..rollouts.trajectories import ItemError
 from ..rollouts.vllm_client import VLLMClient, VLLMError
-from .checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
-from .evaluation import evaluate
+from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .evaluation import evaluate, score_name
 from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, step_line, summarize
 from .parallel import launch
 from .stops import RankDied, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died, stop_on_signals
@@ -105,6 +106,7 @@ class Trainer:
         self.failure: str | None = None  # why the last step was skipped (the warning's text)
         self.completion_rows: list[dict] = []  # the last step's, for RUN_DIR/completions.jsonl (log_completions)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
+        self.score = score_name(config, self.env)  # what the held-out score is: "accuracy" or "mean reward"
 
     @property
     def model(self):
@@ -176,11 +178,16 @@ class Trainer:
                              "--train.output_dir")
         if resume is not None:
             found = latest_checkpoint(run_dir)
+            why = incomplete_latest(run_dir, found)
             if found is None:
-                raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}")
+                raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}"
+                                        + (f" ({why})" if why else ""))
+            if why:  # said, not silently: the steps since the complete one train again
+                warnings.warn(f"--resume {run_dir}: the latest checkpoint is incomplete ({why}); resuming from "
+                              f"{found.name}", RuntimeWarning, stacklevel=2)
             saved = saved_config(run_dir).to_dict() if latest_config(run_dir).is_file() else None
             if saved is not None:  # what a resume may change (config/resume.py)
-                check_resume(saved, self.config.to_dict(), run_dir)
+                check_resume(saved, resolved(self.config).to_dict(), run_dir)
             self.step, extra = load_checkpoint(found, self.model, self.policy.optimizer, self.policy.scheduler,
                                                critic=self.critic_state())
             for p in self.trained:  # a longer run: the schedule over the new train.steps, from the checkpoint's step
@@ -223,8 +230,8 @@ class Trainer:
             if self.ranks is not None:  # rank 0 holds the metrics log: its decision is everyone's
                 first_eval = self.ranks.gather(first_eval)[0]
             if first_eval:
-                log.write({"step": 0, **self.evaluate()})
-                bar.console.print(step_line(log.records[-1], cfg.steps))
+                log.write({"step": 0, **self.held_out(0)})
+                bar.console.print(step_line(log.records[-1], cfg.steps, self.score))
             failed = 0  # consecutive skipped steps
             while self.step < cfg.steps and not self.stopping(stop):
                 try:
@@ -239,16 +246,16 @@ class Trainer:
                     raise TrainingFailed(run_dir, f"steps {self.step + 1}-{self.step + failed} failed "
                                          f"({self.failure}); stopped after train.max_failed_steps="
                                          f"{cfg.max_failed_steps}")
-                record = record or {"step": self.step + 1}
+                record = record or {"step": self.step + 1, "skipped": self.failure}
                 self.step += 1
                 if self.completion_rows:
                     log.write_completions(self.step, self.completion_rows)
                     self.completion_rows = []
                 last = self.step == cfg.steps
                 if cfg.eval_steps >= 0 and (last or (cfg.eval_steps and self.step % cfg.eval_steps == 0)):
-                    record.update(self.evaluate())
+                    record.update(self.held_out(self.step))
                 log.write(record)
-                bar.console.print(step_line(record, cfg.steps))
+                bar.console.print(step_line(record, cfg.steps, self.score))
                 bar.update(task, completed=self.step, info=progress_info(record))
                 if cfg.save_steps and self.step % cfg.save_steps == 0:
                     self.save(run_dir)
@@ -258,14 +265,16 @@ class Trainer:
 
     def save_config(self, run_dir: Path, saved: dict | None) -> None:
         """config.yaml for a new run; for a resume that changed fields (`config.resume.RESUMABLE`), the config it
-        trains with as config-resumed-at-step-N.yaml (N: its first step), the earlier ones kept."""
+        trains with as config-resumed-at-step-N.yaml (N: its first step), the earlier ones kept; each with its
+        paths and modules resolved (`config.resolve.resolved`)."""
         run_dir.mkdir(parents=True, exist_ok=True)
+        config = resolved(self.config)  # its files and modules found from any folder (config/resolve.py)
         if saved is None:
-            self.config.save(run_dir / FIRST)
+            config.save(run_dir / FIRST)
             return
-        changed = changed_fields(saved, self.config.to_dict())
+        changed = changed_fields(saved, config.to_dict())
         if changed:
-            self.config.save(run_dir / f"config-resumed-at-step-{self.step + 1}.yaml")
+            config.save(run_dir / f"config-resumed-at-step-{self.step + 1}.yaml")
             self.console.print(f"from step {self.step + 1}: {', '.join(changed)} changed (config-resumed-at-step-"
                                f"{self.step + 1}.yaml; {FIRST} and the others keep what the earlier steps used)")
 
@@ -317,6 +326,15 @@ class Trainer:
         if self.env is not None:
             return self.config.agent.environment or type(self.env).__name__
         return " + ".join(self.rewards.names) if self.algorithm.samples else "preferences"
+
+    def held_out(self, step: int) -> dict:
+        """`evaluate`, or, when a reward function fails on the held-out answers, {"eval/error": why} with a
+        warning: the rule of the training steps (a failing reward skips what it scores, the run goes on)."""
+        try:
+            return self.evaluate()
+        except RewardFunctionError as e:
+            warnings.warn(f"held-out evaluation at step {step} skipped: {e}", RuntimeWarning, stacklevel=2)
+            return {"eval/error": str(e)}
 
     def evaluate(self) -> dict:
         """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
