@@ -78,7 +78,50 @@ def _trainer(config, name: str):
     return make_trainer(config, dtype=torch.float64)
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, url: str) -> None:
+def _failed_sync(tmp: Path, rank: int, url: str) -> None:
+    """A run whose vLLM server fails its second weight sync (after step 1): every rank must stop with the vLLM
+    error (TrainingFailed) after writing the step-1 checkpoint together; rank{rank}-sync.txt says how it ended."""
+    from branchreplay.rl.run.stops import TrainingFailed
+
+    config = _config(tmp, "vllm", "auto", url)
+    config.train.output_dir = str(tmp / "vllm-sync-fails")
+    try:
+        _trainer(config, "vllm").fit()
+        outcome = "no error"
+    except TrainingFailed as e:
+        outcome = f"{type(e).__name__}: {e}"
+    (tmp / f"rank{rank}-sync.txt").write_text(outcome)
+
+
+def _one_rank_fails(tmp: Path, rank: int) -> None:
+    """Failures on one rank that every rank must see at once: vLLM unreachable (rank 0 alone connects) and a
+    multi-turn sampling error that is not an item's (out of memory on rank 1); rank{rank}-fails.txt says how each
+    ended."""
+    import branchreplay.rl.rollouts.sampler as sampler
+    from branchreplay.rl.rollouts.vllm_client import VLLMError
+
+    outcomes = []
+    config = _config(tmp, "vllm", "auto", "http://127.0.0.1:9")
+    try:
+        _trainer(config, "vllm")
+        outcomes.append("no error")
+    except VLLMError as e:
+        outcomes.append(f"{type(e).__name__}: {e}")
+    original = sampler.sample_trajectories
+    if rank == 1:
+        sampler.sample_trajectories = lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError("out of memory"))
+    config = _config(tmp, "multi-turn", "auto")
+    config.train.output_dir = str(tmp / "multi-turn-fails")
+    try:
+        _trainer(config, "multi-turn").fit()
+        outcomes.append("no error")
+    except Exception as e:  # noqa: BLE001
+        outcomes.append(f"{type(e).__name__}: {e}")
+    sampler.sample_trajectories = original
+    (tmp / f"rank{rank}-fails.txt").write_text("\n".join(outcomes))
+
+
+def _worker(rank: int, world: int, port: int, tmp: str, url: str, failing_url: str) -> None:
     from branchreplay.check.parallel import algorithm_gradients
     from branchreplay.check.numerics import keep_float64
     from branchreplay.models import tiny_model
@@ -88,6 +131,8 @@ def _worker(rank: int, world: int, port: int, tmp: str, url: str) -> None:
     torch.set_num_threads(1)
     for name in RUNS:  # the first one initialises the process group (rl.run.parallel.launch)
         _trainer(_config(Path(tmp), name, "auto", url), name).fit()
+    _failed_sync(Path(tmp), rank, failing_url)
+    _one_rank_fails(Path(tmp), rank)
     errors = {}
     for strategy, (kind, mode) in STRATEGIES.items():
         for name, settings in GRADIENT_CASES:
@@ -120,12 +165,12 @@ def runs(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("dp-algorithms")
     _preference_file(tmp)
-    servers = [StandIn(), StandIn()]  # one per run: each loads the weights its run syncs
+    servers = [StandIn(), StandIn(), StandIn(fail_sync_on=2)]  # one per run: each loads the weights it syncs
     try:
         for name in RUNS:
             _trainer(_config(tmp, name, "auto", servers[0].url), name).fit()
             os.rename(tmp / f"{name}-auto", tmp / f"{name}-single")
-        mp.spawn(_worker, args=(2, free_port(), str(tmp), servers[1].url), nprocs=2, join=True)
+        mp.spawn(_worker, args=(2, free_port(), str(tmp), servers[1].url, servers[2].url), nprocs=2, join=True)
     finally:
         for s in servers:
             s.close()
@@ -157,3 +202,25 @@ def test_two_ranks_log_what_one_process_logs(runs, name):
             assert key in theirs and key in ours, (name, key)
             assert abs(ours[key] - theirs[key]) <= 1e-9 * max(1.0, abs(theirs[key])), (name, key, ours[key],
                                                                                         theirs[key])
+
+
+def test_a_failed_weight_sync_stops_every_rank_with_a_checkpoint(runs):
+    """The vLLM server fails the sync after step 1 under torchrun: every rank stops with the vLLM error after the
+    step-1 checkpoint, written by both together (rank 0 alone used to raise it, the others left, and its save
+    waited for them: RankDied and no checkpoint)."""
+    tmp = runs[0]
+    for rank in range(2):
+        said = (tmp / f"rank{rank}-sync.txt").read_text()
+        assert said.startswith("TrainingFailed: step 2: the vLLM sampler failed") and "--resume" in said, said
+    assert (tmp / "vllm-sync-fails" / "checkpoints" / "latest").read_text().strip() == "step-000001"
+
+
+def test_a_failure_on_one_rank_reaches_every_rank(runs):
+    """vLLM unreachable (rank 0 alone connects) is a VLLMError on every rank at construction (the others waited in
+    a broadcast); a sampling error that is not an item's on rank 1 (out of memory) is raised on both ranks (the
+    other one used to report the rank dead)."""
+    tmp = runs[0]
+    for rank in range(2):
+        connect, sampling = (tmp / f"rank{rank}-fails.txt").read_text().split("\n")
+        assert connect.startswith("VLLMError: ") and "no vLLM server answers" in connect, connect
+        assert "out of memory" in sampling and ("MemoryError" in sampling or "failed on rank 1" in sampling), sampling

@@ -212,10 +212,6 @@ class DataParallel:
             p.grad = flat[offset : offset + n].view_as(p).clone()
             offset += n
 
-    def clip_grad_norm_(self, max_norm: float) -> float:
-        """`clip_grad_norm_` of this model alone; returns the norm before clipping."""
-        return clip_grad_norm_([self], max_norm)
-
     def full_grads(self) -> list[torch.Tensor]:
         """Every parameter's reduced gradient as a full (unsharded) tensor, zeros where none (for checks)."""
         out = []

@@ -9,7 +9,7 @@ which and how the model's forward takes a custom mask. A family not listed here 
 (`UnsupportedModelError`): running it through the engine could be silently wrong; `branchreplay verify --model PATH
 --force` checks one against the naive reference.
 
-A family outside the registry is refused, or, with `EngineConfig.unknown_family="self-check"`, checked against the
+A family outside the registry is refused, or, with `train.unknown_family="self-check"` (a run's), checked against the
 naive reference on the user's own model before training (`check/self_check.py`); an unknown family with recurrent
 or hybrid layers is always refused.
 """

@@ -53,7 +53,7 @@ def message_delta_ids(tokenizer, messages: list[dict], end_of_turn: int | None =
             f"the chat template of {template_name(tokenizer)} renders an assistant turn differently once "
             f"{[m.get('role') for m in messages]} messages follow it, so a multi-turn trajectory's ids cannot be "
             "built turn by turn; use a prefix-stable template (the model's own usually is: check it with "
-            "rl.conversation.message_delta_ids)")
+            "rl.agent.conversation.message_delta_ids)")
     return full[len(prefix):]
 
 

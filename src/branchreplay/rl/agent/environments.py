@@ -206,7 +206,7 @@ def load_environment(spec: str, **kwargs) -> Environment:
         raise ValueError(f"environment {spec!r} does not import: {e}") from e
     missing = [m for m in ("reset", "step", "final_reward") if not callable(getattr(cls, m, None))]
     if missing:
-        raise ValueError(f"environment {spec!r} lacks {', '.join(missing)} (rl.environments.Environment)")
+        raise ValueError(f"environment {spec!r} lacks {', '.join(missing)} (rl.agent.environments.Environment)")
     return cls(**kwargs) if inspect.isclass(cls) else cls
 
 

@@ -10,8 +10,9 @@ rollouts may come in any order and groups may differ in size; a group whose rewa
 (TRL gets r - mean(r), which can be a rounding residue, divided by 1e-4); a group or batch of one sample has std 0
 (torch.std gives NaN there).
 
-The other estimators' pieces (used by `algorithms.py`): `rloo_advantages` (leave-one-out), `normalize`, TRL's
-`masked_whiten`, `kl_per_token` (k1, k3), `token_rewards`, `discounted_returns` (REINFORCE++) and `gae` (PPO).
+The other estimators' pieces (used by the parts rloo.py, reinforce_pp.py and ppo.py): `rloo_advantages`
+(leave-one-out), `normalize`, TRL's `masked_whiten`, `kl_per_token` (k1, k3), `token_rewards`, `discounted_returns`
+(REINFORCE++) and `gae` (PPO).
 """
 
 from __future__ import annotations

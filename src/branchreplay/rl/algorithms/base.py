@@ -5,7 +5,8 @@ trees, shares them out over the ranks (`Shards`), then asks the part:
 
     trained(trees)           the trees that have a gradient this step
     prepare(batch, shards)   its no-grad passes (old policy, reference, critic) and its advantages; metrics
-    backward(shards, k)      update k's engine calls, gradients into param.grad; (result, metrics)
+                             (it keeps the shards it trains: `self.shards`)
+    backward(k)              update k's engine calls, gradients into param.grad; (result, metrics)
 
 and it clips, steps the optimizers and logs. Class-level answers: `samples` (whether the loop samples its batch;
 a part that does not gives `batches(tokenizer)`, whose `batch(step)` the loop takes), `logs_group_advantages`
@@ -55,11 +56,14 @@ class Algorithm:
         return trees
 
     def prepare(self, batch, shards) -> dict:
-        """The passes before the updates and the advantages; returns metrics (TRL's names)."""
+        """The passes before the updates and the advantages, keeping `shards` (the trees the updates train) as
+        `self.shards`; returns metrics (TRL's names)."""
+        self.shards = shards
         return self.passes(batch, shards, old=True)
 
-    def backward(self, shards, update: int) -> tuple[ReplayResult | None, dict]:
-        """One optimizer update's gradients (update = 0, 1, ...); returns the result and its metrics."""
+    def backward(self, update: int) -> tuple[ReplayResult | None, dict]:
+        """One optimizer update's gradients over `self.shards` (update = 0, 1, ...); returns the result and its
+        metrics."""
         raise NotImplementedError
 
     # -- shared passes --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ class AgentConfig:
     """Multi-turn training and evaluation (module docstring). Null `environment` = single-turn prompt -> completion."""
 
     environment: str | None = field(default=None, metadata=help_of(
-        "calculator, guess_number, or 'package.module:Class' (rl.environments.Environment); null = single-turn "
+        "calculator, guess_number, or 'package.module:Class' (rl.agent.environments.Environment); null = single-turn "
         "(the task's prompt, one completion)"))
     environment_kwargs: dict | None = field(default=None, metadata=help_of(
         "keyword arguments of the environment's class (guess_number: low, high; a user class: its own)"))

@@ -46,7 +46,7 @@ from .task import TaskConfig
 from .resolve import resolved
 from .resume import check_resume, latest_config, launch_free, read
 from .trl_names import from_trl_names, help_lines
-from .values import TRL_COMMAND_LINE, apply_overrides, coerce, field_types, kind, plain
+from .values import MOVED, TRL_COMMAND_LINE, apply_overrides, coerce, field_types, kind, moved, plain
 
 
 ALGORITHM_DEFAULTS: dict[str, dict[str, dict]] = {
@@ -54,10 +54,6 @@ ALGORITHM_DEFAULTS: dict[str, dict[str, dict]] = {
 }
 """Defaults of an algorithm that differ from GRPO's, where TRL's trainer for it has other ones (a value in the
 YAML file or on the command line wins)."""
-
-
-MOVED = {("engine", "method"): "train", ("engine", "unknown_family"): "train"}
-"""Keys that moved to another section ((old section, key): new section), read from the files of earlier runs."""
 
 
 def _section(name: str, values: dict | None = None, algorithm: str = "grpo"):
@@ -186,8 +182,8 @@ class Config:
             hints, known = field_types(section_cls), [f.name for f in dataclasses.fields(section_cls)]
             for key in values:
                 if key not in hints:
-                    raise ValueError(f"unknown key '{name}.{key}'{nearest(key, known)}; valid keys of '{name}': "
-                                     f"{', '.join(known)}")
+                    raise ValueError(f"unknown key '{name}.{key}'{moved(name, key) or nearest(key, known)}; valid "
+                                     f"keys of '{name}': {', '.join(known)}")
             sections[name] = _section(name, {k: coerce(v, hints[k], f"{name}.{k}") for k, v in values.items()},
                                       algorithm)
         return cls(algorithm=algorithm, **sections)

@@ -14,6 +14,15 @@ from .sections import SECTIONS
 from .trl_names import TRL_NAMES
 
 TRL_COMMAND_LINE = "_trl_names_from_the_command_line"  # apply_overrides -> Config.from_dict, never in a file
+MOVED = {("engine", "method"): "train", ("engine", "unknown_family"): "train"}
+"""Keys that moved to another section ((old section, key): new section); the files of earlier runs are read with
+them in their new place (`run._moved_keys`)."""
+
+
+def moved(section: str, key: str) -> str:
+    """" (it is now train.method)" for a key of `MOVED`, else ""."""
+    new = MOVED.get((section, key))
+    return f" (it is now {new}.{key})" if new else ""
 
 
 def apply_overrides(data: dict, overrides: list[str]) -> dict:
@@ -61,7 +70,8 @@ def apply_overrides(data: dict, overrides: list[str]) -> dict:
                              f"valid sections: {', '.join(SECTIONS)}")
         hints = field_types(SECTIONS[section])
         if name not in hints:
-            raise ValueError(f"unknown key '{key}'{nearest(name, list(hints))}; valid keys of '{section}': "
+            raise ValueError(f"unknown key '{key}'{moved(section, name) or nearest(name, list(hints))}; valid keys "
+                             f"of '{section}': "
                              f"{', '.join(hints)}")
         data.setdefault(section, {})[name] = parse_cli(value, hints[name])
         i += 1

@@ -2,7 +2,7 @@
 
 A task is a procedurally generated reasoning-gym dataset (offline, deterministic given a seed). Each item is a dict
 with ``question`` (str), ``answer`` (str, the gold answer) and ``metadata`` (dict); ``dataset.score_answer(answer,
-item)`` grades an extracted answer in [0, 1] (see `branchreplay.rl.rewards`).
+item)`` grades an extracted answer in [0, 1] (see `branchreplay.rl.data.rewards`).
 
 Or ``task.dataset``: the user's own prompts in a local JSONL / JSON / Parquet file (TRL's prompt-only format), read
 offline with Hugging Face ``datasets`` (`load_prompt_file`). A row's ``task.prompt_column`` is a plain prompt (str)

@@ -163,8 +163,8 @@ class Sampler:
             if self.ranks is None:
                 raise
             error = e
-        if self.ranks is not None:
-            raise_together(error, "the weight sync to vLLM")
+        if self.ranks is not None:  # every rank raises a VLLMError: the run then stops with a checkpoint
+            raise_together(error, "the weight sync to vLLM", kinds=(VLLMError,))
         self.stale = False
         return seconds
 
@@ -196,6 +196,7 @@ class Sampler:
         cfg, a = self.config, self.config.agent
         groups, timings, errors = {}, {"env_s": 0.0}, []
         branching, limit = turn_branching(cfg), context_limit(a, self.policy.model)
+        failure = None
         with self.policy.gathered(), self.policy.autocast():
             for k in self.mine(len(items)):
                 self.status(f"step {step}: sampling item {k + 1}/{len(items)}")
@@ -206,7 +207,13 @@ class Sampler:
                 except ItemError as e:
                     warnings.warn(f"step {step}: item {k} skipped: {e}", RuntimeWarning, stacklevel=3)
                     errors.append(str(e))
+                except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait)
+                    if self.ranks is None:
+                        raise
+                    failure = e
+                    break
         if self.ranks is not None:
+            raise_together(failure, "sampling the trajectories")
             parts = self.ranks.gather((groups, errors))
             errors = [e for _, part in parts for e in part]
             for part, _ in parts:

@@ -19,7 +19,6 @@ computation. Evaluation decodes greedily with HF `generate`, left-padded in batc
 from __future__ import annotations
 
 import copy
-import json
 import time
 import warnings
 from pathlib import Path
@@ -28,9 +27,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ...check.self_check import ensure_supported
-from ...engine import UnsupportedModelError
-from ...engine.distributed import fsdp_mode, shutdown
+from ...engine.distributed import fsdp_mode, raise_together, shutdown
 from ...models import apply_lora, load_policy, model_folder
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
@@ -44,15 +41,13 @@ from ..policy import Policy
 from ..rollouts.sampler import Sampler
 from ..rollouts.trajectories import ItemError
 from ..rollouts.vllm_client import VLLMClient, VLLMError
-from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint, write_atomic
+from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, score_name
+from .family import check_family
 from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, step_line, summarize
 from .parallel import launch
 from .stops import RankDied, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died, stop_on_signals
 from .update import run_updates
-
-SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families (check/self_check.py)
-
 
 class Trainer:
     """A run of `config`. Everything is built from `config` unless injected (tests inject a tiny model, a character
@@ -78,10 +73,7 @@ class Trainer:
         self.policy = Policy(model.eval(), config.sampling.temperature if part.samples else 1.0, config.engine,
                              config.train.method, micro_batch=g.micro_batch_prompts, dtype=config.model.dtype,
                              ranks=self.ranks)
-        vllm = None
-        if config.sampling.backend == "vllm" and self.rank == 0:  # rank 0 alone talks to the server
-            vllm = VLLMClient.connect(config.sampling.vllm_url, model_folder(config.model.spec), self.tokenizer,
-                                      config.sampling.vllm_timeout_s)
+        vllm = self.connect_vllm() if config.sampling.backend == "vllm" else None
         if self.env is not None:
             bind(self.env, self.tokenizer)
         if self.ranks is not None:
@@ -107,6 +99,22 @@ class Trainer:
         self.completion_rows: list[dict] = []  # the last step's, for RUN_DIR/completions.jsonl (log_completions)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
         self.score = score_name(config, self.env)  # what the held-out score is: "accuracy" or "mean reward"
+
+    def connect_vllm(self) -> VLLMClient | None:
+        """The vLLM server's client on rank 0 (it alone talks to the server); None on the others. Raises VLLMError
+        on every rank when it cannot connect."""
+        s, client, error = self.config.sampling, None, None
+        if self.rank == 0:
+            try:
+                client = VLLMClient.connect(s.vllm_url, model_folder(self.config.model.spec), self.tokenizer,
+                                            s.vllm_timeout_s)
+            except VLLMError as e:
+                if self.ranks is None:
+                    raise
+                error = e
+        if self.ranks is not None:
+            raise_together(error, "connecting to the vLLM server", kinds=(VLLMError,))
+        return client
 
     @property
     def model(self):
@@ -283,32 +291,8 @@ class Trainer:
         return self.ranks.any(bool(stop)) if self.ranks else bool(stop)
 
     def check_family(self, run_dir: Path) -> bool:
-        """`check.self_check.ensure_supported` on the policy, its verdicts kept in run_dir/self_check.json
-        (written atomically, by rank 0); True when the family is unregistered and passed (the engine then runs it
-        forced). In a data-parallel run rank 0 checks before sharding and gathers its verdict to every rank."""
-        if self.ranks is None:
-            return self._check_family(run_dir)
-        outcome = (None, None)  # rank 0 decides; the others take its verdict (no rank may disagree)
-        if self.rank == 0:
-            try:
-                outcome = (self._check_family(run_dir), None)
-            except UnsupportedModelError as e:
-                outcome = (None, str(e))
-        force, error = self.ranks.gather(outcome)[0]
-        if error is not None:
-            raise UnsupportedModelError(error)
-        return force
-
-    def _check_family(self, run_dir: Path) -> bool:
-        path = run_dir / SELF_CHECK
-        verdicts = json.loads(path.read_text()) if path.is_file() else {}
-        known = dict(verdicts)
-        try:
-            return ensure_supported(self.model, self.config.train.unknown_family, verdicts, log=self.console.print)
-        finally:  # a failed verdict is kept too: the refusal is the same on the next try
-            if verdicts != known:
-                path.parent.mkdir(parents=True, exist_ok=True)
-                write_atomic(path, json.dumps(verdicts, indent=1))
+        """The run's check of an unregistered family (`family.check_family`); True: the engine runs it forced."""
+        return check_family(self.model, self.config.train.unknown_family, run_dir, self.ranks, self.console.print)
 
     def save(self, run_dir: Path) -> Path:
         """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`)."""
