@@ -13,7 +13,7 @@ from branchreplay.engine.distributed import free_port, shutdown
 from test_distributed import _records, _train_config
 
 
-def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int) -> None:
+def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int, phase: str = "backward") -> None:
     import signal
     from pathlib import Path
 
@@ -24,10 +24,16 @@ def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int) -> N
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     trainer = make_trainer(_train_config(Path(tmp), 3, "fsdp2", "killed"), dtype=torch.float64)
-    if rank == killed:  # kill -9 of itself in step 3, after sampling, as its backward starts: the others are in theirs
+    if rank == killed and phase == "backward":  # kill -9 of itself in step 3, as its backward starts
         backward = trainer.policy.backward
         trainer.policy.backward = lambda *args: os.kill(os.getpid(), signal.SIGKILL) if trainer.step == 2 \
             else backward(*args)
+    if rank == killed and phase == "checkpoint":  # in the checkpoint of step 3, its optimizer shards written
+        import torch.distributed.checkpoint as dcp
+
+        save = dcp.save
+        dcp.save = lambda *args, **kwargs: (save(*args, **kwargs), trainer.step == 3 and os.kill(
+            os.getpid(), signal.SIGKILL))[0]
     t0 = time.perf_counter()
     try:
         trainer.fit()
@@ -38,24 +44,28 @@ def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int) -> N
     os._exit(0)  # as the CLI after RankDied: the broken process group is not torn down
 
 
-@pytest.mark.parametrize("killed", [1, 0], ids=["rank-1", "rank-0-the-store"])
-def test_a_rank_killed_mid_step_stops_the_other_with_its_name_and_the_checkpoint_resumes(killed, tmp_path):
-    """kill -9 of one rank in step 3 of a 2-rank FSDP2 run (checkpoint at step 2): the other's collective fails at
-    once (gloo), its heartbeat check names the dead rank in a one-line RankDied within parallel.timeout_s (120 s
-    here), and the step-2 checkpoint resumes in one process to the end of the run. Rank 0 holds the rendezvous
-    store here (no torchrun agent): its death is found by the store going away."""
+@pytest.mark.parametrize("killed, phase", [(1, "backward"), (0, "backward"), (1, "checkpoint")],
+                         ids=["rank-1", "rank-0-the-store", "rank-1-in-the-checkpoint"])
+def test_a_rank_killed_mid_step_stops_the_other_with_its_name_and_the_checkpoint_resumes(killed, phase, tmp_path):
+    """kill -9 of one rank in step 3 of a 2-rank FSDP2 run (checkpoint at step 2), in its backward or while the
+    ranks write the step-3 checkpoint: the other's collective fails at once (gloo), its heartbeat check names the
+    dead rank in a one-line RankDied within parallel.timeout_s (120 s here), and the step-2 checkpoint, still the
+    latest and complete, resumes in one process to the end of the run. Rank 0 holds the rendezvous store here (no
+    torchrun agent): its death is found by the store going away."""
     from test_trainer import make_trainer
 
     context = mp.get_context("spawn")  # not mp.spawn: it would stop rank 0 as soon as rank 1 dies
     port = free_port()
-    procs = [context.Process(target=_killed_worker, args=(r, 2, port, str(tmp_path), killed)) for r in range(2)]
+    procs = [context.Process(target=_killed_worker, args=(r, 2, port, str(tmp_path), killed, phase))
+             for r in range(2)]
     for p in procs:
         p.start()
     for p in procs:
         p.join(timeout=300)
     assert [p.exitcode for p in procs] == ([0, -9] if killed == 1 else [-9, 0])
     seconds, outcome = (tmp_path / "survivor.txt").read_text().split("\n", 1)
-    assert "\n" not in outcome and outcome.startswith(f"rank {killed} of 2 died during step 3"), outcome
+    during = "the checkpoint of step 3" if phase == "checkpoint" else "step 3"
+    assert "\n" not in outcome and outcome.startswith(f"rank {killed} of 2 died during {during}"), outcome
     assert f"--resume {tmp_path / 'killed'}" in outcome and float(seconds) <= 120, (seconds, outcome)
     assert (tmp_path / "killed" / "checkpoints" / "latest").read_text().strip() == "step-000002"
     make_trainer(_train_config(tmp_path, 3, run="killed"), dtype=torch.float64).fit(resume=tmp_path / "killed")
@@ -127,8 +137,10 @@ def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path):
     mp.spawn(_save_error_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes
-    assert "No space left on device" in outcomes[0][1]
-    assert outcomes[1][1].startswith("RuntimeError: writing the checkpoint failed on rank 0"), outcomes[1]
+    for rank in range(2):  # the run's one-line error on every rank (a TrainingFailed, issue 29 item 7)
+        assert outcomes[rank][1].startswith("TrainingFailed: the checkpoint of step 0 could not be written"), outcomes
+        assert "No space left on device" in outcomes[rank][1]
+    assert "writing the checkpoint failed on rank 0" in outcomes[1][1], outcomes[1]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert not [p for p in checkpoints.iterdir() if p.name != "latest"] if checkpoints.exists() else True
 
@@ -173,3 +185,40 @@ def test_a_rank_died_error_skips_the_teardown_of_the_broken_group(monkeypatch, t
     with pytest.raises(RankDied, match="rank 1 of 2 died during step 3"):
         trainer.train(None)
     assert not torn_down
+
+
+def _blocked_worker(rank: int, world: int, port: int, tmp: str) -> None:
+    import signal
+    import threading
+    from pathlib import Path
+
+    import torch.distributed as dist
+    from rich.console import Console
+
+    from branchreplay.rl.run.stops import stop_on_signals
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if rank == 1:  # the other rank is still sampling: rank 0 waits for it in a collective
+        time.sleep(6)
+        said = (Path(tmp) / "rank0.log").read_text()  # what the user saw before the collective returned
+        (Path(tmp) / "seen-while-waiting.txt").write_text(said)
+        dist.barrier()
+        shutdown()
+        return
+    with open(Path(tmp) / "rank0.log", "w") as log:
+        console, stop = Console(file=log, force_terminal=False), []
+        with stop_on_signals(stop, console):
+            threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while in the collective
+            dist.barrier()
+            console.print(f"barrier returned, stop={stop}")
+    shutdown()
+
+
+def test_ctrl_c_is_answered_at_once_while_a_collective_waits(tmp_path):
+    """Ctrl-C on rank 0 while it waits in a collective for a rank still sampling (minutes on a loaded machine):
+    Python runs the handler only when the collective returns, so the user saw nothing until the step ended; the
+    watcher thread says at once that the run stops after this step."""
+    mp.spawn(_blocked_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    assert "SIGINT: finishing this step" in (tmp_path / "seen-while-waiting.txt").read_text()
+    assert (tmp_path / "rank0.log").read_text().splitlines()[-1] == "barrier returned, stop=['SIGINT']"

@@ -529,3 +529,58 @@ def test_what_the_held_out_score_is_called():
     assert score_name(config, object()) == "mean reward"
     custom = Config.from_dict({"task": {"reward": "task,test_lora:length_reward", "reward_weights": [1.0, 0.5]}})
     assert score_name(custom) == "mean reward"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 2 MiB tmpfs (one tiny checkpoint fits, two do not); skips where mounting is not permitted."""
+    import subprocess
+
+    folder = tmp_path / "small"
+    folder.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2M", "tmpfs", str(folder)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield folder
+    finally:
+        subprocess.run(["umount", "-l", str(folder)], check=False)
+
+
+def test_a_full_disk_ends_the_run_with_one_line_and_the_last_checkpoint_intact(small_disk):
+    """The step-2 checkpoint does not fit on the disk: the run ends with one line naming the step, the disk's
+    error and the checkpoint that is intact; that checkpoint resumes, and no half-written folder is left."""
+    config = make_config(small_disk, train={"steps": 3, "save_steps": 1, "keep_checkpoints": 1})
+    with pytest.raises(TrainingFailed, match=r"the checkpoint of step 2 could not be written .*(No space left on "
+                                             r"device|MiB free on the disk).*step-000001 is intact.*--resume"):
+        make_trainer(config).fit()
+    run = small_disk / "run"
+    assert latest_checkpoint(run).name == "step-000001"
+    assert not list((run / "checkpoints").glob(".tmp-*"))
+    trainer = make_trainer(make_config(small_disk, train={"steps": 3, "save_steps": 1, "keep_checkpoints": 1}))
+    from branchreplay.rl.run.checkpoint import load_checkpoint
+
+    assert load_checkpoint(latest_checkpoint(run), trainer.model, trainer.policy.optimizer,
+                           trainer.policy.scheduler)[0] == 1
+
+
+def test_a_read_only_folder_ends_the_run_with_one_line_and_the_last_checkpoint_intact(tmp_path, monkeypatch):
+    """The step-2 checkpoint cannot be put in place (a folder that turned read-only: EROFS, injected where the
+    rename happens): one line, and the step-1 checkpoint stays the latest and complete."""
+    import errno
+
+    import branchreplay.rl.run.checkpoint as checkpoint
+
+    publish = checkpoint._publish
+
+    def read_only(tmp, root, name, keep):
+        if name == "step-000002":
+            raise OSError(errno.EROFS, "Read-only file system", str(root))
+        return publish(tmp, root, name, keep)
+
+    monkeypatch.setattr(checkpoint, "_publish", read_only)
+    with pytest.raises(TrainingFailed, match=r"step 2 could not be written .*Read-only file system.*step-000001 is "
+                                             r"intact"):
+        make_trainer(make_config(tmp_path, train={"steps": 3, "save_steps": 1})).fit()
+    run = tmp_path / "run"
+    assert latest_checkpoint(run).name == "step-000001" and not list((run / "checkpoints").glob(".tmp-*"))

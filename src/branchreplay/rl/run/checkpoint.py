@@ -44,6 +44,7 @@ import safetensors.torch
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
@@ -90,7 +91,7 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
             os.chmod(tmp[0], 0o777 & ~_umask())  # mkdtemp's 0700 would stay on the renamed checkpoint
         except OSError as e:
             error = e
-    raise_together(error, "writing the checkpoint")
+    raise_together(error, "writing the checkpoint", kinds=(OSError,))
     if distributed:
         dist.broadcast_object_list(tmp, src=0)
     tmp = Path(tmp[0])
@@ -107,13 +108,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
                 error = e
         del weights, critic_weights
         # every rank's shards and rank 0's files are on disk, or every rank raises
-        raise_together(error, "writing the checkpoint")
+        raise_together(error, "writing the checkpoint", kinds=(OSError,))
         if rank == 0:
             try:
                 _publish(tmp, root, name, keep)
             except OSError as e:
                 error = e
-        raise_together(error, "writing the checkpoint")  # no rank goes on before the checkpoint is in place
+        # no rank goes on before the checkpoint is in place
+        raise_together(error, "writing the checkpoint", kinds=(OSError,))
     except BaseException:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -126,10 +128,25 @@ def _save_optimizer(folder: Path, model, optimizer, distributed: bool) -> dict:
     writes it; empty for a LoRA model, whose adapter peft writes)."""
     weights = {} if is_lora(model) else get_model_state_dict(
         model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    with _single_process_quiet():
-        dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder / OPTIMIZER,
-                 no_dist=not distributed)
+    try:
+        with _single_process_quiet():
+            dcp.save({"optimizer": get_optimizer_state_dict(model, optimizer)}, checkpoint_id=folder / OPTIMIZER,
+                     no_dist=not distributed)
+    except CheckpointException as e:  # DCP's wrapper (a BaseException) of every rank's failure: the file error
+        raise _file_error(e, folder) from e
     return weights
+
+
+def _file_error(error: CheckpointException, folder: Path) -> OSError:
+    """The OSError behind a DCP failure (a read-only folder), or one that says what DCP said and the space left on
+    the disk (a full disk fails inside torch's writer, as "unexpected pos ...")."""
+    failures = [exc for exc, _ in error.failures.values()]
+    found = next((exc for exc in failures if isinstance(exc, OSError)), None)
+    if found is not None:
+        return found
+    free = shutil.disk_usage(folder if folder.exists() else folder.parent).free
+    return OSError(f"the optimizer state could not be written ({failures[0]}); {free / 2**20:.1f} MiB free on the "
+                   "disk")
 
 
 def _write_rank0(tmp: Path, model, weights: dict, tokenizer, scheduler, step: int, extra: dict | None) -> None:

@@ -98,6 +98,7 @@ class Trainer:
         self.failure: str | None = None  # why the last step was skipped (the warning's text)
         self.completion_rows: list[dict] = []  # the last step's, for RUN_DIR/completions.jsonl (log_completions)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
+        self.during = "the start"  # what the run is doing: a step, or the checkpoint of a step
         self.score = score_name(config, self.env)  # what the held-out score is: "accuracy" or "mean reward"
 
     def connect_vllm(self) -> VLLMClient | None:
@@ -216,7 +217,7 @@ class Trainer:
             with stop_on_signals(stop, self.console):
                 self._loop(run_dir, log, stop)
         except RuntimeError as e:
-            raise_if_a_rank_died(self.ranks, self.step + 1, run_dir, e)
+            raise_if_a_rank_died(self.ranks, self.during, run_dir, e)
             raise
         finally:
             log.close()
@@ -242,6 +243,7 @@ class Trainer:
                 bar.console.print(step_line(log.records[-1], cfg.steps, self.score))
             failed = 0  # consecutive skipped steps
             while self.step < cfg.steps and not self.stopping(stop):
+                self.during = f"step {self.step + 1}"  # what a rank's death interrupted
                 try:
                     record = self.train_step(self.step + 1)
                 except VLLMError as e:  # raised before the step's update: the state is the last step's
@@ -295,10 +297,20 @@ class Trainer:
         return check_family(self.model, self.config.train.unknown_family, run_dir, self.ranks, self.console.print)
 
     def save(self, run_dir: Path) -> Path:
-        """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`)."""
-        return save_checkpoint(run_dir, self.step, self.model, self.policy.optimizer, self.policy.scheduler,
-                               keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
-                               tokenizer=self.tokenizer, critic=self.critic_state())
+        """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`).
+        Raises TrainingFailed on every rank when it cannot be written (a full disk, a read-only folder): the run
+        ends there, with the earlier checkpoint intact."""
+        self.during = f"the checkpoint of step {self.step}"
+        try:
+            return save_checkpoint(run_dir, self.step, self.model, self.policy.optimizer, self.policy.scheduler,
+                                   keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
+                                   tokenizer=self.tokenizer, critic=self.critic_state())
+        except OSError as e:
+            raise_if_a_rank_died(self.ranks, self.during, run_dir, e)  # another rank died while they wrote it
+            kept = latest_checkpoint(run_dir)
+            raise TrainingFailed(run_dir, f"the checkpoint of step {self.step} could not be written in "
+                                 f"{run_dir / 'checkpoints'} ({e}); "
+                                 + (f"{kept.name} is intact" if kept else "there is no earlier checkpoint")) from e
 
     def critic_state(self) -> tuple | None:
         """(critic, its optimizer, its scheduler) for the checkpoint, or None without a critic."""
