@@ -50,7 +50,7 @@ def test_prompt_files_columns_and_splits(tmp_path):
         load_task(TaskConfig(dataset=plain, prompt_column="question_text", answer_column="solution", eval_size=64,
                              reward="math_verify"))
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"text": "hi"}]}])
-    with pytest.raises(ValueError, match="row 0.*list of {role, content} messages"):
+    with pytest.raises(ValueError, match="bad.jsonl row 0, column 'prompt': message 0 has 'role' None"):
         load_task(TaskConfig(dataset=bad, eval_size=0, reward="pkg.mod:fn"))
     with pytest.raises(ValueError, match="task.reward_weights has 1 weights for 2"):
         TaskConfig(reward="task,math_verify", reward_weights=[1.0])
@@ -161,3 +161,25 @@ def test_a_run_is_evaluated_from_any_folder_and_titled_with_its_data(model_folde
     assert main(["eval", "--checkpoint", str(run)]) == 0
     out = capsys.readouterr().out
     assert f"held-out{start / 'train.jsonl'}(3items)" in "".join(out.split()) and "eval/accuracy" in out  # wrapped
+
+
+@pytest.mark.parametrize("column, value, found", [
+    ("question_text", 42, "holds 42 \\(a int\\): it must be text"),
+    ("question_text", None, "holds None \\(a NoneType\\): it must be text"),
+    ("question_text", "", "is empty; remove the row or fill it"),
+    ("solution", {"value": 3}, "holds \\{'value': 3\\} \\(a dict\\): an answer is a string or a number"),
+    ("solution", None, "holds None .*an answer is a string or a number"),
+])
+def test_a_prompt_file_cell_that_is_not_text_is_named(tmp_path, column, value, found):
+    """A prompt or answer of the wrong type is one error naming the file, the row and the column (it reached the
+    tokenizer or the reward function before); held-out rows of task.eval_dataset are named with that field."""
+    rows = [dict(r) for r in PLAIN]
+    rows[5][column] = value
+    path = _jsonl(tmp_path / "cells.jsonl", rows)
+    cfg = dict(prompt_column="question_text", answer_column="solution", reward="math_verify")
+    with pytest.raises(ValueError, match=f"task.dataset {path} row 5, column '{column}' {found}"):
+        load_task(TaskConfig(dataset=path, eval_size=2, **cfg))
+    with pytest.raises(ValueError, match=f"task.eval_dataset {path} row 5, column '{column}'"):
+        load_task(TaskConfig(dataset=_jsonl(tmp_path / "ok.jsonl", PLAIN), eval_dataset=path, **cfg))
+    load_task(TaskConfig(dataset=_jsonl(tmp_path / "number.jsonl", PLAIN[:5] + [{**PLAIN[5], "solution": 7}]),
+                         eval_size=2, **cfg))  # a number is an answer

@@ -152,10 +152,17 @@ def test_preferences_bad_rows_named(tmp_path):
     with pytest.warns(RuntimeWarning, match="skipped 1 row"):
         pairs, skipped = load_preferences(_write(tmp_path / "s.jsonl", rows), tok)
     assert (len(pairs), skipped) == (1, 1)
-    with pytest.raises(ValueError, match="row 1: its rejected response is empty"):
+    with pytest.raises(ValueError, match="row 1, column .rejected. is empty; remove the row or fill it"):
         load_preferences(_write(tmp_path / "e.jsonl", [rows[0], {**rows[0], "rejected": []}]), tok)
     with pytest.raises(ValueError, match="lacks the column"):
         load_preferences(_write(tmp_path / "m.jsonl", [{"prompt": "q", "chosen": "a"}]), tok)
+    plain = {"prompt": "q", "chosen": "a", "rejected": "b"}
+    for column, value, found in [("chosen", 42, "holds 42 \\(a int\\): it must be text"),
+                                 ("chosen", [1, 2], "message 0 is a int, not a {role, content} dict"),
+                                 ("prompt", None, "holds None \\(a NoneType\\): it must be text")]:
+        path = _write(tmp_path / "t.jsonl", [plain, {**plain, column: value}])
+        with pytest.raises(ValueError, match=f"dpo.dataset {path} row 1, column '{column}'.*{found}"):
+            load_preferences(path, tok)
 
     class Unstable(ByteTokenizer):  # writes a marker before a finished conversation: not prefix-stable
         def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):

@@ -53,31 +53,6 @@ class EnvResponse:
     tool_errors: int = 0
 
 
-def check_messages(messages, what: str) -> None:
-    """Raise ValueError naming `what` (e.g. "step's message 1") and the field unless `messages` is a list of
-    {"role": a non-empty string, "content": a string, or the structured content chat templates take: a list of
-    {"type": "text", "text": a string}} (what the chat template renders and the conversation tokenizes)."""
-    if not isinstance(messages, list):
-        raise ValueError(f"{what} gave a {type(messages).__name__}, not a list of messages")
-    for k, m in enumerate(messages):
-        where = f"{what} message {k}"
-        if not isinstance(m, dict):
-            raise ValueError(f"{where} is a {type(m).__name__}, not a {{role, content}} dict")
-        if not isinstance(m.get("role"), str) or not m["role"]:
-            raise ValueError(f"{where} has 'role' {m.get('role')!r}: a message's role is a string such as 'user'")
-        content = m.get("content")
-        structured = isinstance(content, list) and all(
-            isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content)
-        if not (isinstance(content, str) or structured):
-            raise ValueError(f"{where} has 'content' {_brief(content)} (a {type(content).__name__}): a message's "
-                             "content is a string, or a list of {'type': 'text', 'text': ...} parts")
-
-
-def _brief(value) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
 class Environment(Protocol):
     """What a multi-turn task implements (module docstring)."""
 

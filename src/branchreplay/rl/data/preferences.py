@@ -27,6 +27,7 @@ from pathlib import Path
 
 from ...models import chat_prompt_ids
 from ...tree import Rollout, RolloutTree
+from .cells import check_columns
 from .datafiles import read_rows
 from .order import prompt_indices
 
@@ -48,19 +49,19 @@ def load_preferences(path: str | Path, tokenizer, max_length: int | None = None)
     Also skipped, with a warning: rows whose prompt alone fills max_length tokens (TRL drops them too).
     Raises:
         FileNotFoundError: no such file.
-        ValueError: an unknown extension, a missing column (naming the columns found), a row whose chosen or
-            rejected is empty, a row of mixed formats, a conversational row whose prompt does not re-render as the
+        ValueError: an unknown extension, a missing column (naming the columns found), a prompt, chosen or
+            rejected that is empty or not text (`cells.check_columns`: naming the row and column), a row of mixed
+            formats, a conversational row whose prompt does not re-render as the
             prefix of prompt + response under the chat template (naming the row), or no pair left.
     """
     path = Path(path)
-    rows = read_rows(path, "dpo.dataset", ("prompt", "chosen", "rejected"),
-                     "rows need prompt, chosen and rejected, as TRL's")
+    columns = ("prompt", "chosen", "rejected")
+    rows = [dict(row) for row in read_rows(path, "dpo.dataset", columns, "rows need prompt, chosen and rejected, as "
+                                           "TRL's")]
+    check_columns(rows, f"dpo.dataset {path}", text=columns)
     pairs, skipped, too_long = [], 0, 0
     for i, row in enumerate(rows):
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
-        if not chosen or not rejected:
-            raise ValueError(f"dpo.dataset {path} row {i}: its {'chosen' if not chosen else 'rejected'} response "
-                             "is empty; remove the row or fill it")
         if chosen == rejected:
             skipped += 1
             continue

@@ -70,18 +70,19 @@ def load_prompt_file(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     are held out). Each item: every column of its row, `question` = the prompt column, `answer` = the answer column.
 
     Raises FileNotFoundError (no such file), ValueError: an unknown format, a missing column (naming the columns
-    found; the answer column is required only when set away from its default, or by a reward that needs it), an
-    empty prompt, a conversational prompt that is not a list of {role, content} messages, or nothing to train on."""
-    from .datafiles import read_rows
-
+    found; the answer column is required only when set away from its default, or by a reward that needs it), a
+    prompt that is empty or not text, a conversational prompt whose messages are not {role, content} dicts, an
+    answer that is neither a string nor a number (`cells.check_columns`: naming the file, row and column), or
+    nothing to train on."""
     graded = any(spec in ("task", "math_verify") for spec in reward_specs(cfg.reward))
     needs_answer = cfg.answer_column is not None and (cfg.answer_column != "answer" or graded)
     required = (cfg.prompt_column, *((cfg.answer_column,) if needs_answer else ()))
     hint = "set --task.prompt_column / --task.answer_column to the file's column names"
-    rows = [_item(row, i, cfg) for i, row in enumerate(read_rows(cfg.dataset, "task.dataset", required, hint))]
+    answers = (cfg.answer_column,) if needs_answer else ()
+    rows = [_item(row, cfg) for row in checked_rows(cfg.dataset, "task.dataset", required, hint, answers)]
     if cfg.eval_dataset is not None:
-        held_out = [_item(row, i, cfg) for i, row in enumerate(read_rows(cfg.eval_dataset, "task.eval_dataset",
-                                                                           required, hint))]
+        held_out = [_item(row, cfg) for row in checked_rows(cfg.eval_dataset, "task.eval_dataset", required, hint,
+                                                            answers)]
         train = rows
     else:
         cut = max(len(rows) - cfg.eval_size, 0)
@@ -92,16 +93,20 @@ def load_prompt_file(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     return train, held_out
 
 
-def _item(row: dict, i: int, cfg: TaskConfig) -> dict:
+def checked_rows(path, field: str, required: tuple[str, ...], hint: str, answers: tuple[str, ...]) -> list[dict]:
+    """The rows of a prompt file (`datafiles.read_rows`), the prompt column text and the answer columns strings or
+    numbers (`cells.check_columns`)."""
+    from .cells import check_columns
+    from .datafiles import read_rows
+
+    rows = [dict(row) for row in read_rows(path, field, required, hint)]
+    check_columns(rows, f"{field} {path}", text=required[:1], answers=answers)
+    return rows
+
+
+def _item(row: dict, cfg: TaskConfig) -> dict:
     item = dict(row)
-    prompt = item[cfg.prompt_column]
-    where = f"task.dataset row {i}, column {cfg.prompt_column!r}"
-    if isinstance(prompt, list):
-        if not prompt or not all(isinstance(m, dict) and "role" in m and "content" in m for m in prompt):
-            raise ValueError(f"{where}: a conversational prompt is a non-empty list of {{role, content}} messages")
-    elif not isinstance(prompt, str) or not prompt:
-        raise ValueError(f"{where}: the prompt is empty or not text ({type(prompt).__name__})")
-    item["question"] = prompt
+    item["question"] = item[cfg.prompt_column]
     if cfg.answer_column is not None and cfg.answer_column in item:
         item["answer"] = item[cfg.answer_column]
     return item

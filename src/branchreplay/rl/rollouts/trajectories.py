@@ -33,7 +33,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..agent.conversation import Conversation, TemplateNotPrefixStableError
-from ..agent.environments import TRUNCATED, Environment, check_messages
+from ..agent.environments import TRUNCATED, Environment
+from ..data.cells import check_messages
 from .sampling import prefill, sample_from
 from ..config.sampling import SamplingConfig, turn_schedule
 
@@ -175,7 +176,7 @@ def _call(clock, method, *args):
 
 
 def _checked(messages, env, method: str, item: dict) -> list[dict]:
-    """`messages` from env.`method`, checked (`environments.check_messages`); an ItemError naming the environment,
+    """`messages` from env.`method`, checked (`data.cells.check_messages`); an ItemError naming the environment,
     the item and the field when they cannot be rendered."""
     try:
         check_messages(messages, f"{method}'s")
