@@ -7,6 +7,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MambaConfig, MambaFo
 
 import branchreplay.check.self_check as self_check
 from branchreplay.engine import UnsupportedModelError
+from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.models import tiny_model
 
 SELF_CHECK = "self-check"
@@ -74,3 +75,76 @@ def test_refuse_and_unknown_recurrent_families():
     mamba.config.model_type = "my_mamba"  # a recurrent family the registry does not know
     with pytest.raises(UnsupportedModelError, match="recurrent or hybrid layers.*refused even with train.unknown_fam"):
         self_check.ensure_supported(mamba, SELF_CHECK, {})
+
+
+def _tree():
+    from branchreplay.tree import RolloutTree
+
+    g = torch.Generator().manual_seed(0)
+    return RolloutTree(make_rollouts(shared_prompt(8, 2, 4, 256, g), g))
+
+
+def test_force_true_checks_each_model_once_per_process_and_unchecked_skips_it(monkeypatch):
+    """A library call with force=True runs the trainer's self-check before the engine (once per model class,
+    config and dtype in the process); force="unchecked" is the explicit opt-out; other values are refused."""
+    from branchreplay.engine import replay_logprobs
+    from branchreplay.engine.families import UNCHECKED
+
+    monkeypatch.setattr(self_check, "PROCESS_VERDICTS", {})
+    calls = []
+    original = self_check.self_check
+    monkeypatch.setattr(self_check, "self_check", lambda m: calls.append(m) or original(m))
+    tree = _tree()
+    model = _neox()
+    replay_logprobs(model, tree, force=UNCHECKED)
+    assert calls == []
+    replay_logprobs(model, tree, force=True)
+    replay_logprobs(_neox(seed=1), tree, force=True)  # same class, config and dtype: the verdict is reused
+    assert len(calls) == 1
+    replay_logprobs(_neox(torch.float64), tree, force=True)
+    assert len(calls) == 2
+    with pytest.raises(ValueError, match="force='yes'.*False, True.*'unchecked'"):
+        replay_logprobs(model, tree, force="yes")
+
+
+def test_force_true_refuses_a_model_whose_self_check_fails(monkeypatch):
+    """The engine of `test_a_wrong_guess_is_refused_with_the_measured_error` (its head scaled by 1.5): with
+    force=True the library call is refused with the measured error, as the trainer would refuse it; unchecked, it
+    runs (and is wrong: what the check is for)."""
+    from branchreplay.engine import replay_backward, stack
+    from branchreplay.engine.families import UNCHECKED
+    from branchreplay.losses import GRPOLoss
+
+    monkeypatch.setattr(self_check, "PROCESS_VERDICTS", {})
+    wrong = stack.decoder_and_head
+    monkeypatch.setattr(stack, "decoder_and_head",
+                        lambda m: (*wrong(m)[:2], type(wrong(m)[2])(multiplier=1.5)))
+    monkeypatch.setattr(stack, "check_head", lambda m: None)
+    model = _neox(torch.float64)
+    tree = _tree()
+    with pytest.raises(UnsupportedModelError, match="failed its self-check"):
+        replay_backward(model, tree, GRPOLoss(), force=True)
+    replay_backward(model, tree, GRPOLoss(), force=UNCHECKED)
+
+
+def test_force_true_under_data_parallelism_names_the_fix():
+    from branchreplay.engine.distributed import replay_backward_sharded
+    from branchreplay.losses import GRPOLoss
+
+    with pytest.raises(ValueError, match="ensure_supported.*before sharding.*force='unchecked'"):
+        replay_backward_sharded(None, [], GRPOLoss(), force=True)
+
+
+def test_a_cache_of_another_layout_is_refused_by_name():
+    """Keys and values must reach the cache as [batch, kv_heads, tokens, head_dim] (older Bloom / Falcon fused
+    [batch * heads, head_dim, tokens] keys): another layout is refused, not sliced wrongly."""
+    from branchreplay.engine.cache import PrefixCache
+
+    layer = PrefixCache([], 1).layers[0]
+    with pytest.raises(UnsupportedModelError, match=r"keys \(4, 8, 5\).*not \[batch, kv_heads, tokens, head_dim\]"):
+        layer.update(torch.zeros(4, 8, 5), torch.zeros(4, 5, 8), 0)
+    ancestors = [[(torch.zeros(1, 2, 3, 8), torch.zeros(1, 2, 3, 8))]]
+    with pytest.raises(UnsupportedModelError, match="fused or transposed"):  # heads and tokens swapped
+        PrefixCache(ancestors, 1).layers[0].update(torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), 0)
+    keys, values = PrefixCache(ancestors, 1).layers[0].update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), 0)
+    assert keys.shape == values.shape == (1, 2, 8, 8)

@@ -25,7 +25,7 @@ import tempfile
 
 import torch
 
-from ..engine.families import FAMILIES
+from ..engine.families import FAMILIES, UNCHECKED
 from ..losses import GRPOLoss
 from ..tree import RolloutTree
 from .numerics import keep_float64
@@ -74,6 +74,7 @@ def _worker(rank, world, port, spec, dtype, strategy, seed, force, out, loss):
     torch.set_num_threads(1)
     single, _ = load_model(spec, dtype=dtype)
     model, _ = load_model(spec, dtype=dtype)
+    force = UNCHECKED if force else False  # this check is the comparison a self-check would make (`verify_model`)
     numerics = (lambda m: keep_float64(m)) if dtype == torch.float64 else (lambda m: contextlib.nullcontext())
     with numerics(single), numerics(model):
         if loss == "grpo":

@@ -10,7 +10,8 @@ by 1e-2 (measured 1.3e-2 to 2.2e-2 on tiny GPT-NeoX), as much as a 5% error in t
 while in float32 they differ by 1e-6. It refuses the model with the measured error when the max relative
 gradient error exceeds the bound (`BOUNDS`), and otherwise lets training run and logs the error. The verdict is
 kept per model class, config and dtype (`verdict_key`); the trainer stores the verdicts in the run folder
-(`self_check.json`), so a resumed run does not check again.
+(`self_check.json`), so a resumed run does not check again. A library call of the engine with `force=True` runs the
+same check (`check_once`), its verdicts kept for the life of the process.
 
 The bounds sit well above the rounding of two orders of summation and below what a structural mistake gives (a
 logit scale off by 5% makes 5.4e-2; a wrong mask or a missing transform, errors of order 1): float64 1e-6 as
@@ -25,12 +26,13 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import logging
 
 import torch
 
 from ..engine import EngineConfig, UnsupportedModelError, replay_backward, replay_logprobs
 from ..engine.config import EVERY_SHARED_NODE
-from ..engine.families import FAMILIES, family_of
+from ..engine.families import FAMILIES, UNCHECKED, family_of
 from ..losses import GRPOLoss
 from ..tree import RolloutTree
 from .numerics import keep_float64
@@ -44,10 +46,24 @@ CHECKED_IN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 RECURRENT_CONFIG_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache",
                          "linear_num_value_heads", "d_state", "time_step_rank")
 """Config fields of recurrent layers (SSM state, short convolutions, linear attention) in transformers' configs."""
+PROCESS_VERDICTS: dict[str, dict] = {}
+"""The verdicts of `check_once` (engine calls with `force=True`), by `verdict_key`, for the life of the process."""
+
+
+def check_once(model) -> None:
+    """The self-check of an unregistered family for an engine call with `force=True`: `ensure_supported(model,
+    "self-check", PROCESS_VERDICTS)`, so each model class, config and dtype is checked once per process; the passed
+    verdict goes to the "branchreplay" logger (INFO).
+
+    Raises:
+        UnsupportedModelError: as `ensure_supported` (recurrent layers, or an error above the bound).
+    """
+    ensure_supported(model, "self-check", PROCESS_VERDICTS, log=logging.getLogger("branchreplay").info)
 
 
 def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> bool:
-    """Whether the engine must run `model` as an unregistered family (`force=True` in its calls).
+    """Whether the engine must run `model` as an unregistered family (`force="unchecked"` in its calls, the check
+    being done here).
 
     A registered family: False. An unregistered one, per `unknown_family` (the run's train.unknown_family):
     "refuse" raises; "self-check" takes the verdict of `verdicts` ({`verdict_key`: {model_class, dtype,
@@ -55,14 +71,15 @@ def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> b
     logs it, and returns True when it passed.
 
     Raises:
-        UnsupportedModelError: "refuse"; recurrent or hybrid layers the registry does not know; or a self-check
-            whose error exceeds the bound (the message gives the measured error and the bound).
+        UnsupportedModelError: "refuse"; recurrent or hybrid layers the registry does not know; attention the
+            engine cannot carry (`families.generic_family`: ALiBi); or a self-check whose error exceeds the bound (the message gives the measured error and the bound).
     """
     if model.config.model_type in FAMILIES:
         return False
     if unknown_family == "refuse":
         family_of(model)  # raises the refusal that names the family and `branchreplay verify --force`
     _refuse_recurrent(model)
+    family_of(model, force=UNCHECKED)  # what the engine cannot carry (ALiBi) is refused by name, unchecked
     dtype = next(model.parameters()).dtype
     key = verdict_key(model)
     if key not in verdicts:
@@ -98,16 +115,16 @@ def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
     engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep", **EVERY_SHARED_NODE)  # crosses
     # packs and chunks, every shared node kept (a small tree would otherwise run packed: engine/schedule.py)
     numerics = keep_float64(model) if dtype == torch.float64 else contextlib.nullcontext()
-    with numerics:
+    with numerics, torch.enable_grad():  # also when called from a forward-only engine call (`replay_logprobs`)
         tree = RolloutTree(rollouts)
-        current = replay_logprobs(model, tree, temperature=temperature, engine=engine, force=True).logprobs
+        current = replay_logprobs(model, tree, temperature=temperature, engine=engine, force=UNCHECKED).logprobs
         for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
             r.ref_logprobs = (lp.double() - noise) * r.loss_mask
         naive = _grads(model, lambda: naive_backward(model, rollouts, loss, temperature=temperature))
         ours = _grads(model, lambda: replay_backward(model, tree, loss, temperature=temperature, engine=engine,
-                                                     force=True))
+                                                     force=UNCHECKED))
     return max_rel_grad_err(ours, naive)
 
 

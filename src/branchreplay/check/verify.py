@@ -35,7 +35,7 @@ import torch
 
 from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine.config import EVERY_SHARED_NODE
-from ..engine.families import FAMILIES, layer_windows
+from ..engine.families import FAMILIES, UNCHECKED, layer_windows
 from ..engine.positions import rope_thresholds
 from ..engine.sequence import replay_sequence_backward, sequence_sums
 from ..losses import DPO_LOSS_TYPES, GRPOLoss, ValueLoss, dpo_loss, rloo_loss
@@ -120,12 +120,14 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
     advantages, and a critic made from the model, `value.ValueModel.from_policy`, with `ValueLoss`: two results per
     tree, the critic's named "<shape>/critic", its "logprob err" that of the values), "rloo" (`losses.rloo_loss`,
     RLOO's sequence-level ratio, through `engine.sequence`; "logprob err" that of the summed logprobs).
-    `force` runs a family that is not in the registry (the engine then guesses it: `families.generic_family`).
+    `force` runs a family that is not in the registry (the engine then guesses it: `families.generic_family`),
+    without the engine's own self-check: this comparison is that check, on more trees (force="unchecked").
     Returns (one result per tree, {threshold name: why it has no tree} for thresholds past the model's positions).
     Raises: UnsupportedModelError for a family the engine does not know (unless `force`); ValueError for
     `mixed_precision` on a model whose parameters are not float32, or an unknown `loss`."""
     if loss not in ("grpo", "ppo", "rloo"):
         raise ValueError(f"verify loss={loss!r} is not valid; accepted values: grpo, ppo, rloo (dpo: verify_dpo)")
+    force = UNCHECKED if force else False
     float64 = next(model.parameters()).dtype == torch.float64
     if mixed_precision is not None and next(model.parameters()).dtype != torch.float32:
         raise ValueError(f"mixed precision runs float32 parameters under autocast; the model is "
@@ -240,7 +242,9 @@ def verify_dpo(model, seed: int = 0, pairs: int = 3, force: bool = False) -> lis
     per-sequence computation (`reference.naive_sequence_backward`), for every DPO loss type: `pairs` pairs of one
     tree each, the prompt a node and the two responses branches, sharing a response prefix in every other pair.
     The bound is `verify_model`'s for the model's dtype; "logprob err" is the largest error of a summed logprob.
-    Raises UnsupportedModelError for a family the engine does not know (unless `force`)."""
+    Raises UnsupportedModelError for a family the engine does not know (unless `force`: run unchecked, as
+    `verify_model`)."""
+    force = UNCHECKED if force else False
     float64 = next(model.parameters()).dtype == torch.float64
     vocab = model.config.vocab_size
     with keep_float64(model) if float64 else float64_copy(model) as numerics:

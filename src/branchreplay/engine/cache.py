@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .families import UnsupportedModelError
 from .recurrent import HybridLayer, RecurrentLayer
 
 PREFIX_ATTR = "_branchreplay_prefix"  # set on the keys / values `update` returns in split mode
@@ -52,7 +53,13 @@ class _PrefixLayer(DynamicLayer):
     def update(self, key_states, value_states, *args, **kwargs):
         """The keys and values the layer attends to: the ancestors' and these, concatenated. With `split`
         (`attention.PrefixSplit`), these alone, carrying the ancestors' pieces as `PREFIX_ATTR`: split attention
-        concatenates them only while it computes, and keeps no concatenated copy for backward."""
+        concatenates them only while it computes, and keeps no concatenated copy for backward.
+
+        Raises:
+            UnsupportedModelError: the layer hands keys and values in another layout than [batch, kv_heads, tokens,
+                head_dim] (a fused or transposed cache), which the engine cannot slice per node.
+        """
+        _check_layout(key_states, value_states, self.ancestors)
         self.new_keys, self.new_values = key_states, value_states
         if self.split:
             setattr(key_states, PREFIX_ATTR, [k for k, _ in self.ancestors])
@@ -78,6 +85,20 @@ class _PrefixLayer(DynamicLayer):
         if self.window is not None:  # descendants start at the node's end: they see at most its last window - 1
             a = max(a, b - (self.window - 1))
         return self.new_keys[:, :, a:b], self.new_values[:, :, a:b]
+
+
+def _check_layout(keys: torch.Tensor, values: torch.Tensor, ancestors: list[tuple[torch.Tensor, torch.Tensor]]):
+    """Refuses keys / values that are not [batch, kv_heads, tokens, head_dim] tensors agreeing with each other and
+    with the ancestors' heads and head_dim (the layout every transformers Cache layer takes; older Bloom and Falcon
+    fused [batch * heads, head_dim, tokens] keys)."""
+    ancestor = ancestors[0][0] if ancestors else keys
+    if keys.dim() == 4 and values.dim() == 4 and keys.shape[:3] == values.shape[:3] \
+            and (keys.shape[1], keys.shape[-1]) == (ancestor.shape[1], ancestor.shape[-1]):
+        return
+    raise UnsupportedModelError(
+        f"an attention layer handed the cache keys {tuple(keys.shape)} and values {tuple(values.shape)}, not "
+        "[batch, kv_heads, tokens, head_dim] tensors (a fused or transposed cache layout): the engine cannot hand "
+        "each node its prefix's keys and values, so this model is refused")
 
 
 def _last_positions(states: list[tuple[torch.Tensor, torch.Tensor]], n: int) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -48,6 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from .families import UNCHECKED, Force
 from .head import check_head
 from .lockstep import collective_device
 
@@ -304,13 +305,23 @@ def shutdown() -> None:
 
 
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
-                            force: bool = False, layout: str = "auto", cost=None):
+                            force: Force = False, layout: str = "auto", cost=None):
     """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
     `CostModel`, default the one measured here; the same plan on every rank), the gradient reduced once: afterwards
     every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
     this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
-    same trees."""
+    same trees.
+
+    Raises:
+        ValueError: `force=True`: the self-check it asks for runs on one whole model, not a sharded one; check the
+            model before sharding (`check.self_check.ensure_supported`) and pass force="unchecked".
+    """
     from .config import EngineConfig
+
+    if force is True:
+        raise ValueError("force=True under data parallelism: the self-check of an unregistered family needs the whole "
+                         "model; run `check.self_check.ensure_supported(model, 'self-check', {})` before "
+                         f"sharding it, then pass force={UNCHECKED!r}")
     from .sharding import CostModel, shard
     from .stack import replay_backward
 

@@ -9,14 +9,20 @@ which and how the model's forward takes a custom mask. A family not listed here 
 (`UnsupportedModelError`): running it through the engine could be silently wrong; `branchreplay verify --model PATH
 --force` checks one against the naive reference.
 
-A family outside the registry is refused, or, with `train.unknown_family="self-check"` (a run's), checked against the
-naive reference on the user's own model before training (`check/self_check.py`); an unknown family with recurrent
-or hybrid layers is always refused.
+A family outside the registry is refused, or, with `train.unknown_family="self-check"` (a run's) or `force=True` (a
+library call's), checked against the naive reference on the user's own model before it runs (`check/self_check.py`;
+once per model class, config and dtype in a process); `force="unchecked"` skips that check (`branchreplay verify
+--force`, which is that comparison, and a trainer whose own check passed). An unknown family with recurrent or
+hybrid layers is always refused, and so is one whose attention the engine cannot carry, whatever `force` says:
+ALiBi biases (MPT, Bloom, Falcon with `alibi=True`: built from the 2D padding mask of the whole sequence), or keys
+and values handed to the cache in another layout than [batch, kv_heads, tokens, head_dim] (`cache._PrefixLayer`).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
@@ -87,16 +93,27 @@ FAMILIES: dict[str, Family] = {
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
+UNCHECKED = "unchecked"
+Force = bool | Literal["unchecked"]
+"""How the engine treats a family outside the registry: False refuses it; True runs it as `generic_family` guesses,
+after `check.self_check` passed on the model (once per model class, config and dtype in the process); "unchecked"
+runs it without that check (the caller checked: `branchreplay verify --force`, the trainer's own self-check)."""
 
-def family_of(model, force: bool = False) -> Family:
+
+def family_of(model, force: Force = False) -> Family:
     """The registry entry for `model`; with `force`, a family not in the registry gets `generic_family(model)`
-    instead of a refusal (for `branchreplay verify --force`, which checks it against the naive reference).
+    instead of a refusal, after its self-check passed (`force=True`) or without one (`force="unchecked"`).
 
     Raises:
         UnsupportedModelError: the family is not registered (and not `force`), the attention implementation cannot
-            take a tree mask, or the config asks for something the engine does not compute (the MoE router
-            auxiliary loss, non-causal attention).
+            take a tree mask, the config asks for something the engine does not compute (the MoE router
+            auxiliary loss, non-causal attention), an unregistered family's attention the engine cannot carry
+            (ALiBi), or, under `force=True`, its self-check failed (the message gives the measured error).
+        ValueError: `force` is not False, True or "unchecked".
     """
+    if force not in (False, True, UNCHECKED):
+        raise ValueError(f"force={force!r}: accepted values are False, True (run an unregistered family after its "
+                         f"self-check) and {UNCHECKED!r} (without it)")
     config = model.config
     model_type = config.model_type
     if model_type not in FAMILIES and not force:
@@ -118,23 +135,52 @@ def family_of(model, force: bool = False) -> Family:
         )
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UnsupportedModelError(f"{model_type}: bidirectional attention; the engine runs causal LMs only")
-    return FAMILIES[model_type] if model_type in FAMILIES else generic_family(model)
+    if model_type in FAMILIES:
+        return FAMILIES[model_type]
+    family = generic_family(model)
+    if force is True:
+        from ..check.self_check import check_once  # check/ runs the engine: imported here, when first needed
+
+        check_once(model)
+    return family
 
 
 def generic_family(model) -> Family:
     """A `Family` guessed for an unregistered model, used only under `force`: a decoder whose forward mentions a
     mask mapping takes one (as Qwen2 / Gemma do), else one 4D mask; `config.sliding_window` applies to every layer
-    unless `config.layer_types` says which layers slide. A wrong guess shows up as an error in `branchreplay verify`."""
-    import inspect
+    unless `config.layer_types` says which layers slide. A wrong guess shows up as an error in `branchreplay verify`
+    (and in the self-check that `force=True` runs).
 
+    Raises:
+        UnsupportedModelError: the decoder adds ALiBi biases (`_uses_alibi`).
+    """
     config = model.config
     decoder, _, _ = decoder_and_head(model)
-    try:
-        mask_mapping = "mask_mapping" in inspect.getsource(type(decoder).forward)
-    except (OSError, TypeError):
-        mask_mapping = getattr(config, "layer_types", None) is not None
+    source = _forward_source(decoder)
+    if _uses_alibi(config, source):
+        raise UnsupportedModelError(
+            f"{config.model_type}: its attention adds ALiBi biases, which transformers builds from the 2D padding "
+            "mask of the whole sequence (`build_alibi_tensor`); the engine hands each node a 4D tree mask and a "
+            "prefix cache instead, so it cannot run this model exactly (refused whatever `force` says). Models "
+            "with rotary or learned positions run; ALiBi families are not supported")
+    mask_mapping = "mask_mapping" in source if source else getattr(config, "layer_types", None) is not None
     return Family(config.model_type, mask_mapping=mask_mapping,
                   uniform_window=getattr(config, "layer_types", None) is None)
+
+
+def _forward_source(decoder) -> str:
+    """The source of the decoder's forward, or "" where Python cannot show it."""
+    try:
+        return inspect.getsource(type(decoder).forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def _uses_alibi(config, source: str) -> bool:
+    """Whether the decoder adds ALiBi biases: `config.alibi` where the config has the switch (Falcon), else whether
+    its forward builds them (MPT, Bloom: always, "alibi" in the forward's source)."""
+    switch = getattr(config, "alibi", None)
+    return bool(switch) if switch is not None else "alibi" in source
 
 
 def layer_windows(config) -> list[int | None]:

@@ -40,7 +40,7 @@ from .config import EngineConfig
 from .context_parallel import ContextParallelTree, run_prefix
 from .lockstep import BACKWARD, FORWARD, LockStep, drain
 from .embedding import DeferredEmbeddingGrad
-from .families import family_of, layer_windows
+from .families import Force, family_of, layer_windows
 from .head import check_head, decoder_and_head, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .packs import batched_packs, chunked, is_batch, packs, spans
@@ -57,7 +57,7 @@ def replay_backward(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
-    force: bool = False,
+    force: Force = False,
     final_backward: contextlib.AbstractContextManager | None = None,
     lockstep: bool = False,
 ) -> ReplayResult:
@@ -73,8 +73,9 @@ def replay_backward(
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
         engine: packing, chunking and replay options (`EngineConfig`).
-        force: run a family that is not in the registry, as `families.generic_family` guesses it (for `branchreplay
-            verify --force`, or after `check.self_check` passed).
+        force: run a family that is not in the registry, as `families.generic_family` guesses it: True after its
+            self-check (`check.self_check`, run here once per model class, config and dtype in the process), or
+            "unchecked" for a caller that checked it (`branchreplay verify --force`, the trainer).
         final_backward: a context entered around the call's LAST backward pass (the root pack of the last tree),
             which always runs, through every layer (with a zero loss if nothing else flows there). Data parallelism
             uses it to reduce gradients once per step instead of once per pack (`engine/distributed.py`).
@@ -85,7 +86,9 @@ def replay_backward(
     `engine/positions.py`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
 
     Raises:
-        UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported.
+        UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported, an
+            unregistered family's attention the engine cannot carry (ALiBi, a cache of another layout), or its
+            self-check failed (`force=True`).
         HeadMismatchError: the model's ForCausalLM transforms its logits in a way the engine's head does not know.
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
@@ -100,7 +103,7 @@ def replay_logprobs(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
-    force: bool = False,
+    force: Force = False,
     lockstep: bool = False,
 ) -> ReplayResult:
     """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
@@ -108,7 +111,7 @@ def replay_logprobs(
     return _replay(model, trees, None, temperature, engine, force, None, lockstep)
 
 
-def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool = False,
+def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force = False,
             final_backward=None, lockstep: bool = False) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
@@ -178,7 +181,7 @@ def _in_order(result: ReplayResult, order: list[int]) -> ReplayResult:
 class _Run:
     """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
 
-    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: bool = False):
+    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: Force = False):
         self.family = family_of(model, force=force)
         self.config = model.config
         self.decoder, self.head, self.transform = decoder_and_head(model)  # transform: head.py

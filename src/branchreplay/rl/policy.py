@@ -37,6 +37,7 @@ from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine import sequence
 from ..engine.context_parallel import ContextParallelTree
 from ..engine.distributed import DataParallel, clip_grad_norm_
+from ..engine.families import Force
 from ..engine.lockstep import collective_device
 from ..models import autocast, tied_names
 from ..tree import ReplayResult, Rollout, RolloutTree, TreeStats
@@ -52,7 +53,7 @@ class Policy:
     model: a Hugging Face causal LM (a peft model for LoRA), or a critic (`value.ValueModel`).
     temperature: logprobs are of softmax(logits / temperature), the sampler's (1.0 for DPO and a critic).
     engine: the run's `EngineConfig`. method: "branchreplay", "naive" or "padded". force: run an unregistered family
-    (after its self-check). micro_batch: trees per engine call in `backward` (0 = all at once). dtype: the run's
+    (`engine.families.Force`; the trainer's "unchecked" after its own self-check). micro_batch: trees per engine call in `backward` (0 = all at once). dtype: the run's
     model.dtype ("bfloat16": the forwards under autocast). dp: its `DataParallel` under torchrun, else None. ranks:
     the run's `rl.run.parallel.Ranks`, else None. scope: a context every forward runs in (LoRA's reference: the
     adapter off). optimizer, scheduler: AdamW and its schedule (`make_optimizer`), None for a frozen policy.
@@ -62,7 +63,7 @@ class Policy:
     temperature: float = 1.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     method: str = "branchreplay"
-    force: bool = False
+    force: Force = False
     micro_batch: int = 0
     dtype: str = "float32"
     dp: DataParallel | None = None
@@ -201,7 +202,7 @@ def clip_grad_norm(policies: list[Policy], max_norm: float) -> float:
 
 
 def tree_backward(model, trees: list, loss, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
-                  force: bool = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
+                  force: Force = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
     """Forward and backward of `loss` over `trees` by `method` (module docstring); gradients accumulate into
     `param.grad`. Same arguments, result and errors as `engine.replay_backward` (`final_backward`, `lockstep`:
     branchreplay only)."""
@@ -213,7 +214,7 @@ def tree_backward(model, trees: list, loss, *, temperature: float, engine: Engin
 
 
 def tree_logprobs(model, trees: list, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
-                  force: bool = False, lockstep: bool = False) -> ReplayResult:
+                  force: Force = False, lockstep: bool = False) -> ReplayResult:
     """Per-rollout logprobs and entropies (a critic's values) without a graph, by `method`; as
     `engine.replay_logprobs`."""
     if method == "branchreplay":
@@ -224,7 +225,7 @@ def tree_logprobs(model, trees: list, *, temperature: float, engine: EngineConfi
 
 
 def accumulate(model, trees: list, loss, micro_batch_prompts: int, temperature: float,
-               engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None,
+               engine: EngineConfig = EngineConfig(), force: Force = False, final_backward=None,
                lockstep: bool = False, method: str = "branchreplay") -> ReplayResult:
     """`tree_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once); gradients
     accumulate in param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last micro-batch's

@@ -28,6 +28,7 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ...engine.distributed import fsdp_mode, raise_together, shutdown
+from ...engine.families import UNCHECKED, Force
 from ...models import apply_lora, load_policy, model_folder
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
@@ -292,9 +293,11 @@ class Trainer:
         """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
         return self.ranks.any(bool(stop)) if self.ranks else bool(stop)
 
-    def check_family(self, run_dir: Path) -> bool:
-        """The run's check of an unregistered family (`family.check_family`); True: the engine runs it forced."""
-        return check_family(self.model, self.config.train.unknown_family, run_dir, self.ranks, self.console.print)
+    def check_family(self, run_dir: Path) -> Force:
+        """The run's check of an unregistered family (`family.check_family`): "unchecked" (the engine runs it forced,
+        checked here) or False (a registered family)."""
+        checked = check_family(self.model, self.config.train.unknown_family, run_dir, self.ranks, self.console.print)
+        return UNCHECKED if checked else False
 
     def save(self, run_dir: Path) -> Path:
         """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`).
