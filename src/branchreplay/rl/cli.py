@@ -91,7 +91,8 @@ def _export(args) -> int:
     except (ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"exported {args.checkpoint} to {args.out} (reloaded with transformers: logits within {diff:.1g})")
+    print(f"exported {args.checkpoint} to {args.out} (reloaded with transformers: its logits differ from the "
+          f"checkpoint's by at most {diff:.2g})")
     return 0
 
 
