@@ -230,6 +230,21 @@ def test_unsupported_settings_are_refused_by_name(folder, tmp_path, setting, nam
         _trainer(TreeGRPOTrainer, folder, tmp_path, **setting)
 
 
+def test_an_moe_router_aux_loss_is_refused_with_the_setting_that_lifts_it(folder, tmp_path):
+    """TRL turns the router aux loss on for every config that has output_router_logits (Qwen3-MoE's default
+    router_aux_loss_coef is 0.001): the refusal names router_aux_loss_coef=0.0, and that setting builds the
+    trainer (turning off output_router_logits, the advice before, did not)."""
+    from transformers import AutoTokenizer
+
+    moe = tmp_path / "tiny-qwen3-moe"
+    torch.manual_seed(0)
+    tiny_model("qwen3_moe", dtype=torch.float32).save_pretrained(moe)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(moe)
+    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.0"):
+        _trainer(TreeGRPOTrainer, moe, tmp_path)
+    assert not _trainer(TreeGRPOTrainer, moe, tmp_path, router_aux_loss_coef=0.0).aux_loss_enabled
+
+
 def test_a_trl_version_outside_the_range_is_refused_at_import(monkeypatch):
     monkeypatch.setattr(trl, "__version__", "1.17.0")
     monkeypatch.delitem(sys.modules, "branchreplay.trl")

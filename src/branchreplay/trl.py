@@ -254,8 +254,8 @@ def _refuse_unsupported(trainer: TreeGRPOTrainer) -> None:
         (args.fp16, "fp16=True: its loss scaler would not scale the tree's gradients; use bf16=True or neither"),
         (args.use_liger_kernel, "use_liger_kernel=True replaces the model's forward; set it to False"),
         (args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True replaces the LM head's forward; set it to False"),
-        (trainer.aux_loss_enabled, "an MoE router aux loss (output_router_logits) is not run over trees; turn off "
-         "output_router_logits in the model config"),
+        (trainer.aux_loss_enabled, "an MoE router aux loss is not run over trees; TRL turns it on for every config "
+         "that has output_router_logits, so set GRPOConfig(router_aux_loss_coef=0.0) to train without it"),
         (distributed in ("DEEPSPEED", "FSDP"),
          f"{distributed} is not supported by TreeGRPOTrainer (ZeRO-3 / FSDP shard the parameters the tree's "
          "backward writes into); run on one process, or use branchreplay train with torchrun"),
