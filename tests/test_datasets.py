@@ -183,3 +183,16 @@ def test_a_prompt_file_cell_that_is_not_text_is_named(tmp_path, column, value, f
         load_task(TaskConfig(dataset=_jsonl(tmp_path / "ok.jsonl", PLAIN), eval_dataset=path, **cfg))
     load_task(TaskConfig(dataset=_jsonl(tmp_path / "number.jsonl", PLAIN[:5] + [{**PLAIN[5], "solution": 7}]),
                          eval_size=2, **cfg))  # a number is an answer
+    if column == "solution":  # a user's reward function takes its columns as they are, as in TRL
+        load_task(TaskConfig(dataset=path, eval_size=2, **{**cfg, "reward": "pkg.mod:fn"}))
+
+
+def test_an_assistant_tool_call_without_content_is_a_message():
+    """Chat templates take {"role": "assistant", "content": None, "tool_calls": [...]}; content None alone is not."""
+    from branchreplay.rl.data.cells import check_messages
+
+    call = {"type": "function", "function": {"name": "calculate", "arguments": {"expression": "1+1"}}}
+    check_messages([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None, "tool_calls": [call]}],
+                   "row 0:")
+    with pytest.raises(ValueError, match="row 0: message 1 has 'content' None"):
+        check_messages([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None}], "row 0:")

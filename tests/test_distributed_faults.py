@@ -108,7 +108,11 @@ def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
         "grader crashed" in outcomes[0][1]
 
 
-def _save_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
+WRITE_ERRORS = {"disk full": (OSError, 28, "No space left on device"), "permission": (PermissionError, 13,
+                                                                                     "Permission denied")}
+
+
+def _save_error_worker(rank: int, world: int, port: int, tmp: str, error: str) -> None:
     from pathlib import Path
 
     import branchreplay.rl.run.checkpoint as checkpoint
@@ -117,11 +121,12 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
 
-    def disk_full(*args, **kwargs):
-        raise OSError(28, "No space left on device")
+    def fails(*args, **kwargs):
+        kind, number, text = WRITE_ERRORS[error]
+        raise kind(number, text)
 
     trainer = make_trainer(_train_config(Path(tmp), 1))
-    checkpoint._write_rank0 = disk_full  # rank 0's files fail, after every rank wrote its optimizer shards
+    checkpoint._write_rank0 = fails  # rank 0's files fail, after every rank wrote its optimizer shards
     t0 = time.perf_counter()
     try:
         trainer.save(Path(tmp) / "run")
@@ -132,14 +137,17 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
     shutdown()
 
 
-def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path):
-    """No half-written checkpoint, and no rank waits for the collective timeout (120 s) to learn of it."""
-    mp.spawn(_save_error_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+@pytest.mark.parametrize("error", WRITE_ERRORS)
+def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path, error):
+    """No half-written checkpoint, and no rank waits for the collective timeout (120 s) to learn of it. The other
+    rank takes the same path whatever OSError it was (a PermissionError is one: the type is gathered, not read from
+    its name)."""
+    mp.spawn(_save_error_worker, args=(2, free_port(), str(tmp_path), error), nprocs=2, join=True)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes
     for rank in range(2):  # the run's one-line error on every rank (a TrainingFailed, issue 29 item 7)
         assert outcomes[rank][1].startswith("TrainingFailed: the checkpoint of step 0 could not be written"), outcomes
-        assert "No space left on device" in outcomes[rank][1]
+        assert WRITE_ERRORS[error][2] in outcomes[rank][1]
     assert "writing the checkpoint failed on rank 0" in outcomes[1][1], outcomes[1]
     checkpoints = tmp_path / "run" / "checkpoints"
     assert not [p for p in checkpoints.iterdir() if p.name != "latest"] if checkpoints.exists() else True
@@ -222,3 +230,41 @@ def test_ctrl_c_is_answered_at_once_while_a_collective_waits(tmp_path):
     mp.spawn(_blocked_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     assert "SIGINT: finishing this step" in (tmp_path / "seen-while-waiting.txt").read_text()
     assert (tmp_path / "rank0.log").read_text().splitlines()[-1] == "barrier returned, stop=['SIGINT']"
+
+
+WATCHED = """
+import ctypes, os, signal, sys, threading
+from rich.console import Console
+from branchreplay.rl.run import stops
+
+stops.ABORT_GRACE_S = 0.5
+stop = []
+with stops.stop_on_signals(stop, Console(file=sys.stdout, force_terminal=False)):
+    signal.signal(signal.SIGALRM, lambda *args: None)  # as math_verify's timeouts install one
+    kills = [(0.2, signal.SIGALRM), (0.4, signal.SIGALRM), (0.6, signal.SIGINT), (0.8, signal.SIGALRM)]
+    kills += [(1.0, signal.SIGINT)] if sys.argv[1] == "twice" else []
+    for at, number in kills:  # threads started before the mask below: the signals reach a thread that takes them
+        threading.Timer(at, os.kill, (os.getpid(), number)).start()
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGALRM})  # the main thread stuck in C, as in
+    ctypes.CDLL(None).sleep(3)                                                # a collective
+    print("main thread back", stop, flush=True)
+"""
+
+
+@pytest.mark.parametrize("times", ["once", "twice"])
+def test_other_signals_do_not_count_and_a_second_ctrl_c_aborts_a_stuck_run(tmp_path, times):
+    """SIGALRM (math_verify's timeouts) reaches the same wakeup pipe: it must neither stop nor abort the run. One
+    SIGINT: said at once, the run goes on to the end of its step. A second SIGINT while the main thread is stuck
+    in C code (a collective): 'aborting', and the process ends with 130 after ABORT_GRACE_S."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "watched.py"
+    script.write_text(WATCHED)
+    done = subprocess.run([sys.executable, str(script), times], capture_output=True, text=True, timeout=60)
+    out = done.stdout
+    assert "SIGINT: finishing this step" in out and "SIGALRM" not in out, out
+    if times == "once":
+        assert done.returncode == 0 and "aborting" not in out and "main thread back ['SIGINT']" in out, out
+    else:
+        assert done.returncode == 130 and "SIGINT again: aborting" in out and "main thread back" not in out, out

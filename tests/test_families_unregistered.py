@@ -55,7 +55,7 @@ EXACT = ["opt", "falcon", "falcon-multi-query", "gptj", "phi", "cohere"]
 ALIBI = ["mpt", "bloom", "falcon-alibi"]
 FLOAT64_TOL = {"cohere": 1e-6}
 """Cohere's LayerNorm and rotary embedding compute in float32 in transformers, also in a float64 model (measured
-1.5e-7); the others are float64-exact (measured ~1e-15)."""
+1.5e-7 on the self-check's tree, 2.6e-7 on this test's); the others are float64-exact (measured ~1e-15)."""
 TOL = {torch.float64: 1e-9, torch.float32: 1e-4}
 
 

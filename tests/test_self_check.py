@@ -127,12 +127,17 @@ def test_force_true_refuses_a_model_whose_self_check_fails(monkeypatch):
     replay_backward(model, tree, GRPOLoss(), force=UNCHECKED)
 
 
-def test_force_true_under_data_parallelism_names_the_fix():
-    from branchreplay.engine.distributed import replay_backward_sharded
-    from branchreplay.losses import GRPOLoss
+def test_force_true_under_data_parallelism_names_the_fix(monkeypatch):
+    """One rank of several holds a shard of the model (FSDP2) or a replica whose backward reduces (DDP): the check
+    cannot run there, and says what to do; a registered family is not checked, so force=True stays harmless."""
+    from branchreplay.engine import replay_logprobs
 
+    monkeypatch.setattr(self_check, "PROCESS_VERDICTS", {})
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     with pytest.raises(ValueError, match="ensure_supported.*before sharding.*force='unchecked'"):
-        replay_backward_sharded(None, [], GRPOLoss(), force=True)
+        replay_logprobs(_neox(), _tree(), force=True)
+    replay_logprobs(tiny_model("llama"), _tree(), force=True)
 
 
 def test_a_cache_of_another_layout_is_refused_by_name():
@@ -148,3 +153,37 @@ def test_a_cache_of_another_layout_is_refused_by_name():
         PrefixCache(ancestors, 1).layers[0].update(torch.zeros(1, 5, 2, 8), torch.zeros(1, 5, 2, 8), 0)
     keys, values = PrefixCache(ancestors, 1).layers[0].update(torch.zeros(1, 2, 5, 8), torch.zeros(1, 2, 5, 8), 0)
     assert keys.shape == values.shape == (1, 2, 8, 8)
+
+
+def test_the_check_of_force_true_leaves_the_callers_model_and_context_alone(monkeypatch):
+    """force=True from inside autocast, inference_mode or no_grad, on a frozen model with gradients already
+    accumulated: the check compares every parameter in the model's dtype (an exact model passes), and each
+    parameter's grad and requires_grad are as they were. A critic is refused with the fix; any true value other
+    than a string asks for the check."""
+    from branchreplay.engine import replay_logprobs
+    from branchreplay.engine.families import self_checked
+    from branchreplay.value import ValueModel
+
+    monkeypatch.setattr(self_check, "PROCESS_VERDICTS", {})
+    model = _neox()
+    grads = [torch.full_like(p, 3.0) for p in model.parameters()]
+    for p, g in zip(model.parameters(), grads):
+        p.grad = g
+    model.requires_grad_(False)
+    for context in (lambda: torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode, torch.no_grad):
+        self_check.PROCESS_VERDICTS.clear()
+        with context():
+            replay_logprobs(model, _tree(), force=True)
+        (verdict,) = self_check.PROCESS_VERDICTS.values()
+        assert verdict["passed"] and 0 < verdict["max_rel_grad_err"] < 1e-5, verdict  # float32, every parameter
+    assert all(p.grad is g and not p.requires_grad for p, g in zip(model.parameters(), grads))
+    with pytest.raises(ValueError, match="for a critic, check its policy"):
+        replay_logprobs(ValueModel.from_policy(_neox()), _tree(), force=True)
+    assert self_checked(1) and self_checked(True) and not self_checked("unchecked") and not self_checked(False)
+
+
+def test_a_nan_gradient_is_never_within_a_bound():
+    from branchreplay.check.reference import max_rel_grad_err
+
+    ones = [torch.ones(2), torch.ones(2)]
+    assert max_rel_grad_err([torch.ones(2), torch.tensor([1.0, float("nan")])], ones) == float("inf")

@@ -7,6 +7,8 @@ imports only the tree and the losses, never the engine it checks.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..losses import LossFn, loss_inputs
@@ -111,7 +113,7 @@ any parameter (`max_rel_grad_err`)."""
 def max_rel_grad_err(grads: list[torch.Tensor], reference: list[torch.Tensor]) -> float:
     """Max over parameters of max|g - g_ref| / max(max|g_ref|, GRADIENT_FLOOR * the largest max|g_ref| of any
     parameter). Lists of matching [*] tensors; 0.0 for empty lists; absolute errors when every reference gradient
-    is zero.
+    is zero; inf when a gradient holds NaN (Python's max would drop it).
 
     The floor is for gradients that are zero in exact arithmetic and rounding noise in both computations: the bias
     of a key projection (softmax cancels a constant added to all of a query's scores) has reference gradients of
@@ -125,7 +127,7 @@ def max_rel_grad_err(grads: list[torch.Tensor], reference: list[torch.Tensor]) -
         else g.abs().max().item()
         for g, r, peak in zip(grads, reference, peaks)
     ]
-    return max(errs, default=0.0)
+    return math.inf if any(math.isnan(e) for e in errs) else max(errs, default=0.0)
 
 
 def naive_sequence_backward(model, rollouts: list[Rollout], loss, *, temperature: float = 1.0

@@ -38,6 +38,7 @@ from ..tree import RolloutTree
 from .numerics import keep_float64
 from .reference import max_rel_grad_err, naive_backward
 from .shapes import branches_of_branches, make_rollouts, shared_prompt
+from ..value import is_value_model
 
 BOUNDS = {torch.float64: 1e-6, torch.float32: 1e-3}
 """Max relative gradient error of the engine against the naive reference, by the dtype the check runs in."""
@@ -57,7 +58,17 @@ def check_once(model) -> None:
 
     Raises:
         UnsupportedModelError: as `ensure_supported` (recurrent layers, or an error above the bound).
+        ValueError: `model` is a critic (`value.ValueModel`): check its policy and pass force="unchecked"; or the
+            process is one rank of several (torchrun): the check needs the whole model, run it before sharding
+            (`ensure_supported`, as the trainer does) and pass force="unchecked".
     """
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise ValueError("force=True under data parallelism: the self-check of an unregistered family needs the whole "
+                         "model; run check.self_check.ensure_supported(model, 'self-check', {}) before sharding it, "
+                         f"then pass force={UNCHECKED!r}")
+    if is_value_model(model):
+        raise ValueError("force=True checks a causal LM against the naive reference; for a critic, check its "
+                         f"policy (check.self_check.check_once(policy)) and pass force={UNCHECKED!r}")
     ensure_supported(model, "self-check", PROCESS_VERDICTS, log=logging.getLogger("branchreplay").info)
 
 
@@ -104,10 +115,30 @@ def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
     """Max relative gradient error (over parameters) of the engine against the naive reference on a small random
     tree (~220 tokens: a 64-token prompt with 4 completions, and branches of branches), GRPO loss with KL and
     entropy, off-policy old logprobs; both in the model's dtype (half precision: on a float32 copy), float64
-    under `keep_float64`. The model's `param.grad` is left as it was found (None)."""
+    under `keep_float64`. Every parameter is compared (a frozen one too: `requires_grad` is set for the check),
+    with autocast off and autograd on whatever the caller's context (`replay_logprobs` runs under no_grad, a user's
+    call may run under autocast or inference_mode); each parameter's `grad` and `requires_grad` are left as they
+    were found."""
     dtype = next(model.parameters()).dtype
     if dtype in CHECKED_IN:
         return self_check(copy.deepcopy(model).to(CHECKED_IN[dtype]), seed, temperature)
+    params = list(model.parameters())
+    kept = [(p.grad, p.requires_grad) for p in params]
+    device = params[0].device.type
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device, enabled=False):
+            for p in params:
+                p.grad = None
+                p.requires_grad_(True)
+            return _measure(model, dtype, seed, temperature)
+    finally:
+        for p, (grad, requires_grad) in zip(params, kept):
+            p.grad = grad
+            p.requires_grad_(requires_grad)
+
+
+def _measure(model, dtype, seed: int, temperature: float) -> float:
+    """`self_check`'s comparison, in the context it set up."""
     vocab = model.config.vocab_size
     g = torch.Generator().manual_seed(seed)
     rollouts = make_rollouts(shared_prompt(64, 4, 24, vocab, g) + branches_of_branches(vocab, g), g)
@@ -115,7 +146,7 @@ def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
     engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep", **EVERY_SHARED_NODE)  # crosses
     # packs and chunks, every shared node kept (a small tree would otherwise run packed: engine/schedule.py)
     numerics = keep_float64(model) if dtype == torch.float64 else contextlib.nullcontext()
-    with numerics, torch.enable_grad():  # also when called from a forward-only engine call (`replay_logprobs`)
+    with numerics:
         tree = RolloutTree(rollouts)
         current = replay_logprobs(model, tree, temperature=temperature, engine=engine, force=UNCHECKED).logprobs
         for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero

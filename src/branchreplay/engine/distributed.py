@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from .families import UNCHECKED, Force
+from .families import Force
 from .head import check_head
 from .lockstep import collective_device
 
@@ -275,21 +275,23 @@ def free_port() -> int:
 def raise_together(error: BaseException | None, what: str, kinds: tuple[type, ...] = ()) -> None:
     """Raise on every rank when any rank failed at `what` (a collective: every rank calls it, in place of a barrier):
     the failing rank its own `error`, the others "`what` failed on rank R: ..." as a RuntimeError, or, when the
-    failure is of one of `kinds` (exception classes the caller handles), as that class, so that every rank takes
-    the same path; no rank waits for the collective timeout in the next collective. Without a process group, raise
+    failure is an instance of one of `kinds` (exception classes the caller handles: a PermissionError is an
+    OSError), as that class, so that every rank takes the same path; no rank waits for the collective timeout in the next collective. Without a process group, raise
     `error` if any."""
     if not dist.is_initialized():
         if error is not None:
             raise error
         return
     errors = [None] * dist.get_world_size()
-    dist.all_gather_object(errors, None if error is None else f"{type(error).__name__}: {error}")
+    said = None if error is None else (f"{type(error).__name__}: {error}",  # and the first of `kinds` it is, by index
+                                       next((i for i, k in enumerate(kinds) if isinstance(error, k)), None))
+    dist.all_gather_object(errors, said)
     if error is not None:
         raise error
     failed = [(r, e) for r, e in enumerate(errors) if e is not None]
     if failed:
-        kind = next((k for k in kinds if failed[0][1].startswith(f"{k.__name__}: ")), RuntimeError)
-        raise kind(f"{what} failed on rank {failed[0][0]}: {failed[0][1]}")
+        rank, (text, kind) = failed[0]
+        raise (RuntimeError if kind is None else kinds[kind])(f"{what} failed on rank {rank}: {text}")
 
 
 def shutdown() -> None:
@@ -310,18 +312,10 @@ def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float
     `CostModel`, default the one measured here; the same plan on every rank), the gradient reduced once: afterwards
     every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
     this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
-    same trees.
-
-    Raises:
-        ValueError: `force=True`: the self-check it asks for runs on one whole model, not a sharded one; check the
-            model before sharding (`check.self_check.ensure_supported`) and pass force="unchecked".
+    same trees. `force`: as `replay_backward`'s; True refuses an unregistered family here (`check.self_check.
+    check_once`: its check needs the whole model), so check it before sharding and pass "unchecked".
     """
     from .config import EngineConfig
-
-    if force is True:
-        raise ValueError("force=True under data parallelism: the self-check of an unregistered family needs the whole "
-                         "model; run `check.self_check.ensure_supported(model, 'self-check', {})` before "
-                         f"sharding it, then pass force={UNCHECKED!r}")
     from .sharding import CostModel, shard
     from .stack import replay_backward
 

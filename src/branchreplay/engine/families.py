@@ -15,7 +15,8 @@ once per model class, config and dtype in a process); `force="unchecked"` skips 
 --force`, which is that comparison, and a trainer whose own check passed). An unknown family with recurrent or
 hybrid layers is always refused, and so is one whose attention the engine cannot carry, whatever `force` says:
 ALiBi biases (MPT, Bloom, Falcon with `alibi=True`: built from the 2D padding mask of the whole sequence), or keys
-and values handed to the cache in another layout than [batch, kv_heads, tokens, head_dim] (`cache._PrefixLayer`).
+and values handed to the cache as other than [batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's
+(`cache._check_layout`).
 """
 
 from __future__ import annotations
@@ -111,9 +112,7 @@ def family_of(model, force: Force = False) -> Family:
             (ALiBi), or, under `force=True`, its self-check failed (the message gives the measured error).
         ValueError: `force` is not False, True or "unchecked".
     """
-    if force not in (False, True, UNCHECKED):
-        raise ValueError(f"force={force!r}: accepted values are False, True (run an unregistered family after its "
-                         f"self-check) and {UNCHECKED!r} (without it)")
+    check = self_checked(force)
     config = model.config
     model_type = config.model_type
     if model_type not in FAMILIES and not force:
@@ -138,11 +137,24 @@ def family_of(model, force: Force = False) -> Family:
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     family = generic_family(model)
-    if force is True:
+    if check:
         from ..check.self_check import check_once  # check/ runs the engine: imported here, when first needed
 
         check_once(model)
     return family
+
+
+def self_checked(force: Force) -> bool:
+    """Whether `force` asks for the self-check: True (or any other true value that is not a string: 1,
+    numpy.True_), not "unchecked" or False.
+
+    Raises:
+        ValueError: a string other than "unchecked".
+    """
+    if isinstance(force, str) and force != UNCHECKED:
+        raise ValueError(f"force={force!r}: accepted values are False, True (run an unregistered family after its "
+                         f"self-check) and {UNCHECKED!r} (without it)")
+    return not isinstance(force, str) and bool(force)
 
 
 def generic_family(model) -> Family:

@@ -11,8 +11,8 @@ from collections.abc import Iterable
 def check_messages(messages, what: str) -> None:
     """Raise ValueError naming `what` (e.g. "step's", "task.dataset x.jsonl row 3, column 'prompt':") and the field
     unless `messages` is a list of {"role": a non-empty string, "content": a string, or the structured content chat
-    templates take: a list of {"type": "text", "text": a string}} (what the chat template renders and the
-    conversation tokenizes)."""
+    templates take: a list of {"type": "text", "text": a string}, or None beside "tool_calls"} (what the chat
+    template renders and the conversation tokenizes)."""
     if not isinstance(messages, list):
         raise ValueError(f"{what} gave a {type(messages).__name__}, not a list of messages")
     for k, m in enumerate(messages):
@@ -24,15 +24,16 @@ def check_messages(messages, what: str) -> None:
         content = m.get("content")
         structured = isinstance(content, list) and all(
             isinstance(c, dict) and c.get("type") == "text" and isinstance(c.get("text"), str) for c in content)
-        if not (isinstance(content, str) or structured):
+        tool_call = content is None and bool(m.get("tool_calls"))  # an assistant's call: chat templates take it
+        if not (isinstance(content, str) or structured or tool_call):
             raise ValueError(f"{where} has 'content' {brief(content)} (a {type(content).__name__}): a message's "
                              "content is a string, or a list of {'type': 'text', 'text': ...} parts")
 
 
 def check_columns(rows: Iterable[dict], source: str, text: Iterable[str] = (), answers: Iterable[str] = ()) -> None:
     """Every row's `text` columns hold text: a non-empty string, or a non-empty list of chat messages
-    (`check_messages`: TRL's conversational format); its `answers` columns a string or a number (what a reward
-    function compares with). `source`: the config field and the file, e.g. "dpo.dataset pairs.jsonl"; rows are
+    (`check_messages`: TRL's conversational format); its `answers` columns a string or a number (what the built-in
+    rewards compare with; a user's reward function gets its columns as they are, as in TRL). `source`: the config field and the file, e.g. "dpo.dataset pairs.jsonl"; rows are
     counted from 0, as `datasets` indexes them.
 
     Raises:

@@ -78,7 +78,7 @@ def load_prompt_file(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
     needs_answer = cfg.answer_column is not None and (cfg.answer_column != "answer" or graded)
     required = (cfg.prompt_column, *((cfg.answer_column,) if needs_answer else ()))
     hint = "set --task.prompt_column / --task.answer_column to the file's column names"
-    answers = (cfg.answer_column,) if needs_answer else ()
+    answers = (cfg.answer_column,) if needs_answer and graded else ()  # a user's reward takes any column type
     rows = [_item(row, cfg) for row in checked_rows(cfg.dataset, "task.dataset", required, hint, answers)]
     if cfg.eval_dataset is not None:
         held_out = [_item(row, cfg) for row in checked_rows(cfg.eval_dataset, "task.eval_dataset", required, hint,

@@ -85,7 +85,8 @@ def stop_on_signals(stop: list, console):
             signal.signal(s, h)
         os.close(write)  # the watcher reads the end of the pipe and returns
         watcher.join(timeout=5)
-        os.close(read)
+        if not watcher.is_alive():  # else it still reads `read`: left open rather than closed under it
+            os.close(read)
 
 
 ABORT_GRACE_S = 3.0
@@ -94,15 +95,19 @@ ABORT_GRACE_S = 3.0
 
 def _watch(read: int, console, aborted: threading.Event) -> None:
     """The signals' watcher (`stop_on_signals`): one byte per signal from the wakeup pipe, until it closes; after a
-    second one, the process ends unless the main thread took it (`aborted`) within `ABORT_GRACE_S`."""
+    second SIGINT/SIGTERM, the process ends unless the main thread took it (`aborted`) within `ABORT_GRACE_S`.
+    The pipe carries every signal that has a Python handler (math_verify's SIGALRM timeouts, a DataLoader's
+    SIGCHLD): only SIGINT and SIGTERM count."""
     seen = 0
     while True:
         data = os.read(read, 16)
         if not data:
             return
         for number in data:
+            if number not in (signal.SIGINT, signal.SIGTERM):
+                continue
             seen += 1
-            name = signal.Signals(number).name if number in signal.Signals._value2member_map_ else "a signal"
+            name = signal.Signals(number).name
             if seen == 1:
                 console.print(f"[yellow]{name}: finishing this step, then saving a checkpoint (again to abort now)")
             elif seen == 2:

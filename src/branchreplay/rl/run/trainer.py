@@ -305,9 +305,11 @@ class Trainer:
         ends there, with the earlier checkpoint intact."""
         self.during = f"the checkpoint of step {self.step}"
         try:
-            return save_checkpoint(run_dir, self.step, self.model, self.policy.optimizer, self.policy.scheduler,
-                                   keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
-                                   tokenizer=self.tokenizer, critic=self.critic_state())
+            saved = save_checkpoint(run_dir, self.step, self.model, self.policy.optimizer, self.policy.scheduler,
+                                    keep=self.config.train.keep_checkpoints, extra={"num_tokens": self.num_tokens},
+                                    tokenizer=self.tokenizer, critic=self.critic_state())
+            self.during = f"the end of step {self.step}"  # the checkpoint is written: what follows is not in it
+            return saved
         except OSError as e:
             raise_if_a_rank_died(self.ranks, self.during, run_dir, e)  # another rank died while they wrote it
             kept = latest_checkpoint(run_dir)
