@@ -15,7 +15,7 @@ from branchreplay.engine import replay_backward, replay_logprobs
 from branchreplay.engine.head import HeadMismatchError, LogitTransform, decoder_and_head
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
-from branchreplay.tree import RolloutTree
+from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 
 TINY = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
@@ -69,3 +69,52 @@ def test_transform_order_and_neutral_values():
     assert torch.equal(LogitTransform()(logits), logits)
     out = LogitTransform(multiplier=2.0, divisor=4.0, softcap=1.0)(logits)
     torch.testing.assert_close(out, torch.tanh(logits * 2.0 / 4.0))
+
+
+def test_a_float32_head_runs_outside_autocast():
+    """engine.head_float32 (TRL's cast_lm_head_to_fp32): under bfloat16 autocast the projection, logprobs and
+    entropy equal float32's; the autocast head is off by bfloat16's rounding (the control)."""
+    from branchreplay.engine.head import head_logprobs
+
+    g = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(64, 256, bias=False)
+    hidden, targets = torch.randn(16, 64, generator=g).bfloat16(), torch.randint(0, 256, (16,), generator=g)
+    exact = head_logprobs(head, hidden.float(), targets, 0.7, LogitTransform(multiplier=0.5))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ours = head_logprobs(head, hidden, targets, 0.7, LogitTransform(multiplier=0.5), float32=True)
+        autocast = head_logprobs(head, hidden, targets, 0.7, LogitTransform(multiplier=0.5))
+    for a, b in zip(ours, exact):
+        assert a.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+    assert (autocast[0] - exact[0]).abs().max() > 1e-3
+
+
+def test_head_stats_equal_the_models_own_logits_per_rollout():
+    """replay_logprobs(head_stats=...) over a tree: TRL's fused-head statistics of each rollout's trained positions
+    equal those of the model's own logits on the rollout alone (float64)."""
+    from branchreplay.engine.head import HEAD_STATS
+
+    torch.manual_seed(0)
+    model = tiny_model("llama", dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+    rollouts = make_rollouts(shared_prompt(10, 3, 6, 256, g), g)
+    greedy = rollouts[0].token_ids[:10].clone()  # the prompt, then 6 greedy tokens: each is its position's top 1
+    with torch.no_grad():
+        for _ in range(6):
+            greedy = torch.cat([greedy, model(input_ids=greedy[None]).logits[0, -1].argmax()[None]])
+    rollouts.append(Rollout(greedy, loss_mask=(torch.arange(16) >= 10).double()))
+    result = replay_logprobs(model, RolloutTree(rollouts), temperature=0.7, head_stats=HEAD_STATS)
+    assert set(result.head_stats) == set(HEAD_STATS)
+    for k, r in enumerate(rollouts):
+        with torch.no_grad():
+            logits = model(input_ids=r.token_ids[None]).logits[0, :-1].double() / 0.7
+        at = r.loss_mask[1:].bool()
+        targets = r.token_ids[1:]
+        expected = {"mean_logits": logits.mean(-1),
+                    "is_top1": (logits.argmax(-1) == targets).double(),
+                    "log_sum_sq_probs": torch.logsumexp(2 * torch.log_softmax(logits, -1), -1)}
+        for name, values in expected.items():
+            ours = result.head_stats[name][k][1:]
+            torch.testing.assert_close(ours[at].double(), values[at], rtol=1e-5, atol=1e-6)
+            assert not ours[~at].any()
+    assert result.head_stats["is_top1"][-1].sum() == 6

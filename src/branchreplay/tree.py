@@ -173,6 +173,8 @@ class ReplayResult:
         same dtype as logprobs; its logprobs and entropy are then empty lists. None for a policy.
     shared_nodes_kept, shared_nodes_merged: the engine's schedule (`engine/schedule.py`): shared nodes run once, and
         shared nodes run again inside each child because their sharing saved less than a pack costs.
+    head_stats: {name: per rollout [T] float32} of the next-token distribution at the trainable positions, 0
+        elsewhere, for the names `replay_logprobs(head_stats=...)` asked for (`engine.head.HEAD_STATS`); else {}.
     """
 
     logprobs: list[torch.Tensor]
@@ -184,6 +186,7 @@ class ReplayResult:
     values: list[torch.Tensor] | None = None
     shared_nodes_kept: int = 0
     shared_nodes_merged: int = 0
+    head_stats: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     @property
     def schedule(self) -> str:
@@ -209,6 +212,7 @@ class ReplayResult:
             values=[v for p in parts for v in p.values or []] if any(p.values is not None for p in parts) else None,
             shared_nodes_kept=sum(p.shared_nodes_kept for p in parts),
             shared_nodes_merged=sum(p.shared_nodes_merged for p in parts),
+            head_stats={name: [v for p in parts for v in p.head_stats[name]] for name in parts[0].head_stats},
         )
 
 

@@ -48,6 +48,9 @@ class EngineConfig:
         "the ones before it, >= 1"))
     head_chunk_tokens: int = field(default=512, metadata=help_of(
         "rows of the LM head computed at once, >= 1 (memory: head_chunk_tokens x vocab floats)"))
+    head_float32: bool = field(default=False, metadata=help_of(
+        "run the LM head's projection in float32 outside autocast, on float32 hidden states (TRL's "
+        "cast_lm_head_to_fp32: the head's weights are the caller's to cast)"))
     replay: Replay = field(default="auto", metadata=help_of(
         "'keep' holds every pack's activations until its backward; 'replay' holds only the K/V and last hidden "
         "state it hands to its children and recomputes its forward before its backward (one more forward per "

@@ -276,7 +276,8 @@ def raise_together(error: BaseException | None, what: str, kinds: tuple[type, ..
     """Raise on every rank when any rank failed at `what` (a collective: every rank calls it, in place of a barrier):
     the failing rank its own `error`, the others "`what` failed on rank R: ..." as a RuntimeError, or, when the
     failure is an instance of one of `kinds` (exception classes the caller handles: a PermissionError is an
-    OSError), as that class, so that every rank takes the same path; no rank waits for the collective timeout in the next collective. Without a process group, raise
+    OSError), as that class, so that every rank takes the same path; no rank waits for the collective timeout in the
+    next collective. Without a process group, raise
     `error` if any."""
     if not dist.is_initialized():
         if error is not None:

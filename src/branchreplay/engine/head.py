@@ -107,7 +107,8 @@ def check_head(model, tokens: int = 4) -> None:
 
 
 def token_logprobs(head, transform: LogitTransform, hidden: torch.Tensor, targets: torch.Tensor, temperature: float,
-                   chunk_tokens: int, backward_next: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                   chunk_tokens: int, backward_next: bool = False, float32: bool = False
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """[N, H] hidden, [N] targets -> logprobs [N], entropy [N], `chunk_tokens` rows at a time; under autograd each
     chunk (but a leaf pack's last: backward_next) is checkpointed, so its [chunk, V] logits exist only while that
     chunk is computed (forward or backward).
@@ -116,16 +117,16 @@ def token_logprobs(head, transform: LogitTransform, hidden: torch.Tensor, target
     children). Then the LAST chunk runs without checkpointing: its logits are held from the forward to the
     backward, which starts with them (autograd runs the latest nodes first) and frees them before the earlier
     chunks recompute, so the peak stays one chunk's; and that chunk's head forward is not run twice (5-10% of a leaf
-    pack's time on the bench Llama and SmolLM2 when the pack's rows fit one chunk)."""
+    pack's time on the bench Llama and SmolLM2 when the pack's rows fit one chunk). float32: as `head_logprobs`."""
     targets = targets.to(hidden.device)
     outs = []
     starts = range(0, hidden.shape[0], chunk_tokens)
     for start in starts:
         h, t = hidden[start : start + chunk_tokens], targets[start : start + chunk_tokens]
         if torch.is_grad_enabled() and not (backward_next and start == starts[-1]):
-            outs.append(checkpoint(head_logprobs, head, h, t, temperature, transform, use_reentrant=False))
+            outs.append(checkpoint(head_logprobs, head, h, t, temperature, transform, float32, use_reentrant=False))
         else:
-            outs.append(head_logprobs(head, h, t, temperature, transform))
+            outs.append(head_logprobs(head, h, t, temperature, transform, float32))
     if len(outs) == 1:
         return outs[0]
     return torch.cat([o[0] for o in outs]), torch.cat([o[1] for o in outs])
@@ -138,20 +139,63 @@ def token_values(head, hidden: torch.Tensor) -> torch.Tensor:
     return values.float() if values.dtype in (torch.float16, torch.bfloat16) else values
 
 
-def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, transform: LogitTransform):
+def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature: float, transform: LogitTransform,
+                  float32: bool = False):
     """log softmax(transform(head(hidden)) / temperature) at `targets`, and the entropy of that distribution.
     [N, H], [N] -> [N], [N]. `transform` runs in the model's dtype, as transformers' ForCausalLM computes it;
-    half-precision logits are upcast to float32.
+    half-precision logits are upcast to float32. float32: the projection runs on float32 hidden states and weights
+    with autocast off (TRL 1.16's fused LM head under cast_lm_head_to_fp32, trl/trainer/utils.py
+    `add_fused_lm_head`).
 
     The logprob is the target's logit minus the row's logsumexp, as TRL's `selective_log_softmax`
     (trl/trainer/utils.py) computes it for float32: on SmolLM2 in float32 (45-token chat prompt, 4 sampled
     completions) its gradient is 4.8e-5 from float64 where `log_softmax(...).gather(...)` is 5.1e-4 (the naive
     per-rollout HF computation: 5.3e-4); docs/support.md. The entropy keeps the full log-softmax."""
-    logits = transform(head(hidden))
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
-    logits = logits / temperature
+    logits = scaled_logits(head, hidden, temperature, transform, float32)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
     logp_all = torch.log_softmax(logits, dim=-1)  # [N, V]
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logprobs, entropy
+
+
+def scaled_logits(head, hidden: torch.Tensor, temperature: float, transform: LogitTransform, float32: bool = False
+                  ) -> torch.Tensor:
+    """[N, H] -> [N, V] transform(head(hidden)) / temperature, half precision upcast to float32 (`head_logprobs`)."""
+    if float32:
+        with torch.autocast(hidden.device.type, enabled=False):
+            bias = None if head.bias is None else head.bias.float()
+            logits = transform(torch.nn.functional.linear(hidden.float(), head.weight.float(), bias))
+    else:
+        logits = transform(head(hidden))
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    return logits / temperature
+
+
+HEAD_STATS = ("mean_logits", "is_top1", "log_sum_sq_probs")
+"""Per-token statistics of the next-token distribution besides the logprob and entropy, as TRL 1.16's fused LM head
+names them (trl/trainer/utils.py `FusedCausalLMOutput`): the mean over the vocabulary of the temperature-scaled
+logits, whether the target is the most likely token (1.0 / 0.0), and log(sum_v p_v^2)."""
+
+
+@torch.no_grad()
+def head_statistics(head, transform: LogitTransform, hidden: torch.Tensor, targets: torch.Tensor,
+                    temperature: float, names: tuple[str, ...], chunk_tokens: int, float32: bool = False
+                    ) -> dict[str, torch.Tensor]:
+    """{name: [N] float32} of `HEAD_STATS` for [N, H] hidden and [N] targets, `chunk_tokens` rows at a time (no
+    graph). Raises ValueError for a name outside HEAD_STATS."""
+    unknown = set(names) - set(HEAD_STATS)
+    if unknown:
+        raise ValueError(f"head_stats {sorted(unknown)} unknown; choose from {', '.join(HEAD_STATS)}")
+    targets = targets.to(hidden.device)
+    out: dict[str, list[torch.Tensor]] = {name: [] for name in names}
+    for start in range(0, hidden.shape[0], chunk_tokens):
+        logits = scaled_logits(head, hidden[start : start + chunk_tokens], temperature, transform, float32)
+        t = targets[start : start + chunk_tokens]
+        if "mean_logits" in out:
+            out["mean_logits"].append(logits.mean(-1))
+        if "is_top1" in out:
+            out["is_top1"].append((logits.argmax(-1) == t).to(logits.dtype))
+        if "log_sum_sq_probs" in out:
+            out["log_sum_sq_probs"].append(torch.logsumexp(2 * torch.log_softmax(logits, dim=-1), dim=-1))
+    return {name: torch.cat(values).float() for name, values in out.items()}

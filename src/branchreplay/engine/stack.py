@@ -41,7 +41,7 @@ from .context_parallel import ContextParallelTree, run_prefix
 from .lockstep import BACKWARD, FORWARD, LockStep, drain
 from .embedding import DeferredEmbeddingGrad
 from .families import Force, family_of, layer_windows
-from .head import check_head, decoder_and_head, token_logprobs, token_values
+from .head import check_head, decoder_and_head, head_statistics, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .packs import batched_packs, chunked, is_batch, packs, spans
 from .planner import default_budget, memory_model, plan
@@ -105,19 +105,22 @@ def replay_logprobs(
     engine: EngineConfig = EngineConfig(),
     force: Force = False,
     lockstep: bool = False,
+    head_stats: tuple[str, ...] = (),
 ) -> ReplayResult:
     """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
-    rollout alone. Same arguments and errors as `replay_backward`."""
-    return _replay(model, trees, None, temperature, engine, force, None, lockstep)
+    rollout alone. Same arguments and errors as `replay_backward`; `head_stats`: names of `head.HEAD_STATS` to
+    return too (`ReplayResult.head_stats`; TRL's DPO metrics read them)."""
+    return _replay(model, trees, None, temperature, engine, force, None, lockstep, head_stats)
 
 
 def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force = False,
-            final_backward=None, lockstep: bool = False) -> ReplayResult:
+            final_backward=None, lockstep: bool = False, head_stats: tuple[str, ...] = ()) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
     run = _Run(model, temperature, engine, loss, force)
+    run.head_stats = tuple(head_stats)
     _check_context_parallel(trees, run.rotaries)
     for tree in trees:
         run.check(tree)
@@ -175,6 +178,8 @@ def _in_order(result: ReplayResult, order: list[int]) -> ReplayResult:
         values = getattr(result, name)
         if values:
             setattr(result, name, [values[position[i]] for i in range(len(order))])
+    result.head_stats = {name: [values[position[i]] for i in range(len(order))]
+                         for name, values in result.head_stats.items()}
     return result
 
 
@@ -202,10 +207,11 @@ class _Run:
         self.prefix_position_overhead = engine.prefix_position_overhead if self.prefix_split.applies else 0.0
         self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
         self.chunk_tokens = engine.chunk_tokens
-        self.head_chunk_tokens = engine.head_chunk_tokens
+        self.head_chunk_tokens, self.head_float32 = engine.head_chunk_tokens, engine.head_float32
         self.replay, self.memory_budget = engine.replay, engine.memory_budget
         self.replay_set: set[int] = set()
         self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)
+        self.head_stats: tuple[str, ...] = ()  # `replay_logprobs(head_stats=...)`
         self.lockstep = False  # every forward and backward in step with the other ranks (`lockstep.py`)
         embedding = self.decoder.get_input_embeddings()
         self.deferred = DeferredEmbeddingGrad(embedding) if loss is not None and embedding.weight.requires_grad \
@@ -245,6 +251,7 @@ class _Run:
         kept = torch.float64 if self.dtype == torch.float64 else torch.float32  # ReplayResult's dtype
         self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]  # a critic's values
         self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
+        self.stat_values = {name: [torch.zeros(len(r)) for r in tree.rollouts] for name in self.head_stats}
         self.loss_value = 0.0
         if part is None:
             yield from self.children(root, ancestors=[], parent_h=None)
@@ -256,7 +263,7 @@ class _Run:
             return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs,
                                 shared_nodes_kept=kept, shared_nodes_merged=merged)
         return ReplayResult(self.logprobs, self.entropy, self.loss_value, tree.stats, peak, replayed,
-                            shared_nodes_kept=kept, shared_nodes_merged=merged)
+                            shared_nodes_kept=kept, shared_nodes_merged=merged, head_stats=self.stat_values)
 
     def check(self, tree: RolloutTree) -> None:
         max_pos = max_positions(self.config)
@@ -440,15 +447,22 @@ class _Run:
         else:
             targets = torch.cat([node.tokens[p] for node, p, _ in pieces])
             logprobs, entropy = token_logprobs(self.head, self.transform, rows, targets, self.temperature,
-                                               self.head_chunk_tokens, backward_next)
+                                               self.head_chunk_tokens, backward_next, self.head_float32)
             logprobs, entropy = logprobs.split(sizes), entropy.split(sizes)
+        stats = {}
+        if self.head_stats and not self.critic:
+            stats = head_statistics(self.head, self.transform, rows, targets, self.temperature, self.head_stats,
+                                    self.head_chunk_tokens, self.head_float32)
+            stats = {name: values.cpu().split(sizes) for name, values in stats.items()}
         losses = []
-        for (node, positions, _), lp, ent in zip(pieces, logprobs, entropy):
+        for k, ((node, positions, _), lp, ent) in enumerate(zip(pieces, logprobs, entropy)):
             at = node.start + positions
             for i in node.rollouts:
                 self.logprobs[i][at] = lp.detach().cpu().to(self.logprobs[i].dtype)
                 if ent is not None:
                     self.entropy[i][at] = ent.detach().cpu().to(self.entropy[i].dtype)
+                for name, values in stats.items():
+                    self.stat_values[name][i][at] = values[k]
             if self.loss is not None:
                 rollouts = [self.tree.rollouts[i] for i in node.rollouts]
                 inputs = loss_inputs(rollouts, at, None, None, values=lp) if self.critic else \
