@@ -1,11 +1,14 @@
-"""TRL's padded training step against TreeGRPOTrainer's on the same batch (README, "From TRL").
+"""TRL's padded training step against the tree trainer's on the same batch (README, "From TRL").
 
-One TreeGRPOTrainer on SmolLM2-135M-Instruct samples one generation batch with TRL's own `_prepare_inputs` (the
-default task's questions as conversational prompts, optionally after a long shared context); then the SAME batch
-runs, alternately and `--repeats` times each, through:
-  - TRL's `GRPOTrainer.compute_loss` + backward with gradient checkpointing on (GRPOConfig's default),
+One tree trainer (`--trainer grpo`: TreeGRPOTrainer, `rloo`: TreeRLOOTrainer, `dpo`: TreeDPOTrainer) on
+SmolLM2-135M-Instruct makes one batch with TRL's own `_prepare_inputs` (the default task's questions as
+conversational prompts, optionally after a long shared context; GRPO and RLOO sample G completions of each, DPO
+pairs a long worked answer with a short guess); then the SAME batch runs, alternately and `--repeats` times each,
+through:
+  - TRL's `compute_loss` + backward with gradient checkpointing on (the config's default),
   - the same with gradient checkpointing off,
-  - TreeGRPOTrainer's `compute_loss` (the execution stack over one tree per prompt).
+  - the tree trainer's `compute_loss` (the execution stack over one tree per prompt).
+`--set name=value` sets more config fields (e.g. importance_sampling_level=sequence, GSPO's two-pass path).
 It prints the median wall time and the peak resident memory above the start (`bench.measure`) of each, their
 ratios, and the largest relative gradient difference of the tree against TRL's (float32).
 
@@ -13,11 +16,16 @@ Run (nothing else running; ~2 min for the demo's shapes, ~6 min for the long pro
     .venv/bin/python scripts/trl_step_time.py --prompts 4 --num-generations 8 --max-completion-length 48
     .venv/bin/python scripts/trl_step_time.py --prompts 1 --num-generations 8 --max-completion-length 64 \
         --context-tokens 1000
+    .venv/bin/python scripts/trl_step_time.py --trainer rloo --prompts 4 --num-generations 8 \
+        --max-completion-length 48
+    .venv/bin/python scripts/trl_step_time.py --trainer dpo --prompts 4 --max-completion-length 48 \
+        --context-tokens 1000
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import os
 import statistics
 import tempfile
@@ -31,7 +39,11 @@ from branchreplay.bench.measure import measure
 from branchreplay.check.reference import max_rel_grad_err
 from branchreplay.models import default_model_dir
 from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
-from branchreplay.trl import TreeGRPOTrainer
+from branchreplay.trl import TreeDPOTrainer, TreeGRPOTrainer, TreeRLOOTrainer
+
+TRAINERS = {"grpo": (trl.GRPOTrainer, TreeGRPOTrainer, trl.GRPOConfig),
+            "rloo": (trl.RLOOTrainer, TreeRLOOTrainer, trl.RLOOConfig),
+            "dpo": (trl.DPOTrainer, TreeDPOTrainer, trl.DPOConfig)}
 
 CONTEXT = ("The following notes are shared by every question of this batch. Arithmetic is done left to right, "
            "and every number is a whole number between zero and one hundred. ")
@@ -51,7 +63,18 @@ def main() -> None:
                     "before every question (a system message)")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--trainer", choices=sorted(TRAINERS), default="grpo")
+    ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                    help="another config field (a Python literal or a string), repeatable")
     a = ap.parse_args()
+    theirs_cls, tree_cls, config_cls = TRAINERS[a.trainer]
+    extra = {}
+    for item in a.set:
+        name, _, value = item.partition("=")
+        try:
+            extra[name] = ast.literal_eval(value)
+        except (ValueError, SyntaxError):
+            extra[name] = value
     torch.set_num_threads(a.threads)
     model_dir = str(default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -61,26 +84,40 @@ def main() -> None:
         per = len(tokenizer(CONTEXT)["input_ids"])
         context = CONTEXT * max(1, a.context_tokens // per)
     prompts = [build_messages(q, context) if context else build_messages(q) for q in questions]
-    rows = a.prompts * a.num_generations
+    common = dict(report_to=[], use_cpu=True, bf16=False, seed=0, save_strategy="no", max_steps=1)
     with tempfile.TemporaryDirectory() as out:
-        args = trl.GRPOConfig(output_dir=out, per_device_train_batch_size=rows, num_generations=a.num_generations,
-                              max_completion_length=a.max_completion_length, report_to=[], use_cpu=True, bf16=False,
-                              seed=0, save_strategy="no", max_steps=1)
-        trainer = TreeGRPOTrainer(model=model_dir, reward_funcs=length_reward, args=args,
-                                  train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+        if a.trainer == "dpo":  # one pair per prompt: a long worked answer against a short guess
+            sentence = "Let me work this out step by step, one operation at a time. "  # about 14 tokens
+            steps = sentence * max(1, a.max_completion_length // 14)
+            pairs = {"prompt": prompts,
+                     "chosen": [[{"role": "assistant", "content": steps + "The answer is 42."}] for _ in prompts],
+                     "rejected": [[{"role": "assistant", "content": "I think it is 41."}] for _ in prompts]}
+            args = config_cls(output_dir=out, per_device_train_batch_size=a.prompts, **common, **extra)
+            trainer = tree_cls(model=model_dir, args=args, train_dataset=Dataset.from_dict(pairs),
+                               processing_class=tokenizer)
+        else:
+            args = config_cls(output_dir=out, per_device_train_batch_size=a.prompts * a.num_generations,
+                              num_generations=a.num_generations, max_completion_length=a.max_completion_length,
+                              **common, **extra)
+            trainer = tree_cls(model=model_dir, reward_funcs=length_reward, args=args,
+                               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
         model = trainer.model
         model.train()
         trainer.current_gradient_accumulation_steps = 1
         inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    P = inputs["prompt_mask"].sum(1).float().mean().item()
-    R = inputs["completion_mask"].sum(1).float().mean().item()
+    if a.trainer == "dpo":
+        R = inputs["completion_mask"].sum(1).float().mean().item()
+        P = inputs["attention_mask"].sum(1).float().mean().item() - R
+    else:
+        P = inputs["prompt_mask"].sum(1).float().mean().item()
+        R = inputs["completion_mask"].sum(1).float().mean().item()
 
     def trl_step(checkpointing: bool):
         def run():
             if checkpointing:
                 model.activation_checkpointing_enable()
             model.zero_grad(set_to_none=True)
-            trl.GRPOTrainer.compute_loss(trainer, model, inputs).backward()
+            theirs_cls.compute_loss(trainer, model, inputs).backward()
             if checkpointing:
                 model.activation_checkpointing_disable()
         return run
@@ -90,7 +127,7 @@ def main() -> None:
         trainer.compute_loss(model, inputs)
 
     methods = {"TRL, gradient checkpointing (default)": trl_step(True), "TRL, no checkpointing": trl_step(False),
-               "TreeGRPOTrainer": tree_step}
+               tree_cls.__name__: tree_step}
     times, peaks = {m: [] for m in methods}, {m: [] for m in methods}
     for _ in range(a.repeats):
         for name, fn in methods.items():
@@ -101,8 +138,10 @@ def main() -> None:
     theirs = [p.grad.clone() for p in model.parameters()]
     tree_step()
     error = max_rel_grad_err([p.grad for p in model.parameters()], theirs)
-    print(f"SmolLM2-135M-Instruct float32, {a.threads} threads, load average {os.getloadavg()[0]:.2f}; "
-          f"{a.prompts} prompts x G={a.num_generations}: prompt {P:.0f} tokens, completion {R:.1f} tokens (means); "
+    print(f"{a.trainer} {extra or ''}: SmolLM2-135M-Instruct float32, {a.threads} threads, "
+          f"load average {os.getloadavg()[0]:.2f}; "
+          f"{a.prompts} prompts x {'a pair' if a.trainer == 'dpo' else f'G={a.num_generations}'}: prompt {P:.0f} "
+          f"tokens, completion {R:.1f} tokens (means); "
           f"{a.repeats} repeats, median")
     base = statistics.median(times["TRL, gradient checkpointing (default)"])
     print(f"{'':40s} {'seconds':>8s} {'vs TRL':>7s} {'peak MB':>8s}")

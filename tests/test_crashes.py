@@ -4,7 +4,8 @@ the weights written, the checkpoint complete but not renamed, renamed but `lates
 7, and resumed after each kill; another run is killed 8 times at moments drawn at random (so also inside a write,
 wherever one falls), resumed after each. After every kill the run folder is usable: its latest checkpoint is
 complete and loads (none only before the first). Each run that ends after its kills logs what an uninterrupted run
-logs, every step. The processes are forked from a server that has imported torch once (multiprocessing's forkserver), so each
+logs, every step. The processes are forked from a server that has imported torch once (multiprocessing's forkserver), so
+each
 attempt starts in under a second. A checkpoint written in place, with a completeness check that looks at the
 weights alone, fails it (checked by mutating the code)."""
 

@@ -46,16 +46,19 @@ def length_reward(completions, **kwargs):
     return [float(len(c) % 7) for c in completions]
 
 
-def _trainer(cls, folder, tmp_path, **config):
+def _trainer(cls, folder, tmp_path, unknown_family=None, **config):
+    """`cls` (TRL's trainer or the tree's) on `folder`'s model with GRPOConfig(**config) over this test's settings;
+    `unknown_family` goes to the tree's constructor."""
     from datasets import Dataset
     from transformers import AutoTokenizer
 
     settings = dict(per_device_train_batch_size=G * len(PROMPTS), num_generations=G, max_completion_length=C,
                     report_to=[], use_cpu=True, bf16=False, max_steps=2, logging_steps=1, seed=0, save_strategy="no")
     args = trl.GRPOConfig(output_dir=str(tmp_path / cls.__name__), **{**settings, **config})
+    extra = {} if unknown_family is None else {"unknown_family": unknown_family}
     return cls(model=str(folder), reward_funcs=length_reward, args=args,
                train_dataset=Dataset.from_dict({"prompt": PROMPTS * 2}),
-               processing_class=AutoTokenizer.from_pretrained(folder))
+               processing_class=AutoTokenizer.from_pretrained(folder), **extra)
 
 
 def _batch(trainer):
@@ -79,14 +82,37 @@ def _batch(trainer):
     return inputs
 
 
-def _trl_and_tree_grads(trainer, inputs):
+def _controller(trainer):
+    """The adaptive entropy controller's state, which each loss call steps."""
+    return trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats
+
+
+def _logged(trainer, call):
+    """Run `call`; the metrics it logged, {name: value}."""
+    metrics = trainer._metrics["train"]
+    lengths = {key: len(values) for key, values in metrics.items()}
+    result = call()
+    return result, {key: values[-1] for key, values in metrics.items() if len(values) > lengths.get(key, 0)}
+
+
+def _trl_and_tree_grads(trainer, inputs, rel=1e-5):
+    """Both trainers' gradients of one micro-batch; their loss values, logged metrics and (adaptive entropy)
+    controller steps must agree (within `rel`: bf16 autocast rounds differently in the tree and the padded batch)."""
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    trl.GRPOTrainer.compute_loss(trainer, model, inputs).backward()
-    theirs = grads(model)
+    before = _controller(trainer)
+    trl_loss, trl_metrics = _logged(trainer, lambda: trl.GRPOTrainer.compute_loss(trainer, model, inputs))
+    trl_loss.backward()
+    theirs, after = grads(model), _controller(trainer)
+    trainer.entropy_coef, trainer._last_world_entropy, trainer._entropy_window_stats = before
     model.zero_grad(set_to_none=True)
-    loss = trainer.compute_loss(model, inputs)
+    loss, metrics = _logged(trainer, lambda: trainer.compute_loss(model, inputs))
     assert loss.requires_grad and loss.grad_fn is None  # the trainer's backward on it adds nothing
+    assert loss.item() == pytest.approx(trl_loss.item(), rel=rel, abs=1e-7)
+    assert _controller(trainer)[:2] == pytest.approx(after[:2], rel=rel)
+    assert {key for key in metrics if not key.startswith("tree/")} == set(trl_metrics)
+    for key, value in trl_metrics.items():
+        assert metrics[key] == pytest.approx(value, rel=rel, abs=rel / 100, nan_ok=True), key
     return theirs, grads(model)
 
 
@@ -99,18 +125,41 @@ CASES = {
     "cispo-kl": dict(loss_type="cispo", epsilon_high=1.05, beta=0.1, num_iterations=2),
     "sapo-temperature": dict(loss_type="sapo", temperature=0.7),
     "luspo-delta": dict(loss_type="luspo", delta=1.2, num_iterations=2),
+    # the two-pass path: TRL's own loss on the tree's rows
+    "gspo-kl": dict(importance_sampling_level="sequence", loss_type="grpo", beta=0.04, num_iterations=2),
+    "gspo-dapo-entropy": dict(importance_sampling_level="sequence", entropy_coef=0.01, num_iterations=2),
+    "vespo": dict(loss_type="vespo", num_iterations=2),
+    "top_entropy_quantile": dict(top_entropy_quantile=0.5, entropy_coef=0.02),
+    "off_policy_mask": dict(off_policy_mask_threshold=0.02, num_iterations=2),
+    "adaptive_entropy": dict(use_adaptive_entropy=True, entropy_coef=0.01, entropy_target=10.0,
+                             entropy_coef_delta=0.005, loss_type="bnpo"),
+}
+
+
+SETTING_OFF = {  # the two-pass cases' setting, turned off: the gradient must change
+    "gspo-kl": ("importance_sampling_level", "token"), "gspo-dapo-entropy": ("importance_sampling_level", "token"),
+    "vespo": ("loss_type", "dapo"), "top_entropy_quantile": ("top_entropy_quantile", 1.0),
+    "off_policy_mask": ("off_policy_mask_threshold", None), "adaptive_entropy": ("use_adaptive_entropy", False),
 }
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_tree_gradient_equals_grpo_trainer_on_the_same_batch(folder, tmp_path, case):
     trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, **CASES[case])
-    theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
+    inputs = _batch(trainer)
+    theirs, ours = _trl_and_tree_grads(trainer, inputs)
     assert sum(float(g.abs().sum()) for g in theirs) > 0
-    if "num_iterations" in CASES[case]:  # off-policy: some ratios clip, in both trainers' metrics
+    if "num_iterations" in CASES[case] and case != "vespo":  # off-policy: some ratios clip, in both trainers' metrics
         clipped = "cispo_clip_ratio" if case.startswith("cispo") else "clip_ratio/region_mean"
         assert trainer._metrics["train"][clipped][-1] > 0
+    print(f"{case}: gradient {max_rel_grad_err(ours, theirs):.1e} from TRL's")
     assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
+    if case in SETTING_OFF:
+        name, off = SETTING_OFF[case]
+        setattr(trainer, name, off)
+        trainer.model.zero_grad(set_to_none=True)
+        trainer.compute_loss(trainer.model, inputs)
+        assert max_rel_grad_err(grads(trainer.model), theirs) > 1e-3, f"{name} changed nothing on the test batch"
 
 
 def test_the_test_batch_trips_on_a_wrong_mask(folder, tmp_path):
@@ -188,7 +237,7 @@ def test_bf16_autocast_is_as_close_to_float32_as_trl(folder, tmp_path):
     than 1.5x TRL's own."""
     trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, bf16=True, beta=0.04)
     inputs = _batch(trainer)
-    theirs, ours = _trl_and_tree_grads(trainer, inputs)
+    theirs, ours = _trl_and_tree_grads(trainer, inputs, rel=1e-2)
     trainer.accelerator.autocast = contextlib.nullcontext
     model = trainer.model
     model.zero_grad(set_to_none=True)
@@ -197,6 +246,21 @@ def test_bf16_autocast_is_as_close_to_float32_as_trl(folder, tmp_path):
     print(f"bf16 against float32: tree {max_rel_grad_err(ours, exact):.3g}, TRL {max_rel_grad_err(theirs, exact):.3g}")
     assert max_rel_grad_err(ours, exact) <= 1.5 * max_rel_grad_err(theirs, exact)
     assert max_rel_grad_err(ours, exact) < 0.3
+
+
+def test_cast_lm_head_to_fp32_runs_the_trees_head_in_float32(folder, tmp_path):
+    """cast_lm_head_to_fp32 under bf16 autocast: the engine's head runs in float32 as TRL's fused head (its exactness:
+    tests/test_head.py), and the gradient is as close to the float32 one as TRL's."""
+    trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, bf16=True, beta=0.04, cast_lm_head_to_fp32=True)
+    assert trainer.engine.head_float32 and trainer.model.lm_head.weight.dtype == torch.float32
+    inputs = _batch(trainer)
+    theirs, ours = _trl_and_tree_grads(trainer, inputs, rel=1e-2)
+    trainer.accelerator.autocast = contextlib.nullcontext
+    model = trainer.model
+    model.zero_grad(set_to_none=True)
+    trl.GRPOTrainer.compute_loss(trainer, model, inputs).backward()
+    exact = grads(model)
+    assert max_rel_grad_err(ours, exact) <= 1.5 * max_rel_grad_err(theirs, exact)
 
 
 def test_two_steps_log_the_same_metrics(folder, tmp_path):
@@ -218,18 +282,6 @@ def test_two_steps_log_the_same_metrics(folder, tmp_path):
         assert step_ours["num_tokens"] == step_theirs["num_tokens"]
 
 
-@pytest.mark.parametrize("setting, name", [
-    (dict(loss_type="vespo"), "loss_type='vespo'"),
-    (dict(importance_sampling_level="sequence"), "importance_sampling_level"),
-    (dict(top_entropy_quantile=0.5), "top_entropy_quantile"),
-    (dict(use_adaptive_entropy=True, entropy_coef=0.01), "use_adaptive_entropy"),
-    (dict(off_policy_mask_threshold=0.5), "off_policy_mask_threshold"),
-])
-def test_unsupported_settings_are_refused_by_name(folder, tmp_path, setting, name):
-    with pytest.raises(ValueError, match=name):
-        _trainer(TreeGRPOTrainer, folder, tmp_path, **setting)
-
-
 def test_an_moe_router_aux_loss_is_refused_with_the_setting_that_lifts_it(folder, tmp_path):
     """TRL turns the router aux loss on for every config that has output_router_logits (Qwen3-MoE's default
     router_aux_loss_coef is 0.001): the refusal names router_aux_loss_coef=0.0, and that setting builds the
@@ -243,6 +295,45 @@ def test_an_moe_router_aux_loss_is_refused_with_the_setting_that_lifts_it(folder
     with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.0"):
         _trainer(TreeGRPOTrainer, moe, tmp_path)
     assert not _trainer(TreeGRPOTrainer, moe, tmp_path, router_aux_loss_coef=0.0).aux_loss_enabled
+
+
+def _family_folder(folder, tmp_path, model_type, **config):
+    """A tiny random float32 model of `model_type` (transformers' config of it) with the test tokenizer."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    path = tmp_path / f"tiny-{model_type}"
+    torch.manual_seed(0)
+    base = dict(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=128, head_dim=16, pad_token_id=0, eos_token_id=2, bos_token_id=1)
+    AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **base, **config)).save_pretrained(path)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("model_type, config", [
+    ("cohere2", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
+    ("glm4_moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
+                      n_shared_experts=1)),
+])
+def test_unregistered_families_are_self_checked_when_built_and_then_exact(folder, tmp_path, model_type, config):
+    """Families outside the engine's registry that TRL's tests use: the self-check runs in the constructor, and
+    the gradient then equals TRL's on its batch."""
+    trainer = _trainer(TreeGRPOTrainer, _family_folder(folder, tmp_path, model_type, **config), tmp_path)
+    assert trainer._force == "unchecked"
+    theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
+    assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
+    with pytest.raises(ValueError, match=f"TreeGRPOTrainer: model family '{model_type}' is not supported"):
+        _trainer(TreeGRPOTrainer, trainer.model.name_or_path, tmp_path, unknown_family="refuse")
+
+
+def test_a_family_the_engine_cannot_run_is_refused_when_built(folder, tmp_path, monkeypatch):
+    """nemotron_h (Mamba-2 and attention layers, not in the registry): refused in the constructor with the reason,
+    before anything is generated."""
+    path = _family_folder(folder, tmp_path, "nemotron_h", hybrid_override_pattern="M*", mamba_num_heads=4,
+                          mamba_head_dim=16, ssm_state_size=8, n_groups=1)
+    monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda *a, **k: pytest.fail("generated before refusing"))
+    with pytest.raises(ValueError, match="TreeGRPOTrainer: nemotron_h: .*recurrent or hybrid layers"):
+        _trainer(TreeGRPOTrainer, path, tmp_path)
 
 
 def test_a_trl_version_outside_the_range_is_refused_at_import(monkeypatch):

@@ -83,7 +83,8 @@ def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> b
 
     Raises:
         UnsupportedModelError: "refuse"; recurrent or hybrid layers the registry does not know; attention the
-            engine cannot carry (`families.generic_family`: ALiBi); or a self-check whose error exceeds the bound (the message gives the measured error and the bound).
+            engine cannot carry (`families.generic_family`: ALiBi); or a self-check whose error exceeds the bound (the
+            message gives the measured error and the bound).
     """
     if model.config.model_type in FAMILIES:
         return False

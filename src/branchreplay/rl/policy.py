@@ -53,7 +53,8 @@ class Policy:
     model: a Hugging Face causal LM (a peft model for LoRA), or a critic (`value.ValueModel`).
     temperature: logprobs are of softmax(logits / temperature), the sampler's (1.0 for DPO and a critic).
     engine: the run's `EngineConfig`. method: "branchreplay", "naive" or "padded". force: run an unregistered family
-    (`engine.families.Force`; the trainer's "unchecked" after its own self-check). micro_batch: trees per engine call in `backward` (0 = all at once). dtype: the run's
+    (`engine.families.Force`; the trainer's "unchecked" after its own self-check). micro_batch: trees per engine call in
+    `backward` (0 = all at once). dtype: the run's
     model.dtype ("bfloat16": the forwards under autocast). dp: its `DataParallel` under torchrun, else None. ranks:
     the run's `rl.run.parallel.Ranks`, else None. scope: a context every forward runs in (LoRA's reference: the
     adapter off). optimizer, scheduler: AdamW and its schedule (`make_optimizer`), None for a frozen policy.

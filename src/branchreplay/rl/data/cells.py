@@ -33,7 +33,8 @@ def check_messages(messages, what: str) -> None:
 def check_columns(rows: Iterable[dict], source: str, text: Iterable[str] = (), answers: Iterable[str] = ()) -> None:
     """Every row's `text` columns hold text: a non-empty string, or a non-empty list of chat messages
     (`check_messages`: TRL's conversational format); its `answers` columns a string or a number (what the built-in
-    rewards compare with; a user's reward function gets its columns as they are, as in TRL). `source`: the config field and the file, e.g. "dpo.dataset pairs.jsonl"; rows are
+    rewards compare with; a user's reward function gets its columns as they are, as in TRL). `source`: the config field
+    and the file, e.g. "dpo.dataset pairs.jsonl"; rows are
     counted from 0, as `datasets` indexes them.
 
     Raises:

@@ -1,0 +1,195 @@
+"""What the tree trainers share: the checks when they are built, and TRL's own loss run over the tree's rows.
+
+`TreeTrainerMixin` goes before TRL's trainer in the bases (`class TreeRLOOTrainer(TreeTrainerMixin,
+trl.RLOOTrainer)`). Its training step computes TRL's `_compute_loss` as a function of the rows' per-token logprobs
+and entropies, exactly, in two passes of the execution stack (`engine.sequence.replay_function_backward`):
+
+    pass 1  the tree's logprobs and entropies of every row (no graph), handed to TRL's `_compute_loss` as the
+            [B, C] tensors its `_get_per_token_logps_and_entropies` would have returned (float64 leaves): TRL's
+            formula, its metrics and its state (the adaptive entropy controller) run once, as in TRL;
+    pass 2  the derivatives of that loss with respect to the leaves, back-propagated through the tree.
+
+So any loss TRL computes from those tensors runs exactly, whatever couples a row's tokens (sequence ratios, masks
+read from the entropies or the logprobs); the cost over a token-level loss is one forward pass without a graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import warnings
+
+import torch
+
+from ..check.self_check import PROCESS_VERDICTS, ensure_supported
+from ..engine import EngineConfig, UnsupportedModelError
+from ..engine.families import UNCHECKED, family_of
+from ..engine.sequence import replay_function_backward
+from ..tree import ReplayResult, RolloutTree
+from .rows import batch_rollouts, on_rows, prompt_groups
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images")
+"""Batch keys of vision-language prompts (refused)."""
+
+
+class TreeTrainerMixin:
+    """TRL's trainer with each training micro-batch's forward and backward run over one rollout tree per prompt.
+
+    Args (keywords, besides TRL's own):
+        engine: packing, chunking and replay options (`branchreplay.engine.EngineConfig`); None for the defaults.
+        unknown_family: a model family outside the engine's registry: 'self-check' it when the trainer is built
+            (the engine against the naive per-rollout computation on a small random tree of the model itself;
+            `branchreplay train`'s train.unknown_family) or 'refuse' it.
+
+    Raises (when the trainer is built, before anything is generated):
+        ValueError: naming the config field, for what the tree does not run: active dropout (set
+            disable_dropout=True), fp16 (its loss scaler would not scale the tree's gradients), use_liger_kernel,
+            an MoE router aux loss, DeepSpeed, FSDP, more than one process, and what a subclass adds.
+        UnsupportedModelError (a ValueError): the model's family, when the engine cannot run it (recurrent layers
+            of an unregistered family, ALiBi, an attention implementation without a tree mask) or its self-check
+            fails.
+    Images (vision-language prompts) are refused by name in the first training step.
+    """
+
+    trl_name = "GRPOTrainer"  # TRL's class, for messages
+    config_name = "GRPOConfig"
+
+    def __init__(self, *args, engine: EngineConfig | None = None, unknown_family: str = "self-check", **kwargs):
+        name = type(self).__name__
+        if unknown_family not in ("self-check", "refuse"):
+            raise ValueError(f"{name}: unknown_family={unknown_family!r}; use 'self-check' or 'refuse'")
+        self._tree_outputs = None  # the [B, C] logprobs and entropies TRL's loss reads in pass 1
+        super().__init__(*args, **kwargs)
+        self.engine = engine if engine is not None else EngineConfig()
+        self._force = check_family(self.model, unknown_family, name)
+        if getattr(self.args, "cast_lm_head_to_fp32", False):  # TRL cast the head; its fused head runs in float32
+            self.engine = dataclasses.replace(self.engine, head_float32=True)
+        for refused, why in self._refusals():
+            if refused:
+                raise ValueError(f"{name}: {why}")
+        if not self.args.disable_dropout and any(isinstance(m, torch.nn.Dropout) and m.p > 0
+                                                 for m in self.model.modules()):
+            raise ValueError(f"{name}: the model has active dropout (e.g. a LoraConfig's lora_dropout), which draws "
+                             f"other masks in the tree than in each rollout: set {self.config_name}("
+                             "disable_dropout=True) or the dropout to 0")
+        if self.args.activation_checkpointing:
+            # the tree keeps each pack's activations or replays the pack (engine.replay); transformers' per-layer
+            # checkpoints would drop the prefix cache the children run against
+            warnings.warn(f"{name}: gradient_checkpointing (TRL's default) is replaced by the execution stack's own "
+                          "replay of packs under engine.memory_budget", stacklevel=3)
+            self.args.activation_checkpointing = False
+            if self.model.is_activation_checkpointing:
+                self.model.activation_checkpointing_disable()
+            if hasattr(self.model, "peft_config"):  # TRL's hook for checkpointed adapters: grads through frozen layers
+                self.model.disable_input_require_grads()
+
+    def _refusals(self) -> list[tuple[bool, str]]:
+        """(refused, why) of every setting or setup the tree does not run; a subclass adds its own."""
+        args = self.args
+        distributed = self.accelerator.distributed_type.value
+        name = type(self).__name__
+        return [
+            (args.fp16, "fp16=True: its loss scaler would not scale the tree's gradients; use bf16=True or neither"),
+            (args.use_liger_kernel, "use_liger_kernel=True replaces the model's forward; set it to False"),
+            (self.aux_loss_enabled, "an MoE router aux loss is not run over trees; TRL turns it on for every config "
+             f"that has output_router_logits, so set {self.config_name}(router_aux_loss_coef=0.0) to train "
+             "without it"),
+            (distributed in ("DEEPSPEED", "FSDP"),
+             f"{distributed} is not supported by {name} (ZeRO-3 / FSDP shard the parameters the tree's backward "
+             "writes into); run on one process, or use branchreplay train with torchrun"),
+            (self.accelerator.num_processes > 1,
+             f"{self.accelerator.num_processes} processes: {name} runs on one; for data parallelism use "
+             "branchreplay train with torchrun"),
+        ]
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """Training: the tree's forward and backward (gradients into `param.grad`); returns TRL's loss value as a
+        0-dim float32 leaf tensor that requires grad, so the trainer's own backward on it is a no-op. Evaluation
+        (no grad): TRL's own padded loss."""
+        if return_outputs:
+            raise ValueError(f"The {self.trl_name} does not support returning outputs")
+        if not (self.model.training and torch.is_grad_enabled()):
+            return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if any(inputs.get(key) is not None for key in IMAGE_KEYS):
+            raise ValueError(f"{type(self).__name__}: prompts with images (vision-language models) are not run over "
+                             f"trees; use trl.{self.trl_name}")
+        loss = self._tree_backward(self.accelerator.unwrap_model(model), inputs)
+        return torch.tensor(loss, dtype=torch.float32, device=self.accelerator.device, requires_grad=True)
+
+    def _tree_backward(self, model, inputs) -> float:
+        """The micro-batch's gradient into `param.grad`; returns the loss value `compute_loss` returns. Here: TRL's
+        own loss in two passes (module docstring)."""
+        mask = inputs["completion_mask"]
+        if "tool_mask" in inputs:
+            mask = mask * inputs["tool_mask"]
+        rollouts, lengths = batch_rollouts(inputs, mask)
+        return self._two_pass_backward(model, inputs, mask, rollouts, lengths)
+
+    def _two_pass_backward(self, model, inputs, mask: torch.Tensor, rollouts, lengths: list[int]) -> float:
+        """TRL's `_compute_loss` as a function of the rows' logprobs and entropies, differentiated through the tree
+        (module docstring); the gradient is scaled as transformers' `training_step` scales TRL's loss before its
+        backward (divided by the accumulation steps unless the trainer says its loss already is)."""
+        groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
+        order = [i for group in groups for i in group]
+        trees = [RolloutTree([rollouts[i] for i in group]) for group in groups]
+        keep = mask.bool()
+        old = inputs.get("old_per_token_logps")
+        fill = old.detach().double() if old is not None else torch.zeros(mask.shape, dtype=torch.float64)
+        divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
+        device = inputs["completion_ids"].device
+
+        def in_row_order(values: list[torch.Tensor]) -> list[torch.Tensor]:  # the trees' order -> TRL's rows
+            out = [None] * len(order)
+            for k, i in enumerate(order):
+                out[i] = values[k]
+            return out
+
+        def trl_loss(logprobs: list[torch.Tensor], entropy: list[torch.Tensor]) -> torch.Tensor:
+            logps = on_rows(in_row_order(logprobs), rollouts, lengths, keep, fill)
+            entropies = on_rows(in_row_order(entropy), rollouts, lengths, keep, torch.zeros_like(fill))
+            self._tree_outputs = (logps.to(device), entropies.to(device))
+            try:
+                return super(TreeTrainerMixin, self)._compute_loss(model, inputs) / divisor
+            finally:
+                self._tree_outputs = None
+
+        with self.accelerator.autocast():
+            loss, _, result = replay_function_backward(model, trees, trl_loss, temperature=self.temperature,
+                                                       engine=self.engine, force=self._force)
+        self._log_tree_metrics(result)
+        return loss * divisor
+
+    def _loss_is_scaled_for_accumulation(self) -> bool:
+        """transformers' `Trainer.training_step` rule: whether it leaves the loss as `compute_loss` returned it
+        (True) or divides it by the gradient accumulation steps before the backward."""
+        if self.loss_is_scaled_for_ga is not None:
+            return bool(self.loss_is_scaled_for_ga)
+        return bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
+
+    def _get_per_token_logps_and_entropies(self, *args, **kwargs):
+        """TRL's padded forward, except inside pass 1's call of TRL's loss: the tree's rows then."""
+        if self._tree_outputs is None:
+            return super()._get_per_token_logps_and_entropies(*args, **kwargs)
+        logps, entropies = self._tree_outputs
+        return logps, entropies, None
+
+    def _log_tree_metrics(self, result: ReplayResult) -> None:
+        """tree/logical_tokens, tree/physical_tokens and tree/token_ratio of the pass that trained."""
+        metrics = self._metrics["train"]
+        metrics["tree/logical_tokens"].append(float(result.stats.logical_tokens))
+        metrics["tree/physical_tokens"].append(float(result.stats.physical_tokens))
+        metrics["tree/token_ratio"].append(result.stats.token_ratio)
+
+
+def check_family(model, unknown_family: str, trainer: str):
+    """The engine's `force` for `model` (a PeftModel's base model is checked): False for a registered family,
+    "unchecked" for an unregistered one that passed its self-check; raises `UnsupportedModelError` naming the
+    trainer, the family and the reason otherwise (`check.self_check.ensure_supported`)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    log = logging.getLogger("branchreplay").info
+    try:
+        force = UNCHECKED if ensure_supported(base, unknown_family, PROCESS_VERDICTS, log=log) else False
+        family_of(base, force=force)  # what every family needs: a tree mask, no router loss in the config
+    except UnsupportedModelError as e:
+        raise UnsupportedModelError(f"{trainer}: {e}") from None
+    return force

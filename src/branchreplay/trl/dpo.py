@@ -1,0 +1,122 @@
+"""`TreeDPOTrainer`: TRL 1.16's `DPOTrainer` whose training step runs the execution stack.
+
+    from branchreplay.trl import TreeDPOTrainer    # was: from trl import DPOTrainer
+
+TRL's DPO batch holds each pair as two right-padded rows, all chosen rows then all rejected ones (`input_ids`,
+`attention_mask`, `completion_mask` [2B, S]). Here the rows of one prompt make one tree: a pair's chosen and
+rejected share their prompt and any common start of their responses, and pairs of the same prompt share it too.
+The loss is a function of each row's summed completion logprobs (every loss type of TRL's, its f-divergences,
+`ld_alpha`, WPO's `use_weighting`, the `sft` term), so TRL's own `_compute_loss` runs on the tree's rows in two
+passes (`base.py`): pass 1 gives every row's per-token logprobs, entropies and the fused head's statistics TRL's
+metrics read (`engine.head.HEAD_STATS`), and TRL's loss sees them as its model's output. The reference model's
+logprobs also come from the tree (a forward without a graph), unless TRL precomputed them or the reference is the
+policy's adapters turned off (then TRL's own padded reference forward runs).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import trl
+from trl.trainer.utils import FusedCausalLMOutput
+
+from ..engine import replay_logprobs
+from ..engine.sequence import replay_function_backward
+from ..tree import Rollout, RolloutTree
+from .base import TreeTrainerMixin
+
+
+class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
+    """TRL 1.16's `DPOTrainer` with the padded forward and backward of each micro-batch replaced by the execution
+    stack over one tree per prompt (module docstring): the same gradient (to floating-point tolerance), the prompt
+    and each shared response start computed once.
+
+    Args:
+        *args, **kwargs: exactly `trl.DPOTrainer`'s (model, ref_model, args=DPOConfig, datasets, ...).
+        engine, unknown_family: `base.TreeTrainerMixin`'s.
+
+    Raises: `base.TreeTrainerMixin`'s, when the trainer is built.
+    """
+
+    trl_name = "DPOTrainer"
+    config_name = "DPOConfig"
+    temperature = 1.0  # TRL's DPO scores at temperature 1
+
+    def _tree_backward(self, model, inputs) -> float:
+        rollouts, prompts = pair_rollouts(inputs)
+        groups: dict[tuple, list[int]] = {}
+        for i, prompt in enumerate(prompts):
+            groups.setdefault(prompt, []).append(i)
+        order = [i for group in groups.values() for i in group]
+        trees = [RolloutTree([rollouts[i] for i in group]) for group in groups.values()]
+        stats = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
+        with self.accelerator.autocast():
+            first = replay_logprobs(model, trees, engine=self.engine, force=self._force, head_stats=stats)
+        extra = self._tree_reference(trees, order, rollouts, inputs)
+        divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
+        shape = (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] - 1)
+        device = inputs["input_ids"].device
+
+        def rows(values: list[torch.Tensor]) -> torch.Tensor:
+            """Per rollout [T] (the trees' order) -> TRL's [2B, S - 1] shifted rows, 0 past each row."""
+            out = torch.zeros(shape, dtype=torch.float64, device=device)
+            for k, i in enumerate(order):
+                out[i, : len(values[k]) - 1] = values[k][1:].to(device)
+            return out
+
+        def trl_loss(logprobs: list[torch.Tensor], entropy: list[torch.Tensor]) -> torch.Tensor:
+            outputs = FusedCausalLMOutput(
+                log_probs=rows(logprobs), entropy=rows(entropy),
+                mean_logits=rows(first.head_stats["mean_logits"]), is_top1=rows(first.head_stats["is_top1"]).bool(),
+                log_sum_sq_probs=rows(first.head_stats["log_sum_sq_probs"]) if self.use_weighting else None)
+            with self._reference_given(bool(extra)):
+                return super(TreeTrainerMixin, self)._compute_loss(lambda **kwargs: outputs, {**inputs, **extra},
+                                                                   False) / divisor
+
+        with self.accelerator.autocast():
+            loss, _, result = replay_function_backward(model, trees, trl_loss, engine=self.engine, force=self._force,
+                                                       first=first)
+        self._log_tree_metrics(result)
+        return loss * divisor
+
+    def _tree_reference(self, trees, order, rollouts, inputs) -> dict:
+        """The reference model's summed completion logprobs of the pairs as TRL's precomputed keys (ref_chosen_logps,
+        ref_rejected_logps [B]), from a forward of the trees; {} where TRL computes them itself (precomputed, no
+        separate reference model, or ld_alpha's split of the sums)."""
+        if self.precompute_ref_logps or self.ref_model is None or self.ld_alpha is not None:
+            return {}
+        with self.accelerator.autocast():
+            ref = replay_logprobs(self.ref_model, trees, engine=self.engine, force=self._force)
+        sums = torch.zeros(len(rollouts), dtype=torch.float64)
+        for k, i in enumerate(order):
+            sums[i] = (ref.logprobs[k].double() * rollouts[i].loss_mask).sum()
+        chosen, rejected = sums.to(inputs["input_ids"].device).chunk(2)
+        return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
+
+    @contextlib.contextmanager
+    def _reference_given(self, given: bool):
+        """While TRL's loss runs: read the reference logprobs from the batch when the tree computed them."""
+        before = self.precompute_ref_logps
+        self.precompute_ref_logps = before or given
+        try:
+            yield
+        finally:
+            self.precompute_ref_logps = before
+
+
+def pair_rollouts(inputs: dict) -> tuple[list[Rollout], list[tuple]]:
+    """TRL's DPO batch (right-padded rows: prompt, then completion) as one rollout per row (the tokens where
+    attention_mask is 1, loss mask completion_mask on them) and each row's prompt (the tokens before its
+    completion), for grouping. Raises ValueError for a row whose attention_mask has a gap."""
+    ids, attention, completion = (inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask"))
+    rollouts, prompts = [], []
+    for i in range(ids.shape[0]):
+        n = int(attention[i].sum())
+        if not bool(attention[i, :n].all()):
+            raise ValueError(f"attention_mask row {i} has a gap: TreeDPOTrainer needs right-padded rows")
+        mask = completion[i, :n].double()
+        start = int(mask.nonzero()[0]) if mask.any() else n
+        rollouts.append(Rollout(ids[i, :n], loss_mask=mask))
+        prompts.append(tuple(ids[i, :start].tolist()))
+    return rollouts, prompts

@@ -1,0 +1,74 @@
+"""TRL's padded micro-batch as rollouts, and the tree's per-rollout values back as TRL's rows.
+
+TRL's GRPO and RLOO batches hold left-padded prompts `prompt_ids` / `prompt_mask` [B, P] and right-padded completions
+`completion_ids` / `completion_mask` [B, C] (the mask runs up to the first EOS); a row's rollout is its unpadded
+prompt followed by its completion, and the rows of one prompt make one tree.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tree import Rollout
+
+
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
+    """Rows of a left-padded [B, P] prompt batch grouped by their unpadded prompt, in order of first appearance:
+    one rollout tree per group."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (ids, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
+        groups.setdefault(tuple(t for t, k in zip(ids, keep) if k), []).append(i)
+    return list(groups.values())
+
+
+def batch_rollouts(inputs: dict, mask: torch.Tensor, ratio: torch.Tensor | None = None
+                   ) -> tuple[list[Rollout], list[int]]:
+    """TRL's padded micro-batch as unpadded rollouts, one per row: the prompt ids where `prompt_mask` is 1, then the
+    completion's ids (the leading ones of `completion_mask`, TRL's mask up to the first EOS); loss mask `mask`
+    [B, C] (completion_mask x tool_mask) on the completion; advantages [B] or [B, C], old and reference logprobs
+    [B, C] moved onto the completion's positions (those the batch has); and each row's completion length (tokens).
+    `ratio` ([B, C] or [B, 1], >= 0): vLLM's importance-sampling weights, which TRL multiplies into each token's
+    policy term (not the KL, not the entropy bonus): the term is linear in the advantage, so they go into the
+    advantages. The weights are the caller's. Raises ValueError for a completion_mask with a gap (a zero before a
+    one)."""
+    prompt_ids, prompt_mask = inputs["prompt_ids"].cpu(), inputs["prompt_mask"].cpu().bool()
+    completion_ids, completion_mask, mask = inputs["completion_ids"].cpu(), inputs["completion_mask"].cpu(), mask.cpu()
+    B, C = completion_ids.shape
+    advantages = inputs["advantages"].cpu()
+    advantages = advantages if advantages.dim() == 2 else advantages.unsqueeze(1).expand(B, C)
+    if ratio is not None:
+        advantages = advantages * ratio.cpu().expand(B, C)
+    old, ref = inputs.get("old_per_token_logps"), inputs.get("ref_per_token_logps")
+    rollouts, lengths = [], []
+    for i in range(B):
+        n = int(completion_mask[i].sum())
+        if n and not bool(completion_mask[i, :n].all()):
+            raise ValueError(f"completion_mask row {i} has a gap: the tree trainers need each row's completion "
+                             "first, then padding (tool results are masked out by tool_mask)")
+        prompt = prompt_ids[i][prompt_mask[i]]
+        T = len(prompt) + n
+        rollouts.append(Rollout(
+            torch.cat([prompt, completion_ids[i, :n]]),
+            loss_mask=torch.cat([torch.zeros(len(prompt)), mask[i, :n].float()]),
+            advantages=on_rollout(advantages[i], T, n),
+            old_logprobs=None if old is None else on_rollout(old[i].cpu(), T, n),
+            ref_logprobs=None if ref is None else on_rollout(ref[i].cpu(), T, n)))
+        lengths.append(n)
+    return rollouts, lengths
+
+
+def on_rollout(values: torch.Tensor, T: int, n: int) -> torch.Tensor:
+    """[C] values of a padded row's completion as [T] float64 on the positions of its rollout of T tokens whose
+    last n are the completion: 0 on the prompt."""
+    return torch.cat([torch.zeros(T - n, dtype=torch.float64), values[:n].double()])
+
+
+def on_rows(values: list[torch.Tensor], rollouts: list[Rollout], lengths: list[int], keep: torch.Tensor,
+            fill: torch.Tensor) -> torch.Tensor:
+    """The inverse of `batch_rollouts` for per-rollout values: `values[i]` [T_i] of row i's rollout (the completion
+    its last lengths[i] positions) -> [B, C] float64 (differentiable), `fill` [B, C] where `keep` [B, C] is False
+    (padding, and positions the loss does not read)."""
+    C = keep.shape[1]
+    padded = torch.stack([torch.cat([v[len(r) - n:].double(), v.new_zeros(C - n, dtype=torch.float64)])
+                          for v, r, n in zip(values, rollouts, lengths)])
+    return torch.where(keep.to(padded.device), padded, fill.to(padded))
