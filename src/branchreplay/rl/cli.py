@@ -98,8 +98,7 @@ def _export(args) -> int:
 
 def _vllm_serve(args) -> int:
     """vllm-serve: a vLLM server for a model spec, run from the vLLM venv (`make vllm`) until it is stopped."""
-    import subprocess
-
+    from .rollouts.server_process import run_process_group
     from .rollouts.vllm_client import serve_command, serve_environment
 
     python = Path(args.venv) / "bin" / "python"
@@ -118,10 +117,7 @@ def _vllm_serve(args) -> int:
     command = serve_command(folder, args.host, args.port, str(python), args.max_model_len, args.dtype,
                             args.kv_cache_gib)
     print("starting: " + " ".join(command), file=sys.stderr, flush=True)
-    try:
-        return subprocess.call(command, env=serve_environment(args.threads))
-    except KeyboardInterrupt:
-        return 130
+    return run_process_group(command, env=serve_environment(args.threads))
 
 
 def _set_threads(value: str | None) -> None:
