@@ -118,3 +118,20 @@ def test_head_stats_equal_the_models_own_logits_per_rollout():
             torch.testing.assert_close(ours[at].double(), values[at], rtol=1e-5, atol=1e-6)
             assert not ours[~at].any()
     assert result.head_stats["is_top1"][-1].sum() == 6
+
+
+def test_a_float32_head_refuses_a_head_that_is_not_a_plain_linear_layer():
+    """An adapter on the LM head (a Linear subclass) would be skipped by the float32 projection: refused by name."""
+
+    class AdaptedHead(torch.nn.Linear):
+        pass
+
+    from branchreplay.engine import EngineConfig
+
+    model = tiny_model("llama")
+    old = model.lm_head
+    model.lm_head = AdaptedHead(old.in_features, old.out_features, bias=False)
+    g = torch.Generator().manual_seed(2)
+    tree = RolloutTree(make_rollouts(shared_prompt(8, 2, 4, 256, g), g))
+    with pytest.raises(ValueError, match="engine.head_float32 .* AdaptedHead"):
+        replay_logprobs(model, tree, engine=EngineConfig(head_float32=True))

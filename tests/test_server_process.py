@@ -73,6 +73,31 @@ def test_killing_vllm_serve_by_its_pid_ends_the_server_and_its_children(tmp_path
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
+def test_closing_the_terminal_ends_the_server_too(tmp_path):
+    """SIGHUP (the terminal or SSH session closed) no longer reaches a server in its own session: it is forwarded."""
+    venv, pids = _fake_venv(tmp_path)
+    wrapper = subprocess.Popen([sys.executable, "-m", "branchreplay", "vllm-serve", "--model", str(tmp_path),
+                                "--venv", str(venv)], stderr=subprocess.PIPE, text=True)
+    server, child = _wait_for(pids)
+    wrapper.send_signal(signal.SIGHUP)
+    assert wrapper.wait(timeout=60) == 128 + signal.SIGHUP
+    assert _gone([server, child], 10.0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
+def test_a_server_killed_by_a_signal_gives_the_shells_status(tmp_path):
+    """The OOM killer's SIGKILL of the server: vllm-serve exits 137, as a shell reports it (not -9, which exits 247)."""
+    venv, pids = _fake_venv(tmp_path)
+    code = ("import sys; from branchreplay.rl.rollouts.server_process import run_process_group; "
+            f"sys.exit(run_process_group([{str(venv / 'bin' / 'python')!r}]))")
+    wrapper = subprocess.Popen([sys.executable, "-c", code])
+    server, child = _wait_for(pids)
+    os.kill(server, signal.SIGKILL)
+    assert wrapper.wait(timeout=60) == 137
+    assert _gone([child], 10.0)  # the rest of the group is ended with it
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
 def test_a_server_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     venv, pids = _fake_venv(tmp_path, ignore_term=True)
     code = ("import sys; from branchreplay.rl.rollouts.server_process import run_process_group; "

@@ -94,9 +94,18 @@ def test_tree_gradient_equals_dpo_trainer_on_the_same_batch(folder, tmp_path, ca
 
 
 def test_the_pairs_share_their_prompt_and_response_start_in_one_tree(folder, tmp_path):  # noqa: F811
+    """One tree per prompt, for the policy and for the reference (whose padded forward must not run)."""
     trainer = _trainer(TreeDPOTrainer, folder, tmp_path)
     inputs = _batch(trainer)
     _perturb(trainer)
+    real = trainer.ref_model.forward  # TRL's padded forward asks the fused head; the engine's head check does not
+
+    def forward(*args, **kwargs):
+        if kwargs.get("fused_lm_head"):
+            pytest.fail("the reference ran TRL's padded forward")
+        return real(*args, **kwargs)
+
+    trainer.ref_model.forward = forward
     trainer.compute_loss(trainer.model, inputs)
     metrics = trainer._metrics["train"]
     logical, physical = metrics["tree/logical_tokens"][-1], metrics["tree/physical_tokens"][-1]
@@ -136,3 +145,14 @@ def test_two_dpo_steps_log_the_same_metrics(folder, tmp_path):  # noqa: F811
         for key in step_theirs:
             if key not in ("step_time", "epoch"):
                 assert step_ours[key] == pytest.approx(step_theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def test_evaluation_is_trls_own_and_may_return_outputs(folder, tmp_path):  # noqa: F811
+    """TRL's prediction_step asks for outputs when compute_metrics is set: evaluation runs TRL's padded loss."""
+    trainer = _trainer(TreeDPOTrainer, folder, tmp_path)
+    inputs = _batch(trainer)
+    trainer.model.eval()
+    with torch.no_grad():
+        loss, outputs = trainer.compute_loss(trainer.model, inputs, return_outputs=True)
+    theirs = trl.DPOTrainer.compute_loss(trainer, trainer.model, inputs)
+    assert loss.item() == theirs.item() and outputs is not None

@@ -251,10 +251,17 @@ def test_bf16_autocast_is_as_close_to_float32_as_trl(folder, tmp_path):
 def test_cast_lm_head_to_fp32_runs_the_trees_head_in_float32(folder, tmp_path):
     """cast_lm_head_to_fp32 under bf16 autocast: the engine's head runs in float32 as TRL's fused head (its exactness:
     tests/test_head.py), and the gradient is as close to the float32 one as TRL's."""
+    from branchreplay.engine import head
+
     trainer = _trainer(TreeGRPOTrainer, folder, tmp_path, bf16=True, beta=0.04, cast_lm_head_to_fp32=True)
     assert trainer.engine.head_float32 and trainer.model.lm_head.weight.dtype == torch.float32
     inputs = _batch(trainer)
-    theirs, ours = _trl_and_tree_grads(trainer, inputs, rel=1e-2)
+    calls = []
+    real = head.scaled_logits
+    with pytest.MonkeyPatch.context() as patch:  # the trainer's step reaches the engine's head with float32 on
+        patch.setattr(head, "scaled_logits", lambda *a, **k: calls.append(a[4] if len(a) > 4 else k) or real(*a, **k))
+        theirs, ours = _trl_and_tree_grads(trainer, inputs, rel=1e-2)
+    assert calls and all(c is True for c in calls)
     trainer.accelerator.autocast = contextlib.nullcontext
     model = trainer.model
     model.zero_grad(set_to_none=True)

@@ -208,6 +208,10 @@ class _Run:
         self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
         self.chunk_tokens = engine.chunk_tokens
         self.head_chunk_tokens, self.head_float32 = engine.head_chunk_tokens, engine.head_float32
+        if self.head_float32 and type(self.head) is not torch.nn.Linear:  # e.g. a LoRA adapter on the head
+            raise ValueError(f"engine.head_float32 runs the LM head as a plain linear layer, but the head is a "
+                             f"{type(self.head).__name__}; set engine.head_float32 false (TRL: cast_lm_head_to_fp32"
+                             "=False) or keep adapters off the head")
         self.replay, self.memory_budget = engine.replay, engine.memory_budget
         self.replay_set: set[int] = set()
         self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)

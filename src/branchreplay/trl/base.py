@@ -106,10 +106,10 @@ class TreeTrainerMixin:
         """Training: the tree's forward and backward (gradients into `param.grad`); returns TRL's loss value as a
         0-dim float32 leaf tensor that requires grad, so the trainer's own backward on it is a no-op. Evaluation
         (no grad): TRL's own padded loss."""
-        if return_outputs:
-            raise ValueError(f"The {self.trl_name} does not support returning outputs")
-        if not (self.model.training and torch.is_grad_enabled()):
+        if not (self.model.training and torch.is_grad_enabled()):  # evaluation (DPO's may ask for outputs)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if return_outputs:
+            raise ValueError(f"{type(self).__name__}: a training step does not return outputs")
         if any(inputs.get(key) is not None for key in IMAGE_KEYS):
             raise ValueError(f"{type(self).__name__}: prompts with images (vision-language models) are not run over "
                              f"trees; use trl.{self.trl_name}")

@@ -41,7 +41,6 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
 
     trl_name = "DPOTrainer"
     config_name = "DPOConfig"
-    temperature = 1.0  # TRL's DPO scores at temperature 1
 
     def _tree_backward(self, model, inputs) -> float:
         rollouts, prompts = pair_rollouts(inputs)
