@@ -52,6 +52,19 @@ def _wait_for(pids, seconds=60.0):
     return [int(p) for p in pids.read_text().split()]
 
 
+def _vllm_serve(tmp_path, venv):
+    """`branchreplay vllm-serve` with the fake venv's python as the server."""
+    return subprocess.Popen([sys.executable, "-m", "branchreplay", "vllm-serve", "--model", str(tmp_path),
+                             "--venv", str(venv)], stderr=subprocess.PIPE, text=True)
+
+
+def _run_process_group(venv, grace_s=30.0):
+    """`run_process_group` of the fake venv's python, in a process of its own."""
+    code = ("import sys; from branchreplay.rl.rollouts.server_process import run_process_group; "
+            f"sys.exit(run_process_group([{str(venv / 'bin' / 'python')!r}], grace_s={grace_s}))")
+    return subprocess.Popen([sys.executable, "-c", code])
+
+
 def _gone(pids, seconds):
     deadline = time.monotonic() + seconds
     while any(_alive(p) for p in pids) and time.monotonic() < deadline:
@@ -63,8 +76,7 @@ def _gone(pids, seconds):
 @pytest.mark.parametrize("signum, status", [(signal.SIGTERM, 143), (signal.SIGINT, 130)])
 def test_killing_vllm_serve_by_its_pid_ends_the_server_and_its_children(tmp_path, signum, status):
     venv, pids = _fake_venv(tmp_path)
-    wrapper = subprocess.Popen([sys.executable, "-m", "branchreplay", "vllm-serve", "--model", str(tmp_path),
-                                "--venv", str(venv)], stderr=subprocess.PIPE, text=True)
+    wrapper = _vllm_serve(tmp_path, venv)
     server, child = _wait_for(pids)
     assert os.getpgid(server) == server != os.getpgid(wrapper.pid)  # the server leads its own group
     wrapper.send_signal(signum)
@@ -76,8 +88,7 @@ def test_killing_vllm_serve_by_its_pid_ends_the_server_and_its_children(tmp_path
 def test_closing_the_terminal_ends_the_server_too(tmp_path):
     """SIGHUP (the terminal or SSH session closed) no longer reaches a server in its own session: it is forwarded."""
     venv, pids = _fake_venv(tmp_path)
-    wrapper = subprocess.Popen([sys.executable, "-m", "branchreplay", "vllm-serve", "--model", str(tmp_path),
-                                "--venv", str(venv)], stderr=subprocess.PIPE, text=True)
+    wrapper = _vllm_serve(tmp_path, venv)
     server, child = _wait_for(pids)
     wrapper.send_signal(signal.SIGHUP)
     assert wrapper.wait(timeout=60) == 128 + signal.SIGHUP
@@ -88,9 +99,7 @@ def test_closing_the_terminal_ends_the_server_too(tmp_path):
 def test_a_server_killed_by_a_signal_gives_the_shells_status(tmp_path):
     """The OOM killer's SIGKILL of the server: vllm-serve exits 137, as a shell reports it (not -9, which exits 247)."""
     venv, pids = _fake_venv(tmp_path)
-    code = ("import sys; from branchreplay.rl.rollouts.server_process import run_process_group; "
-            f"sys.exit(run_process_group([{str(venv / 'bin' / 'python')!r}]))")
-    wrapper = subprocess.Popen([sys.executable, "-c", code])
+    wrapper = _run_process_group(venv)
     server, child = _wait_for(pids)
     os.kill(server, signal.SIGKILL)
     assert wrapper.wait(timeout=60) == 137
@@ -100,9 +109,7 @@ def test_a_server_killed_by_a_signal_gives_the_shells_status(tmp_path):
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc: Linux")
 def test_a_server_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path):
     venv, pids = _fake_venv(tmp_path, ignore_term=True)
-    code = ("import sys; from branchreplay.rl.rollouts.server_process import run_process_group; "
-            f"sys.exit(run_process_group([{str(venv / 'bin' / 'python')!r}], grace_s=1.0))")
-    wrapper = subprocess.Popen([sys.executable, "-c", code])
+    wrapper = _run_process_group(venv, grace_s=1.0)
     server, child = _wait_for(pids)
     wrapper.terminate()
     assert wrapper.wait(timeout=60) == 143
@@ -113,9 +120,7 @@ def test_a_server_that_ignores_sigterm_is_killed_after_the_grace_period(tmp_path
 def test_the_server_ends_when_vllm_serve_is_killed_outright(tmp_path):
     """SIGKILL cannot be forwarded: the server's first process gets SIGTERM from the kernel (PR_SET_PDEATHSIG)."""
     venv, pids = _fake_venv(tmp_path)
-    code = ("import sys; from branchreplay.rl.rollouts.server_process import run_process_group; "
-            f"sys.exit(run_process_group([{str(venv / 'bin' / 'python')!r}]))")
-    wrapper = subprocess.Popen([sys.executable, "-c", code])
+    wrapper = _run_process_group(venv)
     server, child = _wait_for(pids)
     wrapper.kill()
     wrapper.wait(timeout=60)

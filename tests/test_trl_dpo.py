@@ -15,7 +15,7 @@ from conftest import grads
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeDPOTrainer  # noqa: E402
-from test_trl_trainer import _logged, folder  # noqa: E402, F401 (a fixture)
+from test_trl_trainer import _logged, folder, two_step_logs  # noqa: E402, F401 (folder: a fixture)
 
 PAIRS = {  # prompt, chosen, rejected (the word tokenizer's ids; "2" ends)
     "prompt": ["1 3 4 5 6", "5 6", "7 8 9", "5 6"],
@@ -132,16 +132,8 @@ def test_the_dpo_batch_trips_on_a_swapped_pair(folder, tmp_path):  # noqa: F811
 
 
 def test_two_dpo_steps_log_the_same_metrics(folder, tmp_path):  # noqa: F811
-    logs = {}
-    for cls in (trl.DPOTrainer, TreeDPOTrainer):
-        trainer = _trainer(cls, folder, tmp_path)
-        trainer.train()
-        logs[cls] = [h for h in trainer.state.log_history if "loss" in h]
-    theirs, ours = logs[trl.DPOTrainer], logs[TreeDPOTrainer]
-    assert len(theirs) == len(ours) == 2
-    for step_theirs, step_ours in zip(theirs, ours):
-        assert step_ours["tree/token_ratio"] > 1.0
-        assert set(step_theirs) <= set(step_ours)
+    steps = two_step_logs(lambda cls: _trainer(cls, folder, tmp_path), trl.DPOTrainer, TreeDPOTrainer, key="loss")
+    for step_theirs, step_ours in steps:
         for key in step_theirs:
             if key not in ("step_time", "epoch"):
                 assert step_ours[key] == pytest.approx(step_theirs[key], rel=1e-4, abs=1e-6), key

@@ -14,7 +14,7 @@ from conftest import grads
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeRLOOTrainer  # noqa: E402
-from test_trl_trainer import PROMPTS, G, C, _logged, folder, length_reward  # noqa: E402, F401 (a fixture)
+from test_trl_trainer import PROMPTS, G, C, _logged, folder, length_reward, two_step_logs  # noqa: E402, F401
 
 
 def _trainer(cls, model_folder, tmp_path, **config):
@@ -107,16 +107,8 @@ def test_the_rloo_batch_trips_on_a_wrong_mask(folder, tmp_path):  # noqa: F811
 
 
 def test_two_rloo_steps_log_the_same_metrics(folder, tmp_path):  # noqa: F811
-    logs = {}
-    for cls in (trl.RLOOTrainer, TreeRLOOTrainer):
-        trainer = _trainer(cls, folder, tmp_path, beta=0.05)
-        trainer.train()
-        logs[cls] = [h for h in trainer.state.log_history if "reward" in h]
-    theirs, ours = logs[trl.RLOOTrainer], logs[TreeRLOOTrainer]
-    assert len(theirs) == len(ours) == 2
-    for step_theirs, step_ours in zip(theirs, ours):
-        assert step_ours["tree/token_ratio"] > 1.0
-        assert set(step_theirs) <= set(step_ours)
+    steps = two_step_logs(lambda cls: _trainer(cls, folder, tmp_path, beta=0.05), trl.RLOOTrainer, TreeRLOOTrainer)
+    for step_theirs, step_ours in steps:
         for key in ("reward", "grad_norm", "entropy", "clip_ratio/region_mean", "completions/mean_length"):
             assert step_ours[key] == pytest.approx(step_theirs[key], rel=1e-4, abs=1e-6), key
         # on-policy the loss is about 0: sum_i A_i exp(logp_i - old_logp_i) over zero-mean advantages, where the

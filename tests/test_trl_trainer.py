@@ -270,19 +270,26 @@ def test_cast_lm_head_to_fp32_runs_the_trees_head_in_float32(folder, tmp_path):
     assert max_rel_grad_err(ours, exact) <= 1.5 * max_rel_grad_err(theirs, exact)
 
 
+def two_step_logs(make, trl_cls, tree_cls, key: str = "reward") -> list[tuple[dict, dict]]:
+    """Both trainers (`make(cls)` builds one) trained 2 steps from one seed: per step (TRL's log, the tree's), after
+    checking that there are 2, that the tree logs every key TRL logs and that it shared prefixes."""
+    logs = {}
+    for cls in (trl_cls, tree_cls):
+        trainer = make(cls)
+        trainer.train()
+        logs[cls] = [h for h in trainer.state.log_history if key in h]
+    assert len(logs[trl_cls]) == len(logs[tree_cls]) == 2
+    for theirs, ours in zip(logs[trl_cls], logs[tree_cls]):
+        assert ours["tree/token_ratio"] > 1.0
+        assert set(theirs) <= set(ours)
+    return list(zip(logs[trl_cls], logs[tree_cls]))
+
+
 def test_two_steps_log_the_same_metrics(folder, tmp_path):
     """Same seed, same config (TRL's defaults: dapo, gradient checkpointing on): after 2 steps the logged loss,
     reward, entropy, KL, clip ratios and gradient norms agree, and the tree adds tree/* metrics."""
-    logs = {}
-    for cls in (trl.GRPOTrainer, TreeGRPOTrainer):
-        trainer = _trainer(cls, folder, tmp_path, beta=0.04)
-        trainer.train()
-        logs[cls] = [h for h in trainer.state.log_history if "reward" in h]
-    theirs, ours = logs[trl.GRPOTrainer], logs[TreeGRPOTrainer]
-    assert len(theirs) == len(ours) == 2
-    for step_theirs, step_ours in zip(theirs, ours):
-        assert step_ours["tree/token_ratio"] > 1.0
-        assert set(step_theirs) <= set(step_ours)
+    steps = two_step_logs(lambda cls: _trainer(cls, folder, tmp_path, beta=0.04), trl.GRPOTrainer, TreeGRPOTrainer)
+    for step_theirs, step_ours in steps:
         for key in ("reward", "rewards/length_reward/mean", "grad_norm", "entropy", "kl", "loss",
                     "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max", "completions/mean_length"):
             assert step_ours[key] == pytest.approx(step_theirs[key], rel=1e-4, abs=1e-6), key
