@@ -77,6 +77,7 @@ CASES = {
     "wpo-weighting": dict(use_weighting=True),
     "ld_alpha": dict(ld_alpha=0.5),  # the reference forward is TRL's own here
     "js-divergence": dict(f_divergence_type="js_divergence", beta=0.3),
+    "alpha-divergence": dict(f_divergence_type="alpha_divergence", f_alpha_divergence_coef=0.5),
     "precomputed-reference": dict(precompute_ref_log_probs=True),
     "accumulation": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2),
 }

@@ -52,7 +52,10 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         stats = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
         with self.accelerator.autocast():
             first = replay_logprobs(model, trees, engine=self.engine, force=self._force, head_stats=stats)
-        extra = self._tree_reference(trees, order, rollouts, inputs)
+        # the dtype of TRL's fused head outputs: float32, float64 for a float64 model (TRL's alpha-divergence looks
+        # up its clamp by this dtype)
+        dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
+        extra = self._tree_reference(trees, order, rollouts, inputs, dtype)
         divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
         shape = (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] - 1)
         device = inputs["input_ids"].device
@@ -62,7 +65,7 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
             out = torch.zeros(shape, dtype=torch.float64, device=device)
             for k, i in enumerate(order):
                 out[i, : len(values[k]) - 1] = values[k][1:].to(device)
-            return out
+            return out.to(dtype)
 
         def trl_loss(logprobs: list[torch.Tensor], entropy: list[torch.Tensor]) -> torch.Tensor:
             outputs = FusedCausalLMOutput(
@@ -79,9 +82,9 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         self._log_tree_metrics(result)
         return loss * divisor
 
-    def _tree_reference(self, trees, order, rollouts, inputs) -> dict:
+    def _tree_reference(self, trees, order, rollouts, inputs, dtype: torch.dtype) -> dict:
         """The reference model's summed completion logprobs of the pairs as TRL's precomputed keys (ref_chosen_logps,
-        ref_rejected_logps [B]), from a forward of the trees; {} where TRL computes them itself (precomputed, no
+        ref_rejected_logps [B] in `dtype`), from a forward of the trees; {} where TRL computes them itself (precomputed, no
         separate reference model, or ld_alpha's split of the sums)."""
         if self.precompute_ref_logps or self.ref_model is None or self.ld_alpha is not None:
             return {}
@@ -90,7 +93,7 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         sums = torch.zeros(len(rollouts), dtype=torch.float64)
         for k, i in enumerate(order):
             sums[i] = (ref.logprobs[k].double() * rollouts[i].loss_mask).sum()
-        chosen, rejected = sums.to(inputs["input_ids"].device).chunk(2)
+        chosen, rejected = sums.to(inputs["input_ids"].device, dtype).chunk(2)
         return {"ref_chosen_logps": chosen, "ref_rejected_logps": rejected}
 
     @contextlib.contextmanager
