@@ -14,7 +14,8 @@ from conftest import grads
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeRLOOTrainer  # noqa: E402
-from test_trl_trainer import PROMPTS, G, C, _logged, folder, length_reward, two_step_logs  # noqa: E402, F401
+from test_trl_trainer import (PROMPTS, G, C, _logged, cut_batch, folder, length_reward,  # noqa: E402, F401
+                              two_step_logs)
 
 
 def _trainer(cls, model_folder, tmp_path, **config):
@@ -32,14 +33,8 @@ def _trainer(cls, model_folder, tmp_path, **config):
 def _batch(trainer, shift=0.0):
     """One micro-batch as TRL makes it, rows cut to different lengths (their old logprobs summed again), old
     logprobs moved by up to `shift` / 2 nats."""
-    trainer.model.train()
-    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
-    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
-    assert not bool(inputs["prompt_mask"].all()), "the batch should have left-padded prompts"
-    mask = inputs["completion_mask"].clone()
-    for row, n in ((1, 3), (4, 5), (5, 1)):
-        mask[row, n:] = 0
-    inputs["completion_mask"] = mask
+    inputs = cut_batch(trainer)
+    mask = inputs["completion_mask"]
     with torch.no_grad():  # the sampling policy's summed logprobs of the cut rows (TRL's padded forward)
         ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], dim=1)
         attention = torch.cat([inputs["prompt_mask"], mask], dim=1)

@@ -61,9 +61,9 @@ def _trainer(cls, folder, tmp_path, unknown_family=None, **config):
                processing_class=AutoTokenizer.from_pretrained(folder), **extra)
 
 
-def _batch(trainer):
-    """One micro-batch as TRL makes it, then made harder: rows cut to different lengths, a tool-masked span, old
-    logprobs moved off-policy so that ratios clip (if the config has them)."""
+def cut_batch(trainer) -> dict:
+    """One micro-batch as TRL's GRPO or RLOO trainer makes it (left-padded prompts), its rows 1, 4 and 5 cut to 3,
+    5 and 1 completion tokens."""
     trainer.model.train()
     trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
     inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
@@ -72,6 +72,14 @@ def _batch(trainer):
     for row, n in ((1, 3), (4, 5), (5, 1)):
         mask[row, n:] = 0
     inputs["completion_mask"] = mask
+    return inputs
+
+
+def _batch(trainer):
+    """`cut_batch`, then made harder: a tool-masked span, old logprobs moved off-policy so that ratios clip (if the
+    config has them)."""
+    inputs = cut_batch(trainer)
+    mask = inputs["completion_mask"]
     tool = torch.ones_like(mask)
     tool[2, 2:5] = 0
     inputs["tool_mask"] = tool

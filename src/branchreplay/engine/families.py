@@ -228,3 +228,22 @@ def state_bytes_per_token(config, dtype) -> tuple[int, int]:
     full = sum(per_position for w, a in zip(windows[:n], attention) if a and w is None)
     sliding = sum(per_position * (w - 1) for w, a in zip(windows[:n], attention) if a and w is not None)
     return full, sliding
+
+
+def check_no_dropout(model) -> None:
+    """Active dropout draws a different mask in the tree and in each rollout: the gradients would not be equal.
+    Raises ValueError naming the first dropout modules (or the config's attention_dropout / router_jitter_noise)
+    of a model in training mode."""
+    if not model.training:
+        return
+    active = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
+    p_attn = getattr(model.config, "attention_dropout", 0.0) or 0.0
+    jitter = getattr(model.config, "router_jitter_noise", 0.0) or 0.0  # Mixtral: random router input scaling
+    if active or p_attn > 0 or jitter > 0:
+        where = ", ".join(active[:3]) or (
+            f"attention_dropout={p_attn}" if p_attn > 0 else f"router_jitter_noise={jitter}"
+        )
+        raise ValueError(
+            f"the model has active dropout ({where}); call model.eval() or set the dropout probabilities to 0: "
+            "dropout breaks the equivalence with the per-rollout computation"
+        )

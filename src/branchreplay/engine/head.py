@@ -172,6 +172,15 @@ def scaled_logits(head, hidden: torch.Tensor, temperature: float, transform: Log
     return logits / temperature
 
 
+def check_float32_head(head) -> None:
+    """`head_logprobs(float32=True)` runs a plain linear layer's weight and bias; raises ValueError for any other
+    head (e.g. a LoRA adapter on it, which the float32 projection would skip)."""
+    if type(head) is not torch.nn.Linear:
+        raise ValueError(f"engine.head_float32 runs the LM head as a plain linear layer, but the head is a "
+                         f"{type(head).__name__}; set engine.head_float32 false (TRL: cast_lm_head_to_fp32=False) "
+                         "or keep adapters off the head")
+
+
 HEAD_STATS = ("mean_logits", "is_top1", "log_sum_sq_probs")
 """Per-token statistics of the next-token distribution besides the logprob and entropy, as TRL 1.16's fused LM head
 names them (trl/trainer/utils.py `FusedCausalLMOutput`): the mean over the vocabulary of the temperature-scaled

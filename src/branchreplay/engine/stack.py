@@ -40,8 +40,8 @@ from .config import EngineConfig
 from .context_parallel import ContextParallelTree, run_prefix
 from .lockstep import BACKWARD, FORWARD, LockStep, drain
 from .embedding import DeferredEmbeddingGrad
-from .families import Force, family_of, layer_windows
-from .head import check_head, decoder_and_head, head_statistics, token_logprobs, token_values
+from .families import Force, check_no_dropout, family_of, layer_windows
+from .head import check_float32_head, check_head, decoder_and_head, head_statistics, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .packs import batched_packs, chunked, is_batch, packs, spans
 from .planner import default_budget, memory_model, plan
@@ -119,8 +119,7 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
-    run = _Run(model, temperature, engine, loss, force)
-    run.head_stats = tuple(head_stats)
+    run = _Run(model, temperature, engine, loss, force, tuple(head_stats))
     _check_context_parallel(trees, run.rotaries)
     for tree in trees:
         run.check(tree)
@@ -174,19 +173,21 @@ def _check_context_parallel(trees: list, rotaries) -> None:
 def _in_order(result: ReplayResult, order: list[int]) -> ReplayResult:
     """`result` of rollouts `order` (sub-forests one after another) with its per-rollout lists in rollout order."""
     position = {i: k for k, i in enumerate(order)}
+    def reordered(values: list) -> list:
+        return [values[position[i]] for i in range(len(order))]
+
     for name in ("logprobs", "entropy", "values"):
-        values = getattr(result, name)
-        if values:
-            setattr(result, name, [values[position[i]] for i in range(len(order))])
-    result.head_stats = {name: [values[position[i]] for i in range(len(order))]
-                         for name, values in result.head_stats.items()}
+        if getattr(result, name):
+            setattr(result, name, reordered(getattr(result, name)))
+    result.head_stats = {name: reordered(values) for name, values in result.head_stats.items()}
     return result
 
 
 class _Run:
     """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
 
-    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: Force = False):
+    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: Force = False,
+                 head_stats: tuple[str, ...] = ()):
         self.family = family_of(model, force=force)
         self.config = model.config
         self.decoder, self.head, self.transform = decoder_and_head(model)  # transform: head.py
@@ -208,21 +209,19 @@ class _Run:
         self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
         self.chunk_tokens = engine.chunk_tokens
         self.head_chunk_tokens, self.head_float32 = engine.head_chunk_tokens, engine.head_float32
-        if self.head_float32 and type(self.head) is not torch.nn.Linear:  # e.g. a LoRA adapter on the head
-            raise ValueError(f"engine.head_float32 runs the LM head as a plain linear layer, but the head is a "
-                             f"{type(self.head).__name__}; set engine.head_float32 false (TRL: cast_lm_head_to_fp32"
-                             "=False) or keep adapters off the head")
+        if self.head_float32:
+            check_float32_head(self.head)
         self.replay, self.memory_budget = engine.replay, engine.memory_budget
         self.replay_set: set[int] = set()
         self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)
-        self.head_stats: tuple[str, ...] = ()  # `replay_logprobs(head_stats=...)`
+        self.head_stats = head_stats  # `replay_logprobs(head_stats=...)`
         self.lockstep = False  # every forward and backward in step with the other ranks (`lockstep.py`)
         embedding = self.decoder.get_input_embeddings()
         self.deferred = DeferredEmbeddingGrad(embedding) if loss is not None and embedding.weight.requires_grad \
             else None
         self.model = model
         self.loss = loss
-        _check_no_dropout(model)
+        check_no_dropout(model)
         check_head(model)
         checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older name:
         if checkpointing is None:
@@ -483,20 +482,3 @@ def _matmul_params(decoder) -> int:
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
     return x.detach().requires_grad_(True)
-
-
-def _check_no_dropout(model) -> None:
-    """Active dropout draws a different mask in the tree and in each rollout: the gradients would not be equal."""
-    if not model.training:
-        return
-    active = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Dropout) and m.p > 0 and m.training]
-    p_attn = getattr(model.config, "attention_dropout", 0.0) or 0.0
-    jitter = getattr(model.config, "router_jitter_noise", 0.0) or 0.0  # Mixtral: random router input scaling
-    if active or p_attn > 0 or jitter > 0:
-        where = ", ".join(active[:3]) or (
-            f"attention_dropout={p_attn}" if p_attn > 0 else f"router_jitter_noise={jitter}"
-        )
-        raise ValueError(
-            f"the model has active dropout ({where}); call model.eval() or set the dropout probabilities to 0: "
-            "dropout breaks the equivalence with the per-rollout computation"
-        )

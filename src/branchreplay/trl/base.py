@@ -25,8 +25,8 @@ from ..check.self_check import PROCESS_VERDICTS, ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError
 from ..engine.families import UNCHECKED, family_of
 from ..engine.sequence import replay_function_backward
-from ..tree import ReplayResult, RolloutTree
-from .rows import batch_rollouts, on_rows, prompt_groups
+from ..tree import ReplayResult
+from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_mask
 
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images")
 """Batch keys of vision-language prompts (refused)."""
@@ -119,9 +119,7 @@ class TreeTrainerMixin:
     def _tree_backward(self, model, inputs) -> float:
         """The micro-batch's gradient into `param.grad`; returns the loss value `compute_loss` returns. Here: TRL's
         own loss in two passes (module docstring)."""
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
+        mask = trained_mask(inputs)
         rollouts, lengths = batch_rollouts(inputs, mask)
         return self._two_pass_backward(model, inputs, mask, rollouts, lengths)
 
@@ -129,24 +127,16 @@ class TreeTrainerMixin:
         """TRL's `_compute_loss` as a function of the rows' logprobs and entropies, differentiated through the tree
         (module docstring); the gradient is scaled as transformers' `training_step` scales TRL's loss before its
         backward (divided by the accumulation steps unless the trainer says its loss already is)."""
-        groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
-        order = [i for group in groups for i in group]
-        trees = [RolloutTree([rollouts[i] for i in group]) for group in groups]
+        trees, order = prompt_trees(inputs, rollouts)
         keep = mask.bool()
         old = inputs.get("old_per_token_logps")
         fill = old.detach().double() if old is not None else torch.zeros(mask.shape, dtype=torch.float64)
         divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
         device = inputs["completion_ids"].device
 
-        def in_row_order(values: list[torch.Tensor]) -> list[torch.Tensor]:  # the trees' order -> TRL's rows
-            out = [None] * len(order)
-            for k, i in enumerate(order):
-                out[i] = values[k]
-            return out
-
         def trl_loss(logprobs: list[torch.Tensor], entropy: list[torch.Tensor]) -> torch.Tensor:
-            logps = on_rows(in_row_order(logprobs), rollouts, lengths, keep, fill)
-            entropies = on_rows(in_row_order(entropy), rollouts, lengths, keep, torch.zeros_like(fill))
+            logps = on_rows(in_row_order(logprobs, order), rollouts, lengths, keep, fill)
+            entropies = on_rows(in_row_order(entropy, order), rollouts, lengths, keep, torch.zeros_like(fill))
             self._tree_outputs = (logps.to(device), entropies.to(device))
             try:
                 return super(TreeTrainerMixin, self)._compute_loss(model, inputs) / divisor

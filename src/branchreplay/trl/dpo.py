@@ -83,9 +83,9 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         return loss * divisor
 
     def _tree_reference(self, trees, order, rollouts, inputs, dtype: torch.dtype) -> dict:
-        """The reference model's summed completion logprobs of the pairs as TRL's precomputed keys (ref_chosen_logps,
-        ref_rejected_logps [B] in `dtype`), from a forward of the trees; {} where TRL computes them itself (precomputed, no
-        separate reference model, or ld_alpha's split of the sums)."""
+        """The reference model's summed completion logprobs of the pairs as TRL's precomputed keys
+        (ref_chosen_logps, ref_rejected_logps [B] in `dtype`), from a forward of the trees; {} where TRL computes
+        them itself (precomputed, no separate reference model, or ld_alpha's split of the sums)."""
         if self.precompute_ref_logps or self.ref_model is None or self.ld_alpha is not None:
             return {}
         with self.accelerator.autocast():

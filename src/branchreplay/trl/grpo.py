@@ -18,9 +18,8 @@ import trl
 
 from ..engine import replay_backward
 from ..losses import GRPOLoss, token_weights
-from ..tree import RolloutTree
 from .base import TreeTrainerMixin
-from .rows import batch_rollouts, prompt_groups
+from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_mask
 
 SUPPORTED_LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo", "cispo", "sapo", "luspo", "vespo")
 """GRPOConfig.loss_type values the tree runs exactly as TRL: every loss type of TRL 1.16."""
@@ -51,12 +50,9 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
     """
 
     def _tree_backward(self, model, inputs) -> float:
-        mask = inputs["completion_mask"]
-        if "tool_mask" in inputs:
-            mask = mask * inputs["tool_mask"]
         if self._loss_reads_whole_rows():
-            rollouts, lengths = batch_rollouts(inputs, mask)
-            return self._two_pass_backward(model, inputs, mask, rollouts, lengths)
+            return super()._tree_backward(model, inputs)  # TRL's own loss, two passes
+        mask = trained_mask(inputs)
         ratio = inputs.get("importance_sampling_ratio") if self.use_vllm and self.vllm_importance_sampling_correction \
             else None
         rollouts, lengths = batch_rollouts(inputs, mask, ratio)
@@ -75,16 +71,13 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
                            entropy_tokens=float(mask.sum()) * accumulation, loss_type=self.loss_type,
                            sapo_temperature_pos=self.args.sapo_temperature_pos,
                            sapo_temperature_neg=self.args.sapo_temperature_neg)
-        groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
-        trees = [RolloutTree([rollouts[i] for i in group]) for group in groups]
+        trees, order = prompt_trees(inputs, rollouts)
         with self.accelerator.autocast():
             result = replay_backward(model, trees, loss_fn, temperature=self.temperature, engine=self.engine,
                                      force=self._force)
-        logps, entropies = (torch.zeros(mask.shape, dtype=torch.float64) for _ in range(2))
-        for k, i in enumerate(i for group in groups for i in group):
-            n = lengths[i]
-            logps[i, :n] = result.logprobs[k][len(rollouts[i]) - n:]
-            entropies[i, :n] = result.entropy[k][len(rollouts[i]) - n:]
+        every, zeros = torch.ones(mask.shape, dtype=torch.bool), torch.zeros(mask.shape, dtype=torch.float64)
+        logps, entropies = (on_rows(in_row_order(values, order), rollouts, lengths, every, zeros)
+                            for values in (result.logprobs, result.entropy))
         self._log_loss_metrics(inputs, mask.double().cpu(), logps, entropies, result)
         return result.loss
 

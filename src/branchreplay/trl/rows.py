@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tree import Rollout
+from ..tree import Rollout, RolloutTree
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
@@ -19,6 +19,28 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[l
     for i, (ids, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
         groups.setdefault(tuple(t for t, k in zip(ids, keep) if k), []).append(i)
     return list(groups.values())
+
+
+def trained_mask(inputs: dict) -> torch.Tensor:
+    """[B, C] the completion positions TRL's loss trains: completion_mask, times tool_mask where the batch has one
+    (tool results inside a completion)."""
+    mask = inputs["completion_mask"]
+    return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
+
+
+def prompt_trees(inputs: dict, rollouts: list[Rollout]) -> tuple[list[RolloutTree], list[int]]:
+    """One tree per prompt of the batch (`prompt_groups`) and the row of each of their rollouts, in the trees'
+    order (what a `ReplayResult` over them lists)."""
+    groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
+    return [RolloutTree([rollouts[i] for i in group]) for group in groups], [i for group in groups for i in group]
+
+
+def in_row_order(values: list, order: list[int]) -> list:
+    """Per-rollout values in the trees' order (row `order[k]` is the k-th) -> in TRL's row order."""
+    out = [None] * len(order)
+    for k, i in enumerate(order):
+        out[i] = values[k]
+    return out
 
 
 def batch_rollouts(inputs: dict, mask: torch.Tensor, ratio: torch.Tensor | None = None
