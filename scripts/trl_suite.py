@@ -188,6 +188,10 @@ def main() -> int:
     ap.add_argument("--work", type=Path, default=None, help="work folder (default: a new temporary one)")
     ap.add_argument("pytest_args", nargs="*", help="more pytest arguments after --, e.g. -- -k 'not vllm'")
     a = ap.parse_args()
+    for part in ("tests", "scripts"):
+        if not (a.trl_src / part / ("test_grpo_trainer.py" if part == "tests" else "")).exists():
+            ap.error(f"--trl-src {a.trl_src}: no {part}/ of a TRL source checkout there (fetch TRL's repository and "
+                     "pass its root)")
     from transformers import AutoTokenizer
 
     from branchreplay.models import default_model_dir
