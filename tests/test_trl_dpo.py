@@ -15,7 +15,7 @@ from conftest import grads
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeDPOTrainer  # noqa: E402
-from test_trl_trainer import _logged, folder, two_step_logs  # noqa: E402, F401 (folder: a fixture)
+from test_trl_trainer import _logged, folder, moe_folder, two_step_logs  # noqa: E402, F401 (fixtures)
 
 PAIRS = {  # prompt, chosen, rejected (the word tokenizer's ids; "2" ends)
     "prompt": ["1 3 4 5 6", "5 6", "7 8 9", "5 6"],
@@ -91,6 +91,17 @@ def test_tree_gradient_equals_dpo_trainer_on_the_same_batch(folder, tmp_path, ca
     theirs, ours = _trl_and_tree_grads(trainer, inputs)
     assert sum(float(g.abs().sum()) for g in theirs) > 0
     print(f"{case}: gradient {max_rel_grad_err(ours, theirs):.1e} from TRL's")
+    assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
+
+
+def test_moe_router_aux_loss_over_the_tree_equals_dpo_trainer(moe_folder, tmp_path):  # noqa: F811
+    """TRL's router load-balancing loss of an MoE model over the pairs' one forward (every real token of the chosen
+    and rejected rows counted): equal over the tree."""
+    trainer = _trainer(TreeDPOTrainer, moe_folder, tmp_path, router_aux_loss_coef=0.5)
+    inputs = _batch(trainer)
+    _perturb(trainer)
+    theirs, ours = _trl_and_tree_grads(trainer, inputs)
+    assert trainer._metrics["train"]["aux_loss"][-1] > 0
     assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
 
 

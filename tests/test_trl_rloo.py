@@ -15,7 +15,7 @@ trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.
 
 from branchreplay.trl import TreeRLOOTrainer  # noqa: E402
 from test_trl_trainer import (PROMPTS, G, C, _logged, cut_batch, folder, length_reward,  # noqa: E402, F401
-                              two_step_logs)
+                              moe_folder, two_step_logs)
 
 
 def _trainer(cls, model_folder, tmp_path, **config):
@@ -83,6 +83,14 @@ def test_tree_gradient_equals_rloo_trainer_on_the_same_batch(folder, tmp_path, c
     if shift:
         assert trainer._metrics["train"]["clip_ratio/region_mean"][-1] > 0
     print(f"{case}: gradient {max_rel_grad_err(ours, theirs):.1e} from TRL's")
+    assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
+
+
+def test_moe_router_aux_loss_over_the_tree_equals_rloo_trainer(moe_folder, tmp_path):  # noqa: F811
+    """TRL's router load-balancing loss of an MoE model (test_trl_trainer.py's GRPO case): equal over the tree."""
+    trainer = _trainer(TreeRLOOTrainer, moe_folder, tmp_path, router_aux_loss_coef=0.5)
+    theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
+    assert trainer._metrics["train"]["aux_loss"][-1] > 0
     assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
 
 

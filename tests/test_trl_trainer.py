@@ -304,19 +304,36 @@ def test_two_steps_log_the_same_metrics(folder, tmp_path):
         assert step_ours["num_tokens"] == step_theirs["num_tokens"]
 
 
-def test_an_moe_router_aux_loss_is_refused_with_the_setting_that_lifts_it(folder, tmp_path):
-    """TRL turns the router aux loss on for every config that has output_router_logits (Qwen3-MoE's default
-    router_aux_loss_coef is 0.001): the refusal names router_aux_loss_coef=0.0, and that setting builds the
-    trainer (turning off output_router_logits, the advice before, did not)."""
+@pytest.fixture(scope="module")
+def moe_folder(folder, tmp_path_factory):
+    """A tiny random float32 Qwen3-MoE (4 experts, top 2) with the test tokenizer; TRL turns its router aux loss on
+    (the config has output_router_logits, and router_aux_loss_coef 0.001)."""
     from transformers import AutoTokenizer
 
-    moe = tmp_path / "tiny-qwen3-moe"
+    path = tmp_path_factory.mktemp("tiny-qwen3-moe")
     torch.manual_seed(0)
-    tiny_model("qwen3_moe", dtype=torch.float32).save_pretrained(moe)
-    AutoTokenizer.from_pretrained(folder).save_pretrained(moe)
-    with pytest.raises(ValueError, match=r"router_aux_loss_coef=0.0"):
-        _trainer(TreeGRPOTrainer, moe, tmp_path)
-    assert not _trainer(TreeGRPOTrainer, moe, tmp_path, router_aux_loss_coef=0.0).aux_loss_enabled
+    tiny_model("qwen3_moe", dtype=torch.float32).save_pretrained(path)
+    AutoTokenizer.from_pretrained(folder).save_pretrained(path)
+    return path
+
+
+@pytest.mark.parametrize("config", [dict(router_aux_loss_coef=0.5), dict(router_aux_loss_coef=0.5, beta=0.04,
+                                                                         importance_sampling_level="sequence")])
+def test_moe_router_aux_loss_over_the_tree_equals_trl(moe_folder, tmp_path, config):
+    """The router load-balancing loss TRL adds (transformers' load_balancing_loss_func over the padded batch, every
+    real token counted) runs over the tree, each shared position counted once per row: the gradient, the loss and
+    the aux_loss metric equal TRL's; with the coefficient at 0 the gradient changes."""
+    trainer = _trainer(TreeGRPOTrainer, moe_folder, tmp_path, **config)
+    assert trainer.aux_loss_enabled
+    inputs = _batch(trainer)
+    theirs, ours = _trl_and_tree_grads(trainer, inputs)
+    assert trainer._metrics["train"]["aux_loss"][-1] > 0
+    print(f"router aux loss: gradient {max_rel_grad_err(ours, theirs):.1e} from TRL's")
+    assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
+    trainer.aux_loss_enabled = False
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.compute_loss(trainer.model, inputs)
+    assert max_rel_grad_err(grads(trainer.model), theirs) > 1e-3
 
 
 def _family_folder(folder, tmp_path, model_type, **config):

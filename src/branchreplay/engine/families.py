@@ -52,10 +52,11 @@ class Family:
 
     Mixture of experts (Mixtral, Qwen3-MoE): routing is per position (router logits, top-k and expert weights
     depend only on that position's hidden state), so a shared position's routing is shared like its logprob and
-    the engine runs the experts' own forward unchanged. The router load-balancing auxiliary loss is EXCLUDED: it
-    couples all the tokens of a batch (product of mean routing fractions and mean router probabilities), so it is
-    not a sum over nodes; transformers adds it only in `ForCausalLM.forward` when `output_router_logits` is True,
-    and `family_of` refuses such a config so that no one trains believing it is on. Router jitter noise (Mixtral,
+    the engine runs the experts' own forward unchanged. The router load-balancing auxiliary loss couples all the
+    tokens of a batch (product of mean routing fractions and mean router probabilities), so it is not a sum over
+    nodes; transformers adds it only in `ForCausalLM.forward` when `output_router_logits` is True, and `family_of`
+    refuses such a config so that no one trains believing it is on, unless the caller computes it over the tree in
+    two passes (`router.py`; the TRL drop-ins). Router jitter noise (Mixtral,
     training mode only) is random, like dropout, and refused by the engine.
     """
 
@@ -79,7 +80,7 @@ FAMILIES: dict[str, Family] = {
     # the engine's LM head, engine/head.py); Gemma3: Gemma3ForCausalLM (text only)
     "gemma2": Family("gemma2", mask_mapping=True),
     "gemma3_text": Family("gemma3_text", mask_mapping=True),
-    # mixture of experts: see the Family docstring (router aux loss excluded, output_router_logits refused)
+    # mixture of experts: see the Family docstring (router aux loss: router.py)
     "qwen3_moe": Family("qwen3_moe", mask_mapping=False, uniform_window=True),
     "mixtral": Family("mixtral", mask_mapping=False, uniform_window=True),
     # recurrent and hybrid families (engine/recurrent.py); their packs hold one node, so mask_mapping is unused
@@ -101,9 +102,11 @@ after `check.self_check` passed on the model (once per model class, config and d
 runs it without that check (the caller checked: `branchreplay verify --force`, the trainer's own self-check)."""
 
 
-def family_of(model, force: Force = False) -> Family:
+def family_of(model, force: Force = False, router_loss: bool = False) -> Family:
     """The registry entry for `model`; with `force`, a family not in the registry gets `generic_family(model)`
     instead of a refusal, after its self-check passed (`force=True`) or without one (`force="unchecked"`).
+    `router_loss`: the caller computes the MoE router load-balancing loss (`router.RouterLoss`), so a config with
+    `output_router_logits` is not refused.
 
     Raises:
         UnsupportedModelError: the family is not registered (and not `force`), the attention implementation cannot
@@ -127,10 +130,11 @@ def family_of(model, force: Force = False) -> Family:
             f"attention implementation '{impl}' cannot take the tree mask; load the model with "
             f"attn_implementation='sdpa' (or 'eager')"
         )
-    if getattr(config, "output_router_logits", False):
+    if getattr(config, "output_router_logits", False) and not router_loss:
         raise UnsupportedModelError(
-            f"{model_type}: config.output_router_logits is True, but the router load-balancing loss is not computed "
-            "by branchreplay (it is not a sum over the tree's nodes); set model.config.output_router_logits = False"
+            f"{model_type}: config.output_router_logits is True, but this run does not compute the router "
+            "load-balancing loss (branchreplay.trl's trainers do, engine.router.RouterLoss); set "
+            "model.config.output_router_logits = False"
         )
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UnsupportedModelError(f"{model_type}: bidirectional attention; the engine runs causal LMs only")

@@ -33,6 +33,7 @@ from ..tree import ReplayResult, Rollout, RolloutTree
 from .config import EngineConfig
 from .context_parallel import ContextParallelTree
 from .families import Force
+from .router import RouterLoss
 from .stack import replay_backward, replay_logprobs
 
 SequenceLoss = Callable[[torch.Tensor], torch.Tensor]
@@ -45,13 +46,16 @@ must not depend on them there) of the N rollouts of all the trees, in order -> s
 
 def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss: TokenFunctionLoss, *,
                              temperature: float = 1.0, engine: EngineConfig = EngineConfig(), force: Force = False,
-                             first: ReplayResult | None = None, final_backward=None
-                             ) -> tuple[float, ReplayResult, ReplayResult]:
+                             first: ReplayResult | None = None, final_backward=None,
+                             router: RouterLoss | None = None) -> tuple[float, ReplayResult, ReplayResult]:
     """Gradients of `loss`(logprobs, entropies) into `param.grad`, as its `.backward()` on the naive per-rollout
     logprobs would give them (module docstring).
 
     `first`: pass 1's result under the current weights (a `replay_logprobs` of the same trees the caller ran, e.g.
     the old-policy pass of the first update): pass 1 is then skipped. `final_backward` as `replay_backward`.
+    `router`: a fresh `router.RouterLoss` for an MoE model's router load-balancing loss: pass 1 sums its
+    statistics (or `first` was run with it), `loss` reads its value as `router.aux` (a float64 leaf) and pass 2
+    adds its gradient.
     Returns (the loss value, pass 1's result, pass 2's). Each rollout's `weights` and advantages are ignored (the
     loss decides); only `loss_mask` positions enter. Same errors as `replay_backward`; raises ValueError when `loss`
     does not return a finite scalar, or `first` has another number of rollouts.
@@ -59,12 +63,12 @@ def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     rollouts = [r for t in trees for r in t.rollouts]
     if first is None:
-        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force)
+        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force, router=router)
     if len(first.logprobs) != len(rollouts):
         raise ValueError(f"first holds {len(first.logprobs)} rollouts, the trees {len(rollouts)}")
-    value, g, h = function_coefficients(loss, first.logprobs, first.entropy)
+    value, g, h = function_coefficients(loss, first.logprobs, first.entropy, router)
     second = replay_backward(model, linear_trees(trees, g, h), linear_loss, temperature=temperature, engine=engine,
-                             force=force, final_backward=final_backward)
+                             force=force, final_backward=final_backward, router=router)
     return value, first, second
 
 
@@ -100,17 +104,22 @@ def sequence_sums(logprobs: list[torch.Tensor], rollouts: list[Rollout]) -> torc
     return torch.stack([(lp.double() * r.loss_mask).sum() for lp, r in zip(logprobs, rollouts)])
 
 
-def function_coefficients(loss: TokenFunctionLoss, logprobs: list[torch.Tensor], entropy: list[torch.Tensor]
-                          ) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
+def function_coefficients(loss: TokenFunctionLoss, logprobs: list[torch.Tensor], entropy: list[torch.Tensor],
+                          router: RouterLoss | None = None) -> tuple[float, list[torch.Tensor], list[torch.Tensor]]:
     """Pass 1's derivatives: (the loss value, g = dL/dlogp and h = dL/dH per rollout [T] float64) of `loss` at the
-    rollouts' `logprobs` and `entropy` (per rollout [T]), by autograd on float64 leaves. Raises ValueError when
-    `loss` does not return a finite scalar."""
+    rollouts' `logprobs` and `entropy` (per rollout [T]), by autograd on float64 leaves; with `router` (after its
+    pass 1), also dL/daux at `router.aux`, handed to `router.set_gradient`. Raises ValueError when `loss` does not
+    return a finite scalar."""
     logprobs = [lp.double().clone().requires_grad_(True) for lp in logprobs]
     entropy = [e.double().clone().requires_grad_(True) for e in entropy]
+    aux = [router.value()] if router is not None else []
     value = loss(logprobs, entropy)
     if value.dim() != 0 or not torch.isfinite(value):
         raise ValueError(f"the loss must return a finite scalar, got {value!r}")
-    grads = torch.autograd.grad(value, logprobs + entropy, allow_unused=True)
+    grads = torch.autograd.grad(value, logprobs + entropy + aux, allow_unused=True)
+    if router is not None:
+        router.set_gradient(0.0 if grads[-1] is None else float(grads[-1]))
+        grads = grads[:-1]
     n = len(logprobs)
     g = [torch.zeros_like(lp) if d is None else d for lp, d in zip(logprobs, grads[:n])]
     h = [torch.zeros_like(e) if d is None else d for e, d in zip(entropy, grads[n:])]

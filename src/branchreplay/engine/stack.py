@@ -48,6 +48,7 @@ from .planner import default_budget, memory_model, plan
 from .schedule import attention_per_key, schedule
 from .positions import held_at_length, length_dependent_rotaries, regimes
 from .recurrent import EngineForwards, layer_kinds
+from .router import RouterLoss, routed, taken
 
 
 def replay_backward(
@@ -60,6 +61,7 @@ def replay_backward(
     force: Force = False,
     final_backward: contextlib.AbstractContextManager | None = None,
     lockstep: bool = False,
+    router: RouterLoss | None = None,
 ) -> ReplayResult:
     """Forward and backward of `loss` over every rollout of `trees`, each unique position computed once.
 
@@ -82,6 +84,8 @@ def replay_backward(
         lockstep: run every decoder forward and backward in step with the other ranks of the default process group
             (`lockstep.LockStep`: FSDP2 with its parameters gathered per layer); every backward then runs through
             every layer. Every rank must make the same number of calls with it.
+        router: the MoE router load-balancing loss's pass 2 (`router.RouterLoss`, after its pass 1 and
+            `set_gradient`): its gradient is added to the loss's.
     A tree whose rollouts fall in different regimes of a length-dependent rotary encoding (longrope, dynamic NTK:
     `engine/positions.py`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
 
@@ -93,7 +97,7 @@ def replay_backward(
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
-    return _replay(model, trees, loss, temperature, engine, force, final_backward, lockstep)
+    return _replay(model, trees, loss, temperature, engine, force, final_backward, lockstep, router=router)
 
 
 @torch.no_grad()
@@ -106,25 +110,31 @@ def replay_logprobs(
     force: Force = False,
     lockstep: bool = False,
     head_stats: tuple[str, ...] = (),
+    router: RouterLoss | None = None,
 ) -> ReplayResult:
     """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
     rollout alone. Same arguments and errors as `replay_backward`; `head_stats`: names of `head.HEAD_STATS` to
-    return too (`ReplayResult.head_stats`; TRL's DPO metrics read them)."""
-    return _replay(model, trees, None, temperature, engine, force, None, lockstep, head_stats)
+    return too (`ReplayResult.head_stats`; TRL's DPO metrics read them); `router`: a fresh `router.RouterLoss`
+    that sums the MoE router load-balancing loss's statistics over the trees (its pass 1)."""
+    return _replay(model, trees, None, temperature, engine, force, None, lockstep, head_stats, router)
 
 
-def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force = False,
-            final_backward=None, lockstep: bool = False, head_stats: tuple[str, ...] = ()) -> ReplayResult:
+def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force = False, final_backward=None,
+            lockstep: bool = False, head_stats: tuple[str, ...] = (), router: RouterLoss | None = None
+            ) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
-    run = _Run(model, temperature, engine, loss, force, tuple(head_stats))
+    run = _Run(model, temperature, engine, loss, force, tuple(head_stats), router)
     _check_context_parallel(trees, run.rotaries)
+    if router is not None and (lockstep or any(isinstance(t, ContextParallelTree) for t in trees)):
+        raise ValueError("the MoE router loss runs on one process: not with lockstep or context parallelism")
     for tree in trees:
         run.check(tree)
     run.lockstep = lockstep
-    with run.prefix_split:  # the model runs split prefix attention until the last tree is done (attention.py)
+    attached = router.attached() if router is not None else contextlib.nullcontext()
+    with run.prefix_split, attached:  # split prefix attention until the last tree is done (attention.py)
         events = _trees(run, model, trees, final_backward)
         results = LockStep(run.dummy_forward, loss is not None).run(events) if lockstep else drain(events)
     if run.deferred is not None:  # what the packs left of the input embedding's gradient (embedding.py)
@@ -187,8 +197,9 @@ class _Run:
     """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
 
     def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: Force = False,
-                 head_stats: tuple[str, ...] = ()):
-        self.family = family_of(model, force=force)
+                 head_stats: tuple[str, ...] = (), router: RouterLoss | None = None):
+        self.family = family_of(model, force=force, router_loss=router is not None)
+        self.router = router  # the MoE router loss: each token's rollout count at each decoder call (router.py)
         self.config = model.config
         self.decoder, self.head, self.transform = decoder_and_head(model)  # transform: head.py
         self.windows = layer_windows(model.config)
@@ -321,6 +332,7 @@ class _Run:
         yield FORWARD
         with torch.no_grad() if replay else contextlib.nullcontext(), capture() as embedded:
             hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
+        router_terms = taken(self.router)  # none from a replayed pack's no-grad forward
         pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
         node_spans = spans(nodes)
         leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children
@@ -340,6 +352,7 @@ class _Run:
             yield FORWARD
             with capture() as embedded:
                 hidden, cache = self.forward(nodes, P, ancestors)
+            router_terms = taken(self.router)
             pack_loss = self.pack_loss(nodes, hidden, parent_h)
         outputs, grads = [], []
         for (a, b), state_leaves, h_leaf in leaves:
@@ -354,6 +367,8 @@ class _Run:
             self.loss_value += pack_loss.item()
             outputs.append(pack_loss)
             grads.append(torch.ones_like(pack_loss))
+        outputs += router_terms
+        grads += [torch.ones_like(t) for t in router_terms]
         # backward outside an active autocast (its ops take the forward's dtypes; PyTorch's AMP notes advise so)
         no_autocast = torch.autocast(self.device.type, enabled=False)
         if final or self.lockstep:  # through every layer (and its collectives), even with nothing to carry back
@@ -393,7 +408,7 @@ class _Run:
                                 split=split)
             positions = (P + torch.arange(lengths[0], device=self.device)).expand_as(tokens)
             mask = own_keys_mask(None, lengths[0], self.dtype, self.device) if split else None
-            with self.engine_forwards:
+            with self.engine_forwards, routed(self.router, nodes, self.device):
                 out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
                                    use_cache=True)
             return out.last_hidden_state.reshape(tokens.numel(), -1), cache  # rows in the order of `packs.spans`
@@ -410,7 +425,7 @@ class _Run:
             mask = tree_mask(P, local, segment, self.windows, self.dtype, self.family.mask_mapping)
         else:
             mask = None
-        with self.engine_forwards:
+        with self.engine_forwards, routed(self.router, nodes, self.device):
             out = self.decoder(input_ids=tokens, position_ids=(P + local)[None], attention_mask=mask, cache=cache,
                                use_cache=True)
         return out.last_hidden_state[0], cache

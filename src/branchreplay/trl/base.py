@@ -24,6 +24,7 @@ import torch
 from ..check.self_check import PROCESS_VERDICTS, ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError
 from ..engine.families import UNCHECKED, family_of
+from ..engine.router import RouterLoss
 from ..engine.sequence import replay_function_backward
 from ..tree import ReplayResult
 from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_mask
@@ -44,7 +45,7 @@ class TreeTrainerMixin:
     Raises (when the trainer is built, before anything is generated):
         ValueError: naming the config field, for what the tree does not run: active dropout (set
             disable_dropout=True), fp16 (its loss scaler would not scale the tree's gradients), use_liger_kernel,
-            an MoE router aux loss, DeepSpeed, FSDP, more than one process, and what a subclass adds.
+            DeepSpeed, FSDP, more than one process, and what a subclass adds.
         UnsupportedModelError (a ValueError): the model's family, when the engine cannot run it (recurrent layers
             of an unregistered family, ALiBi, an attention implementation without a tree mask) or its self-check
             fails.
@@ -58,10 +59,10 @@ class TreeTrainerMixin:
         name = type(self).__name__
         if unknown_family not in ("self-check", "refuse"):
             raise ValueError(f"{name}: unknown_family={unknown_family!r}; use 'self-check' or 'refuse'")
-        self._tree_outputs = None  # the [B, C] logprobs and entropies TRL's loss reads in pass 1
+        self._tree_outputs = None  # the [B, C] logprobs and entropies (and router aux loss) TRL's loss reads
         super().__init__(*args, **kwargs)
         self.engine = engine if engine is not None else EngineConfig()
-        self._force = check_family(self.model, unknown_family, name)
+        self._force = check_family(self.model, unknown_family, name, router_loss=self.aux_loss_enabled)
         if getattr(self.args, "cast_lm_head_to_fp32", False):  # TRL cast the head; its fused head runs in float32
             self.engine = dataclasses.replace(self.engine, head_float32=True)
         for refused, why in self._refusals():
@@ -91,9 +92,6 @@ class TreeTrainerMixin:
         return [
             (args.fp16, "fp16=True: its loss scaler would not scale the tree's gradients; use bf16=True or neither"),
             (args.use_liger_kernel, "use_liger_kernel=True replaces the model's forward; set it to False"),
-            (self.aux_loss_enabled, "an MoE router aux loss is not run over trees; TRL turns it on for every config "
-             f"that has output_router_logits, so set {self.config_name}(router_aux_loss_coef=0.0) to train "
-             "without it"),
             (distributed in ("DEEPSPEED", "FSDP"),
              f"{distributed} is not supported by {name} (ZeRO-3 / FSDP shard the parameters the tree's backward "
              "writes into); run on one process, or use branchreplay train with torchrun"),
@@ -133,11 +131,12 @@ class TreeTrainerMixin:
         fill = old.detach().double() if old is not None else torch.zeros(mask.shape, dtype=torch.float64)
         divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
         device = inputs["completion_ids"].device
+        router = self._router_loss(model)
 
         def trl_loss(logprobs: list[torch.Tensor], entropy: list[torch.Tensor]) -> torch.Tensor:
             logps = on_rows(in_row_order(logprobs, order), rollouts, lengths, keep, fill)
             entropies = on_rows(in_row_order(entropy, order), rollouts, lengths, keep, torch.zeros_like(fill))
-            self._tree_outputs = (logps.to(device), entropies.to(device))
+            self._tree_outputs = (logps.to(device), entropies.to(device), router.aux if router else None)
             try:
                 return super(TreeTrainerMixin, self)._compute_loss(model, inputs) / divisor
             finally:
@@ -145,9 +144,16 @@ class TreeTrainerMixin:
 
         with self.accelerator.autocast():
             loss, _, result = replay_function_backward(model, trees, trl_loss, temperature=self.temperature,
-                                                       engine=self.engine, force=self._force)
+                                                       engine=self.engine, force=self._force, router=router)
         self._log_tree_metrics(result)
         return loss * divisor
+
+    def _router_loss(self, model) -> RouterLoss | None:
+        """The MoE router load-balancing loss over the micro-batch's trees where TRL adds it (`aux_loss_enabled`:
+        the config has output_router_logits and router_aux_loss_coef != 0), else None. TRL computes it over one
+        forward of the whole micro-batch, every real prompt and completion token counted (its attention_mask): the
+        tree counts each position once per row through it (`engine.router`)."""
+        return RouterLoss(model) if self.aux_loss_enabled else None
 
     def _loss_is_scaled_for_accumulation(self) -> bool:
         """transformers' `Trainer.training_step` rule: whether it leaves the loss as `compute_loss` returned it
@@ -160,8 +166,7 @@ class TreeTrainerMixin:
         """TRL's padded forward, except inside pass 1's call of TRL's loss: the tree's rows then."""
         if self._tree_outputs is None:
             return super()._get_per_token_logps_and_entropies(*args, **kwargs)
-        logps, entropies = self._tree_outputs
-        return logps, entropies, None
+        return self._tree_outputs
 
     def _log_tree_metrics(self, result: ReplayResult) -> None:
         """tree/logical_tokens, tree/physical_tokens and tree/token_ratio of the pass that trained."""
@@ -171,15 +176,16 @@ class TreeTrainerMixin:
         metrics["tree/token_ratio"].append(result.stats.token_ratio)
 
 
-def check_family(model, unknown_family: str, trainer: str):
+def check_family(model, unknown_family: str, trainer: str, router_loss: bool = False):
     """The engine's `force` for `model` (a PeftModel's base model is checked): False for a registered family,
     "unchecked" for an unregistered one that passed its self-check; raises `UnsupportedModelError` naming the
-    trainer, the family and the reason otherwise (`check.self_check.ensure_supported`)."""
+    trainer, the family and the reason otherwise (`check.self_check.ensure_supported`). `router_loss`: the trainer
+    computes the MoE router loss over the trees (`engine.families.family_of`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     log = logging.getLogger("branchreplay").info
     try:
         force = UNCHECKED if ensure_supported(base, unknown_family, PROCESS_VERDICTS, log=log) else False
-        family_of(base, force=force)  # what every family needs: a tree mask, no router loss in the config
+        family_of(base, force=force, router_loss=router_loss)  # what every family needs: a tree mask, ...
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{trainer}: {e}") from None
     return force

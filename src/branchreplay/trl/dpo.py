@@ -50,8 +50,10 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         order = [i for group in groups.values() for i in group]
         trees = [RolloutTree([rollouts[i] for i in group]) for group in groups.values()]
         stats = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
+        router = self._router_loss(model)
         with self.accelerator.autocast():
-            first = replay_logprobs(model, trees, engine=self.engine, force=self._force, head_stats=stats)
+            first = replay_logprobs(model, trees, engine=self.engine, force=self._force, head_stats=stats,
+                                    router=router)
         # the dtype of TRL's fused head outputs: float32, float64 for a float64 model (TRL's alpha-divergence looks
         # up its clamp by this dtype)
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
@@ -71,14 +73,15 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
             outputs = FusedCausalLMOutput(
                 log_probs=rows(logprobs), entropy=rows(entropy),
                 mean_logits=rows(first.head_stats["mean_logits"]), is_top1=rows(first.head_stats["is_top1"]).bool(),
-                log_sum_sq_probs=rows(first.head_stats["log_sum_sq_probs"]) if self.use_weighting else None)
+                log_sum_sq_probs=rows(first.head_stats["log_sum_sq_probs"]) if self.use_weighting else None,
+                aux_loss=router.aux if router else None)
             with self._reference_given(bool(extra)):
                 return super(TreeTrainerMixin, self)._compute_loss(lambda **kwargs: outputs, {**inputs, **extra},
                                                                    False) / divisor
 
         with self.accelerator.autocast():
             loss, _, result = replay_function_backward(model, trees, trl_loss, engine=self.engine, force=self._force,
-                                                       first=first)
+                                                       first=first, router=router)
         self._log_tree_metrics(result)
         return loss * divisor
 

@@ -38,13 +38,14 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
     `use_bias_correction_kl`), `entropy_coef` fixed or `use_adaptive_entropy`, `epsilon` / `epsilon_high`, `delta`,
     `importance_sampling_level` 'token' or 'sequence' (GSPO), `top_entropy_quantile`, `off_policy_mask_threshold`,
     `num_iterations`, `steps_per_generation`, gradient accumulation, `temperature`, `bf16` autocast,
-    `cast_lm_head_to_fp32`, `gradient_checkpointing` (the tree keeps its own activations, so it is switched off: a
+    `cast_lm_head_to_fp32`, `router_aux_loss_coef` (MoE models), `gradient_checkpointing` (the tree keeps its own activations, so it is switched off: a
     notice says so), TRL's tools (`tool_mask`), and vLLM's importance-sampling correction (every mode).
 
     Two paths, both exact: the token-level settings run in one pass of the execution stack (`losses.GRPOLoss`,
     TRL's formula per node). GSPO's sequence ratio, vespo's sequence weights, the entropy quantile mask, the
-    off-policy sequence mask and the adaptive entropy controller run TRL's own `_compute_loss` on the tree's rows
-    in two passes (`base.TreeTrainerMixin`), for one more forward pass without a graph.
+    off-policy sequence mask, the adaptive entropy controller and an MoE model's router aux loss run TRL's own
+    `_compute_loss` on the tree's rows in two passes (`base.TreeTrainerMixin`), for one more forward pass without
+    a graph.
 
     Raises: `base.TreeTrainerMixin`'s, when the trainer is built.
     """
@@ -86,7 +87,7 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
         two-pass path)."""
         return (self.importance_sampling_level == "sequence" or self.loss_type == "vespo"
                 or self.top_entropy_quantile < 1.0 or self.off_policy_mask_threshold is not None
-                or self.use_adaptive_entropy)
+                or self.use_adaptive_entropy or self.aux_loss_enabled)
 
     def _refusals(self) -> list[tuple[bool, str]]:
         return super()._refusals() + [
