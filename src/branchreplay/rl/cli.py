@@ -29,6 +29,8 @@ def add_commands(sub) -> None:
     s.add_argument("--max-model-len", type=int, default=None, help="tokens of context (default: the model's)")
     s.add_argument("--threads", type=int, default=None, help="CPU cores for the server (default: all)")
     s.add_argument("--kv-cache-gib", type=float, default=4.0, help="GiB of KV cache the server reserves")
+    s.add_argument("--lora-rank", type=int, default=None,
+                   help="serve LoRA adapters up to this rank (a run with model.lora_r syncs its adapter)")
     s.add_argument("--venv", default=".venv-vllm", help="the vLLM virtual environment (`make vllm`)")
     s.set_defaults(func=_vllm_serve)
 
@@ -115,7 +117,7 @@ def _vllm_serve(args) -> int:
 
             load_model(args.model)
     command = serve_command(folder, args.host, args.port, str(python), args.max_model_len, args.dtype,
-                            args.kv_cache_gib)
+                            args.kv_cache_gib, args.lora_rank)
     print("starting: " + " ".join(command), file=sys.stderr, flush=True)
     return run_process_group(command, env=serve_environment(args.threads))
 

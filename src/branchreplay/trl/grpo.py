@@ -38,8 +38,9 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
     `use_bias_correction_kl`), `entropy_coef` fixed or `use_adaptive_entropy`, `epsilon` / `epsilon_high`, `delta`,
     `importance_sampling_level` 'token' or 'sequence' (GSPO), `top_entropy_quantile`, `off_policy_mask_threshold`,
     `num_iterations`, `steps_per_generation`, gradient accumulation, `temperature`, `bf16` autocast,
-    `cast_lm_head_to_fp32`, `router_aux_loss_coef` (MoE models), `gradient_checkpointing` (the tree keeps its own activations, so it is switched off: a
-    notice says so), TRL's tools (`tool_mask`), and vLLM's importance-sampling correction (every mode).
+    `cast_lm_head_to_fp32`, `router_aux_loss_coef` (MoE models), `gradient_checkpointing` (the tree keeps its own
+    activations, so it is switched off: a notice says so), TRL's tools (`tool_mask`), and vLLM's importance-sampling
+    correction (every mode).
 
     Two paths, both exact: the token-level settings run in one pass of the execution stack (`losses.GRPOLoss`,
     TRL's formula per node). GSPO's sequence ratio, vespo's sequence weights, the entropy quantile mask, the

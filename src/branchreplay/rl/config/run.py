@@ -107,10 +107,7 @@ class Config:
 
     def _check_vllm(self) -> None:
         s = self.sampling
-        refused = [(self.agent.environment is not None, "a multi-turn task (agent.environment)"),
-                   (bool(s.branching), "sampling.branching (vLLM samples independent completions)"),
-                   (self.algorithm == "dpo", "algorithm=dpo (nothing is sampled)"),
-                   (self.model.lora_r > 0, "LoRA (model.lora_r; the merged weights are not synced yet)")]
+        refused = [(self.algorithm == "dpo", "algorithm=dpo (nothing is sampled)")]
         for is_refused, what in refused:
             if is_refused:
                 raise ValueError(f"sampling.backend=vllm does not run {what} yet: use sampling.backend=hf")

@@ -44,9 +44,10 @@ class SamplingConfig:
         "'hf': sampling here with transformers (the prompt prefilled once per group); 'vllm': a vLLM server "
         "(`branchreplay vllm-serve --model SPEC`, in its own venv from `make vllm`) samples, with prefix caching, "
         "and gets the weights after every optimizer update; the run's own logprobs stay the old-policy ones and "
-        "the mismatch is logged (sampling/logprob_diff_mean, sampling/mismatch_kl). Single-turn GRPO, RLOO, "
-        "REINFORCE++ and PPO without sampling.branching, in one process. With top_p < 1 or top_k the server's "
-        "logprobs are of the filtered, renormalised distribution (as TRL's vLLM), so the mismatch includes it"))
+        "the mismatch is logged (sampling/logprob_diff_mean, sampling/mismatch_kl). GRPO, RLOO, REINFORCE++ and "
+        "PPO, single- and multi-turn, with sampling.branching, LoRA (serve with --lora-rank) and torchrun. With "
+        "top_p < 1 or top_k the server's logprobs are of the filtered, renormalised distribution (as TRL's vLLM), so "
+        "the mismatch includes it"))
     vllm_url: str = field(default="http://127.0.0.1:8000", metadata=help_of(
         "the vLLM server of sampling.backend=vllm (it must read this machine's temporary files: weights are synced "
         "as a file)"))

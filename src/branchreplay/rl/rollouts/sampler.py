@@ -24,9 +24,10 @@ from ..data.order import mix, prompt_indices
 from ..data.rewards import RewardFunctionError, score_columns
 from ..data.tasks import prompt_token_ids
 from .batch import Batch, group_rollouts
-from .sampling import Sample, eos_token_ids, sample_groups
-from .trajectories import ItemError, sample_trajectories
+from .sampling import branching_schedule, eos_token_ids, sample_groups
+from .trajectories import ItemError, Limits, sample_trajectories, sample_trajectories_turnwise
 from .vllm_client import VLLMError
+from .vllm_sampling import sample_trees
 
 
 class Sampler:
@@ -42,6 +43,7 @@ class Sampler:
         self.eos_ids = eos_token_ids(policy.model, tokenizer)
         self.backend = config.sampling.backend
         self.stale = True  # whether the vLLM server lacks the policy's current weights (set after every update)
+        self.base_synced = False  # LoRA: whether the server holds this run's base weights (sent once per run)
 
     def batch(self, step: int) -> Batch:
         """Sample, score and group the rollouts of `step` (>= 1). Raises RewardFunctionError from the reward,
@@ -137,16 +139,16 @@ class Sampler:
         Raises VLLMError in one process."""
         if self.vllm is None:
             return {}, None
-        s = self.config.sampling
+        s, G = self.config.sampling, self.config.grpo.num_generations
         self.status(f"step {step}: sampling {len(prompt_ids)} groups with vLLM")
+        requests = [(p, branching_schedule(self.policy.model, p, G, s)) for p in prompt_ids]
         try:
-            groups = self.vllm.sample(prompt_ids, self.config.grpo.num_generations, s.temperature, s.top_p, s.top_k,
-                                      s.max_new_tokens, self.eos_ids)
+            groups = sample_trees(self.vllm, requests, s, self.eos_ids)
         except VLLMError as e:
             if self.ranks is None:
                 raise
             return {}, ("vllm", str(e))
-        return {k: [Sample(ids, logprobs, cut) for ids, logprobs, cut in group] for k, group in enumerate(groups)}, None
+        return dict(enumerate(groups)), None
 
     def sync_vllm(self) -> float:
         """Send the policy's weights to the vLLM server when it lacks them (at the start, after each update);
@@ -158,7 +160,13 @@ class Sampler:
         state = self.policy.full_state_dict()
         seconds, error = 0.0, None
         try:
-            seconds = self.vllm.sync_weights(state) if self.vllm is not None else 0.0
+            if self.vllm is not None and self.config.model.lora_r > 0:  # the adapter alone (a few MB), after the
+                if not self.base_synced:  # frozen base once: the server may hold another run's weights
+                    seconds += self.vllm.sync_weights(base_weights(state), keep=False)
+                    self.base_synced = True
+                seconds += self.vllm.sync_adapter(self.policy.model, state)
+            elif self.vllm is not None:
+                seconds = self.vllm.sync_weights(state)
         except VLLMError as e:
             if self.ranks is None:
                 raise
@@ -174,7 +182,9 @@ class Sampler:
         Items whose environment fails (ItemError) are skipped with a warning; raises ItemError when every item
         was."""
         cfg, a = self.config, self.config.agent
-        groups, timings, errors = self.sample_items(step, items)
+        sync_s = self.sync_vllm() if self.backend == "vllm" else None
+        groups, timings, errors = self.vllm_items(step, items) if self.backend == "vllm" else \
+            self.sample_items(step, items)
         kept = [k for k in range(len(items)) if k in groups]
         if not kept:
             raise ItemError(f"step {step}: every item was skipped: {errors[0]}"
@@ -185,9 +195,38 @@ class Sampler:
         sequences = [[(t.conversation.ids, t.conversation.loss_mask, t.truncated) for t in g] for g in groups]
         rollouts, advantages, std = group_rollouts(sequences, rewards, cfg.grpo,
                                                    a.max_turns * cfg.sampling.max_new_tokens)
+        metrics = {**trajectory_metrics(groups), "time/sample_env_s": timings["env_s"]}
+        sampler = None
+        if self.backend == "vllm":  # the server's logprobs of each trajectory's positions (0 outside its replies)
+            sampler = [torch.tensor(t.logprobs, dtype=torch.float64) for t in flat]
+            metrics["time/weight_sync_s"] = sync_s
         return Batch(rollouts, rewards, advantages, std, [int(sum(t.conversation.loss_mask)) for t in flat],
                      [t.truncated for t in flat], trajectories=groups, items=[items[k] for k in kept],
-                     metrics={**trajectory_metrics(groups), "time/sample_env_s": timings["env_s"]})
+                     metrics=metrics, sampler_logprobs=sampler)
+
+    def vllm_items(self, step: int, items: list[dict]) -> tuple[dict, dict, list[str]]:
+        """`sample_items` by the vLLM server: every item's trajectories turn by turn, each turn's requests of every
+        item in flight together (`trajectories.sample_trajectories_turnwise`), on rank 0; every rank receives
+        them. Raises VLLMError (on every rank under torchrun) when the server failed."""
+        cfg, a = self.config, self.config.agent
+        groups, timings, errors, failure = {}, {"env_s": 0.0}, [], None
+        if self.vllm is not None:
+            self.status(f"step {step}: sampling {len(items)} items with vLLM")
+            limits = Limits(a.max_turns, context_limit(a, self.policy.model), a.max_tool_output_tokens)
+            turn = lambda requests: sample_trees(self.vllm, requests, cfg.sampling, self.eos_ids)  # noqa: E731
+            try:
+                groups, errors = sample_trajectories_turnwise(turn, self.tokenizer, self.env, items,
+                                                              turn_branching(cfg), cfg.sampling, limits, timings)
+            except VLLMError as e:
+                if self.ranks is None:
+                    raise
+                failure = e
+        if self.ranks is not None:
+            raise_together(failure, "sampling the trajectories with vLLM", kinds=(VLLMError,))
+            groups, errors = self.ranks.gather((groups, errors))[0]
+        for error in errors:
+            warnings.warn(f"step {step}: an item was skipped: {error}", RuntimeWarning, stacklevel=3)
+        return groups, timings, errors
 
     def sample_items(self, step: int, items: list[dict]) -> tuple[dict, dict, list[str]]:
         """This rank's items' trajectories ({k: its trajectories}; items whose environment failed are left out with
@@ -219,3 +258,15 @@ class Sampler:
             for part, _ in parts:
                 groups.update(part)
         return groups, timings, errors
+
+
+def base_weights(state: dict) -> dict:
+    """A peft LoRA model's state dict -> its frozen base model's weights under the Hugging Face names a vLLM server
+    loads (`base_model.model.` and `.base_layer` dropped, the adapters' `lora_*` left out)."""
+    out = {}
+    for name, value in state.items():
+        if ".lora_" in name:
+            continue
+        name = name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+        out[name] = value
+    return out

@@ -84,7 +84,7 @@ def sample_group(
     differs from num_generations, or the prompt plus max_new_tokens exceeds the model's maximum positions
     (`models.max_positions`), before any token is sampled.
     """
-    schedule = _schedule(model, prompt_ids, num_generations, config)
+    schedule = branching_schedule(model, prompt_ids, num_generations, config)
     was_training = model.training
     model.eval()
     try:
@@ -110,7 +110,7 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     A model with recurrent (SSM / conv) or sliding-window layers, whose caches cannot be left-aligned this way, runs
     `sample_group` per prompt instead. Arguments, result (one list of Samples per prompt) and errors as
     `sample_group`'s."""
-    schedules = [_schedule(model, p, num_generations, config) for p in prompts]
+    schedules = [branching_schedule(model, p, num_generations, config) for p in prompts]
     if len(prompts) < 2 or not stackable(model.config):
         return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
     was_training = model.training
@@ -130,7 +130,7 @@ def stackable(config) -> bool:
     return all(k == "attention" for k in layer_kinds(config)) and all(w is None for w in layer_windows(config))
 
 
-def _schedule(model, prompt_ids: list[int], num_generations: int, config: SamplingConfig) -> dict[int, int]:
+def branching_schedule(model, prompt_ids: list[int], num_generations: int, config: SamplingConfig) -> dict[int, int]:
     """{generated depth: fan-out} of `config.branching`, after `sample_group`'s checks (its ValueErrors)."""
     if not prompt_ids:
         raise ValueError("prompt_ids must hold at least one token")

@@ -88,13 +88,7 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
     limits = Limits(max_turns, max_context_tokens, max_tool_output_tokens)
     clock = _Clock(timings)
     tools = getattr(env, "template_tools", None)
-    opening = _checked(_call(clock, env.reset, item), env, "reset", item)
-    start = _render(lambda: Conversation.start(tokenizer, opening, tools=tools), env, "reset", item)
-    limit = max_context_tokens or math.inf
-    if len(start.ids) + config.max_new_tokens > limit:
-        raise ItemError(f"the opening messages of item {_short(item)} take {len(start.ids)} tokens: with "
-                        f"sampling.max_new_tokens ({config.max_new_tokens}) more than the context limit "
-                        f"({max_context_tokens})")
+    start = _opening(env, item, tokenizer, config, limits, clock, tools)
     was_training = model.training
     model.eval()
     out: list[Trajectory] = []
@@ -109,15 +103,9 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
                                   parent.turns), config, eos_token_ids, generator)
             children = []
             for sample in samples:
-                child = copy.deepcopy(parent)
-                text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
-                child.conversation.add_assistant(sample.completion_ids, text)
-                child.logprobs += sample.logprobs
-                child.turns += 1
-                nxt = _next(child, sample.truncated, env, item, tokenizer, limits, config, clock, tools)
-                if nxt is None:
-                    child.reward = _number(_call(clock, env.final_reward, child.conversation.messages, item), env,
-                                           "final_reward", item)
+                child = _replied(parent, sample, tokenizer)
+                if _next(child, sample.truncated, env, item, tokenizer, limits, config, clock, tools) is None:
+                    _final_reward(child, env, item, clock)
                     out.append(child)
                     continue
                 new = child.conversation.ids[prefix:]
@@ -127,6 +115,78 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
     finally:
         model.train(was_training)
     return out
+
+
+def sample_trajectories_turnwise(sample_turn, tokenizer, env: Environment, items: list[dict], turn_branching: tuple,
+                                 config: SamplingConfig, limits: Limits, timings: dict | None = None
+                                 ) -> tuple[dict[int, list[Trajectory]], list[str]]:
+    """Every item's trajectories turn by turn across the items, for a sampler that takes many requests at once
+    (the vLLM server): at each turn, every trajectory still going asks for its replies in ONE call
+    `sample_turn([(conversation ids, {generated depth: fan-out}), ...])` -> per request, its `Sample`s
+    (`vllm_sampling.sample_trees`: all in flight together; the server's prefix cache holds the shared turns, so a
+    turn costs its new tokens). The same trajectories as `sample_trajectories` draws (limits, ends, rewards, item
+    errors), each item's in depth-first order of its branches.
+
+    Returns ({item index: its trajectories} for the items that did not fail, the failed items' ItemError
+    messages); the sampler's errors (VLLMError) propagate."""
+    clock = _Clock(timings)
+    tools = getattr(env, "template_tools", None)
+    live, done, errors = [], {}, {}  # live: (item, branch path, trajectory) still going
+    for k, item in enumerate(items):
+        try:
+            start = _opening(env, item, tokenizer, config, limits, clock, tools)
+        except ItemError as e:
+            errors[k] = str(e)
+            continue
+        live.append((k, (), Trajectory(start, [0.0] * len(start.ids))))
+        done[k] = []
+    while live:
+        replies = sample_turn([(t.conversation.ids, turn_schedule(turn_branching, t.turns)) for _, _, t in live])
+        going = []
+        for (k, path, parent), samples in zip(live, replies):
+            if k in errors:
+                continue
+            try:
+                for j, sample in enumerate(samples):
+                    child = _replied(parent, sample, tokenizer)
+                    if _next(child, sample.truncated, env, items[k], tokenizer, limits, config, clock, tools) is None:
+                        _final_reward(child, env, items[k], clock)
+                        done[k].append((path + (j,), child))
+                    else:
+                        going.append((k, path + (j,), child))
+            except ItemError as e:
+                errors[k] = str(e)
+        live = [x for x in going if x[0] not in errors]
+    return ({k: [t for _, t in sorted(v, key=lambda pt: pt[0])] for k, v in done.items() if k not in errors},
+            list(errors.values()))
+
+
+def _opening(env: Environment, item: dict, tokenizer, config: SamplingConfig, limits: Limits, clock, tools
+             ) -> Conversation:
+    """The item's conversation after the environment's opening messages; ItemError when reset fails or they leave
+    no room for a reply under the context limit."""
+    opening = _checked(_call(clock, env.reset, item), env, "reset", item)
+    start = _render(lambda: Conversation.start(tokenizer, opening, tools=tools), env, "reset", item)
+    if len(start.ids) + config.max_new_tokens > (limits.max_context_tokens or math.inf):
+        raise ItemError(f"the opening messages of item {_short(item)} take {len(start.ids)} tokens: with "
+                        f"sampling.max_new_tokens ({config.max_new_tokens}) more than the context limit "
+                        f"({limits.max_context_tokens})")
+    return start
+
+
+def _replied(parent: Trajectory, sample, tokenizer) -> Trajectory:
+    """A copy of `parent` with the sampled reply appended as its next assistant turn."""
+    child = copy.deepcopy(parent)
+    text = tokenizer.decode(sample.completion_ids, skip_special_tokens=True)
+    child.conversation.add_assistant(sample.completion_ids, text)
+    child.logprobs += sample.logprobs
+    child.turns += 1
+    return child
+
+
+def _final_reward(child: Trajectory, env: Environment, item: dict, clock) -> None:
+    child.reward = _number(_call(clock, env.final_reward, child.conversation.messages, item), env, "final_reward",
+                           item)
 
 
 def _next(child: Trajectory, truncated: bool, env: Environment, item: dict, tokenizer, limits: Limits,

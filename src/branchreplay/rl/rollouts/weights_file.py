@@ -1,0 +1,104 @@
+"""The safetensors file a vLLM weight sync writes, kept for the run and overwritten in place.
+
+A new file per sync (540 MB for SmolLM2 in float32) had the kernel hand out fresh pages every time: on this machine
+(a VM that returns freed memory to its host) that took 2-3 s of a 3-5 s sync, where writing the same file's pages
+again took 0.3 s. So the first sync writes the file and the next ones overwrite its tensors in place (same names,
+dtypes and shapes; anything else writes a new file). It lives in /dev/shm where there is room (memory, not disk), in
+a folder named after the process, removed at exit; the folder of a process that no longer runs (killed before it
+could remove it) is removed when the next one is made.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import shutil
+import tempfile
+
+import torch
+
+PREFIX = "branchreplay-vllm-weights-"
+ADAPTER_PREFIX = "branchreplay-vllm-lora-"  # a LoRA sync's folder (`vllm_client.VLLMClient.sync_adapter`)
+FILE = "model.safetensors"
+
+
+class WeightsFile:
+    """One process's weight-sync file (module docstring). `write(state)` returns the folder to hand the server."""
+
+    def __init__(self):
+        self.folder: str | None = None
+        self.layout: dict | None = None  # name -> (dtype, shape, byte offset in the file)
+
+    def write(self, state: dict) -> str:
+        """`state` ({name: tensor}) as the folder's safetensors file; returns the folder."""
+        tensors = unshared(state)
+        signature = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
+        if self.layout is None or {n: v[:2] for n, v in self.layout.items()} != signature:
+            self._new(tensors)
+            return self.folder
+        with open(os.path.join(self.folder, FILE), "r+b") as f:
+            for name, t in tensors.items():
+                f.seek(self.layout[name][2])
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+        return self.folder
+
+    def _new(self, tensors: dict) -> None:
+        import safetensors.torch
+
+        self.close()
+        scratch = scratch_folder(tensors)
+        remove_stale(scratch or tempfile.gettempdir())
+        self.folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=scratch)
+        path = os.path.join(self.folder, FILE)
+        safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
+        os.chmod(self.folder, 0o755)
+        os.chmod(path, 0o644)
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+        self.layout = {name: (t.dtype, tuple(t.shape), 8 + n + header[name]["data_offsets"][0])
+                       for name, t in tensors.items()}
+        atexit.register(self.close)
+
+    def close(self) -> None:
+        """Remove the folder (also at exit)."""
+        if self.folder is not None:
+            shutil.rmtree(self.folder, ignore_errors=True)
+        self.folder = self.layout = None
+
+
+def scratch_folder(state: dict) -> str | None:
+    """/dev/shm (memory) when it has room for twice the weights, else the default temporary folder (None)."""
+    size = sum(v.numel() * v.element_size() for v in state.values())
+    try:
+        return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * size else None
+    except OSError:
+        return None
+
+
+def unshared(state: dict) -> dict:
+    """`state` on the CPU with each tensor that shares storage with an earlier one (a tied LM head) copied: a
+    safetensors file holds no shared storage. Only those are copied (a full copy took 0.2-1.4 s for SmolLM2)."""
+    seen, out = set(), {}
+    for name, value in state.items():
+        value = value.detach().cpu()
+        key = value.untyped_storage().data_ptr()
+        out[name] = value.clone() if key in seen else value
+        seen.add(key)
+    return out
+
+
+def remove_stale(scratch: str) -> None:
+    """Remove the sync folders (weights or LoRA adapter) in `scratch` of processes that no longer run."""
+    for entry in os.listdir(scratch):
+        match = re.fullmatch(rf"(?:{PREFIX}|{ADAPTER_PREFIX})(\d+)-.*", entry)
+        if match is None:
+            continue
+        try:
+            os.kill(int(match.group(1)), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(scratch, entry), ignore_errors=True)
+        except PermissionError:  # another user's process: it runs
+            pass
