@@ -226,9 +226,9 @@ def test_cli_verify_includes_the_window_shape_for_a_sliding_model(monkeypatch, c
 
 def test_router_aux_loss_and_jitter_are_refused():
     model = tiny_model("mixtral")
-    model.config.output_router_logits = True
+    model.config.output_router_logits = True  # training without the router loss (tests/test_router_loss.py)
     with pytest.raises(UnsupportedModelError, match="output_router_logits"):
-        replay_logprobs(model, RolloutTree([Rollout([1, 2, 3], [0, 1, 1])]))
+        replay_backward(model, RolloutTree([Rollout([1, 2, 3], [0, 1, 1])]), GRPOLoss())
     model = tiny_model("mixtral", router_jitter_noise=0.1).train()
     with pytest.raises(ValueError, match="router_jitter_noise"):
         replay_backward(model, RolloutTree([Rollout([1, 2, 3], [0, 1, 1])]), GRPOLoss())

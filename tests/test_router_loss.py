@@ -56,8 +56,13 @@ def _naive(model, rollouts: list[Rollout], top_k: int) -> float:
     return aux.item()
 
 
+ENGINES = {"packs": EngineConfig(max_pack_tokens=8),  # packs of several nodes, and nodes alone
+           "replayed-chunks": EngineConfig(replay="replay", chunk_tokens=4)}  # every pack run twice, in chunks
+
+
+@pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
-def test_router_loss_over_trees_equals_the_naive_rollouts(arch, tiny64):
+def test_router_loss_over_trees_equals_the_naive_rollouts(arch, engine, tiny64):
     """float64: the loss value and the gradient of a loss plus COEF x the router loss, over two trees with shared
     prompts and a shared response start, equal the naive rollouts'; leaving the router term out (or counting a
     shared position once) is far outside the tolerance."""
@@ -73,12 +78,12 @@ def test_router_loss_over_trees_equals_the_naive_rollouts(arch, tiny64):
     assert trees[0].stats.token_ratio > 1.5
     router = RouterLoss(model)
     value, _, _ = replay_function_backward(
-        model, trees, lambda lp, ent: _token_loss(lp, rollouts) + COEF * router.aux,
-        engine=EngineConfig(max_pack_tokens=8), router=router)  # packs of several nodes, and nodes alone
+        model, trees, lambda lp, ent: _token_loss(lp, rollouts) + COEF * router.aux, engine=ENGINES[engine],
+        router=router)
     assert router.aux.item() == pytest.approx(aux_naive, rel=1e-12)
-    print(f"{arch}: router loss {router.aux.item():.6f}, gradient {max_rel_grad_err(grads(model), reference):.1e} "
-          "from the naive rollouts'")
-    assert max_rel_grad_err(grads(model), reference) < 1e-9
+    error = max_rel_grad_err(grads(model), reference)
+    print(f"{arch} {engine}: router loss {router.aux.item():.6f}, gradient {error:.1e} from the naive rollouts'")
+    assert error < 1e-9
 
     model.zero_grad(set_to_none=True)  # the same without pass 2's router term: a different gradient
     replay_function_backward(model, trees, lambda lp, ent: _token_loss(lp, rollouts), engine=EngineConfig())
@@ -90,3 +95,24 @@ def test_a_model_without_routers_is_refused():
 
     with pytest.raises(ValueError, match="records no router logits"):
         RouterLoss(tiny_model("llama"))
+
+
+def test_a_config_with_router_logits_on_trains_only_with_the_router_loss():
+    """config.output_router_logits=True: a forward-only pass (reference or old-policy logprobs) runs, training
+    without a `RouterLoss` is refused by name (the loss transformers would add is not computed), with one runs."""
+    from branchreplay.engine import UnsupportedModelError, replay_backward, replay_logprobs
+    from branchreplay.losses import GRPOLoss
+    from branchreplay.models import tiny_model
+
+    model = tiny_model("qwen3_moe", dtype=torch.float32)
+    model.config.output_router_logits = True
+    rollouts = _rollouts(model.config.vocab_size)
+    for r in rollouts:
+        r.advantages = torch.ones(len(r), dtype=torch.float64)
+    tree = RolloutTree(rollouts[:3])
+    replay_logprobs(model, tree)
+    with pytest.raises(UnsupportedModelError, match="output_router_logits"):
+        replay_backward(model, tree, GRPOLoss())
+    router = RouterLoss(model)
+    replay_function_backward(model, tree, lambda lp, ent: router.aux, router=router)
+    assert any(p.grad is not None and p.grad.abs().sum() > 0 for p in model.parameters())

@@ -16,6 +16,7 @@ import http.server
 import json
 import math
 import os
+import shutil
 import threading
 import time
 
@@ -185,17 +186,22 @@ def test_branching_samples_each_shared_prefix_once_then_continues_it(stand_in, t
     server = stand_in()
     trainer = _trainer(_config(tmp_path, server.url, branching=[[0, 2], [3, 2]]))
     batch = trainer.generate(1)
-    first = [b for b in server.bodies if b["max_tokens"] == 3 and b["n"] == 2]
-    assert len(first) == 2 * len(batch.prompt_ids)  # level 0 (2 per prompt: its n) and level 1 both have n = 2
     prompts = {tuple(p) for p in batch.prompt_ids}
+    level0 = [b for b in server.bodies if tuple(b["prompt"]) in prompts]
     forks = [b for b in server.bodies if tuple(b["prompt"]) not in prompts]
+    assert len(level0) == len(prompts) and all(b["n"] == 2 and b["max_tokens"] == 3 for b in level0)
+    going = 0  # level-0 streams that did not end within 3 tokens: one request each, n = 2, up to 3 more tokens
     for prompt_ids, group in zip(batch.prompt_ids, batch.samples):
         assert len(group) == 4
         for a, b in ((group[0], group[1]), (group[2], group[3])):
             assert a.completion_ids[:3] == b.completion_ids[:3] and b.parent is not None
             if not (a.completion_ids[-1] == 2 and len(a.completion_ids) <= 3):  # a prefix that went on: a request
+                going += 1
                 assert prompt_ids + a.completion_ids[:3] in [f["prompt"] for f in forks]
+            else:  # ended before the fork: copied as it is
+                assert a.completion_ids == b.completion_ids
         assert group[2].parent is None
+    assert going >= 1 and len(forks) == going and all(f["n"] == 2 and f["max_tokens"] == 3 for f in forks)
     server.bodies.clear()
     run = trainer.fit()
     rows = [r for r in _metrics(run) if "sampling/logprob_diff_mean" in r]
@@ -281,7 +287,7 @@ def test_the_weights_file_is_overwritten_in_place_and_removed(tmp_path):
     """The sync's file: the second write overwrites the first's tensors in place (same folder; the server reads
     the new values, a tied weight included), a state of other shapes gets a new file, close removes it, and the
     folder of a process that no longer runs is removed when the next one is made."""
-    from branchreplay.rl.rollouts.weights_file import PREFIX, WeightsFile
+    from branchreplay.rl.rollouts.weights_file import PREFIX, WeightsFile, owned
 
     model = tiny_model("llama", seed=0)
     model.lm_head.weight = model.model.embed_tokens.weight  # tied: one storage under two names
@@ -294,10 +300,17 @@ def test_the_weights_file_is_overwritten_in_place_and_removed(tmp_path):
     loaded = safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))
     assert loaded.keys() == model.state_dict().keys()
     assert all(torch.equal(loaded[k], v) for k, v in model.state_dict().items())
-    stale = os.path.join(os.path.dirname(folder), f"{PREFIX}999999999-x")
+    scratch = os.path.dirname(folder)
+    stale = os.path.join(scratch, owned(PREFIX).replace(f"-{os.getpid()}-", "-999999999-") + "x")
+    elsewhere = os.path.join(scratch, f"{PREFIX}another-host-999999999-x")  # a container sharing /dev/shm
     os.makedirs(stale)
+    os.makedirs(elsewhere)
     assert weights.write({"w": torch.ones(3)}) != folder and not os.path.exists(folder)
-    assert not os.path.exists(stale)
+    assert not os.path.exists(stale) and os.path.exists(elsewhere)
+    os.rmdir(elsewhere)
+    shutil.rmtree(weights.folder)  # removed under the run (e.g. systemd's RemoveIPC): written again
+    folder = weights.write({"w": torch.ones(3)})
+    assert torch.equal(safetensors.torch.load_file(os.path.join(folder, "model.safetensors"))["w"], torch.ones(3))
     weights.close()
     assert weights.folder is None
 

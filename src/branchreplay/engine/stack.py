@@ -198,7 +198,7 @@ class _Run:
 
     def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: Force = False,
                  head_stats: tuple[str, ...] = (), router: RouterLoss | None = None):
-        self.family = family_of(model, force=force, router_loss=router is not None)
+        self.family = family_of(model, force=force, router_loss=router is not None or loss is None)  # no training
         self.router = router  # the MoE router loss: each token's rollout count at each decoder call (router.py)
         self.config = model.config
         self.decoder, self.head, self.transform = decoder_and_head(model)  # transform: head.py
@@ -257,6 +257,7 @@ class _Run:
             budget = None if self.replay != "auto" else self.memory_budget or default_budget(self.device)
             memory = yield from memory_model(self.model, self.forward, tree.stats.physical_tokens,
                                              self.prefix_split.applies)
+            taken(self.router)  # the memory probes' forwards: zero-weight terms, not the tree's
             step_plan = plan(root, memory, self.packs_of, budget, replay_all=self.replay == "replay",
                              head_chunk_tokens=self.head_chunk_tokens)
             self.replay_set = step_plan.replay
@@ -332,7 +333,7 @@ class _Run:
         yield FORWARD
         with torch.no_grad() if replay else contextlib.nullcontext(), capture() as embedded:
             hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
-        router_terms = taken(self.router)  # none from a replayed pack's no-grad forward
+        router_terms = taken(self.router)  # none from a replayed pack's no-grad forward (pass 2)
         pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
         node_spans = spans(nodes)
         leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children

@@ -49,8 +49,8 @@ class SamplingConfig:
         "top_p < 1 or top_k the server's logprobs are of the filtered, renormalised distribution (as TRL's vLLM), so "
         "the mismatch includes it"))
     vllm_url: str = field(default="http://127.0.0.1:8000", metadata=help_of(
-        "the vLLM server of sampling.backend=vllm (it must read this machine's temporary files: weights are synced "
-        "as a file)"))
+        "the vLLM server of sampling.backend=vllm (it must read the files the weights are synced as: /dev/shm, or "
+        "TMPDIR when set)"))
     vllm_timeout_s: float = field(default=600.0, metadata=help_of(
         "seconds one vLLM request may take before the server counts as not answering (the run then checkpoints "
         "and stops), > 0"))

@@ -141,13 +141,13 @@ class Sampler:
             return {}, None
         s, G = self.config.sampling, self.config.grpo.num_generations
         self.status(f"step {step}: sampling {len(prompt_ids)} groups with vLLM")
-        requests = [(p, branching_schedule(self.policy.model, p, G, s)) for p in prompt_ids]
         try:
+            requests = [(p, branching_schedule(self.policy.model, p, G, s)) for p in prompt_ids]
             groups = sample_trees(self.vllm, requests, s, self.eos_ids)
-        except VLLMError as e:
+        except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others wait for rank 0)
             if self.ranks is None:
                 raise
-            return {}, ("vllm", str(e))
+            return {}, ("vllm", str(e)) if isinstance(e, VLLMError) else ("rank", f"rank 0: {type(e).__name__}: {e}")
         return dict(enumerate(groups)), None
 
     def sync_vllm(self) -> float:
@@ -167,7 +167,7 @@ class Sampler:
                 seconds += self.vllm.sync_adapter(self.policy.model, state)
             elif self.vllm is not None:
                 seconds = self.vllm.sync_weights(state)
-        except VLLMError as e:
+        except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others wait for rank 0)
             if self.ranks is None:
                 raise
             error = e
@@ -217,7 +217,7 @@ class Sampler:
             try:
                 groups, errors = sample_trajectories_turnwise(turn, self.tokenizer, self.env, items,
                                                               turn_branching(cfg), cfg.sampling, limits, timings)
-            except VLLMError as e:
+            except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others wait for rank 0)
                 if self.ranks is None:
                     raise
                 failure = e

