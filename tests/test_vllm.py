@@ -343,7 +343,8 @@ REAL = {  # the settings of each real-server case, over a short GRPO run of Smol
     "single-turn": {},
     "branching": {"sampling": {"branching": [[0, 2], [6, 2]]}},
     "multi-turn": {"agent": {"environment": "calculator", "max_turns": 2, "max_tool_output_tokens": 32},
-                   "sampling": {"turn_branching": [2, 2]}},
+                   "sampling": {"turn_branching": [2, 2]},  # the verifier's reward: more groups, so that one trains
+                   "grpo": {"prompts_per_step": 6}},
     "lora": {"model": {"lora_r": 8, "lora_alpha": 16.0}, "grpo": {"learning_rate": 2e-3}},  # the server: --lora-rank
 }
 
