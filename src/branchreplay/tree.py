@@ -223,11 +223,16 @@ class RolloutTree:
     a rollout that is a prefix of another ends at a node boundary. Building is O(logical tokens) with numpy
     comparisons (64 rollouts x 32k tokens build in well under a second; `branchreplay bench` measures it).
 
+    images: the images of the rollouts' shared prompt for a vision-language model (`engine.vision.ImagePrompt`):
+        their placeholders must lie in the prefix every rollout shares. Rollouts whose prompts show other images
+        need trees of their own (the placeholder tokens are equal, the images not).
+
     Raises:
-        ValueError: no rollouts, or a rollout is invalid (see `Rollout`).
+        ValueError: no rollouts, a rollout is invalid (see `Rollout`), or an image placeholder outside the shared
+            prefix.
     """
 
-    def __init__(self, rollouts: list[Rollout]):
+    def __init__(self, rollouts: list[Rollout], images=None):
         if len(rollouts) == 0:
             raise ValueError("RolloutTree needs at least one rollout")
         self.rollouts = [r if isinstance(r, Rollout) else Rollout(r) for r in rollouts]
@@ -235,6 +240,9 @@ class RolloutTree:
         self.root = Node(torch.empty(0, dtype=torch.long), 0, list(range(len(arrays))))
         self.root.children = _split(arrays, self.root.rollouts, 0)
         self.stats = self._stats()
+        self.images = images
+        if images is not None:
+            images.check(self.root.children[0].end if len(self.root.children) == 1 else 0)
 
     def nodes(self) -> list[Node]:
         """All real nodes in depth-first pre-order (parents before children)."""

@@ -22,10 +22,20 @@ def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.where(allowed, zero, torch.finfo(dtype).min)[None, None]
 
 
-def own_keys_tree_mask(local: torch.Tensor, segment: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def own_keys_tree_mask(local: torch.Tensor, segment: torch.Tensor, dtype: torch.dtype,
+                       blocks: torch.Tensor | None = None) -> torch.Tensor:
     """Tree mask [1, 1, S, S] over a pack's own keys (for split prefix attention, `attention.py`): a query sees the
-    earlier or equal positions of its own segment."""
-    return additive((segment[None] == segment[:, None]) & (local[None] <= local[:, None]), dtype)
+    earlier or equal positions of its own segment, and all of its own image block (`blocks`, see `tree_mask`)."""
+    same = segment[None] == segment[:, None]
+    return additive(same & ((local[None] <= local[:, None]) | same_block(blocks)), dtype)
+
+
+def same_block(blocks: torch.Tensor | None) -> torch.Tensor | bool:
+    """[S, S] whether query and key lie in one image block (`blocks` [S]: block id, -1 for text; transformers'
+    `blockwise_overlay`), False without blocks."""
+    if blocks is None:
+        return False
+    return (blocks[None] == blocks[:, None]) & (blocks[:, None] >= 0)
 
 
 def takes_tree_mask(num_nodes: int, P: int, recurrent: bool) -> bool:
@@ -37,10 +47,12 @@ def takes_tree_mask(num_nodes: int, P: int, recurrent: bool) -> bool:
 
 
 def tree_mask(P: int, local: torch.Tensor, segment: torch.Tensor, windows: list[int | None], dtype: torch.dtype,
-              mask_mapping: bool):
+              mask_mapping: bool, blocks: torch.Tensor | None = None):
     """Tree mask [1, 1, S, K + S] of a pack at position P, per distinct window of `windows` (per decoder layer, None
     for full attention). The K prefix keys are those the layer's cache serves (`cache.kept_positions`): all P in a
-    full layer, the last window - 1 in a sliding one, at their absolute positions.
+    full layer, the last window - 1 in a sliding one, at their absolute positions. `blocks` [S]: each query's image
+    block id (-1 for text, `vision.py`): a query also sees the later keys of its own block, in sliding layers within
+    the window (transformers' Gemma3 masks: full OR(causal, block), sliding AND(window, OR(causal, block))).
 
     Returns {"full_attention": mask, "sliding_attention": mask} (those present) when the decoder takes a mask
     mapping, else the one mask. Raises ValueError when layers mix windows but the decoder takes one mask."""
@@ -51,7 +63,10 @@ def tree_mask(P: int, local: torch.Tensor, segment: torch.Tensor, windows: list[
         kept = kept_positions(P, window)
         k_pos = torch.cat([torch.arange(P - kept, P, device=device), q_pos])
         k_seg = torch.cat([torch.full((kept,), -1, device=device), segment])
-        allowed = (k_seg[None] == -1) | ((k_seg[None] == segment[:, None]) & (k_pos[None] <= q_pos[:, None]))
+        own = k_seg[None] == segment[:, None]
+        allowed = (k_seg[None] == -1) | (own & (k_pos[None] <= q_pos[:, None]))
+        if blocks is not None:  # the pack's own keys only: an image block lies inside one node
+            allowed[:, kept:] |= own[:, kept:] & same_block(blocks)
         if window is not None:
             allowed = allowed & (q_pos[:, None] - k_pos[None] < window)
         return additive(allowed, dtype)

@@ -152,7 +152,7 @@ def linear_trees(trees: list, g: list[torch.Tensor], h: list[torch.Tensor]) -> l
         if isinstance(t, ContextParallelTree):
             out.append(ContextParallelTree(t.prefix, RolloutTree(rollouts) if rollouts else None, t.rounds, t.rank))
         else:
-            out.append(RolloutTree(rollouts))
+            out.append(RolloutTree(rollouts, images=t.images))
     return out
 
 

@@ -98,7 +98,10 @@ def shard(trees: list[RolloutTree], world_size: int, config, allow_empty: bool =
     element_bytes: bytes of one K/V element (4 for float32), for the bytes moved.
     With fewer rollouts than ranks and no context-parallel tree, some ranks get no tree when `allow_empty` (the
     trainer then runs an idle tree there, to join the reduction), else ValueError (some rank would have nothing to
-    run: lower the world size or raise prompts_per_step). Raises ValueError for an unknown layout."""
+    run: lower the world size or raise prompts_per_step). Raises ValueError for an unknown layout, or trees with
+    images (`vision.py`: they run on one process)."""
+    if any(getattr(t, "images", None) is not None for t in trees):
+        raise ValueError("trees with images (vision-language prompts) run on one process, not sharded")
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
     costs = [tree_cost(t, config) for t in trees]

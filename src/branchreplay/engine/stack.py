@@ -49,6 +49,7 @@ from .schedule import attention_per_key, schedule
 from .positions import held_at_length, length_dependent_rotaries, regimes
 from .recurrent import EngineForwards, layer_kinds
 from .router import RouterLoss, routed, taken
+from .vision import ImageRun, language_model
 
 
 def replay_backward(
@@ -126,12 +127,17 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force 
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
+    vision_language, model = model, language_model(model)  # a vision-language model's LM (vision.py)
     run = _Run(model, temperature, engine, loss, force, tuple(head_stats), router)
     _check_context_parallel(trees, run.rotaries)
     if router is not None and (lockstep or any(isinstance(t, ContextParallelTree) for t in trees)):
         raise ValueError("the MoE router loss runs on one process: not with lockstep or context parallelism")
     for tree in trees:
         run.check(tree)
+        if getattr(tree, "images", None) is not None and (lockstep or final_backward is not None or router is not None):
+            raise ValueError("trees with images run on one process, without the MoE router loss")
+    if vision_language is not model and loss is not None:  # the vision tower's parameters get gradients too
+        check_no_dropout(vision_language)
     run.lockstep = lockstep
     attached = router.attached() if router is not None else contextlib.nullcontext()
     with run.prefix_split, attached:  # split prefix attention until the last tree is done (attention.py)
@@ -157,7 +163,8 @@ def _trees(run: _Run, model, trees: list, final_backward):
         parts, order = [], []
         groups = regimes(run.rotaries, [len(r) for r in tree.rollouts])
         for k, (length, members) in enumerate(groups):
-            sub = tree if len(members) == len(tree.rollouts) else RolloutTree([tree.rollouts[i] for i in members])
+            sub = tree if len(members) == len(tree.rollouts) else \
+                RolloutTree([tree.rollouts[i] for i in members], images=tree.images)
             last = t == len(trees) - 1 and k == len(groups) - 1
             run.final_backward = final_backward if last and train else None
             with held_at_length(model, length, run.rotaries):
@@ -227,6 +234,7 @@ class _Run:
         self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)
         self.head_stats = head_stats  # `replay_logprobs(head_stats=...)`
         self.lockstep = False  # every forward and backward in step with the other ranks (`lockstep.py`)
+        self.images: ImageRun | None = None  # the tree's image features while it runs (vision.py)
         embedding = self.decoder.get_input_embeddings()
         self.deferred = DeferredEmbeddingGrad(embedding) if loss is not None and embedding.weight.requires_grad \
             else None
@@ -263,6 +271,10 @@ class _Run:
             self.replay_set = step_plan.replay
             peak, replayed = step_plan.predicted_peak_bytes, len(step_plan.replay)
         self.tree = tree
+        images = getattr(tree, "images", None)
+        self.images = None if images is None else ImageRun(images, self.loss is not None, self.dtype, self.device)
+        if self.images is not None:
+            self.images.check_chunks([n.start for n in _chain(root)])
         kept = torch.float64 if self.dtype == torch.float64 else torch.float32  # ReplayResult's dtype
         self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]  # a critic's values
         self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
@@ -273,6 +285,9 @@ class _Run:
         else:
             yield from run_prefix(self, part, lambda ancestors, h: self.children(root, ancestors, h),
                                   self.final_backward)
+        if self.images is not None:  # the features' gradient, summed over the packs, through the vision tower
+            self.images.backward()
+            self.images = None
         kept, merged = scheduled.kept, scheduled.merged
         if self.critic:
             return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs,
@@ -403,7 +418,8 @@ class _Run:
         the ancestors (a context-parallel round's, `context_parallel.GatheredCache`)."""
         lengths = [len(n) for n in nodes]
         split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
-        if is_batch(nodes, P, split):  # rows of one [B, L] forward, each causal after the prefix
+        images = self.images if self.images and any(self.images.covers(n.start, n.end) for n in nodes) else None
+        if is_batch(nodes, P, split) and images is None:  # rows of one [B, L] forward, each causal after the prefix
             tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
             cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
                                 split=split)
@@ -419,15 +435,19 @@ class _Run:
         if cache is None:
             cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
                                 split=split)
+        blocks = images.blocks(P + local) if images else None  # image blocks, bidirectional inside (vision.py)
         if split:
-            own = own_keys_tree_mask(local, segment, self.dtype) if len(nodes) > 1 else None
+            own = own_keys_tree_mask(local, segment, self.dtype, blocks) if len(nodes) > 1 or blocks is not None \
+                else None
             mask = own_keys_mask(own, tokens.shape[1], self.dtype, self.device)
-        elif takes_tree_mask(len(nodes), P, self.family.recurrent):
-            mask = tree_mask(P, local, segment, self.windows, self.dtype, self.family.mask_mapping)
+        elif takes_tree_mask(len(nodes), P, self.family.recurrent) or blocks is not None:
+            mask = tree_mask(P, local, segment, self.windows, self.dtype, self.family.mask_mapping, blocks)
         else:
             mask = None
+        inputs = {"input_ids": tokens} if images is None else \
+            {"inputs_embeds": images.embeds(self.decoder.get_input_embeddings(), tokens[0], P + local)[None]}
         with self.engine_forwards, routed(self.router, nodes, self.device):
-            out = self.decoder(input_ids=tokens, position_ids=(P + local)[None], attention_mask=mask, cache=cache,
+            out = self.decoder(**inputs, position_ids=(P + local)[None], attention_mask=mask, cache=cache,
                                use_cache=True)
         return out.last_hidden_state[0], cache
 
@@ -494,6 +514,15 @@ def _matmul_params(decoder) -> int:
     """Parameters of the decoder's matrices, the input embedding left out (it is a lookup, not a matmul)."""
     embedding = {id(p) for p in decoder.get_input_embeddings().parameters()}
     return sum(p.numel() for p in decoder.parameters() if p.dim() >= 2 and id(p) not in embedding)
+
+
+def _chain(root: Node) -> list[Node]:
+    """The nodes of the path every rollout shares, from the root down (a chunked prompt's chunks)."""
+    chain = []
+    while len(root.children) == 1:
+        root = root.children[0]
+        chain.append(root)
+    return chain
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,9 @@ from ..engine import EngineConfig, UnsupportedModelError
 from ..engine.families import UNCHECKED, family_of
 from ..engine.router import RouterLoss
 from ..engine.sequence import replay_function_backward
+from ..engine.vision import language_model
 from ..tree import ReplayResult
 from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_mask
-
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "num_images")
-"""Batch keys of vision-language prompts (refused)."""
-
 
 class TreeTrainerMixin:
     """TRL's trainer with each training micro-batch's forward and backward run over one rollout tree per prompt.
@@ -49,7 +46,8 @@ class TreeTrainerMixin:
         UnsupportedModelError (a ValueError): the model's family, when the engine cannot run it (recurrent layers
             of an unregistered family, ALiBi, an attention implementation without a tree mask) or its self-check
             fails.
-    Images (vision-language prompts) are refused by name in the first training step.
+    Vision-language models: Gemma3 (images in each tree's prompt node, `engine.vision`); others are refused by
+    name when the trainer is built.
     """
 
     trl_name = "GRPOTrainer"  # TRL's class, for messages
@@ -108,9 +106,6 @@ class TreeTrainerMixin:
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError(f"{type(self).__name__}: a training step does not return outputs")
-        if any(inputs.get(key) is not None for key in IMAGE_KEYS):
-            raise ValueError(f"{type(self).__name__}: prompts with images (vision-language models) are not run over "
-                             f"trees; use trl.{self.trl_name}")
         loss = self._tree_backward(self.accelerator.unwrap_model(model), inputs)
         return torch.tensor(loss, dtype=torch.float32, device=self.accelerator.device, requires_grad=True)
 
@@ -125,7 +120,7 @@ class TreeTrainerMixin:
         """TRL's `_compute_loss` as a function of the rows' logprobs and entropies, differentiated through the tree
         (module docstring); the gradient is scaled as transformers' `training_step` scales TRL's loss before its
         backward (divided by the accumulation steps unless the trainer says its loss already is)."""
-        trees, order = prompt_trees(inputs, rollouts)
+        trees, order = prompt_trees(inputs, rollouts, model)
         keep = mask.bool()
         old = inputs.get("old_per_token_logps")
         fill = old.detach().double() if old is not None else torch.zeros(mask.shape, dtype=torch.float64)
@@ -184,6 +179,7 @@ def check_family(model, unknown_family: str, trainer: str, router_loss: bool = F
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     log = logging.getLogger("branchreplay").info
     try:
+        base = language_model(base)  # a vision-language model's LM; an unsupported one is refused here
         force = UNCHECKED if ensure_supported(base, unknown_family, PROCESS_VERDICTS, log=log) else False
         family_of(base, force=force, router_loss=router_loss)  # what every family needs: a tree mask, ...
     except UnsupportedModelError as e:

@@ -43,6 +43,9 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
     config_name = "DPOConfig"
 
     def _tree_backward(self, model, inputs) -> float:
+        if inputs.get("pixel_values") is not None:  # chosen and rejected would share placeholders, not images
+            raise ValueError("TreeDPOTrainer: pairs with images (vision-language models) are not run over trees; "
+                             "use trl.DPOTrainer")
         rollouts, prompts = pair_rollouts(inputs)
         groups: dict[tuple, list[int]] = {}
         for i, prompt in enumerate(prompts):

@@ -9,16 +9,46 @@ from __future__ import annotations
 
 import torch
 
+from ..engine.vision import ImagePrompt
 from ..tree import Rollout, RolloutTree
 
 
-def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> list[list[int]]:
-    """Rows of a left-padded [B, P] prompt batch grouped by their unpadded prompt, in order of first appearance:
-    one rollout tree per group."""
+def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
+                  images: list[torch.Tensor | None] | None = None) -> list[list[int]]:
+    """Rows of a left-padded [B, P] prompt batch grouped by their unpadded prompt (and their images, `row_images`:
+    equal placeholder tokens with other pixels are another prompt), in order of first appearance: one rollout tree
+    per group."""
     groups: dict[tuple, list[int]] = {}
     for i, (ids, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
-        groups.setdefault(tuple(t for t, k in zip(ids, keep) if k), []).append(i)
+        pixels = images[i] if images is not None else None
+        key = (tuple(t for t, k in zip(ids, keep) if k),
+               None if pixels is None else (tuple(pixels.shape), pixels.cpu().numpy().tobytes()))
+        groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
+              "image_position_ids", "mm_token_type_ids", "num_tiles")
+"""The image inputs TRL's GRPO and RLOO batches may carry; the tree reads pixel_values (with num_images and
+token_type_ids), and refuses the others by name."""
+
+
+def row_images(inputs: dict) -> list[torch.Tensor | None] | None:
+    """Each row's pixel_values ([n_i, C, H, W], None for a row without images) of a vision-language batch, as TRL
+    splits them (`_get_per_token_logps_and_entropies`: one row of pixel_values per image, `num_images` per row);
+    None for a batch without images. Raises ValueError for an image input the tree does not read."""
+    if inputs.get("pixel_values") is None:
+        return None
+    other = [key for key in IMAGE_KEYS[1:] if inputs.get(key) is not None]
+    if other:
+        raise ValueError(f"the batch carries {', '.join(other)}: only vision-language models whose images are "
+                         "pixel_values alone (Gemma3) run over trees")
+    pixels, B = inputs["pixel_values"], inputs["prompt_ids"].shape[0]
+    counts = inputs.get("num_images") or [1] * B
+    if pixels.shape[0] != sum(counts):
+        raise ValueError(f"pixel_values has {pixels.shape[0]} rows for {sum(counts)} images (num_images)")
+    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    return [pixels[a:b] if b > a else None for a, b in zip(starts, starts[1:])]
 
 
 def trained_mask(inputs: dict) -> torch.Tensor:
@@ -28,11 +58,20 @@ def trained_mask(inputs: dict) -> torch.Tensor:
     return mask * inputs["tool_mask"] if "tool_mask" in inputs else mask
 
 
-def prompt_trees(inputs: dict, rollouts: list[Rollout]) -> tuple[list[RolloutTree], list[int]]:
+def prompt_trees(inputs: dict, rollouts: list[Rollout], model=None) -> tuple[list[RolloutTree], list[int]]:
     """One tree per prompt of the batch (`prompt_groups`) and the row of each of their rollouts, in the trees'
-    order (what a `ReplayResult` over them lists)."""
-    groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"])
-    return [RolloutTree([rollouts[i] for i in group]) for group in groups], [i for group in groups for i in group]
+    order (what a `ReplayResult` over them lists). A vision-language batch's trees carry their prompt's images
+    (`engine.vision.ImagePrompt` of `model`, the unwrapped vision-language model)."""
+    images = row_images(inputs)
+    groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"], images)
+    trees = []
+    for group in groups:
+        first = group[0]
+        prompt = None if images is None or images[first] is None else \
+            ImagePrompt.of(model, inputs["prompt_ids"][first][inputs["prompt_mask"][first].bool()].cpu(),
+                           pixel_values=images[first])
+        trees.append(RolloutTree([rollouts[i] for i in group], images=prompt))
+    return trees, [i for group in groups for i in group]
 
 
 def in_row_order(values: list, order: list[int]) -> list:

@@ -1,0 +1,176 @@
+"""Vision-language prompts: the images of a tree's shared prompt enter its prompt node, run once per tree.
+
+A vision-language model (Gemma3ForConditionalGeneration) is a causal LM whose input embeddings at the image
+placeholder tokens are replaced by image features (the vision tower, then the projector: transformers'
+`get_image_features` and `masked_scatter`). Over a tree those placeholders sit in the prompt, the node every
+rollout shares, so the vision tower and the prompt run once per tree and every completion attends to them:
+
+- the engine runs the model's language model with its LM head (`language_model`: a causal-LM view sharing the
+  modules, so the gradients land in the model's own parameters);
+- a tree's `ImagePrompt` gives the absolute positions of the placeholders and a function computing their
+  features; `ImageRun` computes them once per replay of the tree, hands the packs a leaf copy (scattered into the
+  input embeddings of the pack that holds those positions, replayed or chunked alike), and after the tree's last
+  backward back-propagates the leaf's summed gradient through the vision tower once;
+- Gemma3 attends bidirectionally inside each image (transformers' `create_masks_for_vision_model`: full layers
+  OR(causal, same image block), sliding layers AND(window, OR(causal, same block))): `blocks` gives each
+  placeholder its image's block id, which the tree mask ORs in (`masks.tree_mask`).
+
+Models whose rotary positions depend on the image grid (Qwen2-VL's 3-D "mrope") are refused by name: the engine's
+position ids are each token's index.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from collections.abc import Callable
+
+import torch
+
+BIDIRECTIONAL_IMAGES = {"gemma3": True}
+"""The vision-language model types the engine runs, and whether each attends bidirectionally inside an image."""
+
+_views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # vision-language model -> its causal-LM view
+
+
+def is_vision_language(model) -> bool:
+    """Whether `model` is a transformers vision-language model (a config with a vision_config, `get_image_features`)."""
+    return hasattr(model, "get_image_features") and getattr(model.config, "vision_config", None) is not None
+
+
+def check_vision_language(model) -> None:
+    """Raises UnsupportedModelError (naming the model type) for a vision-language model the engine does not run."""
+    from .families import UnsupportedModelError
+
+    model_type = model.config.model_type
+    if model_type not in BIDIRECTIONAL_IMAGES:
+        raise UnsupportedModelError(
+            f"vision-language model '{model_type}' is not run over trees (supported: "
+            f"{', '.join(sorted(BIDIRECTIONAL_IMAGES))}); models whose rotary positions follow the image grid "
+            "(Qwen2-VL's mrope) need per-token 3-D position ids the engine does not carry")
+
+
+def language_model(model):
+    """The causal LM the engine runs for `model`: a vision-language model's language model with its LM head, as a
+    `*ForCausalLM` of its text config whose modules ARE the model's (built on the meta device, then given the
+    model's decoder and head: nothing is copied, gradients land in the model's parameters); kept per model. Any
+    other model is returned as it is. Raises UnsupportedModelError for a vision-language model not supported."""
+    if not is_vision_language(model):
+        return model
+    view = _views.get(model)
+    if view is None:
+        from transformers import AutoModelForCausalLM
+
+        check_vision_language(model)
+        text_config = model.config.get_text_config()
+        with torch.device("meta"):
+            view = AutoModelForCausalLM.from_config(text_config)
+        view.config = text_config
+        setattr(view, view.base_model_prefix, model.model.language_model)
+        view.lm_head = model.lm_head
+        _views[model] = view
+    view.train(model.training)
+    return view
+
+
+@dataclasses.dataclass
+class ImagePrompt:
+    """The images of a tree's shared prompt (`RolloutTree(..., images=)`).
+
+    positions: [n] int64, the absolute positions of the image placeholder tokens, all inside the prefix every
+        rollout of the tree shares (its first node).
+    features: () -> [n, H], the image features at those positions, in order (the vision tower and projector of the
+        model being trained, differentiable: the engine calls it once per replay, under the replay's grad mode).
+    blocks: [n] int64, each position's image (block) id for bidirectional attention inside an image (Gemma3), or
+        None for causal attention everywhere.
+    """
+
+    positions: torch.Tensor
+    features: Callable[[], torch.Tensor]
+    blocks: torch.Tensor | None = None
+
+    @classmethod
+    def of(cls, model, prompt_ids: torch.Tensor, **image_inputs) -> ImagePrompt:
+        """The `ImagePrompt` of one unpadded prompt `prompt_ids` [P] for vision-language `model`, from its
+        processor's image outputs for that prompt (e.g. `pixel_values` [num_images, 3, H, W]): placeholders where
+        the ids equal config.image_token_id, blocks from their contiguous runs (transformers'
+        `get_block_sequence_ids_for_mask`) where the model attends bidirectionally inside an image.
+        Raises UnsupportedModelError for an unsupported vision-language model."""
+        check_vision_language(model)
+        is_image = prompt_ids == model.config.image_token_id
+        positions = is_image.nonzero().squeeze(1)
+        blocks = None
+        if BIDIRECTIONAL_IMAGES[model.config.model_type]:
+            starts = is_image & ~torch.cat([torch.zeros(1, dtype=torch.bool), is_image[:-1]])
+            blocks = (torch.cumsum(starts.long(), 0) - 1)[positions]
+
+        def features() -> torch.Tensor:
+            out = model.get_image_features(**image_inputs, return_dict=True).pooler_output
+            return out.reshape(-1, out.shape[-1])
+
+        return cls(positions, features, blocks)
+
+    def check(self, shared_length: int) -> None:
+        """Raises ValueError when a placeholder lies outside the first `shared_length` positions (the tree's shared
+        prefix) or `blocks` does not match `positions`."""
+        if self.positions.numel() and int(self.positions.max()) >= shared_length:
+            raise ValueError(f"an image placeholder at position {int(self.positions.max())} lies outside the prefix "
+                             f"all the tree's rollouts share ({shared_length} tokens): the rollouts of one tree must "
+                             "share the prompt that holds the images (one tree per prompt and images)")
+        if self.blocks is not None and self.blocks.shape != self.positions.shape:
+            raise ValueError(f"ImagePrompt.blocks has shape {tuple(self.blocks.shape)}, positions "
+                             f"{tuple(self.positions.shape)}: one block id per placeholder")
+
+
+class ImageRun:
+    """A tree's image features during one replay: computed once (with a graph when training), given to the packs as
+    a leaf, whose gradient (summed over the packs that read it) `backward` sends through the vision tower once."""
+
+    def __init__(self, images: ImagePrompt, train: bool, dtype: torch.dtype, device: torch.device):
+        with torch.set_grad_enabled(train):
+            self.features = images.features().to(device=device, dtype=dtype)  # [n, H], as transformers casts them
+        if self.features.shape[0] != images.positions.numel():
+            raise ValueError(f"the images give {self.features.shape[0]} feature rows for "
+                             f"{images.positions.numel()} placeholder tokens in the prompt")
+        self.leaf = self.features.detach().requires_grad_(train)
+        self.row = {int(p): k for k, p in enumerate(images.positions)}  # absolute position -> feature row
+        self.block = {} if images.blocks is None else {int(p): int(b) for p, b in zip(images.positions, images.blocks)}
+
+    def covers(self, start: int, end: int) -> bool:
+        """Whether absolute positions [start, end) hold a placeholder."""
+        return any(start <= p < end for p in self.row)
+
+    def embeds(self, embedding: torch.nn.Module, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The input embeddings [S, H] of tokens [S] at absolute `positions` [S]: `embedding(tokens)` with the
+        placeholders' rows replaced by the features (the embedding's gradient there is zero, as in transformers'
+        `masked_scatter`). A placeholder id outside the vocabulary is looked up as 0, as transformers does."""
+        at = [k for k, p in enumerate(positions.tolist()) if p in self.row]
+        index = torch.tensor(at, dtype=torch.long, device=tokens.device)
+        rows = torch.tensor([self.row[int(positions[k])] for k in at], dtype=torch.long, device=tokens.device)
+        vocab = embedding.weight.shape[0]
+        embeds = embedding(torch.where(tokens < vocab, tokens, torch.zeros_like(tokens)))
+        return embeds.index_put((index,), self.leaf[rows].to(embeds.dtype))
+
+    def blocks(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """[S] the image block id of each absolute position (-1 for text), None without bidirectional images."""
+        if not self.block:
+            return None
+        return torch.tensor([self.block.get(p, -1) for p in positions.tolist()], device=positions.device)
+
+    def check_chunks(self, boundaries: list[int]) -> None:
+        """Raises ValueError when a node boundary (absolute positions where the tree's prompt is cut into chunks)
+        falls inside a bidirectional image block: its first part would have to see keys of the next chunk."""
+        by_block: dict[int, list[int]] = {}
+        for p, b in self.block.items():
+            by_block.setdefault(b, []).append(p)
+        for b, members in by_block.items():
+            lo, hi = min(members), max(members)
+            cut = next((c for c in boundaries if lo < c <= hi), None)
+            if cut is not None:
+                raise ValueError(f"image block {b} (positions {lo}..{hi}) is cut at position {cut} by chunking: "
+                                 f"raise EngineConfig.chunk_tokens to at least {hi + 1} tokens")
+
+    def backward(self) -> None:
+        """Send the leaf's summed gradient through the vision tower and projector (once per tree)."""
+        if self.leaf.grad is not None and self.features.requires_grad:
+            torch.autograd.backward(self.features, self.leaf.grad)

@@ -1,0 +1,122 @@
+"""The TRL drop-in on a vision-language model: `TreeGRPOTrainer` against TRL 1.16's `GRPOTrainer` on the same
+micro-batch of a tiny Gemma3ForConditionalGeneration (float32) with a local Gemma3 processor (PIL image processor,
+a word-level tokenizer with Gemma3's image tokens): each prompt's images in its tree's prompt node, the vision
+tower run once per tree; prompts with equal text but other images make separate trees."""
+
+import numpy as np
+import pytest
+import torch
+
+from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.models import tiny_vision_model
+
+trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
+
+from branchreplay.trl import TreeGRPOTrainer  # noqa: E402
+from branchreplay.trl import rows  # noqa: E402
+from test_trl_trainer import _trl_and_tree_grads  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+G, C = 4, 6
+TEMPLATE = ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+            "{% if c.type == 'image' %}<boi>{% else %}{{ c.text }}{% endif %} {% endfor %}{% endif %}{% endfor %}")
+
+
+@pytest.fixture(scope="module")
+def vlm_folder(tmp_path_factory):
+    """`tiny_vision_model` (float32) and a Gemma3Processor: PIL image processor to 56 x 56, 4 image tokens per
+    image, a whitespace word-level tokenizer of 256 ids whose 250, 251, 252 are Gemma3's image, begin- and
+    end-of-image tokens ("0" pads, "2" ends), padding on the left: TRL takes token_type_ids from the processor's
+    padding as they come, so with right padding they would not line up with its left-padded prompt_ids (TRL's
+    padded forward then shifts the bidirectional image blocks of the shorter prompts; the tree reads the
+    placeholders in the ids)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+
+    path = tmp_path_factory.mktemp("tiny-gemma3-vlm")
+    tiny_vision_model(torch.float32).save_pretrained(path)
+    vocab = {str(i): i for i in range(256)} | {"<img>": 250, "<boi>": 251, "<eoi>": 252}
+    vocab = {k: v for k, v in vocab.items() if k not in ("250", "251", "252")}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.decoder = decoders.WordPiece()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tokenizer, pad_token="0", eos_token="2", chat_template=TEMPLATE, padding_side="left",
+        extra_special_tokens={"image_token": "<img>", "boi_token": "<boi>", "eoi_token": "<eoi>"})
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}), tokenizer=tokenizer,
+                    image_seq_length=4, chat_template=TEMPLATE).save_pretrained(path)
+    return path
+
+
+def length_reward(completions, **kwargs):
+    """A reward with spread inside each group: the (conversational) completion's length in characters, mod 7."""
+    return [float(len(c[0]["content"]) % 7) for c in completions]
+
+
+def _trainer(folder, tmp_path, **config):
+    """TreeGRPOTrainer on three image prompts, two with equal text and other images; G generations each, the image
+    tokens suppressed in the completions (TRL's padded forward counts every placeholder in a row)."""
+    from datasets import Dataset, Image
+    from transformers import AutoProcessor
+
+    rng = np.random.default_rng(0)
+    images = [rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(3)]
+    prompts = [[{"role": "user", "content": text}] for text in ("1 3 4 5 6", "1 3 4 5 6", "7 8 9")]
+    dataset = Dataset.from_dict({"prompt": prompts, "image": images}).cast_column("image", Image())
+    settings = dict(per_device_train_batch_size=G * 3, num_generations=G, max_completion_length=C, report_to=[],
+                    use_cpu=True, bf16=False, max_steps=1, seed=0, save_strategy="no",
+                    generation_kwargs={"suppress_tokens": [250, 251, 252]})
+    args = trl.GRPOConfig(output_dir=str(tmp_path / "vlm"), **{**settings, **config})
+    return TreeGRPOTrainer(model=str(folder), reward_funcs=length_reward, args=args, train_dataset=dataset,
+                           processing_class=AutoProcessor.from_pretrained(folder))
+
+
+def _inputs(trainer) -> dict:
+    trainer.model.train()
+    trainer.current_gradient_accumulation_steps = trainer.args.gradient_accumulation_steps
+    inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
+    assert inputs["pixel_values"].shape[0] == G * 3 and inputs["token_type_ids"].sum() > 0
+    return inputs
+
+
+@pytest.mark.parametrize("config", [{}, dict(importance_sampling_level="sequence", beta=0.04, num_iterations=2)],
+                         ids=["dapo", "gspo-kl"])
+def test_images_over_the_tree_equal_grpo_trainer_on_the_same_batch(vlm_folder, tmp_path, config):
+    trainer = _trainer(vlm_folder, tmp_path, **config)
+    inputs = _inputs(trainer)
+    trees, _ = rows.prompt_trees(inputs, rows.batch_rollouts(inputs, inputs["completion_mask"])[0], trainer.model)
+    assert len(trees) == 3 and all(t.images is not None for t in trees)  # equal text, other images: other trees
+    theirs, ours = _trl_and_tree_grads(trainer, inputs)
+    names = [n for n, _ in trainer.model.named_parameters()]
+    vision = [g for n, g in zip(names, theirs) if "vision_tower" in n]
+    assert sum(float(g.abs().sum()) for g in vision) > 0
+    # a key projection's bias has a zero gradient in exact arithmetic (the softmax cancels it): float32 noise of
+    # 1e-9 on both sides, beneath max_rel_grad_err's floor for float64 but not for float32; left out
+    kept = [k for k, n in enumerate(names) if not n.endswith("k_proj.bias")]
+    theirs, ours = [theirs[k] for k in kept], [ours[k] for k in kept]
+    print(f"{config}: gradient {max_rel_grad_err(ours, theirs):.1e} from TRL's")
+    assert max_rel_grad_err(ours, theirs) <= 1e-4
+
+
+def test_prompts_grouped_by_text_alone_would_fail(vlm_folder, tmp_path, monkeypatch):
+    """The control: every row given the first row's pixels (trees by text alone) differs from TRL."""
+    trainer = _trainer(vlm_folder, tmp_path)
+    inputs = _inputs(trainer)
+    theirs, _ = _trl_and_tree_grads(trainer, inputs)
+    real = rows.row_images
+    monkeypatch.setattr(rows, "row_images", lambda batch: [real(batch)[0]] * batch["prompt_ids"].shape[0])
+    trainer.model.zero_grad(set_to_none=True)
+    trainer.compute_loss(trainer.model, inputs)
+    from conftest import grads
+    assert max_rel_grad_err(grads(trainer.model), theirs) > 1e-3
+
+
+def test_a_vision_language_model_the_tree_does_not_run_is_refused_when_built(tmp_path):
+    from branchreplay.engine import UnsupportedModelError
+    from branchreplay.trl.base import check_family
+
+    model = tiny_vision_model()
+    model.config.model_type = "qwen2_vl"  # a model whose rotary positions follow the image grid
+    with pytest.raises(UnsupportedModelError, match="TreeGRPOTrainer: vision-language model 'qwen2_vl'"):
+        check_family(model, "refuse", "TreeGRPOTrainer")
