@@ -5,8 +5,10 @@
 PATH is a TRL source checkout (its `tests/` and `scripts/`; the installed TRL is what runs). Nothing is downloaded:
   - the hub models the tests name (`trl-internal-testing/tiny-<Class>[-<version>]`, and the few full-size names)
     are stood in by local folders of that name: tiny random models of the named class (TRL's own sizes: hidden 8,
-    2 layers, 4 heads, bfloat16) with the tokenizer that ships here (SmolLM2's, with its chat template); a class
-    with no stand-in here (vision-language models, remote code) is left out, and its tests "cannot run here";
+    2 layers, 4 heads, bfloat16) with the tokenizer that ships here (SmolLM2's, with its chat template); Gemma3's
+    vision-language class as `models.save_tiny_vision_model` (a local Gemma3 processor on that tokenizer); a class
+    with no stand-in here (other vision-language models, remote code) is left out, and its tests "cannot run
+    here";
   - the datasets (`trl-internal-testing/zen` and the others TRL's `scripts/generate_*_dataset.py` make) are TRL's
     own generator scripts, run with their `push_to_hub` saving locally;
   - transformers and datasets load a local folder of the hub name, so the tests run from a work folder holding
@@ -89,6 +91,11 @@ def stand_in_model(name: str, root: Path, tokenizer) -> str | None:
         return f"no class in the name {name}"
     types = {**{v: k for k, v in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()},
              **{v: k for k, v in modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.items()}}
+    if cls_name == "Gemma3ForConditionalGeneration":  # with a local processor (SmolLM2's tokenizer + image tokens)
+        from branchreplay.models import default_model_dir, save_tiny_vision_model
+
+        save_tiny_vision_model(root / name, default_model_dir(), dtype=torch.bfloat16)
+        return None
     if "ConditionalGeneration" in cls_name:  # its processor (image tokens, vision config) has no stand-in here
         return f"{cls_name}: a vision-language model, whose processor has no stand-in here"
     if cls_name not in types or not hasattr(transformers, cls_name):

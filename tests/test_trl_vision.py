@@ -1,14 +1,14 @@
 """The TRL drop-in on a vision-language model: `TreeGRPOTrainer` against TRL 1.16's `GRPOTrainer` on the same
-micro-batch of a tiny Gemma3ForConditionalGeneration (float32) with a local Gemma3 processor (PIL image processor,
-a word-level tokenizer with Gemma3's image tokens): each prompt's images in its tree's prompt node, the vision
-tower run once per tree; prompts with equal text but other images make separate trees."""
+micro-batch of a tiny Gemma3ForConditionalGeneration (float32) with a local Gemma3 processor
+(`models.save_tiny_vision_model`: PIL image processor, a word-level tokenizer with Gemma3's image tokens): each
+prompt's images in its tree's prompt node, the vision tower run once per tree; prompts with equal text but other
+images make separate trees."""
 
 import numpy as np
 import pytest
-import torch
 
 from branchreplay.check.reference import max_rel_grad_err
-from branchreplay.models import tiny_vision_model
+from branchreplay.models import save_tiny_vision_model, tiny_vision_model
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
@@ -19,33 +19,25 @@ from test_trl_trainer import _trl_and_tree_grads  # noqa: E402
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 G, C = 4, 6
-TEMPLATE = ("{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
-            "{% if c.type == 'image' %}<boi>{% else %}{{ c.text }}{% endif %} {% endfor %}{% endif %}{% endfor %}")
 
 
 @pytest.fixture(scope="module")
 def vlm_folder(tmp_path_factory):
-    """`tiny_vision_model` (float32) and a Gemma3Processor: PIL image processor to 56 x 56, 4 image tokens per
-    image, a whitespace word-level tokenizer of 256 ids whose 250, 251, 252 are Gemma3's image, begin- and
-    end-of-image tokens ("0" pads, "2" ends), padding on the left: TRL takes token_type_ids from the processor's
-    padding as they come, so with right padding they would not line up with its left-padded prompt_ids (TRL's
-    padded forward then shifts the bidirectional image blocks of the shorter prompts; the tree reads the
-    placeholders in the ids)."""
+    """`models.save_tiny_vision_model` (float32) with a whitespace word-level tokenizer of 256 ids ("0" pads, "2"
+    ends) and Gemma3's image tokens added (256, 257, 258), padding on the left: TRL takes token_type_ids from the
+    processor's padding as they come, so with right padding they would not line up with its left-padded
+    prompt_ids (TRL's padded forward then shifts the bidirectional image blocks of the shorter prompts; the tree
+    reads the placeholders in the ids)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import Gemma3ImageProcessorPil, Gemma3Processor, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    path = tmp_path_factory.mktemp("tiny-gemma3-vlm")
-    tiny_vision_model(torch.float32).save_pretrained(path)
-    vocab = {str(i): i for i in range(256)} | {"<img>": 250, "<boi>": 251, "<eoi>": 252}
-    vocab = {k: v for k, v in vocab.items() if k not in ("250", "251", "252")}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="0"))
+    words = tmp_path_factory.mktemp("word-level")
+    tokenizer = Tokenizer(models.WordLevel({str(i): i for i in range(256)}, unk_token="0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     tokenizer.decoder = decoders.WordPiece()
-    tokenizer = PreTrainedTokenizerFast(
-        tokenizer_object=tokenizer, pad_token="0", eos_token="2", chat_template=TEMPLATE, padding_side="left",
-        extra_special_tokens={"image_token": "<img>", "boi_token": "<boi>", "eoi_token": "<eoi>"})
-    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}), tokenizer=tokenizer,
-                    image_seq_length=4, chat_template=TEMPLATE).save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="0", eos_token="2").save_pretrained(words)
+    path = tmp_path_factory.mktemp("tiny-gemma3-vlm")
+    save_tiny_vision_model(path, words)
     return path
 
 
@@ -66,7 +58,7 @@ def _trainer(folder, tmp_path, **config):
     dataset = Dataset.from_dict({"prompt": prompts, "image": images}).cast_column("image", Image())
     settings = dict(per_device_train_batch_size=G * 3, num_generations=G, max_completion_length=C, report_to=[],
                     use_cpu=True, bf16=False, max_steps=1, seed=0, save_strategy="no",
-                    generation_kwargs={"suppress_tokens": [250, 251, 252]})
+                    generation_kwargs={"suppress_tokens": [256, 257, 258]})
     args = trl.GRPOConfig(output_dir=str(tmp_path / "vlm"), **{**settings, **config})
     return TreeGRPOTrainer(model=str(folder), reward_funcs=length_reward, args=args, train_dataset=dataset,
                            processing_class=AutoProcessor.from_pretrained(folder))

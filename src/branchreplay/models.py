@@ -144,12 +144,13 @@ def tiny_vision_model(dtype: torch.dtype = torch.float32, seed: int = 0, vocab_s
                       **text_overrides) -> PreTrainedModel:
     """Randomly initialised tiny Gemma3ForConditionalGeneration (vision-language), in eval mode, parameters in
     `dtype`, drawn as `tiny_model`'s. Its text model is `tiny_config("gemma3")` (sliding and full layers, sliding
-    window 8) with `text_overrides`; its vision tower a 2-layer SigLIP of hidden 16 on 56 x 56 images in 14-pixel
-    patches (16 patches), pooled 2 x 2 into 4 image tokens per image (`mm_tokens_per_image`), projected by a random
-    matrix. The placeholder, begin- and end-of-image ids are inside the vocabulary."""
+    window 8) with `text_overrides`; its vision tower a 2-layer SigLIP of hidden 16 without the pooling head (as
+    Gemma3's) on 56 x 56 images in 14-pixel patches (16 patches), pooled 2 x 2 into 4 image tokens per image
+    (`mm_tokens_per_image`), projected by a random matrix. The placeholder, begin- and end-of-image ids are inside
+    the vocabulary."""
     text = tiny_config("gemma3", vocab_size=vocab_size, **text_overrides).to_dict()
     vision = dict(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=56,
-                  patch_size=14, attention_dropout=0.0)
+                  patch_size=14, attention_dropout=0.0, vision_use_head=False)  # Gemma3's: no pooling head
     config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4,
                                        image_token_id=image_token_id, boi_token_id=boi_token_id,
                                        eoi_token_id=eoi_token_id, initializer_range=0.2)
@@ -160,6 +161,35 @@ def tiny_vision_model(dtype: torch.dtype = torch.float32, seed: int = 0, vocab_s
         # transformers starts the projector at zero (images then carry no signal, the vision tower no gradient)
         torch.nn.init.normal_(model.model.multi_modal_projector.mm_input_projection_weight, std=0.2)
     return model.to(dtype).eval()
+
+
+IMAGE_TOKENS = {"image_token": "<img>", "boi_token": "<boi>", "eoi_token": "<eoi>"}
+"""Gemma3's image placeholder, begin- and end-of-image tokens, as `save_tiny_vision_model` adds them."""
+IMAGE_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m.content is string %}{{ m.content }}{% else %}{% for c in m.content %}"
+    "{% if c.type == 'image' %}<boi>{% else %}{{ c.text }}{% endif %} {% endfor %}{% endif %}{% endfor %}")
+"""A chat template for messages whose content is a string or a list of text and image items (<boi> per image)."""
+
+
+def save_tiny_vision_model(path, tokenizer_folder, dtype: torch.dtype = torch.float32, seed: int = 0):
+    """Save under `path` a `tiny_vision_model` and a local Gemma3Processor for it (nothing downloaded, no
+    torchvision): the tokenizer of `tokenizer_folder` with `IMAGE_TOKENS` added, padding on the left (TRL pairs the
+    processor's token_type_ids with its left-padded prompts), `IMAGE_CHAT_TEMPLATE`; a PIL image processor to
+    56 x 56 and 4 image tokens per image. The model's vocabulary and image token ids follow the tokenizer.
+    Returns the processor."""
+    from transformers import AutoTokenizer, Gemma3ImageProcessorPil, Gemma3Processor
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_folder, extra_special_tokens=IMAGE_TOKENS,
+                                              padding_side="left")
+    tokenizer.chat_template = IMAGE_CHAT_TEMPLATE
+    processor = Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": 56, "width": 56}),
+                                tokenizer=tokenizer, image_seq_length=4, chat_template=IMAGE_CHAT_TEMPLATE)
+    model = tiny_vision_model(dtype, seed, vocab_size=len(tokenizer), image_token_id=tokenizer.image_token_id,
+                              boi_token_id=tokenizer.boi_token_id, eoi_token_id=tokenizer.eoi_token_id,
+                              pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+    model.save_pretrained(path)
+    processor.save_pretrained(path)
+    return processor
 
 
 # -----------------------------------------------------------------------------
