@@ -56,7 +56,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.check.numerics import keep_float64
     from branchreplay.check.reference import max_rel_grad_err
     from branchreplay.engine import replay_logprobs
-    from branchreplay.engine.distributed import DataParallel, replay_backward_sharded, shutdown
+    from branchreplay.engine.distributed import DataParallel, replay_backward_sharded, end_spawned_rank
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -116,9 +116,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
             report[f"fsdp2-{mode}-adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in
                                                                                   single.parameters()]),
                                                      "layout": plan.layout}
-    shutdown()  # on success only, as the product (engine.distributed.shutdown)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
@@ -260,14 +260,14 @@ def _train_config(tmp_path, run: str, layout: str = "auto"):
 def _train_worker(rank: int, world: int, port: int, tmp: str) -> None:
     from pathlib import Path
 
-    from branchreplay.engine.distributed import shutdown
+    from branchreplay.engine.distributed import end_spawned_rank
     from test_trainer import make_trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     make_trainer(_train_config(Path(tmp), "two", "context-parallel"), dtype=torch.float64).fit()
-    shutdown()  # on success only, as the product (engine.distributed.shutdown)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tmp_path):

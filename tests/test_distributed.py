@@ -11,7 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from branchreplay.check.shapes import make_rollouts, shared_prompt
-from branchreplay.engine.distributed import free_port, shutdown
+from branchreplay.engine.distributed import end_spawned_rank, free_port
 from branchreplay.engine.sharding import shard
 from branchreplay.models import autocast, tiny_model
 from branchreplay.tree import RolloutTree
@@ -96,9 +96,9 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         report["adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in single.parameters()]),
                                    "tol": 1e-10}
-    shutdown()  # on success only, as the product (engine.distributed.shutdown)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(reports, f)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 
@@ -164,7 +164,7 @@ def _train_worker(rank: int, world: int, port: int, tmp: str, steps: int, strate
     metrics = trainer.evaluate()  # sharded: each rank decodes half of the held-out items
     if rank == 0:
         (Path(tmp) / f"{run}-eval.json").write_text(json.dumps(metrics))
-    shutdown()  # on success only, as the product (engine.distributed.shutdown)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def _records(run_dir) -> list[dict]:
@@ -220,7 +220,7 @@ def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
     except ValueError as e:  # on every rank alike: both may close the group
         with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
             f.write(str(e))
-    shutdown()
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
@@ -278,7 +278,7 @@ def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
     model = GPTNeoXForCausalLM(cfg)
     model.generation_config.eos_token_id = EOS
     make_trainer(_train_config(Path(tmp), 1, "fsdp2", "neox"), model=model).fit()
-    shutdown()  # on success only, as the product (engine.distributed.shutdown)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
@@ -323,7 +323,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
         errs[strategy] = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(errs, f)
-    shutdown()  # on success only, as the product (engine.distributed.shutdown)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 @pytest.fixture(scope="module")
@@ -367,7 +367,7 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
     report["layer_bytes"], report["model_bytes"] = layers[0], sum(p.numel() * 4 for p in single.parameters())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    shutdown()
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def test_resharded_fsdp2_holds_a_layer_at_a_time_and_gather_once_the_whole_model(tmp_path):

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from branchreplay.engine.distributed import free_port, shutdown
+from branchreplay.engine.distributed import end_spawned_rank, free_port
 from test_distributed import _records, _train_config
 
 
@@ -93,7 +93,7 @@ def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
     except Exception as e:  # noqa: BLE001
         outcome = f"{type(e).__name__}: {e}"
     (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
-    shutdown()  # on success only, as the product (engine.distributed.shutdown)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
@@ -134,7 +134,7 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str, error: str) -
     except Exception as e:  # noqa: BLE001
         outcome = f"{type(e).__name__}: {e}"
     (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
-    shutdown()
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 @pytest.mark.parametrize("error", WRITE_ERRORS)
@@ -212,15 +212,14 @@ def _blocked_worker(rank: int, world: int, port: int, tmp: str) -> None:
         said = (Path(tmp) / "rank0.log").read_text()  # what the user saw before the collective returned
         (Path(tmp) / "seen-while-waiting.txt").write_text(said)
         dist.barrier()
-        shutdown()
-        return
+        end_spawned_rank()
     with open(Path(tmp) / "rank0.log", "w") as log:
         console, stop = Console(file=log, force_terminal=False), []
         with stop_on_signals(stop, console):
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while in the collective
             dist.barrier()
             console.print(f"barrier returned, stop={stop}")
-    shutdown()
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def test_ctrl_c_is_answered_at_once_while_a_collective_waits(tmp_path):

@@ -148,7 +148,7 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
     import torch.distributed as dist
 
     from ..check.reference import naive_backward
-    from ..engine.distributed import DataParallel, replay_backward_sharded, shutdown
+    from ..engine.distributed import DataParallel, end_spawned_rank, replay_backward_sharded
     from ..losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -188,4 +188,4 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
                               "rollouts_run": sum(len(t.rollouts) for t in plan.parts[rank])}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    shutdown()  # after an error the process exits without it (engine.distributed.shutdown)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)

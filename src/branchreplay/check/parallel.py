@@ -66,7 +66,7 @@ def verify_data_parallel(spec: str, dtype: torch.dtype, nproc: int, strategy: st
 def _worker(rank, world, port, spec, dtype, strategy, seed, force, out, loss):
     import torch.distributed as dist
 
-    from ..engine.distributed import shutdown
+    from ..engine.distributed import end_spawned_rank
     from ..models import load_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -86,7 +86,7 @@ def _worker(rank, world, port, spec, dtype, strategy, seed, force, out, loss):
                            else FLOAT64_TOLERANCE) if dtype == torch.float64 else 1e-4
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    shutdown()  # after an error the process exits without it (engine.distributed.shutdown)
+    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
 
 
 def _grpo_step(single, model, strategy: str, seed: int, force: bool) -> dict:

@@ -41,8 +41,9 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
-from typing import Literal
+from typing import Literal, NoReturn
 
 import torch
 import torch.distributed as dist
@@ -301,10 +302,24 @@ def shutdown() -> None:
     aborts one of them ("terminate called without an active exception", SIGABRT: seen in tests/test_distributed.py
     twice). After an error, do not call it: a barrier or a destroy while another rank sits in a collective blocks
     (torchtitan destroys the group only after a successful run, for that reason); the collective timeout then
-    stops the others. A no-op without a process group."""
+    stops the others. A no-op without a process group. A spawned rank ends with `end_spawned_rank` instead."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def end_spawned_rank() -> NoReturn:
+    """End a rank started by `torch.multiprocessing.spawn` whose work succeeded and whose results are written:
+    `shutdown`, flush stdout and stderr, then `os._exit(0)`, skipping the interpreter's teardown. There, now and
+    then, a gloo worker thread still drops the last reference to a collective's tensor, takes the GIL during
+    finalization, is ended by Python with `pthread_exit`, and the C++ runtime aborts the rank ("terminate called
+    without an active exception", SIGABRT: seen in tests/test_distributed.py and `verify --nproc 2` under load;
+    pytorch/pytorch#179291 describes it), which spawn reports as that rank's failure after its work succeeded.
+    For the check, bench and test workers only: a torchrun process ends through `shutdown` and the CLI."""
+    shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
