@@ -6,6 +6,7 @@ images make separate trees."""
 
 import numpy as np
 import pytest
+import torch
 
 from branchreplay.check.reference import max_rel_grad_err
 from branchreplay.models import save_tiny_vision_model, tiny_vision_model
@@ -109,6 +110,64 @@ def test_a_vision_language_model_the_tree_does_not_run_is_refused_when_built(tmp
     from branchreplay.trl.base import check_family
 
     model = tiny_vision_model()
-    model.config.model_type = "qwen2_vl"  # a model whose rotary positions follow the image grid
-    with pytest.raises(UnsupportedModelError, match="TreeGRPOTrainer: vision-language model 'qwen2_vl'"):
+    model.config.model_type = "llava"  # a model whose image inputs have not been checked
+    with pytest.raises(UnsupportedModelError, match="TreeGRPOTrainer: vision-language model 'llava'"):
         check_family(model, "refuse", "TreeGRPOTrainer")
+
+
+def _qwen2_vl_batch(g: torch.Generator) -> dict:
+    """A Qwen2-VL micro-batch laid out as TRL's GRPO batch (`_get_per_token_logps_and_entropies`): two prompts of
+    other lengths (left-padded), images of other grids, and, for the first, two images; 2 completions each
+    (right-padded); pixel_values rows t * h * w per image, image_grid_thw and num_images per row, mm_token_type_ids
+    over prompt and completion. (Qwen2-VL's processor needs torchvision for its video processor: not here.)"""
+    image, start = 250, 251
+    text = lambda n: torch.randint(3, 200, (n,), generator=g).tolist()  # noqa: E731
+    grids = [[[1, 4, 4], [1, 2, 6]], [[1, 6, 2]]]  # per prompt: 4 + 3 placeholders; 3
+    prompts = [text(2) + [start] + [image] * 4 + text(1) + [start] + [image] * 3 + text(3),
+               text(4) + [start] + [image] * 3 + text(2)]
+    P, C = max(map(len, prompts)), 5
+    rows = [(k, text(n)) for k in (0, 1) for n in (C, 3)]
+    prompt_ids = torch.tensor([[0] * (P - len(prompts[k])) + prompts[k] for k, _ in rows])
+    completion = torch.tensor([c + [0] * (C - len(c)) for _, c in rows])
+    thw = torch.tensor([grid for k, _ in rows for grid in grids[k]])
+    pixels = [torch.randn(int(torch.tensor(grids[k]).prod(-1).sum()), 24, generator=g, dtype=torch.float64)
+              for k in (0, 1)]  # each prompt's images, repeated on its rows as TRL's batch does
+    ids = torch.cat([prompt_ids, completion], 1)
+    return {"prompt_ids": prompt_ids, "prompt_mask": (prompt_ids != 0).long(), "completion_ids": completion,
+            "completion_mask": (completion != 0).long(), "advantages": torch.randn(len(rows), generator=g),
+            "pixel_values": torch.cat([pixels[k] for k, _ in rows]),
+            "image_grid_thw": thw, "num_images": [len(grids[k]) for k, _ in rows],
+            "mm_token_type_ids": (ids == image).int()}
+
+
+def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
+    """Qwen2-VL's TRL batch over the tree (`rows.prompt_trees`: each row's pixel rows and grids, one tree per
+    prompt and images, rotary positions on the image grid) against the padded forward TRL runs on that batch
+    (the model with attention_mask, pixel_values, image_grid_thw, mm_token_type_ids), float64 logprobs."""
+    from branchreplay.check.numerics import keep_float64
+    from branchreplay.engine import replay_logprobs
+    from branchreplay.models import tiny_qwen2_vl_model
+
+    g = torch.Generator().manual_seed(0)
+    batch = _qwen2_vl_batch(g)
+    model = tiny_qwen2_vl_model(torch.float64)
+    ids = torch.cat([batch["prompt_ids"], batch["completion_ids"]], 1)
+    with keep_float64(model), torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=torch.cat([batch["prompt_mask"], batch["completion_mask"]], 1),
+                       pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
+                       mm_token_type_ids=batch["mm_token_type_ids"]).logits
+        P = batch["prompt_ids"].shape[1]
+        theirs = logits[:, P - 1:-1].log_softmax(-1).gather(-1, batch["completion_ids"][..., None])[..., 0]
+        rollouts, lengths = rows.batch_rollouts(batch, batch["completion_mask"])
+        trees, order = rows.prompt_trees(batch, rollouts, model)
+        assert len(trees) == 2 and all(t.images.rope_positions is not None for t in trees)
+        result = replay_logprobs(model, trees)
+    errors = [float((lp[-lengths[row]:] - theirs[row, :lengths[row]]).abs().max()) for row, lp in
+              zip(order, result.logprobs)]
+    print(f"Qwen2-VL batch: logprobs {max(errors):.1e} from the padded forward")
+    assert max(errors) <= 1e-10
+    wrong = dict(batch, mm_token_type_ids=torch.zeros_like(batch["mm_token_type_ids"]))
+    with pytest.raises(ValueError, match="mm_token_type_ids marks other prompt positions"):
+        rows.prompt_trees(wrong, rollouts, model)
+    with pytest.raises(ValueError, match="pixel_values has 77 rows for 6 images"):
+        rows.prompt_trees(dict(batch, pixel_values=batch["pixel_values"][:-3]), rollouts, model)

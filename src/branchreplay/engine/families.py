@@ -80,6 +80,8 @@ FAMILIES: dict[str, Family] = {
     # the engine's LM head, engine/head.py); Gemma3: Gemma3ForCausalLM (text only)
     "gemma2": Family("gemma2", mask_mapping=True),
     "gemma3_text": Family("gemma3_text", mask_mapping=True),
+    # Qwen2-VL's language model: a Qwen2 decoder whose rotary positions follow the image grid (engine/vision.py)
+    "qwen2_vl_text": Family("qwen2_vl_text", mask_mapping=True),
     # mixture of experts: see the Family docstring (router aux loss: router.py)
     "qwen3_moe": Family("qwen3_moe", mask_mapping=False, uniform_window=True),
     "mixtral": Family("mixtral", mask_mapping=False, uniform_window=True),

@@ -423,7 +423,7 @@ class _Run:
             tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
             cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
                                 split=split)
-            positions = (P + torch.arange(lengths[0], device=self.device)).expand_as(tokens)
+            positions = self.position_ids(P + torch.arange(lengths[0], device=self.device), len(nodes))
             mask = own_keys_mask(None, lengths[0], self.dtype, self.device) if split else None
             with self.engine_forwards, routed(self.router, nodes, self.device):
                 out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
@@ -447,9 +447,17 @@ class _Run:
         inputs = {"input_ids": tokens} if images is None else \
             {"inputs_embeds": images.embeds(self.decoder.get_input_embeddings(), tokens[0], P + local)[None]}
         with self.engine_forwards, routed(self.router, nodes, self.device):
-            out = self.decoder(**inputs, position_ids=(P + local)[None], attention_mask=mask, cache=cache,
+            out = self.decoder(**inputs, position_ids=self.position_ids(P + local), attention_mask=mask, cache=cache,
                                use_cache=True)
         return out.last_hidden_state[0], cache
+
+    def position_ids(self, positions: torch.Tensor, rows: int = 1) -> torch.Tensor:
+        """The decoder's position ids for `rows` rows at absolute `positions` [S]: [rows, S], the index, or
+        [3, rows, S] where the tree's images set the rotary positions (Qwen2-VL's mrope: vision.py)."""
+        grid = self.images.rope_positions(positions) if self.images is not None else None
+        if grid is None:
+            return positions.expand(rows, -1)
+        return grid[:, None].expand(3, rows, -1)
 
     def dummy_forward(self) -> torch.Tensor:
         """A forward of one token (id 0, position 0) through every decoder layer, the lock-step's dummy

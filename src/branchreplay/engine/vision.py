@@ -13,10 +13,11 @@ rollout shares, so the vision tower and the prompt run once per tree and every c
   backward back-propagates the leaf's summed gradient through the vision tower once;
 - Gemma3 attends bidirectionally inside each image (transformers' `create_masks_for_vision_model`: full layers
   OR(causal, same image block), sliding layers AND(window, OR(causal, same block))): `blocks` gives each
-  placeholder its image's block id, which the tree mask ORs in (`masks.tree_mask`).
-
-Models whose rotary positions depend on the image grid (Qwen2-VL's 3-D "mrope") are refused by name: the engine's
-position ids are each token's index.
+  placeholder its image's block id, which the tree mask ORs in (`masks.tree_mask`);
+- Qwen2-VL's rotary positions follow the image grid (multimodal rotary, "mrope": three position ids per token,
+  transformers' `get_rope_index`): a token's ids depend only on the tokens before it, so the prompt's ids are
+  computed once, and every later position p has p + delta on each axis (transformers' `rope_deltas`); the engine
+  hands the decoder those [3, 1, S] position ids instead of the token index.
 """
 
 from __future__ import annotations
@@ -27,8 +28,24 @@ from collections.abc import Callable
 
 import torch
 
-BIDIRECTIONAL_IMAGES = {"gemma3": True}
-"""The vision-language model types the engine runs, and whether each attends bidirectionally inside an image."""
+@dataclasses.dataclass(frozen=True)
+class VisionFamily:
+    """How the engine runs one vision-language model type.
+
+    bidirectional: attends bidirectionally inside each image (Gemma3: `ImagePrompt.blocks`).
+    grid_positions: rotary positions follow the image grid (Qwen2-VL's mrope: `ImagePrompt.rope_positions`).
+    causal_lm: the transformers class of the language model's causal-LM view, where `AutoModelForCausalLM` has
+        none for the text config (Qwen2-VL's text model is a Qwen2 decoder with multimodal rotary).
+    """
+
+    bidirectional: bool = False
+    grid_positions: bool = False
+    causal_lm: str | None = None
+
+
+VISION_LANGUAGE = {"gemma3": VisionFamily(bidirectional=True),
+                   "qwen2_vl": VisionFamily(grid_positions=True, causal_lm="Qwen2ForCausalLM")}
+"""The vision-language model types the engine runs."""
 
 _views: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # vision-language model -> its causal-LM view
 
@@ -43,11 +60,11 @@ def check_vision_language(model) -> None:
     from .families import UnsupportedModelError
 
     model_type = model.config.model_type
-    if model_type not in BIDIRECTIONAL_IMAGES:
+    if model_type not in VISION_LANGUAGE:
         raise UnsupportedModelError(
             f"vision-language model '{model_type}' is not run over trees (supported: "
-            f"{', '.join(sorted(BIDIRECTIONAL_IMAGES))}); models whose rotary positions follow the image grid "
-            "(Qwen2-VL's mrope) need per-token 3-D position ids the engine does not carry")
+            f"{', '.join(sorted(VISION_LANGUAGE))}): its image placeholders, attention inside an image and rotary "
+            "positions have not been checked against its own forward")
 
 
 def language_model(model):
@@ -59,12 +76,15 @@ def language_model(model):
         return model
     view = _views.get(model)
     if view is None:
+        import transformers
         from transformers import AutoModelForCausalLM
 
         check_vision_language(model)
         text_config = model.config.get_text_config()
+        causal_lm = VISION_LANGUAGE[model.config.model_type].causal_lm
         with torch.device("meta"):
-            view = AutoModelForCausalLM.from_config(text_config)
+            view = AutoModelForCausalLM.from_config(text_config) if causal_lm is None else \
+                getattr(transformers, causal_lm)(text_config)
         view.config = text_config
         setattr(view, view.base_model_prefix, model.model.language_model)
         view.lm_head = model.lm_head
@@ -83,36 +103,49 @@ class ImagePrompt:
         model being trained, differentiable: the engine calls it once per replay, under the replay's grad mode).
     blocks: [n] int64, each position's image (block) id for bidirectional attention inside an image (Gemma3), or
         None for causal attention everywhere.
+    rope_positions: [3, P] int64, the rotary position ids (temporal, height, width) of the prompt's P positions
+        where they follow the image grid (Qwen2-VL), else None (a token's rotary position is its index).
+    rope_delta: with `rope_positions`, a position p >= P has rotary position p + rope_delta on every axis.
     """
 
     positions: torch.Tensor
     features: Callable[[], torch.Tensor]
     blocks: torch.Tensor | None = None
+    rope_positions: torch.Tensor | None = None
+    rope_delta: int = 0
 
     @classmethod
     def of(cls, model, prompt_ids: torch.Tensor, **image_inputs) -> ImagePrompt:
         """The `ImagePrompt` of one unpadded prompt `prompt_ids` [P] for vision-language `model`, from its
-        processor's image outputs for that prompt (e.g. `pixel_values` [num_images, 3, H, W]): placeholders where
-        the ids equal config.image_token_id, blocks from their contiguous runs (transformers'
-        `get_block_sequence_ids_for_mask`) where the model attends bidirectionally inside an image.
+        processor's image outputs for that prompt (Gemma3: `pixel_values` [num_images, 3, H, W]; Qwen2-VL:
+        `pixel_values` [patches, C * T * patch * patch] and `image_grid_thw` [num_images, 3]): placeholders where
+        the ids equal config.image_token_id; blocks from their contiguous runs (transformers'
+        `get_block_sequence_ids_for_mask`) where the model attends bidirectionally inside an image; the prompt's
+        rotary positions from the model's `get_rope_index` where they follow the image grid.
         Raises UnsupportedModelError for an unsupported vision-language model."""
         check_vision_language(model)
+        family = VISION_LANGUAGE[model.config.model_type]
         is_image = prompt_ids == model.config.image_token_id
         positions = is_image.nonzero().squeeze(1)
-        blocks = None
-        if BIDIRECTIONAL_IMAGES[model.config.model_type]:
+        blocks, rope_positions, rope_delta = None, None, 0
+        if family.bidirectional:
             starts = is_image & ~torch.cat([torch.zeros(1, dtype=torch.bool), is_image[:-1]])
             blocks = (torch.cumsum(starts.long(), 0) - 1)[positions]
+        if family.grid_positions:  # mm_token_type_ids: 1 at image placeholders, as the processor makes them
+            ids, deltas = model.model.get_rope_index(prompt_ids[None], mm_token_type_ids=is_image.int()[None],
+                                                     image_grid_thw=image_inputs.get("image_grid_thw"))
+            rope_positions, rope_delta = ids[:, 0].cpu(), int(deltas.reshape(-1)[0])
 
         def features() -> torch.Tensor:
             out = model.get_image_features(**image_inputs, return_dict=True).pooler_output
+            out = torch.cat(out) if isinstance(out, (tuple, list)) else out  # Qwen2-VL: one tensor per image
             return out.reshape(-1, out.shape[-1])
 
-        return cls(positions, features, blocks)
+        return cls(positions, features, blocks, rope_positions, rope_delta)
 
     def check(self, shared_length: int) -> None:
         """Raises ValueError when a placeholder lies outside the first `shared_length` positions (the tree's shared
-        prefix) or `blocks` does not match `positions`."""
+        prefix), or `blocks` or `rope_positions` does not match `positions`."""
         if self.positions.numel() and int(self.positions.max()) >= shared_length:
             raise ValueError(f"an image placeholder at position {int(self.positions.max())} lies outside the prefix "
                              f"all the tree's rollouts share ({shared_length} tokens): the rollouts of one tree must "
@@ -120,6 +153,11 @@ class ImagePrompt:
         if self.blocks is not None and self.blocks.shape != self.positions.shape:
             raise ValueError(f"ImagePrompt.blocks has shape {tuple(self.blocks.shape)}, positions "
                              f"{tuple(self.positions.shape)}: one block id per placeholder")
+        rope = self.rope_positions
+        if rope is not None and (rope.dim() != 2 or rope.shape[0] != 3
+                                 or (self.positions.numel() and rope.shape[1] <= int(self.positions.max()))):
+            raise ValueError(f"ImagePrompt.rope_positions has shape {tuple(rope.shape)}: [3, P], the rotary "
+                             "position ids of a prompt that holds every placeholder")
 
 
 class ImageRun:
@@ -135,6 +173,8 @@ class ImageRun:
         self.leaf = self.features.detach().requires_grad_(train)
         self.row = {int(p): k for k, p in enumerate(images.positions)}  # absolute position -> feature row
         self.block = {} if images.blocks is None else {int(p): int(b) for p, b in zip(images.positions, images.blocks)}
+        self.rope = None if images.rope_positions is None else images.rope_positions.to(device)
+        self.rope_delta = images.rope_delta
 
     def covers(self, start: int, end: int) -> bool:
         """Whether absolute positions [start, end) hold a placeholder."""
@@ -150,6 +190,16 @@ class ImageRun:
         vocab = embedding.weight.shape[0]
         embeds = embedding(torch.where(tokens < vocab, tokens, torch.zeros_like(tokens)))
         return embeds.index_put((index,), self.leaf[rows].to(embeds.dtype))
+
+    def rope_positions(self, positions: torch.Tensor) -> torch.Tensor | None:
+        """[3, S] int64 the rotary position ids of absolute `positions` [S] where they follow the image grid (the
+        prompt's from `ImagePrompt.rope_positions`, later ones p + rope_delta), None where they are the index."""
+        if self.rope is None:
+            return None
+        inside = positions < self.rope.shape[1]
+        out = (positions + self.rope_delta).expand(3, -1).clone()
+        out[:, inside] = self.rope[:, positions[inside]]
+        return out
 
     def blocks(self, positions: torch.Tensor) -> torch.Tensor | None:
         """[S] the image block id of each absolute position (-1 for text), None without bidirectional images."""

@@ -14,41 +14,71 @@ from ..tree import Rollout, RolloutTree
 
 
 def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
-                  images: list[torch.Tensor | None] | None = None) -> list[list[int]]:
+                  images: list[dict | None] | None = None) -> list[list[int]]:
     """Rows of a left-padded [B, P] prompt batch grouped by their unpadded prompt (and their images, `row_images`:
-    equal placeholder tokens with other pixels are another prompt), in order of first appearance: one rollout tree
-    per group."""
+    equal placeholder tokens with other pixels or grids are another prompt), in order of first appearance: one
+    rollout tree per group."""
     groups: dict[tuple, list[int]] = {}
     for i, (ids, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
-        pixels = images[i] if images is not None else None
+        inputs = images[i] if images is not None else None
         key = (tuple(t for t, k in zip(ids, keep) if k),
-               None if pixels is None else (tuple(pixels.shape), pixels.cpu().numpy().tobytes()))
+               None if inputs is None else tuple((name, tuple(v.shape), v.cpu().numpy().tobytes())
+                                                 for name, v in sorted(inputs.items())))
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "pixel_attention_mask", "spatial_shapes", "image_sizes",
-              "image_position_ids", "mm_token_type_ids", "num_tiles")
-"""The image inputs TRL's GRPO and RLOO batches may carry; the tree reads pixel_values (with num_images and
-token_type_ids), and refuses the others by name."""
+IMAGE_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
+"""The image inputs of TRL's GRPO and RLOO batches the tree reads: pixel_values with num_images (Gemma3), and
+image_grid_thw and mm_token_type_ids (Qwen2-VL)."""
+REFUSED_IMAGE_KEYS = ("pixel_attention_mask", "spatial_shapes", "image_sizes", "image_position_ids", "num_tiles",
+                      "pixel_values_videos", "video_grid_thw")
+"""The image and video inputs of other vision-language models, refused by name."""
 
 
-def row_images(inputs: dict) -> list[torch.Tensor | None] | None:
-    """Each row's pixel_values ([n_i, C, H, W], None for a row without images) of a vision-language batch, as TRL
-    splits them (`_get_per_token_logps_and_entropies`: one row of pixel_values per image, `num_images` per row);
-    None for a batch without images. Raises ValueError for an image input the tree does not read."""
+def row_images(inputs: dict) -> list[dict | None] | None:
+    """Each row's image inputs of a vision-language batch, as TRL splits them (`_get_per_token_logps_and_entropies`:
+    `num_images` per row; pixel_values one row per image, or, with image_grid_thw [num_images, 3], t * h * w rows
+    per image), None for a row without images: {"pixel_values": [n_i, ...], "image_grid_thw": [images_i, 3] where
+    the batch has it}; None for a batch without images. Raises ValueError for an image input the tree does not
+    read, or pixel_values whose rows do not match the images."""
     if inputs.get("pixel_values") is None:
         return None
-    other = [key for key in IMAGE_KEYS[1:] if inputs.get(key) is not None]
+    other = [key for key in REFUSED_IMAGE_KEYS if inputs.get(key) is not None]
     if other:
         raise ValueError(f"the batch carries {', '.join(other)}: only vision-language models whose images are "
-                         "pixel_values alone (Gemma3) run over trees")
-    pixels, B = inputs["pixel_values"], inputs["prompt_ids"].shape[0]
+                         "pixel_values (Gemma3), with image_grid_thw (Qwen2-VL), run over trees")
+    pixels, grids, B = inputs["pixel_values"], inputs.get("image_grid_thw"), inputs["prompt_ids"].shape[0]
     counts = inputs.get("num_images") or [1] * B
-    if pixels.shape[0] != sum(counts):
-        raise ValueError(f"pixel_values has {pixels.shape[0]} rows for {sum(counts)} images (num_images)")
-    starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
-    return [pixels[a:b] if b > a else None for a, b in zip(starts, starts[1:])]
+    image_starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
+    rows = [1] * sum(counts) if grids is None else grids.prod(-1).tolist()  # pixel rows per image
+    if grids is not None and grids.shape[0] != sum(counts):
+        raise ValueError(f"image_grid_thw has {grids.shape[0]} rows for {sum(counts)} images (num_images)")
+    row_starts = [0, *torch.tensor(rows).cumsum(0).tolist()]
+    if pixels.shape[0] != row_starts[-1]:
+        raise ValueError(f"pixel_values has {pixels.shape[0]} rows for {sum(counts)} images (num_images"
+                         f"{', image_grid_thw' if grids is not None else ''}): {row_starts[-1]} expected")
+    out = []
+    for a, b in zip(image_starts, image_starts[1:]):
+        row = None if b == a else {"pixel_values": pixels[row_starts[a]:row_starts[b]]}
+        if row is not None and grids is not None:
+            row["image_grid_thw"] = grids[a:b]
+        out.append(row)
+    return out
+
+
+def check_image_token_types(inputs: dict, model) -> None:
+    """Raises ValueError when the batch's mm_token_type_ids [B, >= P] over the prompt columns are not 1 exactly at
+    the image placeholders (config.image_token_id) and 0 elsewhere: the tree places the images by that id."""
+    types = inputs.get("mm_token_type_ids")
+    if types is None:
+        return
+    ids, keep = inputs["prompt_ids"], inputs["prompt_mask"].bool()
+    expected = (ids == model.config.image_token_id).to(types.dtype)
+    got = types[:, :ids.shape[1]].to(ids.device)
+    if not torch.equal(got[keep], expected[keep]):
+        raise ValueError("mm_token_type_ids marks other prompt positions than the image placeholders "
+                         f"(image_token_id {model.config.image_token_id}; videos are not run over trees)")
 
 
 def trained_mask(inputs: dict) -> torch.Tensor:
@@ -63,13 +93,15 @@ def prompt_trees(inputs: dict, rollouts: list[Rollout], model=None) -> tuple[lis
     order (what a `ReplayResult` over them lists). A vision-language batch's trees carry their prompt's images
     (`engine.vision.ImagePrompt` of `model`, the unwrapped vision-language model)."""
     images = row_images(inputs)
+    if images is not None:
+        check_image_token_types(inputs, model)
     groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"], images)
     trees = []
     for group in groups:
         first = group[0]
         prompt = None if images is None or images[first] is None else \
             ImagePrompt.of(model, inputs["prompt_ids"][first][inputs["prompt_mask"][first].bool()].cpu(),
-                           pixel_values=images[first])
+                           **images[first])
         trees.append(RolloutTree([rollouts[i] for i in group], images=prompt))
     return trees, [i for group in groups for i in group]
 
