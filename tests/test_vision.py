@@ -1,7 +1,10 @@
-"""Vision-language prompts over the tree (`engine/vision.py`): a tiny Gemma3ForConditionalGeneration whose shared
-prompt holds two images, its completions branching, against the naive reference (each rollout alone through the
-model's own forward with its pixel_values and token_type_ids), float64: logprobs and every parameter's gradient,
-the vision tower's included; packs kept, replayed, and the prompt chunked."""
+"""Vision-language prompts over the tree (`engine/vision.py`): a tiny vision-language model whose shared prompt
+holds two images, its completions branching, against the naive reference (each rollout alone through the model's
+own forward with its image inputs and token types), float64: logprobs and every parameter's gradient, the vision
+tower's included; packs kept, replayed, and the prompt chunked. Two families: Gemma3 (bidirectional attention inside
+an image, sliding layers) and Qwen2-VL (rotary positions on the image grid: three ids per token)."""
+
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -10,22 +13,24 @@ from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.vision import ImagePrompt
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_vision_model
+from branchreplay.models import tiny_qwen2_vl_model, tiny_vision_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-IMAGE, BOI, EOI = 250, 251, 252
+IMAGE, BOI, EOI = 250, 251, 252  # both tiny models: the placeholder, and the begin / end (Qwen2-VL: vision start)
+GRIDS = torch.tensor([[1, 4, 4], [1, 2, 6]])  # Qwen2-VL's images: patches (frames, height, width): 4 and 3 tokens
 
 
 class WithImages(torch.nn.Module):
-    """The naive reference's model: `vlm` called on each rollout alone with the prompt's pixel_values and the
-    token_type_ids Gemma3's processor makes (1 at the image placeholders)."""
+    """The naive reference's model: `vlm` called on each rollout alone with the prompt's image inputs and the token
+    types its processor makes (1 at the image placeholders): Gemma3's token_type_ids, Qwen2-VL's mm_token_type_ids
+    (from which it computes the rotary positions itself)."""
 
-    def __init__(self, vlm, pixel_values):
+    def __init__(self, vlm, images: dict):
         super().__init__()
-        self.vlm, self.pixel_values = vlm, pixel_values
+        self.vlm, self.images = vlm, images
 
     @property
     def device(self):
@@ -35,15 +40,29 @@ class WithImages(torch.nn.Module):
         return self.vlm.get_output_embeddings()
 
     def forward(self, input_ids, **kwargs):
-        return self.vlm(input_ids=input_ids, pixel_values=self.pixel_values,
-                        token_type_ids=(input_ids == IMAGE).long(), **kwargs)
+        types = "token_type_ids" if self.vlm.config.model_type == "gemma3" else "mm_token_type_ids"
+        return self.vlm(input_ids=input_ids, **self.images, **{types: (input_ids == IMAGE).long()}, **kwargs)
 
 
-def _prompt(g: torch.Generator) -> torch.Tensor:
-    """Text, an image (begin, 4 placeholders, end), text, a second image, text: 21 tokens."""
-    text = lambda n: torch.randint(3, 200, (n,), generator=g)  # noqa: E731
-    image = torch.tensor([BOI] + [IMAGE] * 4 + [EOI])
-    return torch.cat([text(3), image, text(2), image, text(4)])
+@dataclass
+class Case:
+    """A float64 model, its prompt's image inputs, the prompt [P] and its rollouts; `vision`: the bound on the
+    vision tower's gradient (transformers computes Qwen2-VL's vision rotary in float32)."""
+
+    model: torch.nn.Module
+    images: dict
+    prompt: torch.Tensor
+    rollouts: list[Rollout]
+    vision: float
+
+    def tree(self, **change) -> RolloutTree:
+        images = ImagePrompt.of(self.model, self.prompt, **self.images)
+        for name, value in change.items():
+            setattr(images, name, value)
+        return RolloutTree(self.rollouts, images=images)
+
+    def naive(self, loss):
+        return naive_backward(WithImages(self.model, self.images), self.rollouts, loss)
 
 
 def _rollouts(prompt: torch.Tensor, g: torch.Generator) -> list[Rollout]:
@@ -59,22 +78,35 @@ def _rollouts(prompt: torch.Tensor, g: torch.Generator) -> list[Rollout]:
     return out
 
 
-@pytest.fixture
-def case(keep64):
-    """(model, pixel_values [2, 3, 56, 56], rollouts, prompt) in float64; sliding window 3 (< an image's 4
-    placeholders: the sliding layers' AND(window, OR(causal, block)) matters)."""
-    g = torch.Generator().manual_seed(0)
+def _gemma3(g: torch.Generator, keep64) -> Case:
+    """Text, an image (begin, 4 placeholders, end), text, a second image, text: 21 tokens; sliding window 3 (< an
+    image's 4 placeholders: the sliding layers' AND(window, OR(causal, block)) matters); pixel_values
+    [2, 3, 56, 56]."""
     model = keep64(tiny_vision_model(torch.float64, sliding_window=3))
     pixel_values = torch.randn(2, 3, 56, 56, generator=g, dtype=torch.float64)
-    prompt = _prompt(g)
-    return model, pixel_values, _rollouts(prompt, g), prompt
+    text = lambda n: torch.randint(3, 200, (n,), generator=g)  # noqa: E731
+    image = torch.tensor([BOI] + [IMAGE] * 4 + [EOI])
+    prompt = torch.cat([text(3), image, text(2), image, text(4)])
+    return Case(model, {"pixel_values": pixel_values}, prompt, _rollouts(prompt, g), 1e-10)
 
 
-def _tree(model, pixel_values, rollouts, prompt, **change) -> RolloutTree:
-    images = ImagePrompt.of(model, prompt, pixel_values=pixel_values)
-    for name, value in change.items():
-        setattr(images, name, value)
-    return RolloutTree(rollouts, images=images)
+def _qwen2_vl(g: torch.Generator, keep64) -> Case:
+    """Text, an image (vision start, 4 placeholders), text, a second image of another grid (3 placeholders), text:
+    20 tokens; pixel_values [28, 24] (a row per patch) and image_grid_thw `GRIDS`."""
+    model = keep64(tiny_qwen2_vl_model(torch.float64))
+    pixel_values = torch.randn(int(GRIDS.prod(-1).sum()), 24, generator=g, dtype=torch.float64)
+    text = lambda n: torch.randint(3, 200, (n,), generator=g)  # noqa: E731
+    image = lambda n: torch.tensor([BOI] + [IMAGE] * n)  # noqa: E731
+    prompt = torch.cat([text(3), image(4), text(2), image(3), text(6)])
+    return Case(model, {"pixel_values": pixel_values, "image_grid_thw": GRIDS}, prompt, _rollouts(prompt, g), 1e-6)
+
+
+FAMILIES = {"gemma3": _gemma3, "qwen2_vl": _qwen2_vl}
+
+
+@pytest.fixture(params=FAMILIES.keys())
+def case(request, keep64) -> Case:
+    return FAMILIES[request.param](torch.Generator().manual_seed(0), keep64)
 
 
 ENGINES = {"kept": EngineConfig(), "replayed": EngineConfig(replay="replay"),
@@ -83,48 +115,60 @@ ENGINES = {"kept": EngineConfig(), "replayed": EngineConfig(replay="replay"),
 
 @pytest.mark.parametrize("engine", ENGINES.values(), ids=ENGINES.keys())
 def test_images_in_the_prompt_node_equal_the_naive_rollouts(case, engine):
-    model, pixel_values, rollouts, prompt = case
     loss = GRPOLoss(beta=0.0)
-    naive = naive_backward(WithImages(model, pixel_values), rollouts, loss)
-    expected = grads(model)
-    vision = [g for (name, _), g in zip(model.named_parameters(), expected) if "vision_tower" in name]
-    assert all(float(g.abs().sum()) > 0 for g in vision[:4])  # the vision tower learns
-    model.zero_grad(set_to_none=True)
-    result = replay_backward(model, _tree(model, pixel_values, rollouts, prompt), loss, engine=engine)
+    naive = case.naive(loss)
+    expected = grads(case.model)
+    is_vision = [name.startswith(("model.vision_tower", "model.visual")) for name, _ in case.model.named_parameters()]
+    pick = lambda gs, v: [g for g, w in zip(gs, is_vision) if w == v]  # noqa: E731
+    assert all(float(g.abs().sum()) > 0 for g in pick(expected, True)[:4])  # the vision tower learns
+    case.model.zero_grad(set_to_none=True)
+    result = replay_backward(case.model, case.tree(), loss, engine=engine)
     assert result.stats.physical_tokens < result.stats.logical_tokens
     for ours, theirs in zip(result.logprobs, naive.logprobs):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
-    assert max_rel_grad_err(grads(model), expected) <= 1e-10
-    forward = replay_logprobs(model, _tree(model, pixel_values, rollouts, prompt), engine=engine)
+    ours = grads(case.model)
+    assert max_rel_grad_err(pick(ours, False), pick(expected, False)) <= 1e-10
+    assert max_rel_grad_err(pick(ours, True), pick(expected, True)) <= case.vision
+    forward = replay_logprobs(case.model, case.tree(), engine=engine)
     for ours, theirs in zip(forward.logprobs, naive.logprobs):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 
-@pytest.mark.parametrize("wrong", ["causal", "other-images"])
+@pytest.mark.parametrize("wrong", ["inside-images", "other-images"])
 def test_a_wrong_image_setup_is_caught(case, wrong):
-    """Controls: causal attention inside the images (no blocks), or another prompt's pixels, must differ."""
-    model, pixel_values, rollouts, prompt = case
-    naive = naive_backward(WithImages(model, pixel_values), rollouts, None)
-    pixels = pixel_values.flip(0) if wrong == "other-images" else pixel_values
-    tree = _tree(model, pixels, rollouts, prompt, **({"blocks": None} if wrong == "causal" else {}))
-    result = replay_logprobs(model, tree)
+    """Controls: causal attention inside Gemma3's images (no blocks), the token index as Qwen2-VL's rotary
+    positions, or another prompt's pixels, must differ."""
+    naive = case.naive(None)
+    if wrong == "other-images":
+        case.images = {**case.images, "pixel_values": case.images["pixel_values"].flip(0)}
+        tree = case.tree()
+    else:
+        gemma3 = case.model.config.model_type == "gemma3"
+        tree = case.tree(**({"blocks": None} if gemma3 else {"rope_positions": None}))
+    result = replay_logprobs(case.model, tree)
     assert max(float((a - b).abs().max()) for a, b in zip(result.logprobs, naive.logprobs)) > 1e-4
 
 
-def test_chunks_that_cut_an_image_and_images_outside_the_shared_prefix_are_refused(case):
-    model, pixel_values, rollouts, prompt = case
+def test_chunks_that_cut_an_image_and_images_outside_the_shared_prefix_are_refused(keep64):
+    case = _gemma3(torch.Generator().manual_seed(0), keep64)
     with pytest.raises(ValueError, match="chunk_tokens to at least 8"):
-        replay_backward(model, _tree(model, pixel_values, rollouts, prompt), GRPOLoss(),
-                        engine=EngineConfig(chunk_tokens=5))
-    late = torch.cat([prompt, torch.tensor([IMAGE])])  # a placeholder at the completions' first position
+        replay_backward(case.model, case.tree(), GRPOLoss(), engine=EngineConfig(chunk_tokens=5))
+    late = torch.cat([case.prompt, torch.tensor([IMAGE])])  # a placeholder at the completions' first position
     with pytest.raises(ValueError, match="outside the prefix"):
-        RolloutTree(rollouts, images=ImagePrompt.of(model, late, pixel_values=pixel_values[:1]))
+        RolloutTree(case.rollouts, images=ImagePrompt.of(case.model, late,
+                                                         pixel_values=case.images["pixel_values"][:1]))
+
+
+def test_rotary_positions_that_miss_a_placeholder_are_refused(keep64):
+    case = _qwen2_vl(torch.Generator().manual_seed(0), keep64)
+    assert case.tree().images.rope_delta < 0  # 7 placeholders on grids of 2 x 2 and 1 x 3 merged patches
+    with pytest.raises(ValueError, match="rope_positions has shape"):
+        case.tree(rope_positions=ImagePrompt.of(case.model, case.prompt, **case.images).rope_positions[:, :5])
 
 
 def test_trees_with_images_are_not_sharded_across_ranks(case):
     """Data parallelism rebuilds trees per rank: with images it refuses them rather than drop them."""
     from branchreplay.engine.sharding import shard
 
-    model, pixel_values, rollouts, prompt = case
     with pytest.raises(ValueError, match="run on one process"):
-        shard([_tree(model, pixel_values, rollouts, prompt)], 2, model.config.get_text_config())
+        shard([case.tree()], 2, case.model.config.get_text_config())
