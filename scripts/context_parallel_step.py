@@ -38,7 +38,7 @@ def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
     from branchreplay.check.reference import max_rel_grad_err
-    from branchreplay.engine.distributed import DataParallel, replay_backward_sharded, shutdown
+    from branchreplay.engine.distributed import DataParallel, end_spawned_rank, replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -59,7 +59,7 @@ def _worker(rank, world, port, args, tmp):
                                                                                                    expected)}
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    shutdown()
+    end_spawned_rank()  # after its results are written (engine.distributed)
 
 
 def _plan(plan) -> dict:

@@ -220,7 +220,7 @@ def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
     except ValueError as e:  # on every rank alike: both may close the group
         with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
             f.write(str(e))
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
 
 
 def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):

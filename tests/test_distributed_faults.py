@@ -93,7 +93,7 @@ def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
     except Exception as e:  # noqa: BLE001
         outcome = f"{type(e).__name__}: {e}"
     (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
 
 
 def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
@@ -134,7 +134,7 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str, error: str) -
     except Exception as e:  # noqa: BLE001
         outcome = f"{type(e).__name__}: {e}"
     (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
 
 
 @pytest.mark.parametrize("error", WRITE_ERRORS)

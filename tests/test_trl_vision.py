@@ -1,8 +1,9 @@
-"""The TRL drop-in on a vision-language model: `TreeGRPOTrainer` against TRL 1.16's `GRPOTrainer` on the same
+"""The TRL drop-in on vision-language models: `TreeGRPOTrainer` against TRL 1.16's `GRPOTrainer` on the same
 micro-batch of a tiny Gemma3ForConditionalGeneration (float32) with a local Gemma3 processor
 (`models.save_tiny_vision_model`: PIL image processor, a word-level tokenizer with Gemma3's image tokens): each
 prompt's images in its tree's prompt node, the vision tower run once per tree; prompts with equal text but other
-images make separate trees."""
+images make separate trees. Qwen2-VL (whose processor needs torchvision, not installed here): a batch laid out as
+TRL's (pixel rows per image_grid_thw) over the tree against the padded forward TRL runs on it."""
 
 import numpy as np
 import pytest
@@ -171,3 +172,7 @@ def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
         rows.prompt_trees(wrong, rollouts, model)
     with pytest.raises(ValueError, match="pixel_values has 77 rows for 6 images"):
         rows.prompt_trees(dict(batch, pixel_values=batch["pixel_values"][:-3]), rollouts, model)
+    tool_image = batch["completion_ids"].clone()
+    tool_image[0, 1] = model.config.image_token_id  # an image inside a completion (a tool's): refused by name
+    with pytest.raises(ValueError, match="a completion holds image placeholders"):
+        rows.prompt_trees(dict(batch, completion_ids=tool_image), rollouts, model)

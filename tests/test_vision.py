@@ -66,9 +66,10 @@ class Case:
 
 
 def _rollouts(prompt: torch.Tensor, g: torch.Generator) -> list[Rollout]:
-    """4 completions of the prompt: two share a 3-token stem, lengths 5 to 7."""
+    """4 completions of the prompt: two share a 3-token stem and go on 3 tokens each (siblings of one length: the
+    batched forward of leaves), lengths 6 to 7."""
     stem = torch.randint(3, 200, (3,), generator=g)
-    tails = [torch.cat([stem, torch.randint(3, 200, (n,), generator=g)]) for n in (2, 4)]
+    tails = [torch.cat([stem, torch.randint(3, 200, (n,), generator=g)]) for n in (3, 3)]
     tails += [torch.randint(3, 200, (n,), generator=g) for n in (6, 7)]
     out = []
     for tail in tails:
@@ -164,6 +165,26 @@ def test_rotary_positions_that_miss_a_placeholder_are_refused(keep64):
     assert case.tree().images.rope_delta < 0  # 7 placeholders on grids of 2 x 2 and 1 x 3 merged patches
     with pytest.raises(ValueError, match="rope_positions has shape"):
         case.tree(rope_positions=ImagePrompt.of(case.model, case.prompt, **case.images).rope_positions[:, :5])
+
+
+def test_a_length_dependent_rotary_with_grid_positions_is_refused(keep64):
+    """Dynamic NTK picks its frequencies from the largest position id, which the image grid moves: refused."""
+    case = _qwen2_vl(torch.Generator().manual_seed(0), keep64)
+    case.model.model.language_model.rotary_emb.rope_type = "dynamic"  # as rope_parameters={"rope_type": "dynamic"}
+    with pytest.raises(ValueError, match="length-dependent rotary encoding"):
+        replay_logprobs(case.model, case.tree())
+
+
+def test_a_lora_model_reads_its_base_model(keep64):
+    """`ImagePrompt.of` on a peft model (the TRL trainers' unwrapped model under LoRA) reads its base model."""
+    peft = pytest.importorskip("peft", reason="peft is the lora extra (pip install -e '.[lora]')")
+    case = _qwen2_vl(torch.Generator().manual_seed(0), keep64)
+    naive = case.naive(None)
+    lora = peft.get_peft_model(case.model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    images = ImagePrompt.of(lora, case.prompt, **case.images)
+    result = replay_logprobs(lora, RolloutTree(case.rollouts, images=images))
+    for ours, theirs in zip(result.logprobs, naive.logprobs):  # LoRA's B starts at zero: the base model's values
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 
 def test_trees_with_images_are_not_sharded_across_ranks(case):

@@ -315,8 +315,12 @@ def end_spawned_rank() -> NoReturn:
     finalization, is ended by Python with `pthread_exit`, and the C++ runtime aborts the rank ("terminate called
     without an active exception", SIGABRT: seen in tests/test_distributed.py and `verify --nproc 2` under load;
     pytorch/pytorch#179291 describes it), which spawn reports as that rank's failure after its work succeeded.
+    The `atexit` handlers run first, as at a normal exit (the weight-sync files in /dev/shm are removed there).
     For the check, bench and test workers only: a torchrun process ends through `shutdown` and the CLI."""
+    import atexit
+
     shutdown()
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

@@ -134,8 +134,13 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force 
         raise ValueError("the MoE router loss runs on one process: not with lockstep or context parallelism")
     for tree in trees:
         run.check(tree)
-        if getattr(tree, "images", None) is not None and (lockstep or final_backward is not None or router is not None):
+        images = getattr(tree, "images", None)
+        if images is not None and (lockstep or final_backward is not None or router is not None):
             raise ValueError("trees with images run on one process, without the MoE router loss")
+        if images is not None and images.rope_positions is not None and run.rotaries:
+            raise ValueError("a length-dependent rotary encoding (dynamic NTK, longrope) with rotary positions on "
+                             "the image grid is not run over trees: its frequencies follow the largest position id, "
+                             "which the images move; use the model's default rotary (rope_type='default')")
     if vision_language is not model and loss is not None:  # the vision tower's parameters get gradients too
         check_no_dropout(vision_language)
     run.lockstep = lockstep

@@ -17,7 +17,9 @@ rollout shares, so the vision tower and the prompt run once per tree and every c
 - Qwen2-VL's rotary positions follow the image grid (multimodal rotary, "mrope": three position ids per token,
   transformers' `get_rope_index`): a token's ids depend only on the tokens before it, so the prompt's ids are
   computed once, and every later position p has p + delta on each axis (transformers' `rope_deltas`); the engine
-  hands the decoder those [3, 1, S] position ids instead of the token index.
+  hands the decoder those [3, rows, S] position ids instead of the token index. A length-dependent rotary encoding
+  (dynamic NTK, longrope: `positions.py`) with grid positions is refused: its frequencies follow the largest
+  position id, which the image grid moves.
 """
 
 from __future__ import annotations
@@ -122,7 +124,11 @@ class ImagePrompt:
         the ids equal config.image_token_id; blocks from their contiguous runs (transformers'
         `get_block_sequence_ids_for_mask`) where the model attends bidirectionally inside an image; the prompt's
         rotary positions from the model's `get_rope_index` where they follow the image grid.
-        Raises UnsupportedModelError for an unsupported vision-language model."""
+        `model` may be a peft `PeftModel` (its base model is read). Raises UnsupportedModelError for an unsupported
+        vision-language model."""
+        from ..models import base_of
+
+        model = base_of(model)
         check_vision_language(model)
         family = VISION_LANGUAGE[model.config.model_type]
         is_image = prompt_ids == model.config.image_token_id

@@ -46,8 +46,8 @@ class TreeTrainerMixin:
         UnsupportedModelError (a ValueError): the model's family, when the engine cannot run it (recurrent layers
             of an unregistered family, ALiBi, an attention implementation without a tree mask) or its self-check
             fails.
-    Vision-language models: Gemma3 (images in each tree's prompt node, `engine.vision`); others are refused by
-    name when the trainer is built.
+    Vision-language models: Gemma3 and Qwen2-VL (images in each tree's prompt node, `engine.vision`); others are
+    refused by name when the trainer is built.
     """
 
     trl_name = "GRPOTrainer"  # TRL's class, for messages

@@ -28,12 +28,10 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     return list(groups.values())
 
 
-IMAGE_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
-"""The image inputs of TRL's GRPO and RLOO batches the tree reads: pixel_values with num_images (Gemma3), and
-image_grid_thw and mm_token_type_ids (Qwen2-VL)."""
 REFUSED_IMAGE_KEYS = ("pixel_attention_mask", "spatial_shapes", "image_sizes", "image_position_ids", "num_tiles",
                       "pixel_values_videos", "video_grid_thw")
-"""The image and video inputs of other vision-language models, refused by name."""
+"""The image and video inputs of other vision-language models, refused by name. The tree reads pixel_values with
+num_images (Gemma3), and image_grid_thw and mm_token_type_ids (Qwen2-VL)."""
 
 
 def row_images(inputs: dict) -> list[dict | None] | None:
@@ -68,17 +66,23 @@ def row_images(inputs: dict) -> list[dict | None] | None:
 
 
 def check_image_token_types(inputs: dict, model) -> None:
-    """Raises ValueError when the batch's mm_token_type_ids [B, >= P] over the prompt columns are not 1 exactly at
-    the image placeholders (config.image_token_id) and 0 elsewhere: the tree places the images by that id."""
+    """Raises ValueError when a completion holds an image placeholder (config.image_token_id: a tool's image in a
+    completion; the tree's images sit in the prompt), or the batch's mm_token_type_ids [B, >= P] over the prompt
+    columns are not 1 exactly at the placeholders and 0 elsewhere: the tree places the images by that id."""
+    image = model.config.image_token_id
+    completion = inputs["completion_ids"][inputs["completion_mask"].bool()]
+    if bool((completion == image).any()):
+        raise ValueError(f"a completion holds image placeholders (id {image}): images inside completions (a tool's "
+                         "images) are not run over trees; the tree's images sit in the shared prompt")
     types = inputs.get("mm_token_type_ids")
     if types is None:
         return
     ids, keep = inputs["prompt_ids"], inputs["prompt_mask"].bool()
-    expected = (ids == model.config.image_token_id).to(types.dtype)
+    expected = (ids == image).to(types.dtype)
     got = types[:, :ids.shape[1]].to(ids.device)
     if not torch.equal(got[keep], expected[keep]):
         raise ValueError("mm_token_type_ids marks other prompt positions than the image placeholders "
-                         f"(image_token_id {model.config.image_token_id}; videos are not run over trees)")
+                         f"(image_token_id {image}; videos are not run over trees)")
 
 
 def trained_mask(inputs: dict) -> torch.Tensor:
