@@ -176,3 +176,81 @@ def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
     tool_image[0, 1] = model.config.image_token_id  # an image inside a completion (a tool's): refused by name
     with pytest.raises(ValueError, match="a completion holds image placeholders"):
         rows.prompt_trees(dict(batch, completion_ids=tool_image), rollouts, model)
+
+
+def _dpo_trainer(folder, tmp_path, **config):
+    """TreeDPOTrainer on three image prompts' pairs (conversational), two prompts with equal text and other images;
+    chosen and rejected of a pair share their first word."""
+    from datasets import Dataset, Image
+    from transformers import AutoProcessor
+
+    from branchreplay.trl import TreeDPOTrainer
+
+    rng = np.random.default_rng(1)
+    images = [rng.integers(0, 255, (64, 64, 3), dtype=np.uint8) for _ in range(3)]
+    say = lambda role, text: [{"role": role, "content": text}]  # noqa: E731
+    data = {"prompt": [say("user", t) for t in ("1 3 4 5 6", "1 3 4 5 6", "7 8 9")],
+            "chosen": [say("assistant", t) for t in ("10 11 12 2", "20 21 2", "30 31 32 33 2")],
+            "rejected": [say("assistant", t) for t in ("10 14 2", "22 2", "30 2")], "image": images}
+    dataset = Dataset.from_dict(data).cast_column("image", Image())
+    settings = dict(per_device_train_batch_size=3, report_to=[], use_cpu=True, bf16=False, max_steps=1, seed=0,
+                    save_strategy="no", learning_rate=1e-3)
+    args = trl.DPOConfig(output_dir=str(tmp_path / "dpo-vlm"), **{**settings, **config})
+    return TreeDPOTrainer(model=str(folder), args=args, train_dataset=dataset,
+                          processing_class=AutoProcessor.from_pretrained(folder))
+
+
+@pytest.mark.parametrize("config", [{}, dict(loss_type=["sigmoid", "sft"], loss_weights=[1.0, 0.5])],
+                         ids=["sigmoid", "sigmoid-sft"])
+def test_dpo_pairs_with_images_over_the_tree_equal_dpo_trainer(vlm_folder, tmp_path, config):
+    """TRL's DPO batch of a vision-language model (each pair's images repeated for its chosen and rejected rows, no
+    num_images): one tree per prompt and images, for the policy and for the reference model (its own vision
+    tower); gradient, loss and metrics as TRL's padded forward."""
+    from test_trl_dpo import _batch, _perturb
+    from test_trl_dpo import _trl_and_tree_grads as dpo_grads
+
+    trainer = _dpo_trainer(vlm_folder, tmp_path, **config)
+    inputs = _batch(trainer)
+    assert inputs["pixel_values"].shape[0] == 6 and "num_images" not in inputs
+    _perturb(trainer)
+    theirs, ours = dpo_grads(trainer, inputs)
+    names = [n for n, _ in trainer.model.named_parameters()]
+    assert sum(float(g.abs().sum()) for n, g in zip(names, theirs) if "vision_tower" in n) > 0
+    kept = [k for k, n in enumerate(names) if not n.endswith("k_proj.bias")]  # as in the GRPO test above
+    err = max_rel_grad_err([ours[k] for k in kept], [theirs[k] for k in kept])
+    print(f"DPO {config}: gradient {err:.1e} from TRL's")
+    assert err <= 1e-4
+
+
+def test_dpo_pairs_grouped_by_text_alone_would_fail(vlm_folder, tmp_path, monkeypatch):
+    """The control: pairs of equal prompt text and other images in one tree (the first row's images) change the
+    loss."""
+    from test_trl_dpo import _batch, _perturb
+
+    import branchreplay.trl.dpo as dpo
+
+    trainer = _dpo_trainer(vlm_folder, tmp_path)
+    inputs = _batch(trainer)
+    _perturb(trainer)
+    theirs = trl.DPOTrainer.compute_loss(trainer, trainer.model, inputs).item()
+    monkeypatch.setattr(dpo, "image_key", lambda images: None)
+    ours = trainer.compute_loss(trainer.model, inputs).item()
+    assert abs(ours - theirs) > 1e-4 * abs(theirs)
+
+
+def test_a_tree_run_with_another_model_than_its_images_is_refused(vlm_folder):
+    """The reference model must not read the policy's image features (ImagePrompt.model)."""
+    from transformers import AutoModelForImageTextToText
+
+    from branchreplay.engine import replay_logprobs
+    from branchreplay.engine.vision import ImagePrompt
+    from branchreplay.tree import Rollout, RolloutTree
+
+    policy, reference = (AutoModelForImageTextToText.from_pretrained(vlm_folder) for _ in range(2))
+    image = policy.config.image_token_id
+    prompt = torch.tensor([5, 6, policy.config.boi_token_id] + [image] * 4 + [policy.config.eoi_token_id, 7])
+    images = ImagePrompt.of(policy, prompt, pixel_values=torch.randn(1, 3, 56, 56))
+    tree = RolloutTree([Rollout(torch.cat([prompt, torch.tensor([8, 9])]), [0] * 9 + [1, 1])], images=images)
+    replay_logprobs(policy, tree)
+    with pytest.raises(ValueError, match="images were made for another model"):
+        replay_logprobs(reference, tree)

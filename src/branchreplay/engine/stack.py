@@ -135,6 +135,10 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force 
     for tree in trees:
         run.check(tree)
         images = getattr(tree, "images", None)
+        if images is not None and images.model is not None and images.model is not vision_language:
+            raise ValueError("a tree's images were made for another model (ImagePrompt.of(model, ...)): their "
+                             "features would come from that model's vision tower; make the ImagePrompt with the "
+                             "model the tree runs on")
         if images is not None and (lockstep or final_backward is not None or router is not None):
             raise ValueError("trees with images run on one process, without the MoE router loss")
         if images is not None and images.rope_positions is not None and run.rotaries:

@@ -108,6 +108,8 @@ class ImagePrompt:
     rope_positions: [3, P] int64, the rotary position ids (temporal, height, width) of the prompt's P positions
         where they follow the image grid (Qwen2-VL), else None (a token's rotary position is its index).
     rope_delta: with `rope_positions`, a position p >= P has rotary position p + rope_delta on every axis.
+    model: the vision-language model whose vision tower `features` runs (`of` sets it); the engine refuses to run
+        the tree with another model (a reference model needs its own `ImagePrompt`).
     """
 
     positions: torch.Tensor
@@ -115,6 +117,7 @@ class ImagePrompt:
     blocks: torch.Tensor | None = None
     rope_positions: torch.Tensor | None = None
     rope_delta: int = 0
+    model: object = dataclasses.field(default=None, repr=False, compare=False)
 
     @classmethod
     def of(cls, model, prompt_ids: torch.Tensor, **image_inputs) -> ImagePrompt:
@@ -147,7 +150,7 @@ class ImagePrompt:
             out = torch.cat(out) if isinstance(out, (tuple, list)) else out  # Qwen2-VL: one tensor per image
             return out.reshape(-1, out.shape[-1])
 
-        return cls(positions, features, blocks, rope_positions, rope_delta)
+        return cls(positions, features, blocks, rope_positions, rope_delta, model)
 
     def check(self, shared_length: int) -> None:
         """Raises ValueError when a placeholder lies outside the first `shared_length` positions (the tree's shared

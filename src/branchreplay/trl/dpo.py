@@ -5,6 +5,8 @@
 TRL's DPO batch holds each pair as two right-padded rows, all chosen rows then all rejected ones (`input_ids`,
 `attention_mask`, `completion_mask` [2B, S]). Here the rows of one prompt make one tree: a pair's chosen and
 rejected share their prompt and any common start of their responses, and pairs of the same prompt share it too.
+With a vision-language model the prompt's images ride in its tree's prompt node (`engine.vision`; rows with equal
+text and other images are other trees), run once for both responses.
 The loss is a function of each row's summed completion logprobs (every loss type of TRL's, its f-divergences,
 `ld_alpha`, WPO's `use_weighting`, the `sft` term), so TRL's own `_compute_loss` runs on the tree's rows in two
 passes (`base.py`): pass 1 gives every row's per-token logprobs, entropies and the fused head's statistics TRL's
@@ -23,8 +25,11 @@ from trl.trainer.utils import FusedCausalLMOutput
 
 from ..engine import replay_logprobs
 from ..engine.sequence import replay_function_backward
+from ..engine.vision import ImagePrompt
+from ..models import base_of
 from ..tree import Rollout, RolloutTree
 from .base import TreeTrainerMixin
+from .rows import check_images_in_prompts, image_counts, image_key, row_images
 
 
 class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
@@ -43,15 +48,20 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
     config_name = "DPOConfig"
 
     def _tree_backward(self, model, inputs) -> float:
-        if inputs.get("pixel_values") is not None:  # chosen and rejected would share placeholders, not images
-            raise ValueError("TreeDPOTrainer: pairs with images (vision-language models) are not run over trees; "
-                             "use trl.DPOTrainer")
         rollouts, prompts = pair_rollouts(inputs)
+        images = pair_images(inputs, model)
         groups: dict[tuple, list[int]] = {}
         for i, prompt in enumerate(prompts):
-            groups.setdefault(prompt, []).append(i)
+            groups.setdefault((prompt, image_key(images[i] if images else None)), []).append(i)
         order = [i for group in groups.values() for i in group]
-        trees = [RolloutTree([rollouts[i] for i in group]) for group in groups.values()]
+
+        def trees_of(m) -> list[RolloutTree]:
+            """The trees, their images run by `m` (the policy, or the reference model)."""
+            return [RolloutTree([rollouts[i] for i in group], images=None if not images or images[group[0]] is None
+                                else ImagePrompt.of(m, torch.tensor(prompts[group[0]]), **images[group[0]]))
+                    for group in groups.values()]
+
+        trees = trees_of(model)
         stats = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
         router = self._router_loss(model)
         with self.accelerator.autocast():
@@ -60,7 +70,7 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         # the dtype of TRL's fused head outputs: float32, float64 for a float64 model (TRL's alpha-divergence looks
         # up its clamp by this dtype)
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
-        extra = self._tree_reference(trees, order, rollouts, inputs, dtype)
+        extra = self._tree_reference(trees_of, order, rollouts, inputs, dtype)
         divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
         shape = (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] - 1)
         device = inputs["input_ids"].device
@@ -88,14 +98,15 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         self._log_tree_metrics(result)
         return loss * divisor
 
-    def _tree_reference(self, trees, order, rollouts, inputs, dtype: torch.dtype) -> dict:
+    def _tree_reference(self, trees_of, order, rollouts, inputs, dtype: torch.dtype) -> dict:
         """The reference model's summed completion logprobs of the pairs as TRL's precomputed keys
-        (ref_chosen_logps, ref_rejected_logps [B] in `dtype`), from a forward of the trees; {} where TRL computes
-        them itself (precomputed, no separate reference model, or ld_alpha's split of the sums)."""
+        (ref_chosen_logps, ref_rejected_logps [B] in `dtype`), from a forward of the trees `trees_of(ref_model)`
+        (their images through the reference's vision tower); {} where TRL computes them itself (precomputed, no
+        separate reference model, or ld_alpha's split of the sums)."""
         if self.precompute_ref_logps or self.ref_model is None or self.ld_alpha is not None:
             return {}
         with self.accelerator.autocast():
-            ref = replay_logprobs(self.ref_model, trees, engine=self.engine, force=self._force)
+            ref = replay_logprobs(self.ref_model, trees_of(self.ref_model), engine=self.engine, force=self._force)
         sums = torch.zeros(len(rollouts), dtype=torch.float64)
         for k, i in enumerate(order):
             sums[i] = (ref.logprobs[k].double() * rollouts[i].loss_mask).sum()
@@ -128,3 +139,18 @@ def pair_rollouts(inputs: dict) -> tuple[list[Rollout], list[tuple]]:
         rollouts.append(Rollout(ids[i, :n], loss_mask=mask))
         prompts.append(tuple(ids[i, :start].tolist()))
     return rollouts, prompts
+
+
+def pair_images(inputs: dict, model) -> list[dict | None] | None:
+    """Each row's image inputs of TRL's DPO batch (`rows.row_images`; the processor repeats a pair's images for
+    its chosen and rejected rows, one placeholder run per image), None without pixel_values. Raises ValueError for
+    an image placeholder in a response or mm_token_type_ids that do not mark the prompt's placeholders
+    (`rows.check_images_in_prompts`)."""
+    if inputs.get("pixel_values") is None:
+        return None
+    image = base_of(model).config.image_token_id
+    ids, attention, completion = (inputs[k].cpu() for k in ("input_ids", "attention_mask", "completion_mask"))
+    prompt = attention.bool() & ~completion.bool()
+    types = inputs.get("mm_token_type_ids")
+    check_images_in_prompts(ids, prompt, completion.bool(), None if types is None else types.cpu(), image)
+    return row_images(inputs, image_counts(ids, prompt, image))

@@ -20,12 +20,16 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     rollout tree per group."""
     groups: dict[tuple, list[int]] = {}
     for i, (ids, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
-        inputs = images[i] if images is not None else None
-        key = (tuple(t for t, k in zip(ids, keep) if k),
-               None if inputs is None else tuple((name, tuple(v.shape), v.cpu().numpy().tobytes())
-                                                 for name, v in sorted(inputs.items())))
+        key = (tuple(t for t, k in zip(ids, keep) if k), image_key(images[i] if images is not None else None))
         groups.setdefault(key, []).append(i)
     return list(groups.values())
+
+
+def image_key(images: dict | None) -> tuple | None:
+    """A hashable key of one row's image inputs (`row_images`): equal for equal tensors, None without images."""
+    if images is None:
+        return None
+    return tuple((name, tuple(v.shape), v.cpu().numpy().tobytes()) for name, v in sorted(images.items()))
 
 
 REFUSED_IMAGE_KEYS = ("pixel_attention_mask", "spatial_shapes", "image_sizes", "image_position_ids", "num_tiles",
@@ -34,20 +38,20 @@ REFUSED_IMAGE_KEYS = ("pixel_attention_mask", "spatial_shapes", "image_sizes", "
 num_images (Gemma3), and image_grid_thw and mm_token_type_ids (Qwen2-VL)."""
 
 
-def row_images(inputs: dict) -> list[dict | None] | None:
+def row_images(inputs: dict, counts: list[int] | None = None) -> list[dict | None] | None:
     """Each row's image inputs of a vision-language batch, as TRL splits them (`_get_per_token_logps_and_entropies`:
-    `num_images` per row; pixel_values one row per image, or, with image_grid_thw [num_images, 3], t * h * w rows
-    per image), None for a row without images: {"pixel_values": [n_i, ...], "image_grid_thw": [images_i, 3] where
-    the batch has it}; None for a batch without images. Raises ValueError for an image input the tree does not
-    read, or pixel_values whose rows do not match the images."""
+    `counts` images per row, default the batch's `num_images`; pixel_values one row per image, or, with
+    image_grid_thw [num_images, 3], t * h * w rows per image), None for a row without images: {"pixel_values":
+    [n_i, ...], "image_grid_thw": [images_i, 3] where the batch has it}; None for a batch without images. Raises
+    ValueError for an image input the tree does not read, or pixel_values whose rows do not match the images."""
     if inputs.get("pixel_values") is None:
         return None
     other = [key for key in REFUSED_IMAGE_KEYS if inputs.get(key) is not None]
     if other:
         raise ValueError(f"the batch carries {', '.join(other)}: only vision-language models whose images are "
                          "pixel_values (Gemma3), with image_grid_thw (Qwen2-VL), run over trees")
-    pixels, grids, B = inputs["pixel_values"], inputs.get("image_grid_thw"), inputs["prompt_ids"].shape[0]
-    counts = inputs.get("num_images") or [1] * B
+    pixels, grids = inputs["pixel_values"], inputs.get("image_grid_thw")
+    counts = counts or inputs.get("num_images") or [1] * inputs["prompt_ids"].shape[0]
     image_starts = [0, *torch.tensor(counts).cumsum(0).tolist()]
     rows = [1] * sum(counts) if grids is None else grids.prod(-1).tolist()  # pixel rows per image
     if grids is not None and grids.shape[0] != sum(counts):
@@ -65,24 +69,27 @@ def row_images(inputs: dict) -> list[dict | None] | None:
     return out
 
 
-def check_image_token_types(inputs: dict, model) -> None:
-    """Raises ValueError when a completion holds an image placeholder (config.image_token_id: a tool's image in a
-    completion; the tree's images sit in the prompt), or the batch's mm_token_type_ids [B, >= P] over the prompt
-    columns are not 1 exactly at the placeholders and 0 elsewhere: the tree places the images by that id."""
-    image = model.config.image_token_id
-    completion = inputs["completion_ids"][inputs["completion_mask"].bool()]
-    if bool((completion == image).any()):
-        raise ValueError(f"a completion holds image placeholders (id {image}): images inside completions (a tool's "
-                         "images) are not run over trees; the tree's images sit in the shared prompt")
-    types = inputs.get("mm_token_type_ids")
-    if types is None:
-        return
-    ids, keep = inputs["prompt_ids"], inputs["prompt_mask"].bool()
-    expected = (ids == image).to(types.dtype)
-    got = types[:, :ids.shape[1]].to(ids.device)
-    if not torch.equal(got[keep], expected[keep]):
+def image_counts(ids: torch.Tensor, keep: torch.Tensor, image_token_id: int) -> list[int]:
+    """[R] the images of each row of ids [R, S] where keep [R, S] (its prompt): the runs of consecutive image
+    placeholders (TRL's DPO batch has no num_images: its processor expands one placeholder run per image)."""
+    is_image = (ids == image_token_id) & keep.bool()
+    starts = is_image & ~torch.nn.functional.pad(is_image[:, :-1], (1, 0))
+    return starts.sum(1).tolist()
+
+
+def check_images_in_prompts(ids: torch.Tensor, prompt: torch.Tensor, completion: torch.Tensor,
+                            types: torch.Tensor | None, image_token_id: int) -> None:
+    """Raises ValueError when a completion holds an image placeholder (a tool's image; the tree's images sit in the
+    prompt), or the batch's mm_token_type_ids `types` are not 1 exactly at the prompt's placeholders and 0
+    elsewhere in it (the tree places the images by the id). ids, types [R, S]; prompt, completion [R, S] bool,
+    each row's prompt and completion positions."""
+    if bool(((ids == image_token_id) & completion).any()):
+        raise ValueError(f"a completion holds image placeholders (id {image_token_id}): images inside completions "
+                         "(a tool's images) are not run over trees; the tree's images sit in the shared prompt")
+    if types is not None and not torch.equal(types.to(ids.device)[prompt],
+                                             (ids == image_token_id).to(types.dtype)[prompt]):
         raise ValueError("mm_token_type_ids marks other prompt positions than the image placeholders "
-                         f"(image_token_id {image}; videos are not run over trees)")
+                         f"(image_token_id {image_token_id}; videos are not run over trees)")
 
 
 def trained_mask(inputs: dict) -> torch.Tensor:
@@ -98,7 +105,14 @@ def prompt_trees(inputs: dict, rollouts: list[Rollout], model=None) -> tuple[lis
     (`engine.vision.ImagePrompt` of `model`, the unwrapped vision-language model)."""
     images = row_images(inputs)
     if images is not None:
-        check_image_token_types(inputs, model)
+        P = inputs["prompt_ids"].shape[1]
+        ids = torch.cat([inputs["prompt_ids"], inputs["completion_ids"]], 1)
+        prompt = torch.cat([inputs["prompt_mask"].bool(), torch.zeros_like(inputs["completion_mask"], dtype=bool)], 1)
+        completion = torch.cat([torch.zeros_like(prompt[:, :P]), inputs["completion_mask"].bool()], 1)
+        types = inputs.get("mm_token_type_ids")  # TRL's: the prompt's, then zeros over the completion
+        if types is not None:
+            types = torch.nn.functional.pad(types, (0, max(ids.shape[1] - types.shape[1], 0)))[:, :ids.shape[1]]
+        check_images_in_prompts(ids, prompt, completion, types, model.config.image_token_id)
     groups = prompt_groups(inputs["prompt_ids"], inputs["prompt_mask"], images)
     trees = []
     for group in groups:
