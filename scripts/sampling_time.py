@@ -6,9 +6,11 @@
 
 Same prompts (the default task's first --prompts training questions, chat-templated), temperature 1, no EOS (every
 row decodes --max-new-tokens tokens, so the three decode the same number of tokens). The methods alternate,
---repeats times each; it prints the median wall and process-CPU seconds of each and their ratios.
+--repeats times each; it prints the median wall and process-CPU seconds of each and their ratios. With --roofline
+it first measures this machine's peak matmul FLOP rate and memory bandwidth (`bench/roofline.py`) and prints the
+batch's decoding ceiling in tokens/s and each sampler's share of it.
 
-    .venv/bin/python scripts/sampling_time.py --prompts 4 --num-generations 8 --max-new-tokens 48
+    .venv/bin/python scripts/sampling_time.py --prompts 4 --num-generations 8 --max-new-tokens 48 --roofline
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--roofline", action="store_true", help="measure the peaks and print the decoding roofline")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -61,6 +64,19 @@ def main() -> None:
                        max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
                        pad_token_id=tokenizer.eos_token_id)
 
+    if args.roofline:  # measured before the samplers, with the same threads
+        from branchreplay.bench.roofline import DecodeShape, Roofline, memory_bandwidth, peak_matmul_flops
+
+        flops, bandwidth = peak_matmul_flops(), memory_bandwidth()
+        shape = DecodeShape.of(model)
+        mean_prompt = round(sum(map(len, prompts)) / len(prompts))
+        ceiling = Roofline.of(shape, len(prompts) * G, mean_prompt, args.max_new_tokens, flops, bandwidth)
+        print(f"peak float32 matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+              f"({torch.get_num_threads()} threads); a step of {len(prompts) * G} streams at {mean_prompt} tokens: "
+              f"{shape.flops(len(prompts) * G, mean_prompt) / 1e9:.1f} GFLOP, "
+              f"{shape.bytes(len(prompts) * G, mean_prompt) / 1e9:.2f} GB; roofline "
+              f"{ceiling.tokens_per_s:.0f} tokens/s ({ceiling.bound}-bound, {ceiling.seconds:.2f} s for the batch)")
+
     methods = {"per group (sample_group)": per_group, "batched (sample_groups)": batched,
                "TRL (model.generate, padded)": trl_generate}
     times = {name: [] for name in methods}
@@ -73,9 +89,12 @@ def main() -> None:
     print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new "
           f"tokens each, {torch.get_num_threads()} threads, median of {args.repeats}")
     base = statistics.median(w for w, _ in times["batched (sample_groups)"])
+    tokens = len(prompts) * G * args.max_new_tokens
     for name, values in times.items():
         wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
-        print(f"  {name:30} {wall:7.2f} s wall  {cpu:7.2f} s CPU  {wall / base:5.2f}x batched")
+        share = f"  {tokens / wall / ceiling.tokens_per_s:6.1%} of the roofline" if args.roofline else ""
+        print(f"  {name:30} {wall:7.2f} s wall  {cpu:7.2f} s CPU  {wall / base:5.2f}x batched  "
+              f"{tokens / wall:6.0f} tokens/s{share}")
 
 
 if __name__ == "__main__":
