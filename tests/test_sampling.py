@@ -229,3 +229,30 @@ def test_batched_groups_with_one_wrong_mask_are_seen(monkeypatch):
     worst = max(abs(x - y) for group, prompt in zip(together, PROMPTS) for s in group
                 for x, y in zip(s.logprobs, reference_logprobs(model, prompt, s.completion_ids, 1.0).tolist()))
     assert worst > 1e-6
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "lfm2"])
+def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
+    """`sampling.fork` (multi-turn branches): the attention layers' tensors shared by reference, never copied; the
+    child decoding, forking and dropping rows changes nothing the parent sees (its next logits equal those of an
+    untouched deep copy), recurrent layers (LFM2's short conv, written in place) included."""
+    import copy
+
+    from branchreplay.models import tiny_model
+    from branchreplay.rl.rollouts.sampling import SHARED_LAYERS, _decode_one, fork, prefill
+
+    model = tiny_model(arch).eval()
+    with torch.no_grad():
+        cache, _ = prefill(model, list(range(3, 12)))
+        untouched = copy.deepcopy(cache)
+        child = fork(cache)
+        shared = [(a, b) for a, b in zip(cache.layers, child.layers) if type(a) in SHARED_LAYERS]
+        assert all(a.keys is b.keys and a.values is b.values for a, b in shared)
+        assert any(type(a) not in SHARED_LAYERS for a in cache.layers) == (arch == "lfm2")  # LFM2: copied
+        child.reorder_cache(torch.tensor([0, 0, 0]))  # three streams, one token each, then one dropped
+        _decode_one(model, torch.tensor([[20], [21], [22]]), child, torch.full((3, 1), 9))
+        child.reorder_cache(torch.tensor([0, 2]))
+        _decode_one(model, torch.tensor([[23], [24]]), child, torch.full((2, 1), 10))
+        _, ours = prefill(model, [30, 31], cache, position=9)
+        _, theirs = prefill(model, [30, 31], untouched, position=9)
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=0)

@@ -13,11 +13,13 @@ dimension), the beam-search path that every transformers cache layer implements,
 included; `batch_select_indices` / `batch_repeat_interleave` exist only on KV layers.
 """
 
+import copy
 import math
 from dataclasses import dataclass, field
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ...engine.families import layer_windows
 from ...engine.recurrent import layer_kinds
@@ -274,6 +276,21 @@ class _Streams:
         keep = (~ended).nonzero()[:, 0]
         self.live = [self.live[row] for row in keep.tolist()]
         return keep
+
+
+SHARED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
+"""transformers' cache layers that never write into their tensors (`update` concatenates, `reorder_cache`
+index-selects: both make new tensors), so a fork may share them by reference."""
+
+
+def fork(cache: DynamicCache) -> DynamicCache:
+    """A cache for a branch of `cache`'s sequence: the keys and values of its attention layers shared by reference
+    (`SHARED_LAYERS`: neither side's later updates, forks or drops can change the other's), any other layer (a
+    recurrent state written in place: linear attention, SSM conv) copied, at its constant size."""
+    child = copy.copy(cache)
+    child.layers = [copy.copy(layer) if type(layer) in SHARED_LAYERS else copy.deepcopy(layer)
+                    for layer in cache.layers]
+    return child
 
 
 def prefill(model, ids: list[int], cache=None, position: int = 0) -> tuple[DynamicCache, torch.Tensor]:

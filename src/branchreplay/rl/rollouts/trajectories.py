@@ -9,8 +9,9 @@ which share the prompt, and in fours their first turn. The ids are built by `con
 Conversation` (assistant turns as sampled, environment turns as the template's delta), so shared turns are the same
 ids and `tree.RolloutTree` shares their nodes.
 
-KV caches: one per conversation prefix that continues. A child copies its parent's cache (`copy.deepcopy`) and
-prefills only its own new tokens (its reply and the environment's answer): the shared history is never run again.
+KV caches: one per conversation prefix that continues. A child forks its parent's cache (`sampling.fork`: the keys
+and values shared by reference, never copied) and prefills only its own new tokens (its reply and the environment's
+answer): the shared history is never run again.
 A trajectory ends when the environment says done (or answers with no message), its reply was cut at
 sampling.max_new_tokens (no end-of-turn: `truncated`), its reply ended on an EOS id other than the template's end of
 turn (the tokenizer's EOS: `end_of_sequence`, e.g. Qwen's <|endoftext|>), it reached `max_turns` replies, or its
@@ -35,7 +36,7 @@ import torch
 from ..agent.conversation import Conversation, TemplateNotPrefixStableError
 from ..agent.environments import TRUNCATED, Environment
 from ..data.cells import check_messages
-from .sampling import prefill, sample_from
+from .sampling import fork, prefill, sample_from
 from ..config.sampling import SamplingConfig, turn_schedule
 
 
@@ -98,8 +99,8 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
         while todo:
             parent, cache, logits = todo.pop()
             prefix = len(parent.conversation.ids)
-            # the decoding consumes its cache (rows forked and dropped): it gets a copy, the children need this one
-            samples = sample_from(model, copy.deepcopy(cache), logits, prefix, turn_schedule(turn_branching,
+            # the decoding consumes its cache (rows forked and dropped): it gets a fork, the children need this one
+            samples = sample_from(model, fork(cache), logits, prefix, turn_schedule(turn_branching,
                                   parent.turns), config, eos_token_ids, generator)
             children = []
             for sample in samples:
@@ -109,7 +110,7 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
                     out.append(child)
                     continue
                 new = child.conversation.ids[prefix:]
-                child_cache, child_logits = prefill(model, new, copy.deepcopy(cache), position=prefix)
+                child_cache, child_logits = prefill(model, new, fork(cache), position=prefix)
                 children.append((child, child_cache, child_logits))
             todo.extend(reversed(children))  # depth first, in sampling order
     finally:
