@@ -256,3 +256,24 @@ def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
         _, ours = prefill(model, [30, 31], cache, position=9)
         _, theirs = prefill(model, [30, 31], untouched, position=9)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+
+
+def test_branches_sharing_a_start_prefill_it_once_and_equal_each_alone(keep64):
+    """`sampling.prefill_branches` (multi-turn replies forked inside a turn): per branch the logits of prefilling it
+    alone (float64), the shared starts run once: 7 of the branches' 12 ids."""
+    from branchreplay.models import tiny_model
+    from branchreplay.rl.rollouts.sampling import fork, prefill, prefill_branches
+
+    model = keep64(tiny_model("llama", torch.float64))
+    branches = [[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6], [11]]
+    with torch.no_grad():
+        cache, _ = prefill(model, list(range(3, 12)))
+        fed = []
+        hook = model.register_forward_pre_hook(lambda m, args, kwargs: fed.append(kwargs["input_ids"].shape[1]),
+                                               with_kwargs=True)
+        filled = prefill_branches(model, cache, 9, branches)
+        hook.remove()
+        alone = [prefill(model, b, fork(cache), position=9)[1] for b in branches]
+    assert sum(fed) == 7
+    for (_, ours), theirs in zip(filled, alone):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)

@@ -304,6 +304,33 @@ def prefill(model, ids: list[int], cache=None, position: int = 0) -> tuple[Dynam
     return cache, out.logits[:, -1].float()
 
 
+def prefill_branches(model, cache, position: int, branches: list[list[int]]
+                     ) -> list[tuple[DynamicCache, torch.Tensor]]:
+    """Each branch's ids (at least one; positions `position` ... after what `cache` holds) prefilled from a fork of
+    `cache`, the ids several branches start with prefilled once (a radix trie of the branches: replies forked
+    inside a turn share their start). Per branch: its cache (never written afterwards: continue from a `fork` of
+    it; branches ending at the same point get the same one) and the [1, V] float32 logits after its last id."""
+    out: list = [None] * len(branches)
+    todo = [(cache, list(range(len(branches))), 0)]  # (cache after depth ids, branches sharing them, depth)
+    while todo:
+        at, members, depth = todo.pop()
+        groups: dict[int, list[int]] = {}
+        for i in members:
+            groups.setdefault(branches[i][depth], []).append(i)
+        for group in groups.values():
+            end = min(len(branches[i]) for i in group)
+            first = branches[group[0]]
+            end = next((d for d in range(depth + 1, end) if any(branches[i][d] != first[d] for i in group)), end)
+            node = prefill(model, first[depth:end], fork(at), position=position + depth)
+            for i in group:
+                if len(branches[i]) == end:
+                    out[i] = node
+            going = [i for i in group if len(branches[i]) > end]
+            if going:
+                todo.append((node[0], going, end))
+    return out
+
+
 def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of [rows, V] logits: sampled from the top-k / top-p filtered softmax(logits / T), [rows, 1];
     and its logprob under the unfiltered log_softmax(logits / T), [rows] (what training recomputes)."""

@@ -11,7 +11,8 @@ ids and `tree.RolloutTree` shares their nodes.
 
 KV caches: one per conversation prefix that continues. A child forks its parent's cache (`sampling.fork`: the keys
 and values shared by reference, never copied) and prefills only its own new tokens (its reply and the environment's
-answer): the shared history is never run again.
+answer; a reply start that several children share, forked inside the turn, once: `sampling.prefill_branches`): the
+shared history is never run again.
 A trajectory ends when the environment says done (or answers with no message), its reply was cut at
 sampling.max_new_tokens (no end-of-turn: `truncated`), its reply ended on an EOS id other than the template's end of
 turn (the tokenizer's EOS: `end_of_sequence`, e.g. Qwen's <|endoftext|>), it reached `max_turns` replies, or its
@@ -36,7 +37,7 @@ import torch
 from ..agent.conversation import Conversation, TemplateNotPrefixStableError
 from ..agent.environments import TRUNCATED, Environment
 from ..data.cells import check_messages
-from .sampling import fork, prefill, sample_from
+from .sampling import fork, prefill, prefill_branches, sample_from
 from ..config.sampling import SamplingConfig, turn_schedule
 
 
@@ -109,10 +110,11 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
                     _final_reward(child, env, item, clock)
                     out.append(child)
                     continue
-                new = child.conversation.ids[prefix:]
-                child_cache, child_logits = prefill(model, new, fork(cache), position=prefix)
-                children.append((child, child_cache, child_logits))
-            todo.extend(reversed(children))  # depth first, in sampling order
+                children.append(child)
+            # each child's reply and the environment's answer after the parent's cache; a reply start forked
+            # inside the turn is prefilled once for the children that share it
+            filled = prefill_branches(model, cache, prefix, [c.conversation.ids[prefix:] for c in children])
+            todo.extend(reversed([(c, *f) for c, f in zip(children, filled)]))  # depth first, in sampling order
     finally:
         model.train(was_training)
     return out
