@@ -6,6 +6,7 @@ sides alike), held for the test and restored after it.
 """
 
 import contextlib
+import weakref
 
 import pytest
 import torch
@@ -18,6 +19,19 @@ def grads(model) -> list[torch.Tensor]:
     """A copy of every parameter's gradient, zeros where it has none (imported by the tests: `from conftest import
     grads`)."""
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+
+
+def held_float64(model):
+    """`keep_float64` on `model` (a test's own model) for as long as it lives: float64 throughout, so that two runs
+    whose sums differ only in their order (one process and two ranks, one forest and per-group trees) agree to
+    float64 rounding, where HF's float32 RMSNorm would show float32's (imported: `from conftest import
+    held_float64`)."""
+    _HELD[model] = keep_float64(model)  # referenced while the model lives (not on it: deepcopy cannot copy it)
+    _HELD[model].__enter__()
+    return model
+
+
+_HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @pytest.fixture

@@ -22,7 +22,7 @@ from branchreplay.rl.run.log import progress_info
 from branchreplay.rl.run.trainer import Trainer
 from branchreplay.rl.rollouts.trajectories import sample_trajectories
 from branchreplay.tree import RolloutTree
-from conftest import grads
+from conftest import grads, held_float64
 from test_environments import EOS, TurnTokenizerWithDecode, _chatty_model
 
 ITEMS = [{"question": f"q{i}", "target": i % 3} for i in range(8)]
@@ -66,6 +66,8 @@ def make_config(tmp_path, algorithm="grpo", **sections) -> Config:
 
 def make_trainer(config, items=ITEMS, dtype=torch.float32):
     model = _chatty_model().to(dtype)
+    if dtype == torch.float64:
+        held_float64(model)
     return Trainer(config, model=model, tokenizer=TurnTokenizerWithDecode(), train_data=items, eval_data=items[:3],
                    env=Counter())
 

@@ -388,17 +388,19 @@ def test_algorithm_flag_and_trl_defaults():
                                              ("grpo", {"importance_sampling_level": "sequence"})])
 def test_sequence_losses_do_not_depend_on_micro_batching(tmp_path, algorithm, grpo):
     """RLOO's and GSPO's two-pass updates run per micro-batch of trees (`trainer.micro_batches`): one tree at a
-    time moves the weights as all at once."""
+    time moves the weights as all at once (one forest of every group). float64: AdamW's first steps move each weight
+    by about the learning rate whatever its gradient's size, so float32 rounding in a near-zero gradient shows."""
     from test_trainer import make_trainer
 
     weights = []
     for size in (0, 1):
         trainer = make_trainer(_config(tmp_path / f"{algorithm}{size}", algorithm, train={"steps": 1},
-                                       grpo={**grpo, "num_generations": 4, "micro_batch_prompts": size}))
+                                       grpo={**grpo, "num_generations": 4, "micro_batch_prompts": size}),
+                               dtype=torch.float64)
         trainer.train_step(1)
         weights.append([p.detach().clone() for p in trainer.model.parameters()])
     for a, b in zip(*weights):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
 def test_the_docs_own_algorithm_trains_from_the_current_folder(tmp_path, monkeypatch):

@@ -11,6 +11,7 @@ import torch
 import torch.multiprocessing as mp
 
 from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.engine import EngineConfig
 from branchreplay.engine.distributed import end_spawned_rank, free_port
 from branchreplay.engine.sharding import shard
 from branchreplay.models import autocast, tiny_model
@@ -67,15 +68,16 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 report[case] = {"err": max_rel_grad_err(dp.full_grads(), expected), "tol": TOL[dtype],
                                 "physical": plan.physical_tokens, "recomputed": plan.recomputed_positions}
         # bfloat16 mixed precision (float32 parameters under autocast, models.autocast): whole groups per rank run
-        # the same bfloat16 ops as in one process, so only the float32 sums of the ranks' gradients differ
+        # the same bfloat16 ops as in one process, so only the float32 sums of the ranks' gradients differ (each
+        # group its own tree on both sides: a forest of a rank's groups packs them otherwise than one of all four)
         single, model = tiny_model("llama", seed=0), tiny_model("llama", seed=0)
         trees = _trees("four-groups", single.config.vocab_size)
-        loss = GRPOLoss(entropy_coef=0.01)
+        loss, per_group = GRPOLoss(entropy_coef=0.01), EngineConfig(forest=False)
         with autocast("bfloat16", "cpu"):
-            replay_backward(single, trees, loss)
+            replay_backward(single, trees, loss, engine=per_group)
             expected = [p.grad.clone() for p in single.parameters()]
             dp = DataParallel(model, **_strategy(strategy))
-            replay_backward_sharded(dp, trees, loss)
+            replay_backward_sharded(dp, trees, loss, engine=per_group)
         full = dp.full_grads()
         report["four-groups-bfloat16-autocast"] = {"err": max_rel_grad_err(full, expected), "tol": 1e-5,
                                                    "dtype": str(full[0].dtype)}

@@ -277,3 +277,26 @@ def test_branches_sharing_a_start_prefill_it_once_and_equal_each_alone(keep64):
     assert sum(fed) == 7
     for (_, ours), theirs in zip(filled, alone):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
+
+
+def test_a_start_the_prompts_share_is_prefilled_once_for_the_step():
+    """sample_groups prefills the step's prompts as a trie: a shared system start (12 ids) runs once, not once per
+    prompt, and each group still draws what it draws alone (float64)."""
+    import branchreplay.rl.rollouts.sampling as sampling
+
+    model = make_model("llama").double()
+    system = [1, 7, 7, 3, 9, 12, 30, 31, 32, 33, 34, 35]
+    prompts = [system + [40, 41], system + [50, 51, 52], [60, 61, 62], system + [40, 41]]
+    config = SamplingConfig(temperature=0.9, max_new_tokens=1)  # one token: the prefill is every forward
+    fed = []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: fed.append(kwargs["input_ids"].numel()),
+                                           with_kwargs=True)
+    together = sampling.sample_groups(model, prompts, 2, config, {2}, [torch.Generator().manual_seed(k)
+                                                                       for k in range(len(prompts))])
+    hook.remove()
+    assert sum(fed) == len(system) + 2 + 3 + 3  # the system start once; the repeated prompt not again
+    alone = [sample_group(model, p, 2, config, {2}, torch.Generator().manual_seed(k)) for k, p in enumerate(prompts)]
+    for a_group, b_group in zip(alone, together):
+        assert [s.completion_ids for s in b_group] == [s.completion_ids for s in a_group]
+        for a, b in zip(a_group, b_group):
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)

@@ -24,7 +24,7 @@ from branchreplay.rl.policy import accumulate
 from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
 from branchreplay.rl.run.trainer import Trainer
 from branchreplay.tree import RolloutTree
-from conftest import grads
+from conftest import grads, held_float64
 
 EOS = 2
 
@@ -68,6 +68,8 @@ def make_config(tmp_path, **sections) -> Config:
 
 def make_trainer(config, dtype=torch.float32, reward_fn=byte_reward, model=None):
     model = tiny_model("llama", dtype=dtype, seed=0) if model is None else model
+    if model.dtype == torch.float64:
+        held_float64(model)
     return Trainer(config, model=model, tokenizer=ByteTokenizer(), train_data=DATA, eval_data=DATA[:4],
                    reward_fn=reward_fn)
 

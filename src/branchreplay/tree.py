@@ -269,6 +269,53 @@ class RolloutTree:
         )
 
 
+def forest(trees: list[RolloutTree]) -> RolloutTree:
+    """One tree of every rollout of `trees`, in their order: a start that rollouts of different trees share (a chat
+    template's system prompt, a tool schema, few-shot turns, the opening of an environment) becomes one node, so it
+    runs once; rollouts with nothing in common are separate subtrees under the virtual root. Per-rollout data
+    (advantages, weights, old and reference logprobs) stay on the rollouts, so a loss written per rollout gives the
+    same value and gradient over the forest as over the trees (the step's normalisation is in the weights:
+    `losses.token_weights`). The Rollout objects are shared, not copied.
+
+    Raises:
+        ValueError: no trees, or a tree with images (`RolloutTree.images` belong to that tree's own prompt).
+    """
+    if not trees:
+        raise ValueError("forest needs at least one tree")
+    if any(t.images is not None for t in trees):
+        raise ValueError("trees with images cannot join a forest: their images belong to their own prompt")
+    if len(trees) == 1:
+        return trees[0]
+    return RolloutTree([r for t in trees for r in t.rollouts])
+
+
+def forests(trees: list) -> list:
+    """Each run of consecutive `RolloutTree`s that share a start (each tree's rollouts begin with a token the run's
+    earlier ones begin with) as one tree (`forest`), so that the start runs once; the trees of a run have no images
+    and their rollouts carry the same optional fields (old and reference logprobs, returns, old values: all or
+    none, as one tree needs). Anything else (a tree that shares no start with its neighbours, a tree with images,
+    the engine's context-parallel parts) stays as it is, so it runs exactly as alone. Rollout order is kept."""
+    def key(tree):
+        if not isinstance(tree, RolloutTree) or tree.images is not None:
+            return None
+        first = tree.rollouts[0]
+        return tuple(getattr(first, name) is None for name in ("old_logprobs", "ref_logprobs", "returns", "old_values"))
+
+    out, run, starts = [], [], set()
+    for tree in trees:
+        k = key(tree)
+        firsts = {int(child.tokens[0]) for child in tree.root.children} if k is not None else set()
+        if run and (k != key(run[0]) or not firsts & starts):
+            out.append(forest(run))
+            run, starts = [], set()
+        if k is None:
+            out.append(tree)
+        else:
+            run.append(tree)
+            starts |= firsts
+    return out + ([forest(run)] if run else [])
+
+
 def _split(arrays: list[np.ndarray], members: list[int], d: int) -> list[Node]:
     """Nodes starting at position d for the rollouts `members` (all longer than d), grouped by their token at d.
 

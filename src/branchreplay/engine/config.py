@@ -58,6 +58,11 @@ class EngineConfig:
         "largest activations (engine/planner.py)"))
     memory_budget: int | None = field(default=None, metadata=help_of(
         "bytes for replay='auto', > 0; default (null): 90% of the device's available memory when the step starts"))
+    forest: bool = field(default=True, metadata=help_of(
+        "run the trees of one engine call (a step's groups, or a micro-batch's) as one prefix forest, so that a "
+        "start rollouts of different groups share (a chat template's system prompt, a tool schema, few-shot turns) "
+        "runs once; false runs each tree alone (the same gradient; for A/B measurements)"))
+
     def __post_init__(self):
         for name in ("max_pack_tokens", "max_batch_tokens", "chunk_tokens", "head_chunk_tokens"):
             check(f"engine.{name}", getattr(self, name) >= 1, ">= 1", getattr(self, name))

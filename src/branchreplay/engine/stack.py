@@ -32,7 +32,7 @@ import torch
 
 from ..losses import LossFn, loss_inputs
 from ..models import base_of, max_positions
-from ..tree import Node, ReplayResult, RolloutTree, TreeStats
+from ..tree import Node, ReplayResult, RolloutTree, TreeStats, forests
 from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
@@ -72,7 +72,9 @@ def replay_backward(
     Args:
         model: a Hugging Face causal LM of a supported family (see `branchreplay.engine.FAMILIES`), with no active
             dropout; or a peft `PeftModel` of one (LoRA: the adapters' parameters get their gradients).
-        trees: one tree or a list of them (e.g. one per prompt group).
+        trees: one tree or a list of them (e.g. one per prompt group). With `engine.forest` (the default) consecutive
+            trees without images run as one forest (`tree.forest`): a start that rollouts of different trees share
+            (a system prompt, a tool schema, few-shot turns) runs once; results stay per rollout, in order.
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
         engine: packing, chunking and replay options (`EngineConfig`).
@@ -148,6 +150,8 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force 
     if vision_language is not model and loss is not None:  # the vision tower's parameters get gradients too
         check_no_dropout(vision_language)
     run.lockstep = lockstep
+    if engine.forest:
+        trees = forests(trees)
     attached = router.attached() if router is not None else contextlib.nullcontext()
     with run.prefix_split, attached:  # split prefix attention until the last tree is done (attention.py)
         events = _trees(run, model, trees, final_backward)

@@ -1,4 +1,5 @@
-"""Rollout generation for one group: one prompt, G samples, the prompt prefilled once.
+"""Rollout generation for one group: one prompt, G samples, the prompt prefilled once (for a step's groups, a start
+their prompts share once: `sample_groups`).
 
 The prompt is run once with batch size 1; its KV cache is then copied to the live streams (one cache row per
 stream) and every stream decodes token by token against it with explicit position ids. A branching schedule
@@ -99,8 +100,10 @@ def sample_group(
 @torch.no_grad()
 def sample_groups(model, prompts: list[list[int]], num_generations: int, config: SamplingConfig,
                   eos_token_ids: set[int] | list[int], generators: list[torch.Generator | None]) -> list[list[Sample]]:
-    """`sample_group` for every prompt of a step in ONE decoding loop: each prompt is prefilled once, alone; then
-    every live stream of every group decodes its next token in one batched forward per generated position.
+    """`sample_group` for every prompt of a step in ONE decoding loop: the prompts are prefilled once, as a radix
+    trie (`prefill_branches`: a start they share, a system prompt, a tool schema, few-shot turns, runs once for the
+    step); then every live stream of every group decodes its next token in one batched forward per generated
+    position.
 
     The prompts' caches are stacked left-aligned to the longest prompt: a shorter prompt's cache row starts with
     empty (zero) key/value slots that an attention mask hides from every query, and each stream keeps its own
@@ -118,7 +121,7 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     was_training = model.training
     model.eval()
     try:
-        filled = [prefill(model, p) for p in prompts]
+        filled = prefill_branches(model, DynamicCache(config=model.config), 0, prompts)
         cache, visible = _stacked([c for c, _ in filled], [len(p) for p in prompts], model.config)
         logits = torch.cat([lg for _, lg in filled])  # [groups, V]
         start = torch.tensor([len(p) for p in prompts], device=logits.device)  # each row's first generated position

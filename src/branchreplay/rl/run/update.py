@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from ...tree import ReplayResult
+from ...tree import ReplayResult, forests
 from ..policy import clip_grad_norm
 from ..shards import Shards
 
@@ -26,7 +26,8 @@ def run_updates(part, batch, ranks, layout: str, max_grad_norm: float) -> dict:
     (None in one process) with parallel.layout `layout`; gradients clipped to `max_grad_norm` over the policy and
     the critic together. Returns the metrics: per update averaged (loss, grad_norm, learning_rate and the part's),
     the passes' (`time/logprob_s`: their seconds), the shard plan's (`dist/*`), the engine's schedule of the last
-    update, and the tree sizes of every tree of the step (`tree/*`)."""
+    update, and the sizes of the step's trie (`tree/*`: every group's rollouts, a start that groups share counted
+    once with engine.forest)."""
     policy = part.policy
     models = [policy] + ([part.critic] if part.critic is not None else [])
     shards = Shards.of(part.trained(batch.trees), ranks, policy.model.config, layout)
@@ -50,7 +51,8 @@ def run_updates(part, batch, ranks, layout: str, max_grad_norm: float) -> dict:
         out.update(plan_metrics(shards.plan, ranks, policy))
     if isinstance(result, ReplayResult) and policy.method == "branchreplay":  # the last update's (schedule.py)
         out.update({"engine/schedule": result.schedule, "engine/shared_nodes_merged": result.shared_nodes_merged})
-    stats = sum((t.stats for t in batch.trees[1:]), batch.trees[0].stats)
+    trees = forests(batch.trees) if policy.engine.forest else batch.trees  # the step's trie: groups share starts
+    stats = sum((t.stats for t in trees[1:]), trees[0].stats)
     out.update({"tree/logical_tokens": stats.logical_tokens, "tree/physical_tokens": stats.physical_tokens,
                 "tree/token_ratio": stats.token_ratio})
     return out

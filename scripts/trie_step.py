@@ -1,0 +1,104 @@
+"""One trie per step (issue 31), before and after, side by side: `branchreplay train` from a checkout of the head
+before it (--before: the root of a git worktree) and from this one, interleaved (before, after, after, before, ...),
+on three workloads with evaluation off:
+
+  demo    configs/demo.yaml: the default task's prompts share the system prompt and the few-shot turns
+  tools   the demo with a system prompt of tool definitions (about 1,000 tokens of JSON schemas, then the task's
+          instruction) shared by every prompt; grpo.entropy_coef 1e-4 so that every group trains
+  guess   configs/guess_number.yaml: multi-turn, every game opens with the same rules
+
+For each it prints the step's `tree/token_ratio` (logical over physical positions of the step's rollouts) and the
+median over the steps after the first of `time/sample_s`, `time/train_s` and `time/step_s`, per checkout.
+
+    git worktree add /tmp/before <commit> && .venv/bin/python scripts/trie_step.py --before /tmp/before
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from branchreplay.rl.config.task import SYSTEM_PROMPT
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def tool_definitions(count: int = 6) -> str:
+    """A system prompt of `count` made-up tools as JSON schemas (1,024 SmolLM2 tokens for 6), then the default
+    task's instruction, so that the rewards stay as the demo's."""
+    tools = [{"type": "function", "function": {
+        "name": f"tool_{k}_{verb}",
+        "description": f"{verb.capitalize()} the {noun} named in the request and return the result as JSON; fails "
+                       f"with an error message when the {noun} does not exist.",
+        "parameters": {"type": "object", "properties": {
+            "name": {"type": "string", "description": f"the {noun}'s name"},
+            "limit": {"type": "integer", "description": "the most results to return"},
+            "verbose": {"type": "boolean", "description": "whether to include every field"}},
+            "required": ["name"]}}}
+        for k, (verb, noun) in enumerate(zip(["search", "open", "read", "count", "list", "sum"] * 2,
+                                             ["file", "record", "page", "table", "user", "order"] * 2))][:count]
+    return "You may call these tools:\n" + json.dumps(tools, indent=1) + "\n\n" + SYSTEM_PROMPT
+
+
+WORKLOADS = {
+    "demo": ["--config", "configs/demo.yaml"],
+    "tools": ["--config", "configs/demo.yaml", "--task.system_prompt", tool_definitions(),
+              "--grpo.entropy_coef", "1e-4"],
+    "guess": ["--config", "configs/guess_number.yaml"],
+}
+
+
+def run(checkout: Path, workload: str, steps: int, out: Path) -> list[dict]:
+    """`branchreplay train` of `workload` with the package of `checkout` (its src/ first on the path); its step
+    records (the run's folder is removed: the final checkpoint is about 1.6 GB)."""
+    folder = Path(tempfile.mkdtemp(prefix=f"{workload}-", dir=out))
+    command = [sys.executable, "-m", "branchreplay", "train", *WORKLOADS[workload], "--train.steps", str(steps),
+               "--train.eval_steps", "-1", "--train.output_dir", str(folder)]
+    env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=ROOT, env=env)
+    rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    shutil.rmtree(folder)
+    return [r for r in rows if "time/step_s" in r]
+
+
+def median(runs: list[list[dict]], key: str) -> float:
+    return statistics.median(r[key] for rows in runs for r in rows[1:])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", type=Path, required=True, help="the root of a checkout of the head before")
+    ap.add_argument("--steps", type=int, default=3, help="training steps per run (the first is not counted)")
+    ap.add_argument("--repeats", type=int, default=2, help="runs per checkout and workload, interleaved")
+    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    args = ap.parse_args()
+    out = Path(tempfile.mkdtemp(prefix="trie-step-"))
+    checkouts = {"before": args.before.resolve(), "after": ROOT}
+    print(f"load average before: {os.getloadavg()[0]:.2f}")
+    print("| workload | checkout | token ratio | sampling per step | training per step | step |")
+    print("|---|---|---|---|---|---|")
+    for workload in args.workloads:
+        runs = {name: [] for name in checkouts}
+        for k in range(args.repeats):
+            order = list(checkouts) if k % 2 == 0 else list(reversed(checkouts))
+            for name in order:
+                runs[name].append(run(checkouts[name], workload, args.steps, out))
+        for name in checkouts:
+            ratio = statistics.mean(r["tree/token_ratio"] for rows in runs[name] for r in rows)
+            print(f"| {workload} | {name} | {ratio:.2f} | {median(runs[name], 'time/sample_s'):.2f} s | "
+                  f"{median(runs[name], 'time/train_s'):.2f} s | {median(runs[name], 'time/step_s'):.2f} s |",
+                  flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
+    shutil.rmtree(out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
