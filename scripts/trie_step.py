@@ -25,6 +25,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import yaml
+
 from branchreplay.rl.config.task import SYSTEM_PROMPT
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -47,20 +49,28 @@ def tool_definitions(count: int = 6) -> str:
     return "You may call these tools:\n" + json.dumps(tools, indent=1) + "\n\n" + SYSTEM_PROMPT
 
 
-WORKLOADS = {
-    "demo": ["--config", "configs/demo.yaml"],
-    "tools": ["--config", "configs/demo.yaml", "--task.system_prompt", tool_definitions(),
-              "--grpo.entropy_coef", "1e-4"],
-    "guess": ["--config", "configs/guess_number.yaml"],
-}
+WORKLOADS = ("demo", "tools", "guess")
+
+
+def workload_config(workload: str, out: Path) -> Path:
+    """The run config of `workload`: a file of configs/, or for tools the demo's with the tool definitions as its
+    system prompt (written to `out`: JSON on the command line would be read as YAML)."""
+    if workload != "tools":
+        return ROOT / "configs" / {"demo": "demo.yaml", "guess": "guess_number.yaml"}[workload]
+    config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
+    config["task"]["system_prompt"] = tool_definitions()
+    config["grpo"]["entropy_coef"] = 1e-4
+    path = out / "tools.yaml"
+    path.write_text(yaml.safe_dump(config))
+    return path
 
 
 def run(checkout: Path, workload: str, steps: int, out: Path) -> list[dict]:
     """`branchreplay train` of `workload` with the package of `checkout` (its src/ first on the path); its step
     records (the run's folder is removed: the final checkpoint is about 1.6 GB)."""
     folder = Path(tempfile.mkdtemp(prefix=f"{workload}-", dir=out))
-    command = [sys.executable, "-m", "branchreplay", "train", *WORKLOADS[workload], "--train.steps", str(steps),
-               "--train.eval_steps", "-1", "--train.output_dir", str(folder)]
+    command = [sys.executable, "-m", "branchreplay", "train", "--config", str(workload_config(workload, out)),
+               "--train.steps", str(steps), "--train.eval_steps", "-1", "--train.output_dir", str(folder)]
     env = {**os.environ, "PYTHONPATH": str(checkout / "src")}
     subprocess.run(command, check=True, stdout=subprocess.DEVNULL, cwd=ROOT, env=env)
     rows = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
@@ -77,7 +87,7 @@ def main() -> int:
     ap.add_argument("--before", type=Path, required=True, help="the root of a checkout of the head before")
     ap.add_argument("--steps", type=int, default=3, help="training steps per run (the first is not counted)")
     ap.add_argument("--repeats", type=int, default=2, help="runs per checkout and workload, interleaved")
-    ap.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    ap.add_argument("--workloads", nargs="+", choices=WORKLOADS, default=list(WORKLOADS))
     args = ap.parse_args()
     out = Path(tempfile.mkdtemp(prefix="trie-step-"))
     checkouts = {"before": args.before.resolve(), "after": ROOT}
