@@ -237,9 +237,10 @@ def test_bench_loss_cli_refuses_what_it_would_ignore(capsys):
     assert "drop --nproc" in capsys.readouterr().err
 
 
-def test_recorded_trajectories_bench_per_item_trees(capsys, tmp_path):
-    """bench --scenario multi-turn --trajectories: the recorded file's trajectories, one tree per item (as the
-    trainer builds them), every method exact; ids past the model's vocabulary are refused by name."""
+def test_recorded_trajectories_bench_items_as_the_trainer_runs_them(capsys, tmp_path):
+    """bench --scenario multi-turn --trajectories: the recorded file's trajectories, one tree per item and the items
+    that open alike as one forest (as the trainer's engine calls run them), every method exact; ids past the model's
+    vocabulary are refused by name."""
     g = torch.Generator().manual_seed(0)
     first = [{"item": 0, "ids": ids, "loss_mask": mask}  # 3 trajectories sharing their prompt and first turns
              for ids, mask in agent_trajectories(10, 2, 4, 3, (3, 1), 2048, g)[:3]]
@@ -252,7 +253,7 @@ def test_recorded_trajectories_bench_per_item_trees(capsys, tmp_path):
     assert set(by) == set(METHODS) and all(r["max_rel_grad_err"] <= 1e-4 for r in by.values())
     assert by["branchreplay"]["label"] == "recorded t.jsonl" and by["branchreplay"]["rollouts"] == 6
     one_item = RolloutTree([Rollout(r["ids"], r["loss_mask"]) for r in first]).stats.physical_tokens
-    assert by["branchreplay"]["physical_tokens"] == 2 * one_item  # per-item trees: nothing shared across items
+    assert by["branchreplay"]["physical_tokens"] == one_item  # one forest: the second item shares every node
     path.write_text(json.dumps({"ids": [5000], "loss_mask": [1]}) + "\n")
     assert main(["bench", "--scenario", "multi-turn", "--trajectories", str(path)]) == 2
     assert "another tokenizer" in capsys.readouterr().err

@@ -24,7 +24,7 @@ from ..engine import replay_backward
 from ..engine.sequence import replay_sequence_backward
 from ..losses import GRPOLoss, ValueLoss, dpo_loss, token_weights
 from ..models import tiny_model
-from ..tree import Rollout, RolloutTree
+from ..tree import Rollout, RolloutTree, forests
 from ..value import ValueModel
 from . import flops as F
 from .measure import measure
@@ -75,7 +75,8 @@ def run_dpo(prompt_tokens: list[int], response_tokens: list[int], pairs: int, mo
             for _ in range(pairs):
                 prompt = ids(P)
                 rollouts += [Rollout(torch.cat([prompt, ids(R)]), loss_mask=[0.0] * P + [1.0] * R) for _ in range(2)]
-            trees = [RolloutTree(rollouts[i : i + 2]) for i in range(0, len(rollouts), 2)]
+            # one tree per pair, as the engine runs them (pairs whose random prompts share a first token: one forest)
+            trees = forests([RolloutTree(rollouts[i : i + 2]) for i in range(0, len(rollouts), 2)])
             ref = -float(R) * 7.0 + torch.linspace(-3, 3, len(rollouts), dtype=torch.float64)
 
             def loss(s):

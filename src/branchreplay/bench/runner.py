@@ -49,7 +49,7 @@ from ..engine import replay_backward
 from ..engine.planner import available_memory_bytes
 from ..losses import GRPOLoss
 from ..models import load_model, tiny_model
-from ..tree import Rollout, RolloutTree
+from ..tree import Rollout, RolloutTree, forests
 from . import flops as F
 from ..check.padded import padded_backward
 from .baselines import (
@@ -292,7 +292,7 @@ class Bench:
     def config(self, scenario: Scenario, log=None) -> list[dict]:
         g = torch.Generator().manual_seed(self.o.seed)
         rollouts = make_rollouts(scenario.sequences(self.model.config.vocab_size, g), g)
-        if scenario.trajectories is not None:  # one tree per recorded item, as the trainer's
+        if scenario.trajectories is not None:  # one group per recorded item, as the trainer's
             for r, item in zip(rollouts, recorded_items(scenario.trajectories)):
                 r.group = item
         trees = trees_of(rollouts)
@@ -359,15 +359,15 @@ class Bench:
 
 
 def trees_of(rollouts: list[Rollout]) -> list[RolloutTree]:
-    """One tree per group, as the trainer builds one per prompt or item: by `Rollout.group` when every rollout has
-    one (recorded trajectories: their item; two items may open with the same messages, and their trajectories then
-    share nothing here, as in training), else per distinct prompt (`baselines.prompt_groups`)."""
+    """The trees the engine runs, as for a trainer's step: one per group (by `Rollout.group` when every rollout has
+    one, recorded trajectories: their item; else per distinct prompt, `baselines.prompt_groups`), then the groups
+    that share a start as one forest (`tree.forests`: items that open with the same messages share them)."""
     if all(r.group is not None for r in rollouts):
         groups: dict = {}
         for r in rollouts:
             groups.setdefault(r.group, []).append(r)
-        return [RolloutTree(members) for members in groups.values()]
-    return [RolloutTree([rollouts[i] for i in members]) for _, members in prompt_groups(rollouts)]
+        return forests([RolloutTree(members) for members in groups.values()])
+    return forests([RolloutTree([rollouts[i] for i in members]) for _, members in prompt_groups(rollouts)])
 
 
 def run_bench(scenarios: list[Scenario], options: BenchOptions = BenchOptions(), log=None) -> dict:

@@ -72,9 +72,10 @@ def replay_backward(
     Args:
         model: a Hugging Face causal LM of a supported family (see `branchreplay.engine.FAMILIES`), with no active
             dropout; or a peft `PeftModel` of one (LoRA: the adapters' parameters get their gradients).
-        trees: one tree or a list of them (e.g. one per prompt group). With `engine.forest` (the default) consecutive
-            trees without images run as one forest (`tree.forest`): a start that rollouts of different trees share
-            (a system prompt, a tool schema, few-shot turns) runs once; results stay per rollout, in order.
+        trees: one tree or a list of them (e.g. one per prompt group). With `engine.forest` (the default)
+            consecutive trees that share a start (a system prompt, a tool schema, few-shot turns) run as one forest
+            (`tree.forests`: without images, with the same optional rollout fields), so the start runs once per
+            call; results stay per rollout, in order.
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
         engine: packing, chunking and replay options (`EngineConfig`).

@@ -26,8 +26,9 @@ def run_updates(part, batch, ranks, layout: str, max_grad_norm: float) -> dict:
     (None in one process) with parallel.layout `layout`; gradients clipped to `max_grad_norm` over the policy and
     the critic together. Returns the metrics: per update averaged (loss, grad_norm, learning_rate and the part's),
     the passes' (`time/logprob_s`: their seconds), the shard plan's (`dist/*`), the engine's schedule of the last
-    update, and the sizes of the step's trie (`tree/*`: every group's rollouts, a start that groups share counted
-    once with engine.forest)."""
+    update, and the sizes of the step's trie (`tree/*`: every group's rollouts as one engine call in one process
+    would run them, a start that groups share counted once with engine.forest; micro-batches and ranks each run
+    their own forest, recomputing the start: `dist/physical_tokens/rank*` counts what each rank ran)."""
     policy = part.policy
     models = [policy] + ([part.critic] if part.critic is not None else [])
     shards = Shards.of(part.trained(batch.trees), ranks, policy.model.config, layout)
