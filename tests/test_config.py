@@ -33,6 +33,16 @@ def test_typed_overrides():
     assert config.model.spec == "tiny:llama"
 
 
+def test_an_optional_string_keeps_text_that_looks_like_yaml():
+    """A JSON tool schema as the system prompt stays the text given (it used to be read as a YAML list and refused);
+    YAML's null still unsets it."""
+    schema = '[{"type": "function", "function": {"name": "search"}}]\n\nAnswer in <answer></answer> tags.'
+    config = Config.from_dict(apply_overrides({}, ["--task.system_prompt", schema]))
+    assert config.task.system_prompt == schema
+    for null in ("null", "~", ""):
+        assert Config.from_dict(apply_overrides({}, [f"--task.system_prompt={null}"])).task.system_prompt is None
+
+
 def test_unknown_key_names_it_and_lists_valid_keys():
     with pytest.raises(ValueError, match=r"unknown key 'grpo.lr'.*learning_rate"):
         Config.from_dict(apply_overrides({}, ["--grpo.lr=1"]))

@@ -97,9 +97,13 @@ def kind(tp) -> str:
 
 
 def parse_cli(text: str, tp) -> object:
-    """A command-line string for a field of type `tp`: strings stay strings, everything else is read as YAML."""
+    """A command-line string for a field of type `tp`: strings stay strings (an optional string too, unless it is
+    YAML's null: empty, `null` or `~`), so text that looks like YAML (a JSON tool schema as task.system_prompt) is
+    kept as written; everything else is read as YAML."""
     if tp is str:
         return text
+    if typing.get_origin(tp) in (typing.Union, types.UnionType) and set(typing.get_args(tp)) == {str, type(None)}:
+        return None if text.strip() in ("", "null", "Null", "NULL", "~") else text
     return yaml.safe_load(text)
 
 
