@@ -105,7 +105,7 @@ def test_verify_fails_on_a_longrope_model_when_regimes_are_not_held(monkeypatch,
     """Without the regime holding (the main branch before the fix), verify's threshold tree fails: it can fail."""
     import contextlib
 
-    import branchreplay.engine.stack as engine
+    import branchreplay.engine.replay as engine
 
     _longrope_llama(monkeypatch)
     monkeypatch.setattr(engine, "held_at_length", lambda *a, **k: contextlib.nullcontext())

@@ -18,8 +18,8 @@ _EXPORTS = {
     "TreeStats": ".tree",
     "UnsupportedModelError": ".engine.families",
     "naive_backward": ".check.reference",
-    "replay_backward": ".engine.stack",
-    "replay_logprobs": ".engine.stack",
+    "replay_backward": ".engine.replay",
+    "replay_logprobs": ".engine.replay",
     "token_weights": ".losses",
 }
 __all__ = sorted(_EXPORTS)

@@ -27,7 +27,7 @@ Bytes moved per rank and step, each way (forward all-gather, backward all-to-all
 n_layers x n_kv_heads x head_dim x element size. Only full-attention families (every layer attention, no sliding
 window, no length-dependent rotary): recurrent state would have to be handed on from piece to piece in rank order,
 serialising the ranks; those families keep the prefix recomputed per rank (`sharding.supports_context_parallel`).
-Every rank must run the same `ContextParallelTree`s in the same order, after its whole trees (`stack._replay`
+Every rank must run the same `ContextParallelTree`s in the same order, after its whole trees (`replay._replay`
 checks the order).
 """
 

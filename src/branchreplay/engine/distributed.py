@@ -337,7 +337,7 @@ def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float
     """
     from .config import EngineConfig
     from .sharding import CostModel, shard
-    from .stack import replay_backward
+    from .replay import replay_backward
 
     plan = shard(list(trees), dp.world_size, dp.model.config, layout=layout, cost=cost or CostModel())
     with dp.accumulate():

@@ -1,7 +1,7 @@
 """Losses of whole sequences over the tree: any function of the rollouts' per-token logprobs and entropies (DPO and
 RLOO on summed logprobs; GSPO's sequence-level importance ratios), exactly, in two passes of the execution stack.
 
-A token-level loss is a sum over the nodes, so one pass computes it (`stack.replay_backward`). A loss that couples
+A token-level loss is a sum over the nodes, so one pass computes it (`replay.replay_backward`). A loss that couples
 the tokens of a rollout is not: the derivative at a token depends on the whole rollout. By the chain rule, with
 logp[i, t] and H[i, t] the logprob and entropy at position t of rollout i,
 dL/dtheta = sum_i sum_t (dL/dlogp[i, t]) dlogp[i, t]/dtheta + (dL/dH[i, t]) dH[i, t]/dtheta, so
@@ -34,7 +34,7 @@ from .config import EngineConfig
 from .context_parallel import ContextParallelTree
 from .families import Force
 from .router import RouterLoss
-from .stack import replay_backward, replay_logprobs
+from .replay import replay_backward, replay_logprobs
 
 SequenceLoss = Callable[[torch.Tensor], torch.Tensor]
 """[N] float64 summed logprobs (nats) of the N rollouts of all the trees, in order -> scalar loss."""

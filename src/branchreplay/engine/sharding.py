@@ -183,7 +183,7 @@ def _context_parallel(trees, costs, chosen: list[int], world_size: int, config, 
     _assign(rest, parts, loads, sources)
     for rank in range(world_size):
         physical[rank] += sum(t.stats.physical_tokens for t in parts[rank])
-        parts[rank] += cp_parts[rank]  # after the whole trees, in the same order on every rank (stack._replay)
+        parts[rank] += cp_parts[rank]  # after the whole trees, in the same order on every rank (replay._replay)
         sources[rank] += sorted(chosen)
     seconds = [loads[r] / cost.flops_per_s + bytes_moved[r] / cost.bytes_per_s + calls * cost.latency_s
                for r in range(world_size)]

@@ -30,15 +30,15 @@ import contextlib
 
 import torch
 
-from ..losses import LossFn, loss_inputs
-from ..models import base_of, max_positions
-from ..tree import Node, ReplayResult, RolloutTree, TreeStats, forests
+from ..losses import loss_inputs
+from ..models import max_positions
+from ..tree import Node, ReplayResult, RolloutTree
 from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
 from .config import EngineConfig
 from .context_parallel import ContextParallelTree, run_prefix
-from .lockstep import BACKWARD, FORWARD, LockStep, drain
+from .lockstep import BACKWARD, FORWARD
 from .embedding import DeferredEmbeddingGrad
 from .families import Force, check_no_dropout, family_of, layer_windows
 from .head import check_float32_head, check_head, decoder_and_head, head_statistics, token_logprobs, token_values
@@ -46,172 +46,10 @@ from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .packs import batched_packs, chunked, is_batch, packs, spans
 from .planner import default_budget, memory_model, plan
 from .schedule import attention_per_key, schedule
-from .positions import held_at_length, length_dependent_rotaries, regimes
+from .positions import length_dependent_rotaries
 from .recurrent import EngineForwards, layer_kinds
 from .router import RouterLoss, routed, taken
-from .vision import ImageRun, language_model
-
-
-def replay_backward(
-    model,
-    trees: RolloutTree | list[RolloutTree],
-    loss: LossFn,
-    *,
-    temperature: float = 1.0,
-    engine: EngineConfig = EngineConfig(),
-    force: Force = False,
-    final_backward: contextlib.AbstractContextManager | None = None,
-    lockstep: bool = False,
-    router: RouterLoss | None = None,
-) -> ReplayResult:
-    """Forward and backward of `loss` over every rollout of `trees`, each unique position computed once.
-
-    Gradients accumulate into `param.grad` as `sum(loss over rollouts).backward()` would (call
-    `optimizer.zero_grad()` yourself).
-
-    Args:
-        model: a Hugging Face causal LM of a supported family (see `branchreplay.engine.FAMILIES`), with no active
-            dropout; or a peft `PeftModel` of one (LoRA: the adapters' parameters get their gradients).
-        trees: one tree or a list of them (e.g. one per prompt group). With `engine.forest` (the default)
-            consecutive trees that share a start (a system prompt, a tool schema, few-shot turns) run as one forest
-            (`tree.forests`: without images, with the same optional rollout fields), so the start runs once per
-            call; results stay per rollout, in order.
-        loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
-        temperature: logprobs are of softmax(logits / temperature), as the sampler's.
-        engine: packing, chunking and replay options (`EngineConfig`).
-        force: run a family that is not in the registry, as `families.generic_family` guesses it: True after its
-            self-check (`check.self_check`, run here once per model class, config and dtype in the process), or
-            "unchecked" for a caller that checked it (`branchreplay verify --force`, the trainer).
-        final_backward: a context entered around the call's LAST backward pass (the root pack of the last tree),
-            which always runs, through every layer (with a zero loss if nothing else flows there). Data parallelism
-            uses it to reduce gradients once per step instead of once per pack (`engine/distributed.py`).
-        lockstep: run every decoder forward and backward in step with the other ranks of the default process group
-            (`lockstep.LockStep`: FSDP2 with its parameters gathered per layer); every backward then runs through
-            every layer. Every rank must make the same number of calls with it.
-        router: the MoE router load-balancing loss's pass 2 (`router.RouterLoss`, after its pass 1 and
-            `set_gradient`): its gradient is added to the loss's.
-    A tree whose rollouts fall in different regimes of a length-dependent rotary encoding (longrope, dynamic NTK:
-    `engine/positions.py`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
-
-    Raises:
-        UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported, an
-            unregistered family's attention the engine cannot carry (ALiBi, a cache of another layout), or its
-            self-check failed (`force=True`).
-        HeadMismatchError: the model's ForCausalLM transforms its logits in a way the engine's head does not know.
-        ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
-            dropout, or inconsistent old/ref logprobs.
-    """
-    return _replay(model, trees, loss, temperature, engine, force, final_backward, lockstep, router=router)
-
-
-@torch.no_grad()
-def replay_logprobs(
-    model,
-    trees: RolloutTree | list[RolloutTree],
-    *,
-    temperature: float = 1.0,
-    engine: EngineConfig = EngineConfig(),
-    force: Force = False,
-    lockstep: bool = False,
-    head_stats: tuple[str, ...] = (),
-    router: RouterLoss | None = None,
-) -> ReplayResult:
-    """Forward only, no autograd graph: per-rollout logprobs (old-policy or reference), equal to running each
-    rollout alone. Same arguments and errors as `replay_backward`; `head_stats`: names of `head.HEAD_STATS` to
-    return too (`ReplayResult.head_stats`; TRL's DPO metrics read them); `router`: a fresh `router.RouterLoss`
-    that sums the MoE router load-balancing loss's statistics over the trees (its pass 1)."""
-    return _replay(model, trees, None, temperature, engine, force, None, lockstep, head_stats, router)
-
-
-def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force = False, final_backward=None,
-            lockstep: bool = False, head_stats: tuple[str, ...] = (), router: RouterLoss | None = None
-            ) -> ReplayResult:
-    trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
-    vision_language, model = model, language_model(model)  # a vision-language model's LM (vision.py)
-    run = _Run(model, temperature, engine, loss, force, tuple(head_stats), router)
-    _check_context_parallel(trees, run.rotaries)
-    if router is not None and (lockstep or any(isinstance(t, ContextParallelTree) for t in trees)):
-        raise ValueError("the MoE router loss runs on one process: not with lockstep or context parallelism")
-    for tree in trees:
-        run.check(tree)
-        images = getattr(tree, "images", None)
-        if images is not None and images.model is not None and images.model is not vision_language:
-            raise ValueError("a tree's images were made for another model (ImagePrompt.of(model, ...)): their "
-                             "features would come from that model's vision tower; make the ImagePrompt with the "
-                             "model the tree runs on")
-        if images is not None and (lockstep or final_backward is not None or router is not None):
-            raise ValueError("trees with images run on one process, without the MoE router loss")
-        if images is not None and images.rope_positions is not None and run.rotaries:
-            raise ValueError("a length-dependent rotary encoding (dynamic NTK, longrope) with rotary positions on "
-                             "the image grid is not run over trees: its frequencies follow the largest position id, "
-                             "which the images move; use the model's default rotary (rope_type='default')")
-    if vision_language is not model and loss is not None:  # the vision tower's parameters get gradients too
-        check_no_dropout(vision_language)
-    run.lockstep = lockstep
-    if engine.forest:
-        trees = forests(trees)
-    attached = router.attached() if router is not None else contextlib.nullcontext()
-    with run.prefix_split, attached:  # split prefix attention until the last tree is done (attention.py)
-        events = _trees(run, model, trees, final_backward)
-        results = LockStep(run.dummy_forward, loss is not None).run(events) if lockstep else drain(events)
-    if run.deferred is not None:  # what the packs left of the input embedding's gradient (embedding.py)
-        with torch.autocast(run.device.type, enabled=False):
-            run.deferred.apply()
-    return ReplayResult.merge(results)
-
-
-def _trees(run: _Run, model, trees: list, final_backward):
-    """The trees one after another, as the generator of their collective events (`lockstep.py`); returns their
-    results."""
-    results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
-    train = run.loss is not None
-    for t, tree in enumerate(trees):
-        if isinstance(tree, ContextParallelTree):  # its prefix once across the ranks (context_parallel.py)
-            run.final_backward = final_backward if t == len(trees) - 1 and train else None
-            results.append((yield from run.run_tree(tree)))
-            continue
-        # rollouts whose full forwards pick other rotary frequencies run as separate sub-forests (positions.py)
-        parts, order = [], []
-        groups = regimes(run.rotaries, [len(r) for r in tree.rollouts])
-        for k, (length, members) in enumerate(groups):
-            sub = tree if len(members) == len(tree.rollouts) else \
-                RolloutTree([tree.rollouts[i] for i in members], images=tree.images)
-            last = t == len(trees) - 1 and k == len(groups) - 1
-            run.final_backward = final_backward if last and train else None
-            with held_at_length(model, length, run.rotaries):
-                parts.append((yield from run.run_tree(sub)))
-            order += members
-        results.append(_in_order(ReplayResult.merge(parts), order))
-    return results
-
-
-def _check_context_parallel(trees: list, rotaries) -> None:
-    """Context-parallel parts run after every whole tree (so that the step's last backward, which may hold the
-    gradient's reduce-scatter, is a context-parallel round on every rank alike), and not under a length-dependent
-    rotary encoding (its frequencies follow each rollout's length, which the prefix's pieces do not know)."""
-    parts = [isinstance(t, ContextParallelTree) for t in trees]
-    if True in parts and not all(parts[parts.index(True):]):
-        raise ValueError("context-parallel parts (ContextParallelTree) must come after every whole tree "
-                         "(engine/sharding.py orders a rank's trees so)")
-    if any(parts) and rotaries:
-        raise ValueError("context parallelism does not run a length-dependent rotary encoding (longrope, dynamic "
-                         "NTK): run the tree whole or split by its branches")
-
-
-def _in_order(result: ReplayResult, order: list[int]) -> ReplayResult:
-    """`result` of rollouts `order` (sub-forests one after another) with its per-rollout lists in rollout order."""
-    position = {i: k for k, i in enumerate(order)}
-    def reordered(values: list) -> list:
-        return [values[position[i]] for i in range(len(order))]
-
-    for name in ("logprobs", "entropy", "values"):
-        if getattr(result, name):
-            setattr(result, name, reordered(getattr(result, name)))
-    result.head_stats = {name: reordered(values) for name, values in result.head_stats.items()}
-    return result
+from .vision import ImageRun
 
 
 class _Run:
