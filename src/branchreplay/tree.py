@@ -50,7 +50,7 @@ class Rollout:
     group: int | str | None = None
 
     def __post_init__(self):
-        ids = torch.as_tensor(self.token_ids, dtype=torch.long)
+        ids = torch.as_tensor(self.token_ids, dtype=torch.long, device="cpu")  # the tree and engine index on the CPU
         if ids.dim() != 1:
             raise ValueError(
                 f"Rollout.token_ids has shape {tuple(ids.shape)}, expected [T]: one rollout's ids (prompt + "
@@ -97,7 +97,7 @@ class Rollout:
 def _per_position(x, T: int, name: str, default=0.0) -> torch.Tensor | None:
     if x is None:
         return None if default is None else torch.full((T,), default, dtype=torch.float64)
-    x = torch.as_tensor(x, dtype=torch.float64)
+    x = torch.as_tensor(x, dtype=torch.float64, device="cpu")
     if x.shape != (T,):
         raise ValueError(f"Rollout.{name} has shape {tuple(x.shape)}, expected ({T},) like token_ids")
     return x

@@ -135,7 +135,7 @@ def naive_sequence_backward(model, rollouts: list[Rollout], loss, *, temperature
     """For each rollout alone: model(input_ids [1, T]).logits, its logprobs at the trainable positions (as
     `rows_logprobs`) summed under autograd into s_i; then `loss(s)` (s [N] float64) and `.backward()`. The
     reference of `engine.sequence.replay_sequence_backward`. Returns (the loss value, s detached)."""
-    s = torch.stack([_alone(model, r, temperature)[1].double().sum() for r in rollouts])
+    s = torch.stack([_alone(model, r, temperature)[1].double().sum() for r in rollouts]).cpu()  # loss inputs: CPU
     value = loss(s)
     value.backward()
     return value.item(), s.detach().cpu()
