@@ -8,7 +8,8 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from branchreplay import models as M
-from branchreplay.models import TINY_ARCHS, chat_prompt_ids, load_model, tiny_config, tiny_model
+from branchreplay.models import (MIN_TRANSFORMERS, TINY_ARCHS, chat_prompt_ids, load_model, require_transformers,
+                                 tiny_config, tiny_model)
 
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM",
@@ -240,3 +241,12 @@ def test_smollm2_default():
     with torch.no_grad():
         logits = model(torch.tensor([got])).logits
     assert logits.shape == (1, len(got), 49152) and torch.isfinite(logits).all()
+
+
+def test_an_older_transformers_is_refused_by_name():
+    """transformers before 5.24 takes `cache=` silently as an unknown keyword (the forward's argument was
+    `past_key_values`): every sampled cache stayed empty on 5.17. Importing branchreplay.models refuses it."""
+    require_transformers(MIN_TRANSFORMERS)
+    require_transformers("5.25.0")
+    with pytest.raises(ImportError, match=r"transformers >= 5\.24.*found 5\.17\.0: pip install -U"):
+        require_transformers("5.17.0")

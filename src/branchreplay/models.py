@@ -7,7 +7,8 @@
     load_model("org/name")           # hub id (needs network)
 
 `load_policy` is the run config's model section (spec, dtype, device) and `autocast` its mixed precision;
-`head_dim` and `max_positions` are the config facts every part reads from here.
+`head_dim` and `max_positions` are the config facts every part reads from here. Importing it checks the installed
+transformers (`require_transformers`): every part that calls a model imports this module.
 """
 
 import contextlib
@@ -20,6 +21,7 @@ import tempfile
 
 import torch
 import transformers
+from packaging.version import Version
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     AutoConfig,
@@ -29,6 +31,21 @@ from transformers import (
     PreTrainedModel,
     PreTrainedTokenizerBase,
 )
+
+MIN_TRANSFORMERS = "5.24"
+"""The first transformers whose models' forward takes the KV cache as `cache=`, as the engine and the samplers pass
+it. Earlier 5.x releases name it `past_key_values=` and take any other keyword without a word, so the engine's
+prefix cache would go unused (seen on transformers 5.17: every sampled cache empty)."""
+
+
+def require_transformers(version: str) -> None:
+    """Raises ImportError, naming the fix, when transformers `version` is older than `MIN_TRANSFORMERS`."""
+    if Version(version) < Version(MIN_TRANSFORMERS):
+        raise ImportError(f"branchreplay needs transformers >= {MIN_TRANSFORMERS} (its models take the KV cache as "
+                          f"`cache=`), found {version}: pip install -U 'transformers>={MIN_TRANSFORMERS}'")
+
+
+require_transformers(transformers.__version__)
 
 # -----------------------------------------------------------------------------
 # tiny random models
