@@ -385,3 +385,23 @@ def test_resharded_fsdp2_holds_a_layer_at_a_time_and_gather_once_the_whole_model
         assert r["gather-once"] >= 2 * 6 * layer + replicated, r
         assert r["resharded"] <= 2 * 6 * layer / 2 + 2 * replicated + 3 * layer, r
         assert r["auto"] == "resharded", r  # the smallest rank's memory decides, for every rank
+
+
+def test_fsdp2_of_experts_needs_unused_parameter_reduction(monkeypatch):
+    """torch 2.11's FSDP2 has no `set_reduce_scatter_unused_params` (seen on the GPU machine): a dense model shards
+    without it, a mixture-of-experts model (an expert no token of a rank reached) is refused by name."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from branchreplay.engine.distributed import DataParallel
+
+    monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT)
+    try:
+        DataParallel(tiny_model("llama"), "fsdp2")
+        with pytest.raises(RuntimeError, match="mixture-of-experts.*upgrade torch, or use --parallel.strategy ddp"):
+            DataParallel(tiny_model("qwen3_moe"), "fsdp2")
+    finally:
+        dist.destroy_process_group()
