@@ -2,6 +2,7 @@ import json
 
 import pytest
 
+from branchreplay.check.verify import VS_FLOAT64_FACTOR
 from branchreplay.cli import main
 
 
@@ -116,19 +117,19 @@ def test_verify_fails_on_a_longrope_model_when_regimes_are_not_held(monkeypatch,
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verify_float32_and_bfloat16_measure_both_sides_from_float64(dtype, capsys):
-    """The claim in float32 / bfloat16: the engine's error against a float64 copy of the model is at most 1.5x the
+    """The claim in float32 / bfloat16: the engine's error against a float64 copy of the model is at most 2x the
     naive computation's own (bfloat16 failed before at 3.2e-2 against a fixed 1e-2 bound)."""
     assert main(["verify", "--arch", "llama", "--dtype", dtype, "--json", "--random-trees", "1"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["passed"] is True
-    assert 0 < out["max_rel_grad_err_vs_f64"] <= 1.5 * out["naive_rel_grad_err_vs_f64"]
+    assert 0 < out["max_rel_grad_err_vs_f64"] <= VS_FLOAT64_FACTOR * out["naive_rel_grad_err_vs_f64"]
     if dtype == "float32":
         assert out["max_rel_grad_err"] <= 1e-4  # the tiny config's engine-vs-naive bound still holds
 
 
 def test_the_float32_bound_has_the_models_rounding_level_as_its_floor(monkeypatch, capsys):
     """SmolLM2 in float32 failed `verify` on a one-rollout tree (engine 9.7e-5 from float64, naive 4.7e-5: both
-    float32 rounding, the model's level about 1e-3): the bound is 1.5x naive's largest error over the trees. A real
+    float32 rounding, the model's level about 1e-3): the bound is 2x naive's largest error over the trees. A real
     departure stays far above it: dropping the first-token transition of every child fails float32 too."""
     import branchreplay.engine.stack as engine
     from branchreplay.check.verify import ShapeResult, judge_against_float64
@@ -139,7 +140,7 @@ def test_the_float32_bound_has_the_models_rounding_level_as_its_floor(monkeypatc
                            naive_logprob_err_vs_f64=1e-6)
 
     rows = judge_against_float64([result(9.69e-5, 4.72e-5), result(1.1e-3, 1e-3), result(9e-4, 8e-4)])
-    assert all(r.passed for r in rows) and rows[0].bound_vs_f64 == pytest.approx(1.5 * 1e-3)
+    assert all(r.passed for r in rows) and rows[0].bound_vs_f64 == pytest.approx(VS_FLOAT64_FACTOR * 1e-3)
     assert not judge_against_float64([result(5e-2, 4.72e-5), result(1.1e-3, 1e-3), result(9e-4, 8e-4)])[0].passed
     original = engine._Run.trained_rows
     monkeypatch.setattr(engine._Run, "trained_rows", lambda self, node, hidden, parent_h: original(

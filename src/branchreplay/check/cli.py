@@ -149,6 +149,8 @@ def _summary(args, model, name: str, dtype, results, uncovered) -> dict:
 
 def _print_table(args, summary: dict, results, uncovered) -> None:
     """One row per tree, the thresholds crossed, the verdict and the state a branch holds."""
+    from .verify import VS_FLOAT64_FACTOR
+
     vs_f64 = "max_rel_grad_err_vs_f64" in summary
     extra = f"{'vs f64':>10}{'naive f64':>11}" if vs_f64 else ""
     print(f"{'tree':<30}{'rollouts':>9}{'logical':>9}{'physical':>9}{'grad err':>11}{'logprob err':>13}{extra}  ok")
@@ -163,7 +165,7 @@ def _print_table(args, summary: dict, results, uncovered) -> None:
     if vs_f64:
         print(f"{summary['arch']} {summary['dtype']}: {verdict} (max relative grad error against float64: engine "
               f"{summary['max_rel_grad_err_vs_f64']:.2e}, naive {summary['naive_rel_grad_err_vs_f64']:.2e}; bound: "
-              "engine <= 1.5 x naive's largest over the trees)")
+              f"engine <= {VS_FLOAT64_FACTOR:g} x naive's largest over the trees)")
     else:
         print(f"{summary['arch']} {args.dtype}: {verdict} (max relative grad error {summary['max_rel_grad_err']:.2e})")
     full, sliding = summary["state_bytes_per_token"].values()

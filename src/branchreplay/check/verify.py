@@ -12,7 +12,7 @@ The bound (README, docs/support.md):
         whose kernels transformers runs in float32, `Family.float32_kernels`), logprobs within 10x that bound in
         nats;
     float32, bfloat16: both the engine and the naive computation are compared with a float64 copy of the model
-        (`keep_float64`, the same rollouts and loss): the engine's error may be at most 1.5x the model's rounding
+        (`keep_float64`, the same rollouts and loss): the engine's error may be at most 2x the model's rounding
         level in that dtype, the largest error of the naive computation over every tree of the check
         (`judge_against_float64`). Gradients: max over
         parameters of the per-parameter relative error; logprobs: their distance from float64 in nats, plus 1e-5
@@ -21,7 +21,10 @@ The bound (README, docs/support.md):
         computation's error ranged over 5.1e-5 to 1.1e-3 across the check's trees, its eager-attention variant had
         3.2e-5 and the engine 5.1e-5 to 3.0e-4 on one 25-token rollout as its chunk size went 4096, 12, 8, 5 (chunk
         8: 3.0e-4): all float32 rounding, exact in float64 to 1e-14. A real departure (a wrong mask, a lost dK or
-        dV, a dropped first-token transition) is orders of magnitude above it in float32. In bfloat16 the level is
+        dV, a dropped first-token transition) is orders of magnitude above it in float32. The factor was 1.5 until
+        the first GPU run (H200, 2026-12-04): qwen2's tiny config in float32 on CUDA, engine 1.22e-5 and 1.27e-5
+        from float64 against a level of 8.1e-6 and 7.8e-6 (split attention kernel on and off), 1.51-1.63x, where
+        the CPU gives 0.68x: the order of CUDA's float32 sums, not the tree. In bfloat16 the level is
         about 0.1 for dense models and of order 1 for mixture-of-experts ones (a routing flip is a discrete jump), so
         there the check catches only departures above that: float64 (1e-6) and float32 are the exactness checks.
 """
@@ -50,7 +53,8 @@ from .shapes import SHAPES, around_length, around_window, make_rollouts
 
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
 FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32
-VS_FLOAT64_FACTOR = 1.5  # float32 / bfloat16: the engine's error vs float64 <= this x the naive computation's
+VS_FLOAT64_FACTOR = 2.0  # float32 / bfloat16: the engine's error vs float64 <= this x the naive computation's
+# (1.5 until qwen2 in float32 on an H200 measured 1.51-1.63x, with and without the split kernel: module docstring)
 ENGINE = dict(max_pack_tokens=64, chunk_tokens=24, **EVERY_SHARED_NODE)  # small, so that the trees cross packs
 # and chunks; every shared node kept, so that the small trees run as trees (engine/schedule.py)
 
