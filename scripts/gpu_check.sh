@@ -1,28 +1,50 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 11 in one short run: the CUDA tests, `verify` on CUDA in float32 for the families that
-# take split prefix attention (opted in: BRANCHREPLAY_CUDA_SPLIT_ATTENTION=1) and in bfloat16 mixed precision for
-# two of them, then the shared-prompt benchmark at GPU scale (64 rollouts sharing a 32k prompt), then (issue 27)
-# two GRPO steps of the demo under `torchrun --nproc_per_node 1` in both FSDP2 modes (nccl for CUDA tensors, gloo
-# for the CPU ones) and, on a machine with more than one GPU, the same with 2 ranks.
+# take split prefix attention (opted in: BRANCHREPLAY_CUDA_SPLIT_ATTENTION=1), in bfloat16 mixed precision for two
+# of them and for the PPO, RLOO and DPO objectives on one, then (issue 27) two GRPO steps of the demo under
+# `torchrun --nproc_per_node 1` in both FSDP2 modes (nccl for CUDA tensors, gloo for the CPU ones) and, on a machine
+# with more than one GPU, the same with 2 ranks, then the shared-prompt benchmark at GPU scale (64 rollouts sharing
+# a 32k prompt), then (issue 31) the in-process sampler's tokens/s on the demo's batch against the GPU's decoding
+# roofline, in float32 and bfloat16.
 # Every stage rewrites $OUT/gpu_check.json (OUT defaults to ./gpu_check), so a run cut short still returns what it
-# measured. Budget (each stage has its own timeout): cuda + verify + bench at most 8.5 minutes, torchrun 1.5 minutes
-# per GPU count; the device's call lasts 10 minutes, so run them as two calls:
+# measured. Each stage has its own timeout; together at most 9 minutes, about 5 expected (STAGES picks some).
 #
-#   PYTHON=python3 STAGES="cuda verify bench" bash scripts/gpu_check.sh   # a Python with CUDA torch, transformers
-#   PYTHON=python3 STAGES=torchrun OUT=gpu_check_torchrun bash scripts/gpu_check.sh      # and the test deps
+# The GPU machines here reach no package index, and the tree they receive is at most 64 MiB, so the script takes
+# what is missing from a folder prepared on this machine (GPU_CARRY, default .gpu, ignored by git): whl/ (wheels of
+# reasoning-gym and its dependencies for Python 3.12, installed into /tmp/site) and smollm2/ (SmolLM2-135M's
+# config and tokenizer, no weights: the demo's model shape with random weights, made there; its tokens are noise,
+# its cost that of the real model). Prepare it once (docs/gpu.md says how), then, on the GPU machine, with `.gpu`
+# carried:
 #
-# It installs nothing: the GPU machines here reach no package index. It runs from the source tree (PYTHONPATH=src).
-# Not run yet: no GPU was available when it was written.
+#   PYTHON=python3 bash scripts/gpu_check.sh     # a Python with CUDA torch, transformers and pytest
+#
+# It runs from the source tree (PYTHONPATH=src).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-gpu_check}
-STAGES=${STAGES:-"cuda verify bench torchrun"}
+STAGES=${STAGES:-"cuda verify torchrun bench sampler"}
+GPU_CARRY=${GPU_CARRY:-.gpu}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
 VERIFY=$(mktemp -d)  # one JSON per verify or torchrun run, gathered into gpu_check.json (the device returns at most
                      # 8 files)
-export PYTHONPATH=src PYTHONUNBUFFERED=1 BRANCHREPLAY_CUDA_SPLIT_ATTENTION=1
+SITE=/tmp/site
+if ls "$GPU_CARRY"/whl/*.whl > /dev/null 2>&1; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" \
+        "$GPU_CARRY"/whl/*.whl \
+        > "$VERIFY/setup.log" 2>&1 || echo "setup: wheels failed" >> "$OUT/stages.txt"
+fi
+export PYTHONPATH=src:$SITE PYTHONUNBUFFERED=1 BRANCHREPLAY_CUDA_SPLIT_ATTENTION=1
+MODEL=/tmp/smollm2-random  # SmolLM2-135M's shape and tokenizer, random weights (float32)
+if [ -f "$GPU_CARRY/smollm2/config.json" ]; then
+    cp -r "$GPU_CARRY/smollm2" "$MODEL" && "$PYTHON" -c "
+import sys, torch, transformers
+torch.manual_seed(0)
+config = transformers.AutoConfig.from_pretrained(sys.argv[1])
+transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(sys.argv[1])" "$MODEL" \
+        >> "$VERIFY/setup.log" 2>&1 || echo "setup: random SmolLM2 failed" >> "$OUT/stages.txt"
+fi
 SPLIT_ARCHS="llama qwen2 qwen3 gpt2 phi3 qwen3_moe"  # full attention in every layer: the split path
 MIXED_ARCHS="llama qwen3"
 
@@ -40,6 +62,10 @@ report = {"verify": {os.path.basename(p)[len("verify_"):-len(".json")]: load(p)
           "bench": load(f"{out}/bench.json") if os.path.exists(f"{out}/bench.json") else None,
           "torchrun": {os.path.basename(p)[:-len(".jsonl")]: open(p).read().splitlines()[-3:]
                        for p in sorted(glob.glob(f"{verify}/torchrun_*.jsonl"))},
+          "sampler": {os.path.basename(p)[len("sampler_"):-len(".txt")]: open(p).read().splitlines()[-8:]
+                      for p in sorted(glob.glob(f"{verify}/sampler_*.txt"))},
+          "setup": open(f"{verify}/setup.log").read().splitlines()[-10:] if os.path.exists(f"{verify}/setup.log")
+                   else [],
           "stages": open(f"{out}/stages.txt").read().splitlines() if os.path.exists(f"{out}/stages.txt") else []}
 json.dump(report, open(f"{out}/gpu_check.json", "w"), indent=1)
 EOF
@@ -49,47 +75,63 @@ EOF
 torch.cuda.get_device_name())" || exit 2
 
 if stage cuda; then
-timeout 120 "$PYTHON" -m pytest -q -m cuda tests/test_kernels.py -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
+timeout 90 "$PYTHON" -m pytest -q -m cuda tests/test_kernels.py -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
 echo "cuda tests: exit $?" >> "$OUT/stages.txt"
 summarize
 fi
 
 if stage verify; then
-for arch in $SPLIT_ARCHS; do
-    timeout 30 "$PYTHON" -m branchreplay verify --arch "$arch" --device cuda --dtype float32 --random-trees 1 \
-        --json > "$VERIFY/verify_${arch}_float32.json" 2>> "$OUT/verify.log"
+for arch in $SPLIT_ARCHS; do  # side by side: each is mostly Python start-up and small kernels
+    timeout 60 "$PYTHON" -m branchreplay verify --arch "$arch" --device cuda --dtype float32 --random-trees 1 \
+        --json > "$VERIFY/verify_${arch}_float32.json" 2> "$VERIFY/${arch}_float32.log" &
 done
 for arch in $MIXED_ARCHS; do
-    timeout 30 "$PYTHON" -m branchreplay verify --arch "$arch" --device cuda --mixed-precision bfloat16 \
-        --random-trees 1 --json > "$VERIFY/verify_${arch}_bf16.json" 2>> "$OUT/verify.log"
+    timeout 60 "$PYTHON" -m branchreplay verify --arch "$arch" --device cuda --mixed-precision bfloat16 \
+        --random-trees 1 --json > "$VERIFY/verify_${arch}_bf16.json" 2> "$VERIFY/${arch}_bf16.log" &
 done
+for loss in ppo rloo dpo; do  # the other objectives, on one family
+    timeout 60 "$PYTHON" -m branchreplay verify --arch llama --device cuda --dtype float32 --loss "$loss" \
+        --random-trees 1 --json > "$VERIFY/verify_llama_${loss}.json" 2> "$VERIFY/llama_${loss}.log" &
+done
+wait
+tail -n 5 "$VERIFY"/*.log > "$OUT/verify.log" 2>&1
 echo "verify: done" >> "$OUT/stages.txt"
 summarize
 fi
 
+if stage torchrun; then
+# Data parallelism on CUDA (engine/distributed.py, never run on a GPU before): 2 steps of the demo on SmolLM2's
+# shape, rank 0's metrics (dist/fsdp_mode, step seconds) kept as the last lines of its metrics.jsonl.
+GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
+for nproc in 1 2; do
+    [ "$nproc" -le "$GPUS" ] || continue
+    for mode in gather-once resharded; do
+        run=$(mktemp -d)
+        timeout 60 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m branchreplay train \
+            --config configs/demo.yaml --model.spec "$MODEL" --train.steps 2 --task.eval_size 4 \
+            --parallel.strategy fsdp2 --parallel.fsdp_mode "$mode" --train.output_dir "$run" >> "$OUT/torchrun.log" 2>&1
+        echo "torchrun $nproc rank(s) fsdp2 $mode: exit $?" >> "$OUT/stages.txt"
+        cp "$run/metrics.jsonl" "$VERIFY/torchrun_${nproc}_${mode}.jsonl" 2>/dev/null
+        summarize
+    done
+done
+fi
+
 if stage bench; then
-timeout 150 "$PYTHON" -m branchreplay bench --device cuda --scenario shared-prompt --prompt-tokens 32000 \
+timeout 120 "$PYTHON" -m branchreplay bench --device cuda --scenario shared-prompt --prompt-tokens 32000 \
     --generations 64 --response-tokens 768 --methods naive,branchreplay --max-naive-seconds 20 --json \
     > "$OUT/bench.json" 2> "$OUT/bench.log"
 echo "bench: exit $?" >> "$OUT/stages.txt"
 summarize
 fi
 
-if stage torchrun; then
-# Data parallelism on CUDA (engine/distributed.py, never run on a GPU before): 2 steps of the demo, rank 0's
-# metrics (dist/fsdp_mode, step seconds) kept as the last lines of its metrics.jsonl.
-GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
-for nproc in 1 2; do
-    [ "$nproc" -le "$GPUS" ] || continue
-    for mode in gather-once resharded; do
-        run=$(mktemp -d)
-        timeout 45 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$nproc" -m branchreplay train \
-            --config configs/demo.yaml --train.steps 2 --task.eval_size 4 --parallel.strategy fsdp2 \
-            --parallel.fsdp_mode "$mode" --train.output_dir "$run" >> "$OUT/torchrun.log" 2>&1
-        echo "torchrun $nproc rank(s) fsdp2 $mode: exit $?" >> "$OUT/stages.txt"
-        cp "$run/metrics.jsonl" "$VERIFY/torchrun_${nproc}_${mode}.jsonl" 2>/dev/null
-        summarize
-    done
+if stage sampler; then
+# The in-process sampler on the demo's batch (4 prompts x G=8, 48 new tokens) against the GPU's roofline.
+for dtype in float32 bfloat16; do
+    timeout 60 "$PYTHON" scripts/sampling_time.py --model "$MODEL" --device cuda --dtype "$dtype" --repeats 2 \
+        --roofline > "$VERIFY/sampler_${dtype}.txt" 2>&1
+    echo "sampler $dtype: exit $?" >> "$OUT/stages.txt"
+    summarize
 done
 fi
 cat "$OUT/stages.txt"

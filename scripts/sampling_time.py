@@ -11,6 +11,9 @@ it first measures this machine's peak matmul FLOP rate and memory bandwidth (`be
 batch's decoding ceiling in tokens/s and each sampler's share of it.
 
     .venv/bin/python scripts/sampling_time.py --prompts 4 --num-generations 8 --max-new-tokens 48 --roofline
+
+On a GPU (scripts/gpu_check.sh): --device cuda --dtype bfloat16 --model FOLDER, the roofline then from the GPU's
+own matmul rate in that dtype and its copy bandwidth.
 """
 
 from __future__ import annotations
@@ -36,11 +39,16 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--roofline", action="store_true", help="measure the peaks and print the decoding roofline")
+    ap.add_argument("--model", default="smollm2", help="a model spec (a folder of SmolLM2's shape on a GPU machine)")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"], help="the parameters' dtype")
     args = ap.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     config = Config()
-    model, tokenizer = load_policy("smollm2", "float32", "cpu")
+    model, tokenizer = load_policy(args.model, "float32", args.device)
+    model.to(getattr(torch, args.dtype))  # bfloat16: the parameters themselves, as an inference server holds them
+    device = model.device
     train = load_task(config.task)[0]
     prompts = [prompt_token_ids(tokenizer, train[i], config.task) for i in range(args.prompts)]
     G, sampling = args.num_generations, SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
@@ -49,16 +57,16 @@ def main() -> None:
 
     def per_group():
         for k, p in enumerate(prompts):
-            sample_group(model, p, G, sampling, no_eos, torch.Generator().manual_seed(k))
+            sample_group(model, p, G, sampling, no_eos, torch.Generator(device).manual_seed(k))
 
     def batched():
-        generators = [torch.Generator().manual_seed(k) for k in range(len(prompts))]
+        generators = [torch.Generator(device).manual_seed(k) for k in range(len(prompts))]
         sample_groups(model, prompts, G, sampling, no_eos, generators)
 
     def trl_generate():
         rows = [p for p in prompts for _ in range(G)]
-        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(p)) + p for p in rows])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows])
+        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(p)) + p for p in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
         torch.manual_seed(0)
         model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
                        max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
@@ -67,11 +75,12 @@ def main() -> None:
     if args.roofline:  # measured before the samplers, with the same threads
         from branchreplay.bench.roofline import DecodeShape, Roofline, memory_bandwidth, peak_matmul_flops
 
-        flops, bandwidth = peak_matmul_flops(), memory_bandwidth()
+        flops = peak_matmul_flops(4096 if device.type == "cuda" else 2048, model.dtype, device=device.type)
+        bandwidth = memory_bandwidth(2048 if device.type == "cuda" else 512, device=device.type)
         shape = DecodeShape.of(model)
         mean_prompt = round(sum(map(len, prompts)) / len(prompts))
         ceiling = Roofline.of(shape, len(prompts) * G, mean_prompt, args.max_new_tokens, flops, bandwidth)
-        print(f"peak float32 matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+        print(f"peak {model.dtype} matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
               f"({torch.get_num_threads()} threads); a step of {len(prompts) * G} streams at {mean_prompt} tokens: "
               f"{shape.flops(len(prompts) * G, mean_prompt) / 1e9:.1f} GFLOP, "
               f"{shape.bytes(len(prompts) * G, mean_prompt) / 1e9:.2f} GB; roofline "
@@ -85,9 +94,11 @@ def main() -> None:
             for name, fn in methods.items():
                 wall, cpu = time.perf_counter(), time.process_time()
                 fn()
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new "
-          f"tokens each, {torch.get_num_threads()} threads, median of {args.repeats}")
+          f"tokens each, {args.dtype} on {device}, {torch.get_num_threads()} threads, median of {args.repeats}")
     base = statistics.median(w for w, _ in times["batched (sample_groups)"])
     tokens = len(prompts) * G * args.max_new_tokens
     for name, values in times.items():

@@ -13,7 +13,7 @@ P = exp(scores - lse) and D = rowsum(dout * out) from them, so each block's dK, 
 one attention over all K + S keys.
 
 Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 when opted in with
-`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; the CUDA path has not run on a GPU yet), not under
+`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; run on one GPU: docs/gpu.md), not under
 autocast, with transformers' "sdpa"
 attention, every layer full attention (no sliding window, no recurrent or hybrid layer), no attention-logit
 softcap; and per pack when it has a prefix (P > 0). Everything else keeps the single masked SDPA call.
@@ -43,8 +43,9 @@ from .kernels import kernels_for
 _MARK = "_branchreplay_own_keys"  # attribute of a mask that covers only the pack's own keys
 _SPLIT_DTYPES = {("cpu", torch.float32), ("cpu", torch.float64), ("cuda", torch.float32)}  # (kernels.py)
 CUDA_SPLIT = "BRANCHREPLAY_CUDA_SPLIT_ATTENTION"
-"""Environment variable: "1" opts CUDA into split prefix attention. Off by default until scripts/gpu_check.sh has
-passed on a GPU (its kernels have not run yet); without it CUDA takes the masked SDPA path, which is exact."""
+"""Environment variable: "1" opts CUDA into split prefix attention. Off by default: scripts/gpu_check.sh passed on
+one GPU (docs/gpu.md), but its speed and memory against the masked SDPA path, which is exact too, are not measured
+on one yet."""
 
 
 def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, device) -> torch.Tensor:

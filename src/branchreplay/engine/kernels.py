@@ -19,9 +19,10 @@ hands its backward (nothing on the CPU).
     summed per group;
   - a log-sum-exp padded to a multiple of 32 queries: sliced for the merge, re-padded for the backward;
   - a bias whose row stride is a multiple of 16 elements: padded, then sliced.
-  NOT RUN YET: no GPU was available, so CUDA takes this path only when opted in (`attention.CUDA_SPLIT`). The
+  Run once on a GPU (an H200, docs/gpu.md): the tests marked `cuda` and `verify --device cuda` passed. CUDA still
+  takes this path only when opted in (`attention.CUDA_SPLIT`) until it is measured against the masked path. The
   wrapper's logic is tested on the CPU against the operators' meta kernels and an emulation of the kernel's
-  contract (tests/test_kernels.py); the kernel itself only by `scripts/gpu_check.sh` and the tests marked `cuda`.
+  contract (tests/test_kernels.py); the kernel itself by `scripts/gpu_check.sh` and the tests marked `cuda`.
 """
 
 from __future__ import annotations
