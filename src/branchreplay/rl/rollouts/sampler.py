@@ -25,7 +25,7 @@ from ..data.rewards import RewardFunctionError, score_columns
 from ..data.tasks import prompt_token_ids
 from .batch import Batch, group_rollouts
 from .sampling import branching_schedule, eos_token_ids, sample_groups
-from .trajectories import ItemError, Limits, sample_trajectories, sample_trajectories_turnwise
+from .trajectories import ItemError, Limits, open_items, sample_trajectories, sample_trajectories_turnwise
 from .vllm_client import VLLMError
 from .vllm_sampling import sample_trees
 
@@ -235,14 +235,27 @@ class Sampler:
         cfg, a = self.config, self.config.agent
         groups, timings, errors = {}, {"env_s": 0.0}, []
         branching, limit = turn_branching(cfg), context_limit(a, self.policy.model)
+        limits = Limits(a.max_turns, limit, a.max_tool_output_tokens)
         failure = None
         with self.policy.gathered(), self.policy.autocast():
-            for k in self.mine(len(items)):
+            try:  # the items' openings prefilled together: a start they share runs once
+                mine = {k: items[k] for k in self.mine(len(items))}
+                openings, skipped = open_items(self.policy.model, self.tokenizer, self.env, mine, cfg.sampling, limits,
+                                               timings)
+            except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait)
+                if self.ranks is None:
+                    raise
+                failure, openings, skipped = e, {}, {}
+            for k, why in skipped.items():
+                warnings.warn(f"step {step}: item {k} skipped: {why}", RuntimeWarning, stacklevel=3)
+                errors.append(why)
+            for k in list(openings):
+                opening = openings.pop(k)  # its cache freed once its trajectories are sampled
                 self.status(f"step {step}: sampling item {k + 1}/{len(items)}")
                 try:
                     groups[k] = sample_trajectories(self.policy.model, self.tokenizer, self.env, items[k], branching,
                                                     cfg.sampling, self.eos_ids, self.generator(step, k), a.max_turns,
-                                                    limit, a.max_tool_output_tokens, timings)
+                                                    limit, a.max_tool_output_tokens, timings, opening)
                 except ItemError as e:
                     warnings.warn(f"step {step}: item {k} skipped: {e}", RuntimeWarning, stacklevel=3)
                     errors.append(str(e))

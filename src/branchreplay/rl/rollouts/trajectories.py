@@ -9,7 +9,9 @@ which share the prompt, and in fours their first turn. The ids are built by `con
 Conversation` (assistant turns as sampled, environment turns as the template's delta), so shared turns are the same
 ids and `tree.RolloutTree` shares their nodes.
 
-KV caches: one per conversation prefix that continues. A child forks its parent's cache (`sampling.fork`: the keys
+KV caches: the openings of a step's items are prefilled together as a trie (`open_items`), so a start they share
+(a system prompt, tool schemas, the identical opening of every guess-number item) runs once per step; then one
+cache per conversation prefix that continues. A child forks its parent's cache (`sampling.fork`: the keys
 and values shared by reference, never copied) and prefills only its own new tokens (its reply and the environment's
 answer; a reply start that several children share, forked inside the turn, once: `sampling.prefill_branches`): the
 shared history is never run again.
@@ -33,6 +35,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from ..agent.conversation import Conversation, TemplateNotPrefixStableError
 from ..agent.environments import TRUNCATED, Environment
@@ -76,26 +79,63 @@ class Limits:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
 
 
+@dataclass
+class Opening:
+    """An item's conversation after the environment's opening messages, prefilled: its cache (never written
+    afterwards: the sampling forks it) and the [1, V] float32 logits of the first reply's first token."""
+
+    conversation: Conversation
+    cache: DynamicCache
+    logits: torch.Tensor
+
+
+@torch.no_grad()
+def open_items(model, tokenizer, env: Environment, items: dict[int, dict], config: SamplingConfig, limits: Limits,
+               timings: dict | None = None) -> tuple[dict[int, Opening], dict[int, str]]:
+    """The openings of a step's items ({k: item}), prefilled together as a radix trie (`sampling.prefill_branches`
+    from an empty cache): the ids several items start with run once. Returns ({k: Opening} of the items that
+    opened, {k: why} of those whose reset failed or whose opening leaves no room for a reply: `ItemError`'s
+    message). timings as `sample_trajectories`'."""
+    clock, tools = _Clock(timings), getattr(env, "template_tools", None)
+    starts, errors = {}, {}
+    for k, item in items.items():
+        try:
+            starts[k] = _opening(env, item, tokenizer, config, limits, clock, tools)
+        except ItemError as e:
+            errors[k] = str(e)
+    if not starts:
+        return {}, errors
+    was_training = model.training
+    model.eval()
+    try:
+        filled = prefill_branches(model, DynamicCache(config=model.config), 0, [s.ids for s in starts.values()])
+    finally:
+        model.train(was_training)
+    return {k: Opening(s, *f) for (k, s), f in zip(starts.items(), filled)}, errors
+
+
 @torch.no_grad()
 def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_branching: tuple,
                         config: SamplingConfig, eos_token_ids, generator: torch.Generator | None = None,
                         max_turns: int = 4, max_context_tokens: int | None = None,
-                        max_tool_output_tokens: int | None = None, timings: dict | None = None) -> list[Trajectory]:
+                        max_tool_output_tokens: int | None = None, timings: dict | None = None,
+                        opening: Opening | None = None) -> list[Trajectory]:
     """The trajectories of `item`, depth first (children of one turn consecutive), at most the product of the
     turn_branching factors (`sampling.SamplingConfig.turn_branching`: ints or (depth, factor) schedules).
 
     timings: when given, timings["env_s"] accumulates the seconds spent in the environment (reset, step,
-    final_reward), the rest of the call being the model's. Raises ItemError (reset failed, or the opening leaves no
-    room for a reply), ValueError for max_turns < 1."""
+    final_reward), the rest of the call being the model's. opening: the item's `open_items` result (None: reset
+    and prefilled here). Raises ItemError (reset failed, or the opening leaves no room for a reply), ValueError for
+    max_turns < 1."""
     limits = Limits(max_turns, max_context_tokens, max_tool_output_tokens)
     clock = _Clock(timings)
     tools = getattr(env, "template_tools", None)
-    start = _opening(env, item, tokenizer, config, limits, clock, tools)
+    start = opening.conversation if opening else _opening(env, item, tokenizer, config, limits, clock, tools)
     was_training = model.training
     model.eval()
     out: list[Trajectory] = []
     try:
-        cache, logits = prefill(model, start.ids)
+        cache, logits = (opening.cache, opening.logits) if opening else prefill(model, start.ids)
         todo = [(Trajectory(start, [0.0] * len(start.ids)), cache, logits)]
         while todo:
             parent, cache, logits = todo.pop()
