@@ -1,7 +1,8 @@
 """A multi-turn step's openings prefilled per item (each item's `sampling.prefill` alone, as the sampler did) and
-together (`trajectories.open_items`: one trie, a start the items share once), side by side on SmolLM2-135M-Instruct
-in float32 (docs/benchmarks.md, "One trie per step"): for each config, its first grpo.prompts_per_step training
-items, the two ways alternated --repeats times; the median seconds and the positions each prefills.
+with their shared start once (`trajectories.open_items`, then each item's `Opening.prefilled`: its rest on a fork),
+side by side on SmolLM2-135M-Instruct in float32 (docs/benchmarks.md, "One trie per step"): for each config, its
+first grpo.prompts_per_step training items, the two ways alternated --repeats times, each timed with the resets
+and the chat template; the median seconds and the positions each prefills.
 
     .venv/bin/python scripts/opening_prefill.py configs/agent.yaml configs/guess_number.yaml
 """
@@ -35,18 +36,21 @@ def main() -> None:
         items = {k: train[k] for k in range(config.grpo.prompts_per_step)}
         tools = getattr(env, "template_tools", None)
         openings = [Conversation.start(tokenizer, env.reset(item), tools=tools).ids for item in items.values()]
+
+        def per_item():
+            for item in items.values():
+                prefill(model, Conversation.start(tokenizer, env.reset(item), tools=tools).ids)
+
+        def together():
+            opened, _ = open_items(model, tokenizer, env, items, config.sampling, Limits(config.agent.max_turns))
+            for opening in opened.values():
+                opening.prefilled(model)
+
         fed = []
         hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)
         with torch.no_grad():
-            open_items(model, tokenizer, env, items, config.sampling, Limits(config.agent.max_turns))
+            together()
         hook.remove()
-
-        def per_item():
-            for ids in openings:
-                prefill(model, ids)
-
-        def together():
-            open_items(model, tokenizer, env, items, config.sampling, Limits(config.agent.max_turns))
 
         ways = {"per item": per_item, "together": together}
         times = {name: [] for name in ways}

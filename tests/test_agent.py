@@ -318,9 +318,10 @@ def test_multi_turn_config_errors():
 
 
 def test_the_items_openings_are_prefilled_once_for_the_step(keep64):
-    """`open_items` prefills a step's openings as a trie: the system prompt the items share runs once for the step,
-    an item whose reset fails is reported by name, and each item's trajectories equal those sampled from its own
-    prefill (float64: the same ids, logprobs to 1e-12)."""
+    """`open_items` prefills the start a step's items share once (their system prompt), each item's rest on a fork
+    of it when its sampling starts; an item whose reset fails is reported by name; each item's trajectories equal
+    those sampled from its own prefill (float64: the same ids, logprobs to 1e-12), an item opening exactly as
+    another one too (the shared cache is never written)."""
     from branchreplay.rl.rollouts.trajectories import Limits, open_items
 
     class Briefed(Counter):
@@ -329,16 +330,19 @@ def test_the_items_openings_are_prefilled_once_for_the_step(keep64):
 
     model, tok, env = keep64(_chatty_model().double()), TurnTokenizerWithDecode(), Briefed()
     config = SamplingConfig(temperature=1.0, max_new_tokens=8)
-    items = {0: ITEMS[0], 1: ITEMS[1], 2: {"question": "broken"}, 3: ITEMS[3]}
+    items = {0: ITEMS[0], 1: ITEMS[1], 2: {"question": "broken"}, 3: ITEMS[3], 4: ITEMS[0]}
     fed = []
     hook = model.register_forward_pre_hook(lambda m, args, kwargs: fed.append(kwargs["input_ids"].numel()),
                                            with_kwargs=True)
     openings, errors = open_items(model, tok, env, items, config, Limits(max_turns=3))
-    hook.remove()
     ids = [o.conversation.ids for o in openings.values()]
     shared = next(i for i in range(min(map(len, ids))) if len({s[i] for s in ids}) > 1)
-    assert list(openings) == [0, 1, 3] and list(errors) == [2] and "no such puzzle" in errors[2]
-    assert shared > 40 and sum(fed) == shared + sum(len(s) - shared for s in ids)  # the system prompt once
+    assert list(openings) == [0, 1, 3, 4] and list(errors) == [2] and "no such puzzle" in errors[2]
+    assert shared > 40 and fed == [shared] and {o.shared for o in openings.values()} == {shared}
+    fed.clear()
+    openings[1].prefilled(model)
+    hook.remove()
+    assert fed == [len(ids[1]) - shared]  # the item's own rest only
     for k, opening in openings.items():
         together, alone = (sample_trajectories(model, tok, env, items[k], (2,), config, {EOS},
                                                torch.Generator().manual_seed(k), max_turns=3, opening=o)
@@ -346,3 +350,10 @@ def test_the_items_openings_are_prefilled_once_for_the_step(keep64):
         assert [t.conversation.ids for t in together] == [t.conversation.ids for t in alone]
         for a, b in zip(together, alone):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-12)
+    same, _ = open_items(model, tok, env, {0: ITEMS[0], 4: ITEMS[0]}, config, Limits(max_turns=3))  # guess-number
+    assert {o.shared for o in same.values()} == {len(ids[0])}  # the whole opening, prefilled once
+    twice = [sample_trajectories(model, tok, env, ITEMS[0], (2,), config, {EOS}, torch.Generator().manual_seed(0),
+                                 max_turns=3, opening=o) for o in same.values()]
+    assert [t.conversation.ids for t in twice[0]] == [t.conversation.ids for t in twice[1]]
+    assert [t.logprobs for t in twice[1]] == [t.logprobs for t in sample_trajectories(
+        model, tok, env, ITEMS[0], (2,), config, {EOS}, torch.Generator().manual_seed(0), max_turns=3, opening=None)]

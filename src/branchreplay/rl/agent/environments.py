@@ -11,6 +11,10 @@ a rubric) and TRL 1.16's tool calling (plain Python functions with docstrings as
     env.scores_accuracy        (optional) True when final_reward is a success score in [0, 1]: the held-out
                                score is then called an accuracy, else the mean reward
 
+The calls of different items interleave (a step resets all its items before any step, as the vLLM path steps
+every item's turn together), so an environment keeps what it knows of an item in the messages and the item, not
+on itself.
+
 `ToolEnvironment` runs plain functions as tools. A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
 in the assistant's text (the Hermes / Qwen format of transformers' tool-aware templates). A turn without a call
 ends the trajectory. Every failure becomes the tool's reply to the model, never an exception of the run: a tool

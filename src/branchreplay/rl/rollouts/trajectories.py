@@ -9,8 +9,8 @@ which share the prompt, and in fours their first turn. The ids are built by `con
 Conversation` (assistant turns as sampled, environment turns as the template's delta), so shared turns are the same
 ids and `tree.RolloutTree` shares their nodes.
 
-KV caches: the openings of a step's items are prefilled together as a trie (`open_items`), so a start they share
-(a system prompt, tool schemas, the identical opening of every guess-number item) runs once per step; then one
+KV caches: the start the openings of a step's items share (a system prompt, tool schemas, the identical opening
+of every guess-number item) is prefilled once per step (`open_items`), each item's rest on a fork of it; then one
 cache per conversation prefix that continues. A child forks its parent's cache (`sampling.fork`: the keys
 and values shared by reference, never copied) and prefills only its own new tokens (its reply and the environment's
 answer; a reply start that several children share, forked inside the turn, once: `sampling.prefill_branches`): the
@@ -81,21 +81,34 @@ class Limits:
 
 @dataclass
 class Opening:
-    """An item's conversation after the environment's opening messages, prefilled: its cache (never written
-    afterwards: the sampling forks it) and the [1, V] float32 logits of the first reply's first token."""
+    """An item's conversation after the environment's opening messages, and the start the step's items share:
+    `shared` ids of it, prefilled once by `open_items` into `cache` (never written: each item forks it; None when
+    the items share nothing) with `logits` [1, V] float32, the next token's after them."""
 
     conversation: Conversation
-    cache: DynamicCache
-    logits: torch.Tensor
+    shared: int
+    cache: DynamicCache | None
+    logits: torch.Tensor | None
+
+    def prefilled(self, model) -> tuple[DynamicCache, torch.Tensor]:
+        """The item's cache and the [1, V] float32 logits of its first reply's first token: its ids after the shared
+        start prefilled on a fork of the shared cache, when the item's sampling starts (so that one item's own
+        cache is alive at a time, as when each item prefilled alone)."""
+        ids = self.conversation.ids
+        if self.cache is None:
+            return prefill(model, ids)
+        if self.shared == len(ids):
+            return self.cache, self.logits
+        return prefill(model, ids[self.shared:], fork(self.cache), position=self.shared)
 
 
 @torch.no_grad()
 def open_items(model, tokenizer, env: Environment, items: dict[int, dict], config: SamplingConfig, limits: Limits,
                timings: dict | None = None) -> tuple[dict[int, Opening], dict[int, str]]:
-    """The openings of a step's items ({k: item}), prefilled together as a radix trie (`sampling.prefill_branches`
-    from an empty cache): the ids several items start with run once. Returns ({k: Opening} of the items that
-    opened, {k: why} of those whose reset failed or whose opening leaves no room for a reply: `ItemError`'s
-    message). timings as `sample_trajectories`'."""
+    """The openings of a step's items ({k: item}, every `reset` first), and the start they all share (a system
+    prompt, tool schemas, few-shot turns: their longest common prefix of ids) prefilled once for the step. Returns
+    ({k: Opening} of the items that opened, {k: why} of those whose reset failed or whose opening leaves no room
+    for a reply: `ItemError`'s message). timings as `sample_trajectories`'."""
     clock, tools = _Clock(timings), getattr(env, "template_tools", None)
     starts, errors = {}, {}
     for k, item in items.items():
@@ -105,13 +118,17 @@ def open_items(model, tokenizer, env: Environment, items: dict[int, dict], confi
             errors[k] = str(e)
     if not starts:
         return {}, errors
-    was_training = model.training
-    model.eval()
-    try:
-        filled = prefill_branches(model, DynamicCache(config=model.config), 0, [s.ids for s in starts.values()])
-    finally:
-        model.train(was_training)
-    return {k: Opening(s, *f) for (k, s), f in zip(starts.items(), filled)}, errors
+    ids = [s.ids for s in starts.values()]
+    shared = next((i for i in range(min(map(len, ids))) if len({s[i] for s in ids}) > 1), min(map(len, ids)))
+    cache = logits = None
+    if shared:
+        was_training = model.training
+        model.eval()
+        try:
+            cache, logits = prefill(model, ids[0][:shared])
+        finally:
+            model.train(was_training)
+    return {k: Opening(s, shared, cache, logits) for k, s in starts.items()}, errors
 
 
 @torch.no_grad()
@@ -135,7 +152,7 @@ def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_bra
     model.eval()
     out: list[Trajectory] = []
     try:
-        cache, logits = (opening.cache, opening.logits) if opening else prefill(model, start.ids)
+        cache, logits = opening.prefilled(model) if opening else prefill(model, start.ids)
         todo = [(Trajectory(start, [0.0] * len(start.ids)), cache, logits)]
         while todo:
             parent, cache, logits = todo.pop()
