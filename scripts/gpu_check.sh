@@ -10,11 +10,11 @@
 # measured. Each stage has its own timeout; together at most 9 minutes, about 5 expected (STAGES picks some).
 #
 # The GPU machines here reach no package index, and the tree they receive is at most 64 MiB, so the script takes
-# what is missing from a folder prepared on this machine (GPU_CARRY, default .gpu, ignored by git): whl/ (wheels of
-# reasoning-gym and its dependencies for Python 3.12, installed into /tmp/site) and smollm2/ (SmolLM2-135M's
-# config and tokenizer, no weights: the demo's model shape with random weights, made there; its tokens are noise,
-# its cost that of the real model). Prepare it once (docs/gpu.md says how), then, on the GPU machine, with `.gpu`
-# carried:
+# what is missing from a folder prepared on this machine (GPU_CARRY, default .gpu, ignored by git): whl/ (wheels for
+# Python 3.12, installed into /tmp/site: transformers 5.24, newer than the image's, reasoning-gym and their needs)
+# and smollm2/ (SmolLM2-135M's config and tokenizer, no weights: the demo's model shape with random weights, made
+# there; its tokens are noise, its cost that of the real model). Prepare it once (scripts/gpu_carry.sh), then, on
+# the GPU machine, with `.gpu` carried:
 #
 #   PYTHON=python3 bash scripts/gpu_check.sh     # a Python with CUDA torch, transformers and pytest
 #
@@ -95,7 +95,15 @@ for loss in ppo rloo dpo; do  # the other objectives, on one family
 done
 wait
 tail -n 5 "$VERIFY"/*.log > "$OUT/verify.log" 2>&1
-echo "verify: done" >> "$OUT/stages.txt"
+"$PYTHON" - "$VERIFY" >> "$OUT/stages.txt" <<'EOF2'
+import glob, json, os, sys
+for path in sorted(glob.glob(f"{sys.argv[1]}/verify_*.json")):
+    try:
+        verdict = "passed" if json.load(open(path))["passed"] else "FAILED"
+    except (OSError, ValueError, KeyError) as e:
+        verdict = f"no result ({type(e).__name__})"
+    print(f"verify {os.path.basename(path)[len('verify_'):-len('.json')]}: {verdict}")
+EOF2
 summarize
 fi
 

@@ -34,8 +34,9 @@ from transformers import (
 
 MIN_TRANSFORMERS = "5.24"
 """The first transformers whose models' forward takes the KV cache as `cache=`, as the engine and the samplers pass
-it. Earlier 5.x releases name it `past_key_values=` and take any other keyword without a word, so the engine's
-prefix cache would go unused (seen on transformers 5.17: every sampled cache empty)."""
+it (5.18, 5.20, 5.22 and 5.23 checked: their Llama still names it `past_key_values=`). Those releases take any other
+keyword without a word, so the engine's prefix cache would go unused (seen on transformers 5.17: every sampled
+cache empty)."""
 
 
 def require_transformers(version: str) -> None:

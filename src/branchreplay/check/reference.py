@@ -138,7 +138,7 @@ def naive_sequence_backward(model, rollouts: list[Rollout], loss, *, temperature
     s = torch.stack([_alone(model, r, temperature)[1].double().sum() for r in rollouts]).cpu()  # loss inputs: CPU
     value = loss(s)
     value.backward()
-    return value.item(), s.detach().cpu()
+    return value.item(), s.detach()
 
 
 def naive_function_backward(model, rollouts: list[Rollout], loss, *, temperature: float = 1.0) -> float:

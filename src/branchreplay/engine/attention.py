@@ -13,10 +13,10 @@ P = exp(scores - lse) and D = rowsum(dout * out) from them, so each block's dK, 
 one attention over all K + S keys.
 
 Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 when opted in with
-`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; run on one GPU: docs/gpu.md), not under
-autocast, with transformers' "sdpa"
-attention, every layer full attention (no sliding window, no recurrent or hybrid layer), no attention-logit
-softcap; and per pack when it has a prefix (P > 0). Everything else keeps the single masked SDPA call.
+`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; run on one GPU: docs/gpu.md), not under autocast,
+with transformers' "sdpa" attention, every layer full attention (no sliding window, no recurrent or hybrid layer),
+no attention-logit softcap; and per pack when it has a prefix (P > 0).
+Everything else keeps the single masked SDPA call.
 
 Half precision keeps the masked call although the CPU kernel takes bfloat16: against a float64 copy, bfloat16
 gradients of the GRPO loss scatter by tens of percent, and the tree stays within 1.5x of naive bfloat16's error

@@ -130,20 +130,21 @@ class DataParallel:
         for p in model.parameters() if broadcast else []:  # every rank starts from rank 0's weights
             dist.broadcast(p.data, src=0)
         if strategy == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
+            from torch.distributed.fsdp import FSDPModule, fully_shard
 
+            unused = hasattr(FSDPModule, "set_reduce_scatter_unused_params")  # not in torch 2.11's FSDP2
+            if not unused and getattr(model.config.get_text_config(), "num_experts_per_tok", None) is not None:
+                # an expert no token of one rank reached: the ranks' reduce-scatters would disagree
+                raise RuntimeError(f"FSDP2 of a mixture-of-experts model needs torch's "
+                                   f"FSDPModule.set_reduce_scatter_unused_params (torch {torch.__version__} has "
+                                   "none): upgrade torch, or use --parallel.strategy ddp")
             self.mesh = init_device_mesh(device, (self.world_size,))
-            experts = getattr(model.config.get_text_config(), "num_experts_per_tok", None) is not None
             for layer in self.layers:
                 fully_shard(layer, mesh=self.mesh, reshard_after_forward=self.lockstep)
                 layer.set_gradient_divide_factor(1.0)
                 layer.set_force_sum_reduction_for_comms(True)
-                if hasattr(layer, "set_reduce_scatter_unused_params"):  # not in torch 2.11's FSDP2
+                if unused:
                     layer.set_reduce_scatter_unused_params(True)  # a layer part of which a rank did not use (MoE)
-                elif experts:  # an expert no token of one rank reached: the ranks' reduce-scatters would disagree
-                    raise RuntimeError(f"FSDP2 of a mixture-of-experts model needs torch's "
-                                       f"FSDPModule.set_reduce_scatter_unused_params (torch {torch.__version__} has "
-                                       "none): upgrade torch, or use --parallel.strategy ddp")
                 layer.set_reshard_after_backward(self.lockstep)
             if self.lockstep:
                 self._prefetch()

@@ -283,8 +283,8 @@ class _Run:
             return out.last_hidden_state.reshape(tokens.numel(), -1), cache  # rows in the order of `packs.spans`
         tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
-        segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device),
-                                          torch.tensor(lengths, device=self.device))
+        segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device),  # output_size: no device sync
+                                          torch.tensor(lengths, device=self.device), output_size=sum(lengths))
         if cache is None:
             cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
                                 split=split)
