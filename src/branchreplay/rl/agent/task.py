@@ -28,7 +28,7 @@ from ..config.agent import AgentConfig
 from ..config.sampling import SamplingConfig
 from ..config.task import EVAL_SEED_OFFSET, reward_specs
 from ..data.tasks import load_task
-from ..rollouts.trajectories import ItemError, Trajectory, sample_trajectories
+from ..rollouts.trajectories import ItemError, Limits, Trajectory, open_items, sample_trajectories
 
 def load_agent_task(config) -> tuple:
     """(environment, train items, held-out items) of a run `config` (`rl.config.Config`) whose agent.environment
@@ -95,17 +95,23 @@ def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None) -> 
     agent.max_turns replies of sampling.max_new_tokens. Returns eval/accuracy (mean final reward: the task's
     success), eval/frac_correct (final reward 1), eval/reward (the combined reward trained on), eval/turns_mean,
     eval/tool_calls_mean, eval/mean_length (assistant tokens) and time/eval_s. Items that raise ItemError are
-    skipped with a warning (eval/skipped counts them)."""
+    skipped with a warning (eval/skipped counts them). The start the items' openings share is prefilled once
+    (`trajectories.open_items`)."""
     t0, a = time.perf_counter(), config.agent
     greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=config.sampling.max_new_tokens)
-    done, skipped = [], 0
-    for i, item in enumerate(items):
+    limit = context_limit(a, model)
+    openings, errors = open_items(model, tokenizer, env, dict(enumerate(items)), greedy,
+                                  Limits(a.max_turns, limit, a.max_tool_output_tokens))
+    for i, why in errors.items():
+        warnings.warn(f"held-out item {i} skipped: {why}", RuntimeWarning, stacklevel=2)
+    done, skipped = [], len(errors)
+    for i in list(openings):
         if progress is not None:
             progress(i, len(items))
         try:
-            done += sample_trajectories(model, tokenizer, env, item, (1,), greedy, eos, None, a.max_turns,
-                                        context_limit(a, model), a.max_tool_output_tokens)
-        except ItemError as e:
+            done += sample_trajectories(model, tokenizer, env, items[i], (1,), greedy, eos, None, a.max_turns, limit,
+                                        a.max_tool_output_tokens, opening=openings.pop(i))
+        except ItemError as e:  # a step or final reward that failed
             warnings.warn(f"held-out item {i} skipped: {e}", RuntimeWarning, stacklevel=2)
             skipped += 1
     if progress is not None:
