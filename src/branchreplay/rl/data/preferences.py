@@ -21,6 +21,7 @@ the same prompt share one tree (`pair_trees`).
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -114,7 +115,7 @@ def _tokenize(tokenizer, prompt, chosen, rejected, where: str) -> tuple[list[int
         chosen, rejected = (x if x.endswith(eos) else x + eos for x in (chosen, rejected))
         prompt_ids = list(tokenizer(prompt).input_ids)
         full = [list(tokenizer(prompt + x).input_ids) for x in (chosen, rejected)]
-        n = min(_common_prefix(prompt_ids, f) for f in full)
+        n = len(os.path.commonprefix([prompt_ids, *full]))
         return prompt_ids[:n], full[0][n:], full[1][n:]
     prompt_ids = chat_prompt_ids(tokenizer, prompt)  # as the sampler renders a prompt (one BOS)
     responses = []
@@ -127,15 +128,6 @@ def _tokenize(tokenizer, prompt, chosen, rejected, where: str) -> tuple[list[int
                 "continue the prompt's token ids; use a template that is prefix-stable, or plain-text rows")
         responses.append(full[len(prompt_ids):])
     return prompt_ids, responses[0], responses[1]
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = 0
-    while n < min(len(a), len(b)) and a[n] == b[n]:
-        n += 1
-    return n
-
-
 
 
 @dataclass

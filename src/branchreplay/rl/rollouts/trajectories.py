@@ -31,6 +31,7 @@ from __future__ import annotations
 import copy
 import math
 import numbers
+import os
 import time
 from dataclasses import dataclass, field
 
@@ -118,17 +119,16 @@ def open_items(model, tokenizer, env: Environment, items: dict[int, dict], confi
             errors[k] = str(e)
     if not starts:
         return {}, errors
-    ids = [s.ids for s in starts.values()]
-    shared = next((i for i in range(min(map(len, ids))) if len({s[i] for s in ids}) > 1), min(map(len, ids)))
+    shared = os.path.commonprefix([s.ids for s in starts.values()])  # element-wise: works on lists of ids
     cache = logits = None
     if shared:
         was_training = model.training
         model.eval()
         try:
-            cache, logits = prefill(model, ids[0][:shared])
+            cache, logits = prefill(model, shared)
         finally:
             model.train(was_training)
-    return {k: Opening(s, shared, cache, logits) for k, s in starts.items()}, errors
+    return {k: Opening(s, len(shared), cache, logits) for k, s in starts.items()}, errors
 
 
 @torch.no_grad()
