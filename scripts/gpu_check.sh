@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 11 in one short run: the CUDA tests, `verify` on CUDA in float32 for the families that
-# take split prefix attention (opted in: BRANCHREPLAY_CUDA_SPLIT_ATTENTION=1), in bfloat16 mixed precision for two
+# take split prefix attention (CUDA's default since the split stage measured it), in bfloat16 mixed precision for two
 # of them and for the PPO, RLOO and DPO objectives on one, then (issue 27) two GRPO steps of the demo under
 # `torchrun --nproc_per_node 1` in both FSDP2 modes (nccl for CUDA tensors, gloo for the CPU ones) and, on a machine
 # with more than one GPU, the same with 2 ranks, then the shared-prompt benchmark at GPU scale (64 rollouts sharing
 # a 32k prompt), then (issue 31) the in-process sampler's tokens/s on the demo's batch against the GPU's decoding
-# roofline, in float32 and bfloat16.
+# roofline, in float32 and bfloat16, and (stage split) branchreplay's step with split prefix attention against the
+# masked SDPA path, on the bench grid and at the 32k headline size, to decide CUDA's default.
 # Every stage rewrites $OUT/gpu_check.json (OUT defaults to ./gpu_check), so a run cut short still returns what it
 # measured. Each stage has its own timeout; together at most 9 minutes, about 5 expected (STAGES picks some).
 #
@@ -23,7 +24,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-gpu_check}
-STAGES=${STAGES:-"cuda verify torchrun bench sampler"}
+STAGES=${STAGES:-"cuda verify torchrun bench split sampler"}
 GPU_CARRY=${GPU_CARRY:-.gpu}
 stage() { [[ " $STAGES " == *" $1 "* ]]; }
 mkdir -p "$OUT"
@@ -35,7 +36,7 @@ if ls "$GPU_CARRY"/whl/*.whl > /dev/null 2>&1; then
         "$GPU_CARRY"/whl/*.whl \
         > "$VERIFY/setup.log" 2>&1 || echo "setup: wheels failed" >> "$OUT/stages.txt"
 fi
-export PYTHONPATH=src:$SITE PYTHONUNBUFFERED=1 BRANCHREPLAY_CUDA_SPLIT_ATTENTION=1
+export PYTHONPATH=src:$SITE PYTHONUNBUFFERED=1
 MODEL=/tmp/smollm2-random  # SmolLM2-135M's shape and tokenizer, random weights (float32)
 if [ -f "$GPU_CARRY/smollm2/config.json" ]; then
     cp -r "$GPU_CARRY/smollm2" "$MODEL" && "$PYTHON" -c "
@@ -62,6 +63,10 @@ report = {"verify": {os.path.basename(p)[len("verify_"):-len(".json")]: load(p)
           "bench": load(f"{out}/bench.json") if os.path.exists(f"{out}/bench.json") else None,
           "torchrun": {os.path.basename(p)[:-len(".jsonl")]: open(p).read().splitlines()[-3:]
                        for p in sorted(glob.glob(f"{verify}/torchrun_*.jsonl"))},
+          "split": {os.path.basename(p)[len("split_"):-len(".json")]:
+                    [{k: row.get(k) for k in ("scenario", "label", "method", "seconds", "speedup", "peak_bytes",
+                                              "max_rel_grad_err", "estimated")} for row in load(p).get("rows", [])]
+                    or load(p) for p in sorted(glob.glob(f"{verify}/split_*.json"))},
           "sampler": {os.path.basename(p)[len("sampler_"):-len(".txt")]: open(p).read().splitlines()[-8:]
                       for p in sorted(glob.glob(f"{verify}/sampler_*.txt"))},
           "setup": open(f"{verify}/setup.log").read().splitlines()[-10:] if os.path.exists(f"{verify}/setup.log")
@@ -131,6 +136,21 @@ timeout 120 "$PYTHON" -m branchreplay bench --device cuda --scenario shared-prom
     > "$OUT/bench.json" 2> "$OUT/bench.log"
 echo "bench: exit $?" >> "$OUT/stages.txt"
 summarize
+fi
+
+if stage split; then
+# The same steps with the split kernel (1) and with the masked SDPA path (0), one after the other.
+for split in 0 1; do
+    BRANCHREPLAY_CUDA_SPLIT_ATTENTION=$split timeout 90 "$PYTHON" -m branchreplay bench --device cuda --scenario all \
+        --methods branchreplay --max-naive-seconds 5 --repeats 3 --json > "$VERIFY/split_grid_$split.json" \
+        2>> "$OUT/split.log"
+    echo "split grid $split: exit $?" >> "$OUT/stages.txt"
+    BRANCHREPLAY_CUDA_SPLIT_ATTENTION=$split timeout 90 "$PYTHON" -m branchreplay bench --device cuda \
+        --scenario shared-prompt --prompt-tokens 32000 --generations 64 --response-tokens 768 --methods branchreplay \
+        --max-naive-seconds 5 --json > "$VERIFY/split_32k_$split.json" 2>> "$OUT/split.log"
+    echo "split 32k $split: exit $?" >> "$OUT/stages.txt"
+    summarize
+done
 fi
 
 if stage sampler; then

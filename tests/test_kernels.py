@@ -7,6 +7,8 @@ heads, an aligned bias, a log-sum-exp padded to 32 queries, a backward that take
 log-sum-exp). The tests marked `cuda` run the real kernels and skip without a GPU (scripts/gpu_check.sh runs them).
 """
 
+import types
+
 import pytest
 import torch
 
@@ -77,7 +79,6 @@ def test_cuda_wrapper_through_the_engine_equals_naive(monkeypatch, keep64):
     monkeypatch.setattr(kernels, "_efficient", fake_efficient)
     monkeypatch.setattr(kernels, "_efficient_backward", fake_efficient_backward)
     monkeypatch.setitem(kernels._KERNELS, "cpu", kernels.Kernels(kernels._cuda_forward, kernels._cuda_backward))
-    # (on the CPU the split path needs no opt-in: only CUDA's, which has not run on a GPU yet, does)
     model = keep64(tiny_model("llama", dtype=torch.float64))
     assert model.config.num_attention_heads > model.config.num_key_value_heads  # grouped heads exercised
     assert PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)).applies
@@ -91,6 +92,19 @@ def test_cuda_wrapper_through_the_engine_equals_naive(monkeypatch, keep64):
     assert max_rel_grad_err(grads(model), expected) < 1e-10
 
 
+@pytest.mark.parametrize("setting, applies", [(None, True), ("1", True), ("0", False)])
+def test_cuda_takes_split_attention_unless_opted_out(setting, applies, monkeypatch):
+    """A float32 model on CUDA (only its device is read: no GPU needed) takes the split path by default and keeps the
+    masked SDPA path when `CUDA_SPLIT` is "0"."""
+    model = tiny_model("llama", dtype=torch.float32)
+    on_cuda = types.SimpleNamespace(config=model.config, device=torch.device("cuda"), dtype=torch.float32)
+    if setting is None:
+        monkeypatch.delenv(CUDA_SPLIT, raising=False)
+    else:
+        monkeypatch.setenv(CUDA_SPLIT, setting)
+    assert PrefixSplit(on_cuda, layer_windows(model.config), layer_kinds(model.config)).applies is applies
+
+
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
 
 
@@ -98,11 +112,11 @@ cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GP
 @cuda
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "gpt2"])
 def test_split_attention_on_cuda_equals_naive(arch, monkeypatch):
-    """float32 on CUDA: the split path (memory-efficient kernels, opted in) against naive, and against float64 by
-    the level bound (verify.VS_FLOAT64_FACTOR)."""
+    """float32 on CUDA: the split path (memory-efficient kernels, CUDA's default) against naive, and against float64
+    by the level bound (verify.VS_FLOAT64_FACTOR)."""
     from branchreplay.check.verify import verify_model
 
-    monkeypatch.setenv(CUDA_SPLIT, "1")
+    monkeypatch.delenv(CUDA_SPLIT, raising=False)
     model = tiny_model(arch, dtype=torch.float32).cuda()
     assert PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)).applies
     results, _ = verify_model(model, random_trees=2)

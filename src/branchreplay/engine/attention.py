@@ -12,8 +12,8 @@ The backward calls the kernel's backward on each block with the merged `out` and
 P = exp(scores - lse) and D = rowsum(dout * out) from them, so each block's dK, dV and dQ share are exactly those of
 one attention over all K + S keys.
 
-Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 when opted in with
-`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; run on one GPU: docs/gpu.md), not under autocast,
+Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 unless opted out with
+`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; measured on one GPU: docs/gpu.md), not under autocast,
 with transformers' "sdpa" attention, every layer full attention (no sliding window, no recurrent or hybrid layer),
 no attention-logit softcap; and per pack when it has a prefix (P > 0).
 Everything else keeps the single masked SDPA call.
@@ -43,9 +43,9 @@ from .kernels import kernels_for
 _MARK = "_branchreplay_own_keys"  # attribute of a mask that covers only the pack's own keys
 _SPLIT_DTYPES = {("cpu", torch.float32), ("cpu", torch.float64), ("cuda", torch.float32)}  # (kernels.py)
 CUDA_SPLIT = "BRANCHREPLAY_CUDA_SPLIT_ATTENTION"
-"""Environment variable: "1" opts CUDA into split prefix attention. Off by default: scripts/gpu_check.sh passed on
-one GPU (docs/gpu.md), but its speed and memory against the masked SDPA path, which is exact too, are not measured
-on one yet."""
+"""Environment variable: "0" opts CUDA out of split prefix attention (into the masked SDPA path, exact too). On by
+default since it was measured on an H200 (docs/gpu.md): the 32k-prompt headline step 3.08 s and 4.2 GB split against
+4.06 s and 7.9 GB masked, and faster on two of the bench grid's three rows."""
 
 
 def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, device) -> torch.Tensor:
@@ -175,7 +175,7 @@ class PrefixSplit:
         self.applies = (
             getattr(config, "_attn_implementation", None) in ("sdpa", SPLIT_ATTENTION)
             and (model.device.type, model.dtype) in _SPLIT_DTYPES
-            and (model.device.type != "cuda" or os.environ.get(CUDA_SPLIT) == "1")
+            and (model.device.type != "cuda" or os.environ.get(CUDA_SPLIT) != "0")
             and not torch.is_autocast_enabled(model.device.type)  # mixed precision: masked (module docstring)
             and all(w is None for w in windows)
             and all(k == "attention" for k in kinds)
