@@ -67,7 +67,7 @@ report = {"verify": {os.path.basename(p)[len("verify_"):-len(".json")]: load(p)
                     [{k: row.get(k) for k in ("scenario", "label", "method", "seconds", "speedup", "peak_bytes",
                                               "max_rel_grad_err", "estimated")} for row in load(p).get("rows", [])]
                     or load(p) for p in sorted(glob.glob(f"{verify}/split_*.json"))},
-          "sampler": {os.path.basename(p)[len("sampler_"):-len(".txt")]: open(p).read().splitlines()[-8:]
+          "sampler": {os.path.basename(p)[len("sampler_"):-len(".txt")]: open(p).read().splitlines()[-10:]
                       for p in sorted(glob.glob(f"{verify}/sampler_*.txt"))},
           "setup": open(f"{verify}/setup.log").read().splitlines()[-10:] if os.path.exists(f"{verify}/setup.log")
                    else [],
@@ -80,7 +80,8 @@ EOF
 torch.cuda.get_device_name())" || exit 2
 
 if stage cuda; then
-timeout 90 "$PYTHON" -m pytest -q -m cuda tests/test_kernels.py -p no:cacheprovider > "$OUT/cuda_tests.log" 2>&1
+timeout 90 "$PYTHON" -m pytest -q -m cuda tests/test_kernels.py tests/test_sampling.py -p no:cacheprovider \
+    > "$OUT/cuda_tests.log" 2>&1
 echo "cuda tests: exit $?" >> "$OUT/stages.txt"
 summarize
 fi
@@ -156,7 +157,7 @@ fi
 if stage sampler; then
 # The in-process sampler on the demo's batch (4 prompts x G=8, 48 new tokens) against the GPU's roofline.
 for dtype in float32 bfloat16; do
-    timeout 60 "$PYTHON" scripts/sampling_time.py --model "$MODEL" --device cuda --dtype "$dtype" --repeats 2 \
+    timeout 100 "$PYTHON" scripts/sampling_time.py --model "$MODEL" --device cuda --dtype "$dtype" --repeats 2 \
         --roofline > "$VERIFY/sampler_${dtype}.txt" 2>&1
     echo "sampler $dtype: exit $?" >> "$OUT/stages.txt"
     summarize

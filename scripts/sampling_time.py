@@ -1,7 +1,9 @@
-"""Sampling one step's groups three ways on SmolLM2-135M-Instruct (docs/benchmarks.md, "Sampling"):
+"""Sampling one step's groups several ways on SmolLM2-135M-Instruct (docs/benchmarks.md, "Sampling"):
 
   - per group: `sampling.sample_group` for each prompt in turn (the trainer before issue 15),
-  - batched:   `sampling.sample_groups`, every group in one decoding loop (the trainer since),
+  - batched:   `sampling.sample_groups`, every group in one decoding loop (the trainer since), in the static cache
+               (sampling.cache_implementation=static, the default on CUDA: its step a CUDA graph; also timed with
+               enforce_eager there) and in the dynamic one (the default on the CPU),
   - TRL:       `model.generate` on the left-padded batch of prompts x G rows, as TRL's GRPOTrainer without vLLM.
 
 Same prompts (the default task's first --prompts training questions, chat-templated), temperature 1, no EOS (every
@@ -51,17 +53,22 @@ def main() -> None:
     device = model.device
     train = load_task(config.task)[0]
     prompts = [prompt_token_ids(tokenizer, train[i], config.task) for i in range(args.prompts)]
-    G, sampling = args.num_generations, SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
+    G = args.num_generations
     no_eos = {-1}  # every row runs max_new_tokens
     width = max(map(len, prompts))
 
     def per_group():
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
         for k, p in enumerate(prompts):
             sample_group(model, p, G, sampling, no_eos, torch.Generator(device).manual_seed(k))
 
-    def batched():
-        generators = [torch.Generator(device).manual_seed(k) for k in range(len(prompts))]
-        sample_groups(model, prompts, G, sampling, no_eos, generators)
+    def batched(**cache):
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, **cache)
+
+        def run():
+            generators = [torch.Generator(device).manual_seed(k) for k in range(len(prompts))]
+            sample_groups(model, prompts, G, sampling, no_eos, generators)
+        return run
 
     def trl_generate():
         rows = [p for p in prompts for _ in range(G)]
@@ -86,22 +93,34 @@ def main() -> None:
               f"{shape.bytes(len(prompts) * G, mean_prompt) / 1e9:.2f} GB; roofline "
               f"{ceiling.tokens_per_s:.0f} tokens/s ({ceiling.bound}-bound, {ceiling.seconds:.2f} s for the batch)")
 
-    methods = {"per group (sample_group)": per_group, "batched (sample_groups)": batched,
+    methods = {"per group (sample_group)": per_group, "batched, static cache": batched(cache_implementation="static"),
+               "batched, dynamic cache": batched(cache_implementation="dynamic"),
                "TRL (model.generate, padded)": trl_generate}
-    times = {name: [] for name in methods}
+    if device.type == "cuda":
+        methods["batched, static, eager"] = batched(cache_implementation="static", enforce_eager=True)
+    times, failed = {name: [] for name in methods}, {}
     with torch.no_grad():
         for _ in range(args.repeats):
             for name, fn in methods.items():
+                if name in failed:
+                    continue
                 wall, cpu = time.perf_counter(), time.process_time()
-                fn()
+                try:
+                    fn()
+                except RuntimeError as e:  # e.g. a step that cannot be captured as a CUDA graph: the others still run
+                    failed[name] = f"{type(e).__name__}: {e}"
+                    continue
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new "
           f"tokens each, {args.dtype} on {device}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    base = statistics.median(w for w, _ in times["batched (sample_groups)"])
+    base = statistics.median(w for w, _ in times["batched, static cache"] or times["batched, dynamic cache"])
     tokens = len(prompts) * G * args.max_new_tokens
     for name, values in times.items():
+        if name in failed:
+            print(f"  {name:30} failed: {failed[name][:300]}")
+            continue
         wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
         share = f"  {tokens / wall / ceiling.tokens_per_s:6.1%} of the roofline" if args.roofline else ""
         print(f"  {name:30} {wall:7.2f} s wall  {cpu:7.2f} s CPU  {wall / base:5.2f}x batched  "

@@ -4,6 +4,8 @@ Every model is a tiny random config built here (nothing downloaded). The referen
 run on prompt + completion alone, without a cache and unpadded.
 """
 
+import contextlib
+
 import pytest
 import torch
 import transformers
@@ -172,6 +174,7 @@ def test_deterministic_for_fixed_seed():
     ("temperature", dict(temperature=0.0)), ("temperature", dict(temperature=-1.0)),
     ("top_p", dict(top_p=0.0)), ("top_p", dict(top_p=1.5)),
     ("top_k", dict(top_k=-1)), ("max_new_tokens", dict(max_new_tokens=0)),
+    ("cache_implementation", dict(cache_implementation="paged")),
 ])
 def test_config_validation_names_field(field, kwargs):
     with pytest.raises(ValueError, match=field):
@@ -191,21 +194,28 @@ def test_empty_prompt_and_bad_group_size_raise():
 PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 250, 11], PROMPT, [33]]  # four lengths: the stacked caches differ
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "mistral"])
 @pytest.mark.parametrize("branching", [(), ((0, 2), (3, 2))])
-def test_batched_groups_equal_each_group_alone(kind, branching):
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypatch):
     """sample_groups draws, per group from its own generator, the tokens sample_group draws for that group alone,
     with its logprobs to 1e-12 in float64 (early EOS drops streams mid-way); the reference logprobs check the stacked
-    caches' masked slots. Llama and GPT-2 (learned positions) run stacked; Mistral's sliding window runs per group."""
+    caches' masked slots. Llama, Qwen3 and GPT-2 (learned positions) run stacked, in the static cache or the
+    dynamic one; Mistral's sliding window runs per group."""
     import branchreplay.rl.rollouts.sampling as sampling
+    import branchreplay.rl.rollouts.static_rows as static_rows
 
+    steps = []
+    decode = static_rows.StaticRows.decode
+    monkeypatch.setattr(static_rows.StaticRows, "decode", lambda self, t, d: steps.append(d) or decode(self, t, d))
     model = make_model(kind).double()
-    config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching)
+    config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching, cache_implementation=cache)
     eos = {2, 40, 41, 42, 43}  # frequent enough that some streams end early
     alone = [sample_group(model, p, 4, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
     together = sampling.sample_groups(model, PROMPTS, 4, config, eos,
                                       [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
     assert sampling.stackable(model.config) == (kind != "mistral")
+    assert bool(steps) == (cache == "static" and kind != "mistral")  # the static rows decoded, where they apply
     lengths = {len(s.completion_ids) for group in alone for s in group}
     assert min(lengths) < 8 and max(lengths) == 8  # some ended early, some ran to the end
     for a_group, b_group, prompt in zip(alone, together, PROMPTS):
@@ -217,18 +227,152 @@ def test_batched_groups_equal_each_group_alone(kind, branching):
             assert b.logprobs == pytest.approx(ref.tolist(), abs=1e-10)
 
 
-def test_batched_groups_with_one_wrong_mask_are_seen(monkeypatch):
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_first_iteration_ratio_is_one_in_float32(cache):
+    """float32, temperature 0.7: every sampled logprob against the same model's uncached forward over prompt +
+    completion (what training recomputes as the policy's logprob): the first iteration's ratio exp(new - old) is 1
+    within 1e-5."""
+    import branchreplay.rl.rollouts.sampling as sampling
+
+    model = make_model("llama")
+    config = SamplingConfig(temperature=0.7, max_new_tokens=12, cache_implementation=cache)
+    groups = sampling.sample_groups(model, PROMPTS, 4, config, {2},
+                                    [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    worst = max((torch.exp(reference_logprobs(model, prompt, s.completion_ids, 0.7) - torch.tensor(s.logprobs)) - 1)
+                .abs().max().item() for group, prompt in zip(groups, PROMPTS) for s in group)
+    assert worst < 1e-5
+
+
+@pytest.mark.parametrize("cache", ["static", "dynamic"])
+def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
     """Control: stacked caches whose empty slots are visible give other logprobs than each group alone."""
     import branchreplay.rl.rollouts.sampling as sampling
 
     model = make_model("llama").double()
-    config = SamplingConfig(temperature=1.0, max_new_tokens=4)
+    config = SamplingConfig(temperature=1.0, max_new_tokens=4, cache_implementation=cache)
     stacked = sampling._stacked
     monkeypatch.setattr(sampling, "_stacked", lambda *a: (stacked(*a)[0], torch.ones_like(stacked(*a)[1])))
     together = sampling.sample_groups(model, PROMPTS, 2, config, {2}, [None] * len(PROMPTS))
     worst = max(abs(x - y) for group, prompt in zip(together, PROMPTS) for s in group
                 for x, y in zip(s.logprobs, reference_logprobs(model, prompt, s.completion_ids, 1.0).tolist()))
     assert worst > 1e-6
+
+
+def test_static_rows_forks_drops_and_halvings():
+    """StaticRows: a fork gathers its parent's row (keys, values, mask, start) into the copies' rows of the next
+    power of two, a drop only forgets rows, and at half the rows or fewer the live ones are gathered into fewer. Every
+    row decodes the logits of its sequence alone."""
+    from branchreplay.rl.rollouts.sampling import prefill
+    from branchreplay.rl.rollouts.static_rows import StaticRows
+
+    model = make_model("llama").double().eval()
+
+    def alone(ids):
+        return model(input_ids=torch.tensor([PROMPT + ids])).logits[0, -1].float()
+
+    with torch.no_grad():
+        cache, _ = prefill(model, PROMPT)
+        rows = StaticRows(model, cache, torch.ones(1, len(PROMPT), dtype=torch.long), torch.tensor([len(PROMPT)]),
+                          max_new_tokens=4, graphs=False)
+        rows.select(torch.tensor([0, 0, 0, 0]))  # a fork into 4: gathered into 4 rows
+        assert (rows.capacity, rows.slots) == (4, [0, 1, 2, 3])
+        first = [[9], [7], [9], [8]]
+        logits = rows.decode(torch.tensor(first), 0)
+        for row, ids in zip(logits, first):
+            torch.testing.assert_close(row, alone(ids), rtol=0, atol=1e-6)
+        rows.select(torch.tensor([0, 2, 3]))  # stream 1 ended: a drop, 3 of 4 rows still read
+        assert (rows.capacity, rows.slots) == (4, [0, 2, 3])
+        rows.select(torch.tensor([1, 1, 2]))  # stream 0 ended, stream 1 (row 2) forks: gathered into 4 rows
+        assert (rows.capacity, rows.slots) == (4, [0, 1, 2])
+        second = [[9, 4], [9, 5], [8, 4]]
+        logits = rows.decode(torch.tensor([[4], [5], [4]]), 1)
+        rows.select(torch.tensor([1]))  # one of 4 rows: gathered into 1
+        assert (rows.capacity, rows.slots) == (1, [0])
+        last = rows.decode(torch.tensor([[6]]), 2)
+    for row, ids in zip(logits, second):
+        torch.testing.assert_close(row, alone(ids), rtol=0, atol=1e-6)
+    torch.testing.assert_close(last[0], alone([9, 5, 6]), rtol=0, atol=1e-6)
+
+
+def test_static_cache_halves_its_rows_as_streams_end_and_samples_as_each_group_alone(monkeypatch):
+    """Most streams end early (a quarter of the vocabulary is EOS): the static rows halve several times inside
+    sample_groups, and every group's samples equal sample_group's alone (float64)."""
+    import branchreplay.rl.rollouts.sampling as sampling
+    import branchreplay.rl.rollouts.static_rows as static_rows
+
+    capacities = []
+    gather = static_rows.StaticRows._gather
+    monkeypatch.setattr(static_rows.StaticRows, "_gather",
+                        lambda self, rows: capacities.append(len(rows)) or gather(self, rows))
+    model = make_model("llama").double()
+    config = SamplingConfig(temperature=0.9, max_new_tokens=12, cache_implementation="static")
+    eos = set(range(2, 66))
+    alone = [sample_group(model, p, 8, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
+    together = sampling.sample_groups(model, PROMPTS, 8, config, eos,
+                                      [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    assert capacities[:2] == [4, 32] and len(capacities) >= 4  # the prompts, the fork, then halvings
+    for a_group, b_group in zip(alone, together):
+        assert [(s.completion_ids, s.truncated) for s in b_group] == [(s.completion_ids, s.truncated) for s in a_group]
+        for a, b in zip(a_group, b_group):
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
+
+
+def test_static_cache_keeps_to_sdpa_attention():
+    """A model with eager attention (which would add the boolean mask to its scores) decodes in the dynamic cache
+    even when the static one is asked for: the same samples as each group alone."""
+    import branchreplay.rl.rollouts.sampling as sampling
+
+    model = make_model("llama").double()
+    model.set_attn_implementation("eager")
+    config = SamplingConfig(temperature=0.9, max_new_tokens=6, cache_implementation="static")
+    alone = [sample_group(model, p, 2, config, {2, 40}, torch.Generator().manual_seed(k))
+             for k, p in enumerate(PROMPTS)]
+    together = sampling.sample_groups(model, PROMPTS, 2, config, {2, 40},
+                                      [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    assert [[s.completion_ids for s in g] for g in together] == [[s.completion_ids for s in g] for g in alone]
+
+
+def test_a_step_that_cannot_be_captured_warns_and_decodes_op_by_op(monkeypatch):
+    """A failed CUDA graph capture (here: asked for on the CPU, which has none) warns once, rewinds the warm-up's
+    writes and decodes op by op: the samples equal the dynamic cache's."""
+    import branchreplay.rl.rollouts.sampling as sampling
+
+    model = make_model("llama").double()
+    out = {}
+    for cache in ("dynamic", "static"):
+        config = SamplingConfig(temperature=0.9, max_new_tokens=6, cache_implementation=cache)
+        monkeypatch.setattr(sampling, "graphs_apply", lambda model: True)
+        with pytest.warns(RuntimeWarning, match="enforce_eager") if cache == "static" else contextlib.nullcontext():
+            out[cache] = sampling.sample_groups(model, PROMPTS, 2, config, {2},
+                                                [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    assert [[(s.completion_ids, s.logprobs) for s in g] for g in out["static"]] == \
+        [[(s.completion_ids, s.logprobs) for s in g] for g in out["dynamic"]]
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
+@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns: here it fails the test
+def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(monkeypatch):
+    """On CUDA the static cache's step is captured as a CUDA graph and replayed; float64, the samples equal the
+    dynamic cache's (ids, parents, logprobs to 1e-10); the capture warns of no failure."""
+    import branchreplay.rl.rollouts.sampling as sampling
+    import branchreplay.rl.rollouts.static_rows as static_rows
+
+    graphs = []
+    capture = static_rows.StaticRows._capture
+    monkeypatch.setattr(static_rows.StaticRows, "_capture", lambda self: graphs.append(1) or capture(self))
+    model = make_model("llama").double().cuda()
+    out = {}
+    for cache in ("dynamic", "static"):
+        config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=((0, 2), (3, 2)),
+                                cache_implementation=cache)
+        out[cache] = sampling.sample_groups(model, PROMPTS, 4, config, {2, 40, 41, 42, 43},
+                                            [torch.Generator("cuda").manual_seed(k) for k in range(len(PROMPTS))])
+    assert graphs  # one capture per bucket of rows the streams reached
+    for a_group, b_group in zip(out["dynamic"], out["static"]):
+        assert [(s.completion_ids, s.parent) for s in b_group] == [(s.completion_ids, s.parent) for s in a_group]
+        for a, b in zip(a_group, b_group):
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-10)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "lfm2"])

@@ -26,6 +26,7 @@ from ...engine.families import layer_windows
 from ...engine.recurrent import layer_kinds
 from ...models import max_positions
 from ..config.sampling import SamplingConfig
+from .static_rows import StaticRows, graphs_apply, static_applies
 
 
 @dataclass
@@ -113,10 +114,15 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     flip only where that moves a cumulative probability across the uniform number drawn; in the tests, never).
 
     A model with recurrent (SSM / conv) or sliding-window layers, whose caches cannot be left-aligned this way, runs
-    `sample_group` per prompt instead. Arguments, result (one list of Samples per prompt) and errors as
+    `sample_group` per prompt instead. With config.cache_implementation="static" the streams decode in a
+    preallocated cache, one fixed-shape step replayed as a CUDA graph on CUDA (`static_rows.StaticRows`; one prompt
+    too; SDPA attention only); "dynamic" grows transformers' DynamicCache and drops finished streams' rows; "auto"
+    (the default) is static on CUDA. Arguments, result (one list of Samples per prompt) and errors as
     `sample_group`'s."""
     schedules = [branching_schedule(model, p, num_generations, config) for p in prompts]
-    if len(prompts) < 2 or not stackable(model.config):
+    static = static_applies(model) and (config.cache_implementation == "static" or (
+        config.cache_implementation == "auto" and model.device.type == "cuda"))
+    if not stackable(model.config) or (len(prompts) < 2 and not static):
         return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
     was_training = model.training
     model.eval()
@@ -125,7 +131,12 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
         cache, visible = _stacked([c for c, _ in filled], [len(p) for p in prompts], model.config)
         logits = torch.cat([lg for _, lg in filled])  # [groups, V]
         start = torch.tensor([len(p) for p in prompts], device=logits.device)  # each row's first generated position
-        return _decode_groups(model, cache, logits, visible, start, schedules[0], config, eos_token_ids, generators)
+        if static:
+            rows = StaticRows(model, cache, visible, start, config.max_new_tokens,
+                              graphs=not config.enforce_eager and graphs_apply(model))
+        else:
+            rows = _DynamicRows(model, cache, visible, start)
+        return _decode_groups(rows, logits, schedules[0], config, eos_token_ids, generators)
     finally:
         model.train(was_training)
 
@@ -182,17 +193,38 @@ def sample_from(model, cache, logits: torch.Tensor, position: int, schedule: dic
     return streams.samples
 
 
-def _decode_groups(model, cache, logits, visible, start, schedule, config, eos_token_ids, generators):
-    """`sample_from` over the stacked rows of several groups (`sample_groups`): cache row r belongs to one group's
-    stream; visible [rows, P_max] marks its prompt's real key slots, start [rows] its first generated position."""
+class _DynamicRows:
+    """The streams of `_decode_groups` in transformers' DynamicCache, stacked left-aligned (`_stacked`): cache row r
+    is live stream r; visible [rows, P_max] marks its prompt's real key slots, start [rows] its first generated
+    position. The cache grows by one slot a step; `select` index-selects the rows (forks copy, drops free)."""
+
+    def __init__(self, model, cache: DynamicCache, visible: torch.Tensor, start: torch.Tensor):
+        self.model, self.cache, self.visible, self.start = model, cache, visible, start
+
+    def select(self, index: torch.Tensor) -> None:
+        """Live stream j becomes old live stream index[j]."""
+        self.cache.reorder_cache(index)
+        self.visible, self.start = self.visible[index], self.start[index]
+
+    def decode(self, tokens: torch.Tensor, depth: int) -> torch.Tensor:
+        """Each live stream's token ([streams, 1]) at generated depth `depth`: the [streams, V] float32 next logits."""
+        mask = torch.cat([self.visible, torch.ones((len(tokens), depth + 1), dtype=self.visible.dtype,
+                                                   device=self.visible.device)], dim=1)
+        return _decode_one(self.model, tokens, self.cache, (self.start + depth)[:, None], mask)
+
+
+def _decode_groups(rows, logits, schedule, config, eos_token_ids, generators):
+    """`sample_from` over the streams of several groups (`sample_groups`), held by `rows` (`_DynamicRows` or
+    `static_rows.StaticRows`: `select(index)` makes live stream j the old live stream index[j], `decode(tokens,
+    depth)` gives the next logits); the groups' streams are consecutive, in group order."""
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=logits.device)
     groups = [_Streams() for _ in generators]
     for depth in range(config.max_new_tokens):
         if depth in schedule:
             before = [len(g.live) for g in groups]
             index = _rows([g.fork(schedule[depth], depth) for g in groups], before, logits.device)
-            cache.reorder_cache(index)
-            logits, visible, start = logits[index], visible[index], start[index]
+            rows.select(index)
+            logits = logits[index]
         counts = [len(g.live) for g in groups]
         if not sum(counts):
             continue
@@ -211,12 +243,10 @@ def _decode_groups(model, cache, logits, visible, start, schedule, config, eos_t
         tokens = torch.cat(drawn)
         index = _rows(kept, counts, logits.device)
         if len(index) < len(tokens):
-            cache.reorder_cache(index)
-            tokens, visible, start = tokens[index], visible[index], start[index]
+            rows.select(index)
+            tokens = tokens[index]
         if len(tokens) and depth < config.max_new_tokens - 1:
-            mask = torch.cat([visible, torch.ones((len(tokens), depth + 1), dtype=visible.dtype,
-                                                  device=visible.device)], dim=1)
-            logits = _decode_one(model, tokens, cache, (start + depth)[:, None], mask)
+            logits = rows.decode(tokens, depth)
     return [g.samples for g in groups]
 
 

@@ -1,0 +1,154 @@
+"""The decoding rows of `sampling.sample_groups` in a preallocated KV cache (sampling.cache_implementation=static),
+as gpt-fast and vLLM decode: every step is the same forward over a fixed number of rows, so on CUDA it is captured
+once as a CUDA graph and replayed (the step's several hundred kernels launched as one; sampling.enforce_eager=True
+runs it eagerly instead).
+
+The cache is transformers' `StaticCache` (one [rows, kv_heads, P + max_new_tokens, head_dim] tensor per layer and
+for keys and values, written in place at one slot per step): the prompts' caches left-aligned to the longest prompt
+P, as the dynamic path stacks them, then generated token t of every row at slot P + t. A [rows, 1, 1, P +
+max_new_tokens] boolean mask shows each row its own prompt's slots and the generated slots written so far, so a row
+sees exactly the keys the dynamic path gives it; the masked slots get weight 0.
+
+A stream is not a row: `slots[i]` is the row of live stream i among `capacity` rows, a power of two (the shape's
+bucket). A finished stream's row stops being read but goes on decoding junk, which is what keeps the step's shape,
+until the live streams fill half the rows or fewer; then, and at a fork (whose children copy their parent's row:
+keys, values, mask, first position), the live rows are gathered into a new cache of the bucket that holds them. So
+at most twice the live rows decode, the cache takes up to twice the dynamic one's memory, and on CUDA the step is
+captured again after each gather (a few times per call: once after the first fork, once per halving).
+The tokens are still drawn on the host's schedule (per group, from its own generator, for its live streams only),
+so the sampled ids and logprobs are the dynamic path's (float64 test), at the cost of reading the drawn tokens back
+once per generated position.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from transformers import DynamicCache, StaticCache
+
+
+def static_applies(model) -> bool:
+    """Whether `StaticRows` can decode `model`: its attention is SDPA, which reads the boolean 4-D mask as "the keys
+    a row sees" (eager attention would add it to the scores)."""
+    return getattr(model.config, "_attn_implementation", None) == "sdpa"
+
+
+def graphs_apply(model) -> bool:
+    """Whether `StaticRows` may capture the decoding step as a CUDA graph: a model on CUDA, not a mixture of experts
+    (its routing sizes each expert's batch on the host, which a graph cannot replay) and not sharded by FSDP2 (its
+    hooks gather the parameters inside every forward)."""
+    if model.device.type != "cuda":
+        return False
+    if getattr(model.config.get_text_config(), "num_experts_per_tok", None) is not None:
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return not any(isinstance(m, FSDPModule) for m in model.modules())
+
+
+class StaticRows:
+    """The rows of the step's streams in a `StaticCache` of `capacity` rows and `prompt_width + max_new_tokens` slots.
+
+    stacked: the prompts' caches left-aligned (`sampling._stacked`), one row per prompt, `prompt_width` slots;
+    visible: [prompts, prompt_width] long, 1 where a row's slot holds one of its prompt's keys; start: [prompts] long,
+    each prompt's first generated position. Live stream k starts as prompt k in row k. `graphs`: capture the step
+    as a CUDA graph (on CUDA; `graphs_apply`). The capacity is a power of two, the smallest that holds the live
+    streams when they outgrow it or fill at most half of it (then the rows are gathered into a new cache)."""
+
+    def __init__(self, model, stacked: DynamicCache, visible: torch.Tensor, start: torch.Tensor, max_new_tokens: int,
+                 graphs: bool):
+        prompts, width = visible.shape
+        self.model, self.width, self.device, self.graphs = model, width, visible.device, graphs
+        self.cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
+        for static, dynamic in zip(self.cache.layers, stacked.layers):
+            static.update(dynamic.keys, dynamic.values)  # allocates prompts rows, writes slots [0, width)
+        self.mask = torch.zeros(prompts, 1, 1, width + max_new_tokens, dtype=torch.bool, device=self.device)
+        self.mask[:, 0, 0, :width] = visible.bool()
+        self.start = start.clone()
+        self.tokens = torch.zeros(prompts, 1, dtype=torch.long, device=self.device)
+        self.positions = self.start[:, None].clone()
+        self.slots = list(range(prompts))
+        self.graph = self.logits = None
+        self._gather(self.slots)
+
+    @property
+    def capacity(self) -> int:
+        return len(self.start)
+
+    def _step(self) -> torch.Tensor:
+        """One decoding step of every row: [capacity, V] logits in the model's dtype."""
+        out = self.model(input_ids=self.tokens, position_ids=self.positions, attention_mask=self.mask,
+                         cache=self.cache, use_cache=True)
+        return out.logits[:, -1]
+
+    def _capture(self):
+        """Capture `_step` as a CUDA graph after two warm-up steps on a side stream (as torch.cuda.graphs asks). The
+        warm-ups write at the next slot, which the next real step overwrites; each layer's write position is set
+        back after each of them, and after the capture or its failure."""
+        written = [layer.cumulative_length.clone() for layer in self.cache.layers]
+
+        def rewind():
+            for layer, n in zip(self.cache.layers, written):
+                layer.cumulative_length.copy_(n)
+
+        stream = torch.cuda.Stream(self.device)
+        try:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    self._step()
+                    rewind()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self.logits = self._step()
+            self.graph = graph
+        finally:
+            torch.cuda.current_stream(self.device).wait_stream(stream)  # a failed warm-up's writes end first
+            rewind()
+
+    def _gather(self, rows: list[int]) -> None:
+        """Live stream j moves to row j of a new cache whose rows are old rows `rows`, padded to a power of two."""
+        capacity = 1 << max(len(rows) - 1, 0).bit_length()
+        index = torch.tensor(rows + [rows[0]] * (capacity - len(rows)), dtype=torch.long, device=self.device)
+        for layer in self.cache.layers:
+            rows_there = index.to(layer.keys.device)  # a model split across devices keeps each layer's cache there
+            layer.keys, layer.values = layer.keys[rows_there], layer.values[rows_there]
+            layer.batch_size = capacity
+        self.mask, self.start, self.tokens, self.positions = (
+            self.mask[index], self.start[index], self.tokens[index], self.positions[index])
+        self.slots = list(range(len(rows)))
+        self.slot_index = torch.arange(len(rows), device=self.device)
+        self.graph = self.logits = None  # the step's tensors moved: captured again at the next step
+
+    def select(self, index: torch.Tensor) -> None:
+        """Live stream j becomes old live stream index[j]. A drop (every index once) only forgets rows; a fork (an
+        index repeated), more streams than rows, or half the rows or fewer, gather the rows into a new cache."""
+        index = index.tolist()
+        if not index:  # every stream has ended: nothing decodes again
+            self.slots = []
+        elif len(set(index)) < len(index) or not self.capacity // 2 < len(index) <= self.capacity:
+            self._gather([self.slots[i] for i in index])
+        else:
+            self.slots = [self.slots[i] for i in index]
+            self.slot_index = torch.tensor(self.slots, dtype=torch.long, device=self.device)
+
+    def decode(self, tokens: torch.Tensor, depth: int) -> torch.Tensor:
+        """Each live stream's token ([streams, 1]) at generated depth `depth`: the [streams, V] float32 next logits.
+        A step that cannot be captured as a CUDA graph (a forward that syncs with the host) warns and runs op by op
+        from then on."""
+        self.tokens.index_copy_(0, self.slot_index, tokens)
+        self.positions.copy_(self.start[:, None] + depth)
+        self.mask[:, 0, 0, self.width + depth] = True
+        if self.graphs and self.graph is None:
+            try:
+                self._capture()
+            except Exception as e:
+                warnings.warn(f"capturing {type(self.model).__name__}'s decoding step as a CUDA graph failed ({e}); "
+                              f"it runs op by op (sampling.enforce_eager=true skips the attempt)", RuntimeWarning)
+                self.graphs = False
+        if not self.graphs:
+            return self._step().index_select(0, self.slot_index).float()
+        self.graph.replay()
+        return self.logits.index_select(0, self.slot_index).float()
