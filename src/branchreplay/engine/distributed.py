@@ -257,7 +257,7 @@ def init(backend: str | None = None, timeout_s: float = 600.0) -> tuple[int, int
     """`init_process_group` from the torchrun environment, collectives timing out after `timeout_s` seconds; returns
     (rank, world_size). gloo on CPU; with CUDA, the device of LOCAL_RANK and "cpu:gloo,cuda:nccl" (CUDA tensors over
     nccl, the CPU ones: counts, objects, norms, over gloo), unless `backend`. Raises RuntimeError without the
-    torchrun environment. Not run on a GPU yet."""
+    torchrun environment. Run on one GPU (docs/gpu.md), not yet on several."""
     import datetime
 
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
