@@ -3,11 +3,14 @@
   - per group: `sampling.sample_group` for each prompt in turn (the trainer before issue 15),
   - batched:   `sampling.sample_groups`, every group in one decoding loop (the trainer since), in the static cache
                (sampling.cache_implementation=static, the default on CUDA: its step a CUDA graph; also timed with
-               enforce_eager there) and in the dynamic one (the default on the CPU),
+               enforce_eager there), each prompt held once or (where split prefix attention does not apply) in
+               every row, and in the dynamic one (the default on the CPU),
   - TRL:       `model.generate` on the left-padded batch of prompts x G rows, as TRL's GRPOTrainer without vLLM.
 
-Same prompts (the default task's first --prompts training questions, chat-templated), temperature 1, no EOS (every
-row decodes --max-new-tokens tokens, so the three decode the same number of tokens). The methods alternate,
+Same prompts (the default task's first --prompts training questions, chat-templated, after --system-tokens tokens
+of a shared start, a long system prompt's stand-in), temperature 1, no EOS (every row decodes --max-new-tokens
+tokens, so all decode the same number of tokens). Each run's peak memory is measured too (`bench.measure`: on the
+CPU the resident set's peak above its start). The methods alternate,
 --repeats times each; it prints the median wall and process-CPU seconds of each and their ratios. With --roofline
 it first measures this machine's peak matmul FLOP rate and memory bandwidth (`bench/roofline.py`) and prints the
 batch's decoding ceiling in tokens/s and each sampler's share of it.
@@ -22,12 +25,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
+from unittest import mock
 
 import torch
 
 from branchreplay.models import load_policy
 from branchreplay.rl.config import Config
+from branchreplay.bench.measure import measure
+from branchreplay.engine.attention import PrefixSplit
+from branchreplay.rl.rollouts import sampling as sampling_module
 from branchreplay.rl.rollouts.sampling import sample_group, sample_groups
 from branchreplay.rl.config.sampling import SamplingConfig
 from branchreplay.rl.data.tasks import load_task, prompt_token_ids
@@ -39,6 +45,7 @@ def main() -> None:
     ap.add_argument("--num-generations", type=int, default=8)
     ap.add_argument("--max-new-tokens", type=int, default=48)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--system-tokens", type=int, default=0, help="tokens of a start every prompt shares")
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--roofline", action="store_true", help="measure the peaks and print the decoding roofline")
     ap.add_argument("--model", default="smollm2", help="a model spec (a folder of SmolLM2's shape on a GPU machine)")
@@ -52,7 +59,9 @@ def main() -> None:
     model.to(getattr(torch, args.dtype))  # bfloat16: the parameters themselves, as an inference server holds them
     device = model.device
     train = load_task(config.task)[0]
-    prompts = [prompt_token_ids(tokenizer, train[i], config.task) for i in range(args.prompts)]
+    system = (tokenizer("You can call these tools. ", add_special_tokens=False)["input_ids"] * args.system_tokens)
+    prompts = [system[: args.system_tokens] + prompt_token_ids(tokenizer, train[i], config.task)
+               for i in range(args.prompts)]
     G = args.num_generations
     no_eos = {-1}  # every row runs max_new_tokens
     width = max(map(len, prompts))
@@ -93,7 +102,17 @@ def main() -> None:
               f"{shape.bytes(len(prompts) * G, mean_prompt) / 1e9:.2f} GB; roofline "
               f"{ceiling.tokens_per_s:.0f} tokens/s ({ceiling.bound}-bound, {ceiling.seconds:.2f} s for the batch)")
 
+    def split_off(*args):  # a PrefixSplit that does not apply: the static rows hold each row's prompt
+        split = PrefixSplit(*args)
+        split.applies = False
+        return split
+
+    def stacked():  # the static cache with each prompt in every row: as where split prefix attention does not apply
+        with mock.patch.object(sampling_module, "PrefixSplit", split_off):
+            batched(cache_implementation="static")()
+
     methods = {"per group (sample_group)": per_group, "batched, static cache": batched(cache_implementation="static"),
+               "batched, static, prompt per row": stacked,
                "batched, dynamic cache": batched(cache_implementation="dynamic"),
                "TRL (model.generate, padded)": trl_generate}
     if device.type == "cuda":
@@ -104,26 +123,21 @@ def main() -> None:
             for name, fn in methods.items():
                 if name in failed:
                     continue
-                wall, cpu = time.perf_counter(), time.process_time()
                 try:
-                    fn()
+                    times[name].append(measure(fn, device))
                 except RuntimeError as e:  # e.g. a step that cannot be captured as a CUDA graph: the others still run
                     failed[name] = f"{type(e).__name__}: {e}"
-                    continue
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                times[name].append((time.perf_counter() - wall, time.process_time() - cpu))
     print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new "
           f"tokens each, {args.dtype} on {device}, {torch.get_num_threads()} threads, median of {args.repeats}")
-    base = statistics.median(w for w, _ in times["batched, static cache"] or times["batched, dynamic cache"])
+    base = statistics.median(m.seconds for m in times["batched, static cache"] or times["batched, dynamic cache"])
     tokens = len(prompts) * G * args.max_new_tokens
     for name, values in times.items():
         if name in failed:
             print(f"  {name:30} failed: {failed[name][:300]}")
             continue
-        wall, cpu = statistics.median(w for w, _ in values), statistics.median(c for _, c in values)
+        wall, peak = statistics.median(m.seconds for m in values), max(m.peak_bytes for m in values)
         share = f"  {tokens / wall / ceiling.tokens_per_s:6.1%} of the roofline" if args.roofline else ""
-        print(f"  {name:30} {wall:7.2f} s wall  {cpu:7.2f} s CPU  {wall / base:5.2f}x batched  "
+        print(f"  {name:32} {wall:7.2f} s  peak {peak / 2**20:7.0f} MiB  {wall / base:5.2f}x batched  "
               f"{tokens / wall:6.0f} tokens/s{share}")
 
 

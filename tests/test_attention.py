@@ -218,3 +218,32 @@ def test_activation_checkpointing_is_refused():
     rollouts = make_rollouts(shared_prompt(8, 2, 3, model.config.vocab_size, g), g)
     with pytest.raises(ValueError, match="checkpointing_disable"):
         replay_backward(model, RolloutTree(rollouts), GRPOLoss())
+
+
+def test_grouped_prefix_attention_equals_one_softmax_over_each_rows_keys():
+    """grouped_prefix_attention (the sampler's decoding rows, each group's prompt held once) against SDPA over each
+    row's own concatenation [its group's prompt; its generated keys under the mask], float64, grouped heads (4 query
+    heads on 2 KV heads): groups of 2, 0 and 3 rows of prompts of 5, 3 and 7 keys, and a padding row in no group
+    that sees only its own keys. A row given the wrong group's prompt differs (control)."""
+    g = torch.Generator().manual_seed(0)
+    C, h, h_kv, L, d = 6, 4, 2, 5, 8
+    q = torch.randn(C, h, 1, d, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(C, h_kv, L, d, generator=g, dtype=torch.float64) for _ in range(2))
+    seen = torch.tensor([3, 1, 5, 2, 4, 1])  # generated slots each row sees
+    bias = torch.where(torch.arange(L) < seen[:, None], 0.0, float("-inf")).to(torch.float64)[:, None, None, :]
+    prompts = [(torch.randn(1, h_kv, n, d, generator=g, dtype=torch.float64),
+                torch.randn(1, h_kv, n, d, generator=g, dtype=torch.float64)) for n in (5, 3, 7)]
+    spans = [(0, 2), (2, 2), (2, 5)]  # row 5: padding, in no span
+    out = attention.grouped_prefix_attention(q, k, v, bias, d ** -0.5, spans, [p[0] for p in prompts],
+                                             [p[1] for p in prompts])
+    group = [0, 0, 2, 2, 2, None]
+    for r in range(C):
+        pk, pv = prompts[group[r]] if group[r] is not None else (k[:0, :, :0], v[:0, :, :0])
+        keys = torch.cat([pk[0], k[r, :, : seen[r]]], dim=1) if pk.shape[0] else k[r, :, : seen[r]]
+        values = torch.cat([pv[0], v[r, :, : seen[r]]], dim=1) if pv.shape[0] else v[r, :, : seen[r]]
+        expected = torch.nn.functional.scaled_dot_product_attention(
+            q[r], keys.repeat_interleave(h // h_kv, 0), values.repeat_interleave(h // h_kv, 0))
+        torch.testing.assert_close(out[r], expected, rtol=0, atol=1e-12)
+    wrong = attention.grouped_prefix_attention(q, k, v, bias, d ** -0.5, spans, [p[0] for p in prompts[::-1]],
+                                               [p[1] for p in prompts[::-1]])
+    assert (wrong[:5] - out[:5]).abs().max() > 1e-3

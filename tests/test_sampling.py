@@ -34,11 +34,20 @@ def make_model(kind: str, seed: int = 0):
     return model.float()
 
 
+def prefix_split_off(*args):
+    """A PrefixSplit that does not apply: the static rows then hold each row's prompt."""
+    from branchreplay.engine.attention import PrefixSplit
+
+    split = PrefixSplit(*args)
+    split.applies = False
+    return split
+
+
 def reference_logprobs(model, prompt, completion, temperature):
     """log_softmax(logits / T) of each completion token, from one uncached, unpadded forward pass."""
     model.eval()
     with torch.no_grad():
-        logits = model(input_ids=torch.tensor([prompt + completion])).logits[0].float()
+        logits = model(input_ids=torch.tensor([prompt + completion], device=model.device)).logits[0].float().cpu()
     steps = logits[len(prompt) - 1 : len(prompt) - 1 + len(completion)] / temperature
     return steps.log_softmax(-1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
 
@@ -196,18 +205,25 @@ PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 250, 11], PROMPT, [33]]  # four le
 
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "mistral"])
 @pytest.mark.parametrize("branching", [(), ((0, 2), (3, 2))])
-@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic"])
 def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypatch):
     """sample_groups draws, per group from its own generator, the tokens sample_group draws for that group alone,
     with its logprobs to 1e-12 in float64 (early EOS drops streams mid-way); the reference logprobs check the stacked
-    caches' masked slots. Llama, Qwen3 and GPT-2 (learned positions) run stacked, in the static cache or the
-    dynamic one; Mistral's sliding window runs per group."""
+    caches' masked slots. Llama, Qwen3 and GPT-2 (learned positions) run stacked, in the static cache (each prompt
+    held once, or, "static-stacked", where split prefix attention does not apply, in every row) or the dynamic one;
+    Mistral's sliding window runs per group."""
+    import branchreplay.engine.attention as attention
     import branchreplay.rl.rollouts.sampling as sampling
     import branchreplay.rl.rollouts.static_rows as static_rows
 
-    steps = []
-    decode = static_rows.StaticRows.decode
+    once = cache == "static"
+    if cache == "static-stacked":
+        monkeypatch.setattr(sampling, "PrefixSplit", prefix_split_off)
+        cache = "static"
+    steps, grouped_calls = [], []
+    decode, grouped = static_rows.StaticRows.decode, attention.grouped_prefix_attention
     monkeypatch.setattr(static_rows.StaticRows, "decode", lambda self, t, d: steps.append(d) or decode(self, t, d))
+    monkeypatch.setattr(attention, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
     model = make_model(kind).double()
     config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching, cache_implementation=cache)
     eos = {2, 40, 41, 42, 43}  # frequent enough that some streams end early
@@ -216,6 +232,7 @@ def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypat
                                       [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
     assert sampling.stackable(model.config) == (kind != "mistral")
     assert bool(steps) == (cache == "static" and kind != "mistral")  # the static rows decoded, where they apply
+    assert bool(grouped_calls) == (once and kind != "mistral")  # each prompt held once
     lengths = {len(s.completion_ids) for group in alone for s in group}
     assert min(lengths) < 8 and max(lengths) == 8  # some ended early, some ran to the end
     for a_group, b_group, prompt in zip(alone, together, PROMPTS):
@@ -243,25 +260,38 @@ def test_first_iteration_ratio_is_one_in_float32(cache):
     assert worst < 1e-5
 
 
-@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic"])
 def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
-    """Control: stacked caches whose empty slots are visible give other logprobs than each group alone."""
+    """Control: stacked caches whose empty slots are visible, or (the prompts held once) rows that see the next
+    group's prompt, give other logprobs than each group alone."""
+    import branchreplay.engine.attention as attention
     import branchreplay.rl.rollouts.sampling as sampling
 
     model = make_model("llama").double()
-    config = SamplingConfig(temperature=1.0, max_new_tokens=4, cache_implementation=cache)
-    stacked = sampling._stacked
-    monkeypatch.setattr(sampling, "_stacked", lambda *a: (stacked(*a)[0], torch.ones_like(stacked(*a)[1])))
+    config = SamplingConfig(temperature=1.0, max_new_tokens=4, cache_implementation=cache.split("-")[0])
+    if cache == "static":
+        grouped = attention.grouped_prefix_attention
+        monkeypatch.setattr(attention, "grouped_prefix_attention", lambda q, k, v, bias, scale, spans, pk, pv:
+                            grouped(q, k, v, bias, scale, spans, pk[1:] + pk[:1], pv[1:] + pv[:1]))
+    else:
+        if cache == "static-stacked":
+            monkeypatch.setattr(sampling, "PrefixSplit", prefix_split_off)
+        stacked = sampling._stacked
+        monkeypatch.setattr(sampling, "_stacked", lambda *a: (stacked(*a)[0], torch.ones_like(stacked(*a)[1])))
     together = sampling.sample_groups(model, PROMPTS, 2, config, {2}, [None] * len(PROMPTS))
     worst = max(abs(x - y) for group, prompt in zip(together, PROMPTS) for s in group
                 for x, y in zip(s.logprobs, reference_logprobs(model, prompt, s.completion_ids, 1.0).tolist()))
     assert worst > 1e-6
 
 
-def test_static_rows_forks_drops_and_halvings():
+@pytest.mark.parametrize("prompt", ["once", "in every row"])
+def test_static_rows_forks_drops_and_halvings(prompt):
     """StaticRows: a fork gathers its parent's row (keys, values, mask, start) into the copies' rows of the next
     power of two, a drop only forgets rows, and at half the rows or fewer the live ones are gathered into fewer. Every
-    row decodes the logits of its sequence alone."""
+    row decodes the logits of its sequence alone, the prompt held once (split prefix attention) or in every row."""
+    from branchreplay.engine.attention import PrefixSplit
+    from branchreplay.engine.families import layer_windows
+    from branchreplay.engine.recurrent import layer_kinds
     from branchreplay.rl.rollouts.sampling import prefill
     from branchreplay.rl.rollouts.static_rows import StaticRows
 
@@ -270,10 +300,16 @@ def test_static_rows_forks_drops_and_halvings():
     def alone(ids):
         return model(input_ids=torch.tensor([PROMPT + ids])).logits[0, -1].float()
 
-    with torch.no_grad():
+    split = PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config))
+    assert split.applies
+    with torch.no_grad(), split if prompt == "once" else contextlib.nullcontext():
         cache, _ = prefill(model, PROMPT)
-        rows = StaticRows(model, cache, torch.ones(1, len(PROMPT), dtype=torch.long), torch.tensor([len(PROMPT)]),
-                          max_new_tokens=4, graphs=False)
+        start = torch.tensor([len(PROMPT)])
+        if prompt == "once":
+            rows = StaticRows(model, start, 4, graphs=False, prompts=[cache])
+        else:
+            rows = StaticRows(model, start, 4, graphs=False, stacked=cache,
+                              visible=torch.ones(1, len(PROMPT), dtype=torch.long))
         rows.select(torch.tensor([0, 0, 0, 0]))  # a fork into 4: gathered into 4 rows
         assert (rows.capacity, rows.slots) == (4, [0, 1, 2, 3])
         first = [[9], [7], [9], [8]]
@@ -352,27 +388,38 @@ def test_a_step_that_cannot_be_captured_warns_and_decodes_op_by_op(monkeypatch):
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
 @pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns: here it fails the test
-def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(monkeypatch):
-    """On CUDA the static cache's step is captured as a CUDA graph and replayed; float64, the samples equal the
-    dynamic cache's (ids, parents, logprobs to 1e-10); the capture warns of no failure."""
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(dtype, monkeypatch):
+    """On CUDA the static cache's step is captured as a CUDA graph and replayed. float64 (each row holds its prompt:
+    split attention is float32 on CUDA): the samples equal the dynamic cache's (ids, parents, logprobs to 1e-10).
+    float32 (each prompt held once, `grouped_prefix_attention` through the memory-efficient kernel): every logprob
+    within 1e-4 of the same model's uncached forward. The capture warns of no failure."""
+    import branchreplay.engine.attention as attention
     import branchreplay.rl.rollouts.sampling as sampling
     import branchreplay.rl.rollouts.static_rows as static_rows
 
-    graphs = []
-    capture = static_rows.StaticRows._capture
+    graphs, grouped_calls = [], []
+    capture, grouped = static_rows.StaticRows._capture, attention.grouped_prefix_attention
     monkeypatch.setattr(static_rows.StaticRows, "_capture", lambda self: graphs.append(1) or capture(self))
-    model = make_model("llama").double().cuda()
+    monkeypatch.setattr(attention, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
+    model = make_model("llama").to(dtype).cuda()
     out = {}
     for cache in ("dynamic", "static"):
         config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=((0, 2), (3, 2)),
                                 cache_implementation=cache)
         out[cache] = sampling.sample_groups(model, PROMPTS, 4, config, {2, 40, 41, 42, 43},
                                             [torch.Generator("cuda").manual_seed(k) for k in range(len(PROMPTS))])
-    assert graphs  # one capture per bucket of rows the streams reached
-    for a_group, b_group in zip(out["dynamic"], out["static"]):
-        assert [(s.completion_ids, s.parent) for s in b_group] == [(s.completion_ids, s.parent) for s in a_group]
-        for a, b in zip(a_group, b_group):
-            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-10)
+    assert graphs and bool(grouped_calls) == (dtype == torch.float32)
+    if dtype == torch.float64:
+        for a_group, b_group in zip(out["dynamic"], out["static"]):
+            assert [(s.completion_ids, s.parent) for s in b_group] == [(s.completion_ids, s.parent) for s in a_group]
+            for a, b in zip(a_group, b_group):
+                assert b.logprobs == pytest.approx(a.logprobs, abs=1e-10)
+    else:
+        for group, prompt in zip(out["static"], PROMPTS):
+            for s in group:
+                ref = reference_logprobs(model, prompt, s.completion_ids, 0.9)
+                assert s.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "lfm2"])

@@ -106,6 +106,34 @@ class _SplitAttention(torch.autograd.Function):
         return (dq_p + dq_s, dk_s, dv_s, None, None, None, *dk_p.split(sizes, dim=2), *dv_p.split(sizes, dim=2))
 
 
+GROUPS_ATTR = "_branchreplay_groups"  # set on the decoding rows' own keys: (spans, prompt keys, prompt values)
+
+
+def groups_mask(bias: torch.Tensor) -> torch.Tensor:
+    """Mark `bias` [rows, 1, 1, L] (additive: 0 for a generated slot a row sees, -inf else) as the attention_mask of a
+    decoding step whose rows see their group's prompt as a prefix (`grouped_prefix_attention`); returns it."""
+    setattr(bias, _MARK, "groups")
+    return bias
+
+
+def grouped_prefix_attention(q, k, v, bias, scale, spans, prompt_keys, prompt_values) -> torch.Tensor:
+    """One decoding step of the rows of several groups, each group's prompt held once (the sampler's static rows,
+    `rl/rollouts/static_rows.py`): q [C, h, 1, d]; k, v [C, h_kv, L, d] the rows' own generated keys under `bias`
+    [C, 1, 1, L]; rows spans[g] = (a, b) belong to group g, whose prompt keys / values are prompt_keys[g],
+    prompt_values[g] [1, h_kv, P_g, d], seen by every query of the group without a mask (its rows folded into one
+    query sequence, as `_SplitAttention` runs a batch below one prefix). Rows in no span see no prompt. The blocks
+    are merged by their log-sum-exp, as `_SplitAttention.forward`; no autograd (sampling). Returns out [C, h, 1, d]."""
+    kernels = kernels_for(q.device)
+    out_s, lse_s, _ = kernels.forward(q, k, v, bias, False, scale)
+    out_p, lse_p = torch.zeros_like(out_s), torch.full_like(lse_s, float("-inf"))
+    for (a, b), kp, vp in zip(spans, prompt_keys, prompt_values):
+        if a < b:
+            out, lse, _ = kernels.forward(_fold_rows(q[a:b]), kp, vp, None, False, scale)
+            out_p[a:b], lse_p[a:b] = _unfold_rows(out, b - a), _unfold_rows(lse, b - a)
+    lse = torch.logaddexp(lse_p, lse_s)
+    return out_p * torch.exp(lse_p - lse)[..., None].to(q.dtype) + out_s * torch.exp(lse_s - lse)[..., None].to(q.dtype)
+
+
 def _fold_rows(x: torch.Tensor) -> torch.Tensor:
     """[B, h, S, ...] -> [1, h, B x S, ...]: the rows of a batch as one query sequence, row after row (a view for
     B = 1, else a copy)."""
@@ -132,12 +160,24 @@ def split_sdpa(original):
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         kind = getattr(attention_mask, _MARK, None)
         prefix_k, prefix_v = getattr(key, PREFIX_ATTR, None), getattr(value, PREFIX_ATTR, None)
+        groups = getattr(key, GROUPS_ATTR, None)
+        unsupported = [k for k in ("softcap", "sliding_window", "position_bias", "s_aux") if kwargs.get(k) is not None]
+        if (kind == "groups") != (groups is not None):
+            raise RuntimeError("decoding rows and their group prompts reached attention apart (the mask lost its "
+                               "mark, or keys carry prompts under another mask): a model that copies or moves its "
+                               "attention mask is not supported; set sampling.cache_implementation=dynamic")
+        if kind == "groups":
+            if dropout or unsupported:
+                raise RuntimeError(f"grouped prefix attention cannot run this layer (dropout {dropout}, "
+                                   f"{unsupported}); set sampling.cache_implementation=dynamic")
+            scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+            out = grouped_prefix_attention(query, key, value, attention_mask, scale, *groups)
+            return out.transpose(1, 2).contiguous(), None
         if kind is None:
             if prefix_k is not None:
                 raise RuntimeError("keys without their prefix reached plain SDPA: the layer's mask lost the split "
                                    "mark (a model that copies or slices its attention mask is not supported)")
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        unsupported = [k for k in ("softcap", "sliding_window", "position_bias", "s_aux") if kwargs.get(k) is not None]
         if dropout or unsupported or not prefix_k:
             raise RuntimeError(f"split prefix attention cannot run this layer (dropout {dropout}, {unsupported}, "
                                f"prefix pieces {'present' if prefix_k else 'missing'}); run it with "

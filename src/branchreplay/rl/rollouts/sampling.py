@@ -14,6 +14,7 @@ dimension), the beam-search path that every transformers cache layer implements,
 included; `batch_select_indices` / `batch_repeat_interleave` exist only on KV layers.
 """
 
+import contextlib
 import copy
 import math
 from dataclasses import dataclass, field
@@ -22,6 +23,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
+from ...engine.attention import PrefixSplit
 from ...engine.families import layer_windows
 from ...engine.recurrent import layer_kinds
 from ...models import max_positions
@@ -128,15 +130,18 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     model.eval()
     try:
         filled = prefill_branches(model, DynamicCache(config=model.config), 0, prompts)
-        cache, visible = _stacked([c for c, _ in filled], [len(p) for p in prompts], model.config)
         logits = torch.cat([lg for _, lg in filled])  # [groups, V]
         start = torch.tensor([len(p) for p in prompts], device=logits.device)  # each row's first generated position
-        if static:
-            rows = StaticRows(model, cache, visible, start, config.max_new_tokens,
-                              graphs=not config.enforce_eager and graphs_apply(model))
-        else:
-            rows = _DynamicRows(model, cache, visible, start)
-        return _decode_groups(rows, logits, schedules[0], config, eos_token_ids, generators)
+        split = PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)) if static else None
+        with split or contextlib.nullcontext():  # split prefix attention switched on once, if it applies
+            graphs = not config.enforce_eager and graphs_apply(model)
+            if split is not None and split.applies:  # each prompt held once, seen by its group's rows
+                rows = StaticRows(model, start, config.max_new_tokens, graphs, prompts=[c for c, _ in filled])
+            else:
+                cache, visible = _stacked([c for c, _ in filled], [len(p) for p in prompts], model.config)
+                rows = (StaticRows(model, start, config.max_new_tokens, graphs, stacked=cache, visible=visible)
+                        if static else _DynamicRows(model, cache, visible, start))
+            return _decode_groups(rows, logits, schedules[0], config, eos_token_ids, generators)
     finally:
         model.train(was_training)
 

@@ -3,17 +3,23 @@ as gpt-fast and vLLM decode: every step is the same forward over a fixed number 
 once as a CUDA graph and replayed (the step's several hundred kernels launched as one; sampling.enforce_eager=True
 runs it eagerly instead).
 
-The cache is transformers' `StaticCache` (one [rows, kv_heads, P + max_new_tokens, head_dim] tensor per layer and
-for keys and values, written in place at one slot per step): the prompts' caches left-aligned to the longest prompt
-P, as the dynamic path stacks them, then generated token t of every row at slot P + t. A [rows, 1, 1, P +
-max_new_tokens] boolean mask shows each row its own prompt's slots and the generated slots written so far, so a row
-sees exactly the keys the dynamic path gives it; the masked slots get weight 0.
+The cache is transformers' `StaticCache` (one [rows, kv_heads, slots, head_dim] tensor per layer and for keys and
+values, written in place at one slot per step). Where split prefix attention applies (`engine.attention.
+PrefixSplit`: SDPA, full attention, float32 / float64 on the CPU, float32 on CUDA) each group's prompt is held once,
+as the prefill left it, and the cache holds only the generated slots: a step runs `grouped_prefix_attention`, each
+group's rows folded into one query sequence against their prompt (no mask, no copy per row: the prompt's keys are
+read once per group and step, as the training engine reads a shared prefix), their own generated keys under an
+additive mask, the two merged by their log-sum-exp. Elsewhere every row holds its prompt: the prompts' caches
+left-aligned to the longest P, as the dynamic path stacks them, generated token t at slot P + t, under a boolean
+mask of the row's prompt slots and the generated slots written so far. Either way a row sees exactly the keys the
+dynamic path gives it (masked slots get weight 0).
 
 A stream is not a row: `slots[i]` is the row of live stream i among `capacity` rows, a power of two (the shape's
 bucket). A finished stream's row stops being read but goes on decoding junk, which is what keeps the step's shape,
 until the live streams fill half the rows or fewer; then, and at a fork (whose children copy their parent's row:
-keys, values, mask, first position), the live rows are gathered into a new cache of the bucket that holds them. So
-at most twice the live rows decode, the cache takes up to twice the dynamic one's memory, and on CUDA the step is
+generated keys and values, or the prompt's too where every row holds it, mask, first position), the live rows are
+gathered into a new cache of the bucket that holds them. So at most twice the live rows decode, a row's cache takes
+up to twice the dynamic one's memory (where it holds the prompt), and on CUDA the step is
 captured again after each gather (a few times per call: once after the first fork, once per halving).
 The tokens are still drawn on the host's schedule (per group, from its own generator, for its live streams only),
 so the sampled ids and logprobs are the dynamic path's (float64 test), at the cost of reading the drawn tokens back
@@ -26,6 +32,8 @@ import warnings
 
 import torch
 from transformers import DynamicCache, StaticCache
+
+from ...engine.attention import GROUPS_ATTR, groups_mask
 
 
 def static_applies(model) -> bool:
@@ -48,27 +56,41 @@ def graphs_apply(model) -> bool:
 
 
 class StaticRows:
-    """The rows of the step's streams in a `StaticCache` of `capacity` rows and `prompt_width + max_new_tokens` slots.
+    """The rows of the step's streams in a `StaticCache` of `capacity` rows, with the prompts in one of two ways.
 
-    stacked: the prompts' caches left-aligned (`sampling._stacked`), one row per prompt, `prompt_width` slots;
-    visible: [prompts, prompt_width] long, 1 where a row's slot holds one of its prompt's keys; start: [prompts] long,
-    each prompt's first generated position. Live stream k starts as prompt k in row k. `graphs`: capture the step
-    as a CUDA graph (on CUDA; `graphs_apply`). The capacity is a power of two, the smallest that holds the live
-    streams when they outgrow it or fill at most half of it (then the rows are gathered into a new cache)."""
+    start: [prompts] long, each prompt's first generated position; live stream k starts as prompt k in row k.
+    Either every row holds its prompt: `stacked`, the prompts' caches left-aligned (`sampling._stacked`, P slots),
+    and `visible` [prompts, P] long, 1 where a slot holds one of the prompt's keys (the cache then has P +
+    max_new_tokens slots). Or each prompt is held once: `prompts`, one batch-1 DynamicCache per prompt, which the
+    rows of its group see through `grouped_prefix_attention` (the cache holds only the max_new_tokens generated
+    slots; a fork copies none of the prompt); the caller decodes inside an `engine.attention.PrefixSplit` that
+    applies. `graphs`: capture the step as a CUDA graph (on CUDA; `graphs_apply`). The capacity is a power of two,
+    the smallest that holds the live streams when they outgrow it or fill at most half of it (then the rows are
+    gathered into a new cache)."""
 
-    def __init__(self, model, stacked: DynamicCache, visible: torch.Tensor, start: torch.Tensor, max_new_tokens: int,
-                 graphs: bool):
-        prompts, width = visible.shape
-        self.model, self.width, self.device, self.graphs = model, width, visible.device, graphs
-        self.cache = StaticCache(config=model.config, max_cache_len=width + max_new_tokens)
-        for static, dynamic in zip(self.cache.layers, stacked.layers):
-            static.update(dynamic.keys, dynamic.values)  # allocates prompts rows, writes slots [0, width)
-        self.mask = torch.zeros(prompts, 1, 1, width + max_new_tokens, dtype=torch.bool, device=self.device)
-        self.mask[:, 0, 0, :width] = visible.bool()
+    def __init__(self, model, start: torch.Tensor, max_new_tokens: int, graphs: bool, stacked: DynamicCache = None,
+                 visible: torch.Tensor = None, prompts: list[DynamicCache] = None):
+        n = len(start)
+        self.model, self.device, self.graphs, self.shared = model, start.device, graphs, prompts is not None
+        self.width = 0 if self.shared else visible.shape[1]
+        self.cache = StaticCache(config=model.config, max_cache_len=self.width + max_new_tokens)
+        if self.shared:
+            self.prompt_keys = [[c.layers[i].keys for c in prompts] for i in range(len(self.cache.layers))]
+            self.prompt_values = [[c.layers[i].values for c in prompts] for i in range(len(self.cache.layers))]
+            for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values):
+                empty = keys[0][:, :, :0].expand(n, -1, -1, -1), values[0][:, :, :0].expand(n, -1, -1, -1)
+                layer.lazy_initialization(*empty)  # allocates n rows of max_new_tokens slots
+            self.mask = torch.full((n, 1, 1, max_new_tokens), float("-inf"), dtype=model.dtype, device=self.device)
+            self.group = list(range(n))
+        else:
+            for static, dynamic in zip(self.cache.layers, stacked.layers):
+                static.update(dynamic.keys, dynamic.values)  # allocates prompts rows, writes slots [0, width)
+            self.mask = torch.zeros(n, 1, 1, self.width + max_new_tokens, dtype=torch.bool, device=self.device)
+            self.mask[:, 0, 0, : self.width] = visible.bool()
         self.start = start.clone()
-        self.tokens = torch.zeros(prompts, 1, dtype=torch.long, device=self.device)
+        self.tokens = torch.zeros(n, 1, dtype=torch.long, device=self.device)
         self.positions = self.start[:, None].clone()
-        self.slots = list(range(prompts))
+        self.slots = list(range(n))
         self.graph = self.logits = None
         self._gather(self.slots)
 
@@ -118,6 +140,13 @@ class StaticRows:
             layer.batch_size = capacity
         self.mask, self.start, self.tokens, self.positions = (
             self.mask[index], self.start[index], self.tokens[index], self.positions[index])
+        if self.shared:  # the rows of group g are consecutive (the sampler keeps streams in group order): span g
+            self.group = [self.group[r] for r in rows] + [-1] * (capacity - len(rows))  # padding: no prompt
+            spans = [(self.group.index(g), len(self.group) - self.group[::-1].index(g)) if g in self.group else (0, 0)
+                     for g in range(len(self.prompt_keys[0]))]
+            for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values):
+                setattr(layer.keys, GROUPS_ATTR, (spans, keys, values))
+            groups_mask(self.mask)
         self.slots = list(range(len(rows)))
         self.slot_index = torch.arange(len(rows), device=self.device)
         self.graph = self.logits = None  # the step's tensors moved: captured again at the next step
@@ -140,7 +169,10 @@ class StaticRows:
         from then on."""
         self.tokens.index_copy_(0, self.slot_index, tokens)
         self.positions.copy_(self.start[:, None] + depth)
-        self.mask[:, 0, 0, self.width + depth] = True
+        if self.shared:
+            self.mask[:, 0, 0, depth] = 0.0
+        else:
+            self.mask[:, 0, 0, self.width + depth] = True
         if self.graphs and self.graph is None:
             try:
                 self._capture()
