@@ -50,7 +50,7 @@ class SamplingConfig:
         "'dynamic', transformers' DynamicCache grown "
         "each step, finished streams' rows dropped at once; 'auto': static on CUDA, dynamic on the CPU (where "
         "decoding is compute-bound and idle rows cost: the demo's sampling about 10% slower static; after a "
-        "1,000-token shared start static was 1.63x faster in 7x less memory, so set it for long prompts). The same "
+        "1,000-token shared start static was 1.5-1.6x faster in 7x less memory, so set it for long prompts). The same "
         "samples either way. Models with sliding-window or recurrent layers or without SDPA attention, and "
         "multi-turn conversations, decode with 'dynamic'"))
     enforce_eager: bool = field(default=False, metadata=help_of(
