@@ -59,6 +59,8 @@ def test_bad_values_name_the_field_and_accepted_values():
         Config.from_dict({"grpo": {"scale_rewards": "mean"}})
     with pytest.raises(ValueError, match=r"train.steps='many' is not a valid int"):
         Config.from_dict({"train": {"steps": "many"}})
+    with pytest.raises(ValueError, match=r"sampling.enforce_eager='maybe' is not a valid bool; accepted values: true"):
+        Config.from_dict({"sampling": {"enforce_eager": "maybe"}})
     with pytest.raises(ValueError, match=r"grpo.epsilon=1.5.*\(0, 1\)"):
         Config.from_dict({"grpo": {"epsilon": 1.5}})
     with pytest.raises(ValueError, match=r"branching.*num_generations=8"):

@@ -139,7 +139,8 @@ def coerce(value, tp, name: str):
     except (TypeError, ValueError):
         pass
     kind = getattr(tp, "__name__", str(tp))
-    raise ValueError(f"{name}={value!r} is not a valid {kind}")
+    accepted = "; accepted values: true, false (also yes, no, 1, 0)" if tp is bool else ""
+    raise ValueError(f"{name}={value!r} is not a valid {kind}{accepted}")
 
 
 def plain(x):
