@@ -7,8 +7,8 @@
     load_model("org/name")           # hub id (needs network)
 
 `load_policy` is the run config's model section (spec, dtype, device) and `autocast` its mixed precision;
-`head_dim` and `max_positions` are the config facts every part reads from here. Importing it checks the installed
-transformers (`require_transformers`): every part that calls a model imports this module.
+`head_dim`, `max_positions` and `is_mixture_of_experts` are the config facts every part reads from here. Importing
+it checks the installed transformers (`require_transformers`): every part that calls a model imports this module.
 """
 
 import contextlib
@@ -468,6 +468,11 @@ def head_dim(config) -> int:
     """Channels per attention head: `config.head_dim` where the config sets it (Gemma, Qwen3), else hidden_size //
     num_attention_heads (Llama, GPT-2)."""
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def is_mixture_of_experts(config) -> bool:
+    """Whether the (text) model routes its tokens to experts: its config names `num_experts_per_tok`."""
+    return getattr(config.get_text_config(), "num_experts_per_tok", None) is not None
 
 
 def max_positions(config) -> int | None:

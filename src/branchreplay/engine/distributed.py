@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from ..models import is_mixture_of_experts
 from .families import Force
 from .head import check_head
 from .lockstep import collective_device
@@ -133,7 +134,7 @@ class DataParallel:
             from torch.distributed.fsdp import FSDPModule, fully_shard
 
             unused = hasattr(FSDPModule, "set_reduce_scatter_unused_params")  # not in torch 2.11's FSDP2
-            if not unused and getattr(model.config.get_text_config(), "num_experts_per_tok", None) is not None:
+            if not unused and is_mixture_of_experts(model.config):
                 # an expert no token of one rank reached: the ranks' reduce-scatters would disagree
                 raise RuntimeError(f"FSDP2 of a mixture-of-experts model needs torch's "
                                    f"FSDPModule.set_reduce_scatter_unused_params (torch {torch.__version__} has "

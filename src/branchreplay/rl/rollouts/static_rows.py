@@ -34,6 +34,7 @@ import torch
 from transformers import DynamicCache, StaticCache
 
 from ...engine.attention import GROUPS_ATTR, groups_mask
+from ...models import is_mixture_of_experts
 
 
 def static_applies(model) -> bool:
@@ -48,7 +49,7 @@ def graphs_apply(model) -> bool:
     hooks gather the parameters inside every forward)."""
     if model.device.type != "cuda":
         return False
-    if getattr(model.config.get_text_config(), "num_experts_per_tok", None) is not None:
+    if is_mixture_of_experts(model.config):
         return False
     from torch.distributed.fsdp import FSDPModule
 
