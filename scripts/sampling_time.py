@@ -11,7 +11,7 @@ Same prompts (the default task's first --prompts training questions, chat-templa
 of a shared start, a long system prompt's stand-in), temperature 1, no EOS (every row decodes --max-new-tokens
 tokens, so all decode the same number of tokens). Each run's peak memory is measured too (`bench.measure`: on the
 CPU the resident set's peak above its start). The methods alternate,
---repeats times each; it prints the median wall and process-CPU seconds of each and their ratios. With --roofline
+--repeats times each; it prints the median wall seconds and the largest peak of each, and their ratios. With --roofline
 it first measures this machine's peak matmul FLOP rate and memory bandwidth (`bench/roofline.py`) and prints the
 batch's decoding ceiling in tokens/s and each sampler's share of it.
 
@@ -29,14 +29,14 @@ from unittest import mock
 
 import torch
 
-from branchreplay.models import load_policy
-from branchreplay.rl.config import Config
 from branchreplay.bench.measure import measure
 from branchreplay.engine.attention import PrefixSplit
-from branchreplay.rl.rollouts import sampling as sampling_module
-from branchreplay.rl.rollouts.sampling import sample_group, sample_groups
+from branchreplay.models import load_policy
+from branchreplay.rl.config import Config
 from branchreplay.rl.config.sampling import SamplingConfig
 from branchreplay.rl.data.tasks import load_task, prompt_token_ids
+from branchreplay.rl.rollouts import sampling as sampling_module
+from branchreplay.rl.rollouts.sampling import sample_group, sample_groups
 
 
 def main() -> None:
@@ -57,50 +57,63 @@ def main() -> None:
     config = Config()
     model, tokenizer = load_policy(args.model, "float32", args.device)
     model.to(getattr(torch, args.dtype))  # bfloat16: the parameters themselves, as an inference server holds them
-    device = model.device
     train = load_task(config.task)[0]
     system = (tokenizer("You can call these tools. ", add_special_tokens=False)["input_ids"] * args.system_tokens)
     prompts = [system[: args.system_tokens] + prompt_token_ids(tokenizer, train[i], config.task)
                for i in range(args.prompts)]
-    G = args.num_generations
-    no_eos = {-1}  # every row runs max_new_tokens
-    width = max(map(len, prompts))
+    ceiling = roofline(model, prompts, args.num_generations, args.max_new_tokens) if args.roofline else None
+    methods = samplers(model, tokenizer, prompts, args.num_generations, args.max_new_tokens)
+    times, failed = {name: [] for name in methods}, {}
+    with torch.no_grad():
+        for _ in range(args.repeats):
+            for name, fn in methods.items():
+                if name in failed:
+                    continue
+                try:
+                    times[name].append(measure(fn, model.device))
+                except RuntimeError as e:  # e.g. a step that cannot be captured as a CUDA graph: the others still run
+                    failed[name] = f"{type(e).__name__}: {e}"
+    print(f"{args.prompts} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens x "
+          f"G={args.num_generations}, {args.max_new_tokens} new tokens each, {args.dtype} on {model.device}, "
+          f"{torch.get_num_threads()} threads, median of {args.repeats}")
+    report(times, failed, len(prompts) * args.num_generations * args.max_new_tokens, ceiling)
+
+
+def roofline(model, prompts: list[list[int]], G: int, max_new_tokens: int):
+    """This machine's peaks (measured before the samplers, with the same threads) and the batch's decoding ceiling
+    (`bench/roofline.py`), printed; returns the `Roofline`."""
+    from branchreplay.bench.roofline import DecodeShape, Roofline, memory_bandwidth, peak_matmul_flops
+
+    device = model.device
+    flops = peak_matmul_flops(4096 if device.type == "cuda" else 2048, model.dtype, device=device.type)
+    bandwidth = memory_bandwidth(2048 if device.type == "cuda" else 512, device=device.type)
+    shape = DecodeShape.of(model)
+    mean_prompt = round(sum(map(len, prompts)) / len(prompts))
+    ceiling = Roofline.of(shape, len(prompts) * G, mean_prompt, max_new_tokens, flops, bandwidth)
+    print(f"peak {model.dtype} matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
+          f"({torch.get_num_threads()} threads); a step of {len(prompts) * G} streams at {mean_prompt} tokens: "
+          f"{shape.flops(len(prompts) * G, mean_prompt) / 1e9:.1f} GFLOP, "
+          f"{shape.bytes(len(prompts) * G, mean_prompt) / 1e9:.2f} GB; roofline "
+          f"{ceiling.tokens_per_s:.0f} tokens/s ({ceiling.bound}-bound, {ceiling.seconds:.2f} s for the batch)")
+    return ceiling
+
+
+def samplers(model, tokenizer, prompts: list[list[int]], G: int, max_new_tokens: int) -> dict:
+    """{name: a call that samples the batch}: the ways of the module docstring, every row running max_new_tokens."""
+    device, no_eos, width = model.device, {-1}, max(map(len, prompts))
 
     def per_group():
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens)
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens)
         for k, p in enumerate(prompts):
             sample_group(model, p, G, sampling, no_eos, torch.Generator(device).manual_seed(k))
 
     def batched(**cache):
-        sampling = SamplingConfig(temperature=1.0, max_new_tokens=args.max_new_tokens, **cache)
+        sampling = SamplingConfig(temperature=1.0, max_new_tokens=max_new_tokens, **cache)
 
         def run():
             generators = [torch.Generator(device).manual_seed(k) for k in range(len(prompts))]
             sample_groups(model, prompts, G, sampling, no_eos, generators)
         return run
-
-    def trl_generate():
-        rows = [p for p in prompts for _ in range(G)]
-        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(p)) + p for p in rows], device=device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
-        torch.manual_seed(0)
-        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
-                       max_new_tokens=args.max_new_tokens, min_new_tokens=args.max_new_tokens,
-                       pad_token_id=tokenizer.eos_token_id)
-
-    if args.roofline:  # measured before the samplers, with the same threads
-        from branchreplay.bench.roofline import DecodeShape, Roofline, memory_bandwidth, peak_matmul_flops
-
-        flops = peak_matmul_flops(4096 if device.type == "cuda" else 2048, model.dtype, device=device.type)
-        bandwidth = memory_bandwidth(2048 if device.type == "cuda" else 512, device=device.type)
-        shape = DecodeShape.of(model)
-        mean_prompt = round(sum(map(len, prompts)) / len(prompts))
-        ceiling = Roofline.of(shape, len(prompts) * G, mean_prompt, args.max_new_tokens, flops, bandwidth)
-        print(f"peak {model.dtype} matmul {flops / 1e9:.0f} GFLOP/s, copy bandwidth {bandwidth / 1e9:.1f} GB/s "
-              f"({torch.get_num_threads()} threads); a step of {len(prompts) * G} streams at {mean_prompt} tokens: "
-              f"{shape.flops(len(prompts) * G, mean_prompt) / 1e9:.1f} GFLOP, "
-              f"{shape.bytes(len(prompts) * G, mean_prompt) / 1e9:.2f} GB; roofline "
-              f"{ceiling.tokens_per_s:.0f} tokens/s ({ceiling.bound}-bound, {ceiling.seconds:.2f} s for the batch)")
 
     def split_off(*args):  # a PrefixSplit that does not apply: the static rows hold each row's prompt
         split = PrefixSplit(*args)
@@ -111,32 +124,34 @@ def main() -> None:
         with mock.patch.object(sampling_module, "PrefixSplit", split_off):
             batched(cache_implementation="static")()
 
+    def trl_generate():
+        rows = [p for p in prompts for _ in range(G)]
+        ids = torch.tensor([[tokenizer.eos_token_id] * (width - len(p)) + p for p in rows], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in rows], device=device)
+        torch.manual_seed(0)
+        model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
+                       max_new_tokens=max_new_tokens, min_new_tokens=max_new_tokens,
+                       pad_token_id=tokenizer.eos_token_id)
+
     methods = {"per group (sample_group)": per_group, "batched, static cache": batched(cache_implementation="static"),
                "batched, static, prompt per row": stacked,
                "batched, dynamic cache": batched(cache_implementation="dynamic"),
                "TRL (model.generate, padded)": trl_generate}
     if device.type == "cuda":
         methods["batched, static, eager"] = batched(cache_implementation="static", enforce_eager=True)
-    times, failed = {name: [] for name in methods}, {}
-    with torch.no_grad():
-        for _ in range(args.repeats):
-            for name, fn in methods.items():
-                if name in failed:
-                    continue
-                try:
-                    times[name].append(measure(fn, device))
-                except RuntimeError as e:  # e.g. a step that cannot be captured as a CUDA graph: the others still run
-                    failed[name] = f"{type(e).__name__}: {e}"
-    print(f"{args.prompts} prompts of {min(map(len, prompts))}-{width} tokens x G={G}, {args.max_new_tokens} new "
-          f"tokens each, {args.dtype} on {device}, {torch.get_num_threads()} threads, median of {args.repeats}")
+    return methods
+
+
+def report(times: dict, failed: dict, tokens: int, ceiling) -> None:
+    """One line per method: median wall seconds, largest peak, against the static batched sampler, tokens/s and
+    (with a `ceiling`) the share of the roofline."""
     base = statistics.median(m.seconds for m in times["batched, static cache"] or times["batched, dynamic cache"])
-    tokens = len(prompts) * G * args.max_new_tokens
     for name, values in times.items():
         if name in failed:
             print(f"  {name:30} failed: {failed[name][:300]}")
             continue
         wall, peak = statistics.median(m.seconds for m in values), max(m.peak_bytes for m in values)
-        share = f"  {tokens / wall / ceiling.tokens_per_s:6.1%} of the roofline" if args.roofline else ""
+        share = f"  {tokens / wall / ceiling.tokens_per_s:6.1%} of the roofline" if ceiling is not None else ""
         print(f"  {name:32} {wall:7.2f} s  peak {peak / 2**20:7.0f} MiB  {wall / base:5.2f}x batched  "
               f"{tokens / wall:6.0f} tokens/s{share}")
 
