@@ -33,7 +33,7 @@ def _split(q, k, v, own, K, scale, pieces=(2,)):
     """`_SplitAttention` with the K prefix keys cut into pieces of the given sizes (the rest in a last piece)."""
     cuts = list(pieces) + [K - sum(pieces)]
     ks, vs = k[:, :, :K].split(cuts, dim=2), v[:, :, :K].split(cuts, dim=2)
-    return attention._SplitAttention.apply(q, k[:, :, K:], v[:, :, K:], own, scale, len(cuts), *ks, *vs)
+    return attention.split_attention(q, k[:, :, K:], v[:, :, K:], own, scale, ks, vs)
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["one-node-causal", "two-siblings-masked"])
@@ -72,8 +72,7 @@ def test_rows_of_a_batch_share_one_prefix():
     k, v = (torch.randn(B, 2, S, 8, generator=g, requires_grad=True) for _ in range(2))
     kp, vp = (torch.randn(1, 2, K, 8, generator=g, requires_grad=True) for _ in range(2))
     dout = torch.randn(B, 4, S, 8, generator=g)
-    out = attention._SplitAttention.apply(q, k, v, None, 0.3, 2, kp[:, :, :5], kp[:, :, 5:], vp[:, :, :5],
-                                          vp[:, :, 5:])
+    out = attention.split_attention(q, k, v, None, 0.3, [kp[:, :, :5], kp[:, :, 5:]], [vp[:, :, :5], vp[:, :, 5:]])
     grads = torch.autograd.grad(out, (q, k, v, kp, vp), dout)
     causal = torch.ones(S, K + S, dtype=torch.bool).tril(K)
     ref_out, ref_grads = [], [[] for _ in range(5)]
@@ -89,12 +88,49 @@ def test_rows_of_a_batch_share_one_prefix():
         torch.testing.assert_close(grad, sum(ref), rtol=1e-5, atol=1e-5, msg=name)
 
     with pytest.raises(RuntimeError, match="prefix pieces of one row"):  # the CPU kernel would read out of bounds
-        attention._SplitAttention.apply(q, k, v, None, 0.3, 1, kp.expand(B, -1, -1, -1), vp.expand(B, -1, -1, -1))
+        attention.split_attention(q, k, v, None, 0.3, [kp.expand(B, -1, -1, -1)], [vp.expand(B, -1, -1, -1)])
 
     q64, k64, v64, kp64, vp64 = (t[:2].detach().double().requires_grad_() for t in (q, k, v, kp, vp))
     assert torch.autograd.gradcheck(
-        lambda q, k, v, kp, vp: attention._SplitAttention.apply(q, k, v, None, 0.3, 1, kp, vp), (q64, k64, v64, kp64,
-                                                                                                  vp64))
+        lambda q, k, v, kp, vp: attention.split_attention(q, k, v, None, 0.3, [kp], [vp]), (q64, k64, v64, kp64, vp64))
+
+
+def test_queries_below_different_parents_see_their_own_prefix():
+    """Rows 0-1 below one parent, row 2 below another (`cache.Prefix.groups`): each row's output and gradients equal
+    one SDPA call over its own prefix (the common piece, then its parent's) and its own keys; the common piece's
+    gradient is the sum over all rows, each parent's over its rows. Then gradcheck in float64."""
+    S, B = 5, 3
+    g = torch.Generator().manual_seed(6)
+    q = torch.randn(B, 4, S, 8, generator=g, requires_grad=True)
+    k, v = (torch.randn(B, 2, S, 8, generator=g, requires_grad=True) for _ in range(2))
+    common, first, second = ((torch.randn(1, 2, n, 8, generator=g, requires_grad=True),
+                              torch.randn(1, 2, n, 8, generator=g, requires_grad=True)) for n in (6, 3, 4))
+    keys, values = [common[0], first[0], second[0]], [common[1], first[1], second[1]]
+    groups = ((0, 2 * S, (0, 1)), (2 * S, 3 * S, (0, 2)))
+    dout = torch.randn(B, 4, S, 8, generator=g)
+    inputs = (q, k, v, *keys, *values)
+    out = attention.split_attention(q, k, v, None, 0.3, keys, values, groups)
+    grads = torch.autograd.grad(out, inputs, dout)
+    ref_out, ref_grads = [], [torch.zeros_like(t) for t in inputs]
+    for b, parent in ((0, first), (1, first), (2, second)):
+        kp, vp = torch.cat([common[0], parent[0]], dim=2), torch.cat([common[1], parent[1]], dim=2)
+        K = kp.shape[2]
+        ref = torch.nn.functional.scaled_dot_product_attention(
+            q[b : b + 1], torch.cat([kp, k[b : b + 1]], dim=2), torch.cat([vp, v[b : b + 1]], dim=2),
+            attn_mask=torch.ones(S, K + S, dtype=torch.bool).tril(K), scale=0.3, enable_gqa=True)
+        ref_out.append(ref)
+        for i, grad in enumerate(torch.autograd.grad(ref, inputs, dout[b : b + 1], allow_unused=True)):
+            if grad is not None:
+                ref_grads[i] += grad
+    torch.testing.assert_close(out, torch.cat(ref_out), rtol=1e-5, atol=1e-6)
+    for name, grad, ref in zip("q k v kc k1 k2 vc v1 v2".split(), grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5, msg=name)
+    wrong = attention.split_attention(q, k, v, None, 0.3, keys, values, ((0, 3 * S, (0, 1)),))  # all below one
+    assert (wrong[2] - out[2]).abs().max() > 1e-2
+
+    doubles = [t.detach().double().requires_grad_() for t in inputs]
+    assert torch.autograd.gradcheck(
+        lambda q, k, v, *p: attention.split_attention(q, k, v, None, 0.3, list(p[:3]), list(p[3:]), groups), doubles)
 
 
 def test_engine_routes_prefix_packs_through_the_split_and_stays_exact(monkeypatch, keep64):
@@ -148,7 +184,7 @@ def test_split_is_scoped_to_the_model_and_loud_when_a_marked_call_is_lost():
     from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    from branchreplay.engine.cache import PREFIX_ATTR
+    from branchreplay.engine.cache import PREFIX_ATTR, Prefix
 
     model, other = tiny_model("llama", dtype=torch.float32), tiny_model("llama", dtype=torch.float32, seed=1)
     kinds = ["attention"] * model.config.num_hidden_layers
@@ -190,7 +226,7 @@ def test_split_is_scoped_to_the_model_and_loud_when_a_marked_call_is_lost():
     out, _ = wrapper(module, q, k, v, None, scaling=0.3)  # unmarked: plain SDPA
     torch.testing.assert_close(out, torch.nn.functional.scaled_dot_product_attention(
         q, k, v, scale=0.3, is_causal=True, enable_gqa=True).transpose(1, 2))
-    setattr(k, PREFIX_ATTR, [k[:, :, :4]])
+    setattr(k, PREFIX_ATTR, Prefix([k[:, :, :4]], [v[:, :, :4]], ((0, 6, (0,)),)))
     with pytest.raises(RuntimeError, match="lost the split mark"):
         wrapper(module, q, k, v, None, scaling=0.3)
 

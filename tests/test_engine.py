@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from branchreplay.bench.scenarios import agent_trajectories
 from branchreplay.check.numerics import keep_float64
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
@@ -161,6 +162,40 @@ def test_gradients_accumulate_like_backward(tiny64):
     replay_backward(model, RolloutTree(rollouts), GRPOLoss())
     twice = grads(model)
     assert max_rel_grad_err(twice, [2 * x for x in once]) <= 1e-12
+
+
+@pytest.mark.parametrize("replay", ["keep", "replay"])
+def test_packs_below_different_parents_equal_naive(replay, monkeypatch, tiny64):
+    """Agent trajectories (uneven forks at every turn): under split prefix attention the nodes of one depth run in
+    packs that mix parents, as batches (nodes with children among them) and as tree-masked packs, each node against
+    its own parent's prefix. The gradient and logprobs equal naive; a control where every node of such a pack sees
+    the first parent's prefix fails."""
+    from branchreplay.engine import cache
+
+    model = tiny64("llama", torch.float64)
+    g = torch.Generator().manual_seed(11)
+    rollouts = make_rollouts(agent_trajectories(12, 3, 5, 4, (2, 1, 3), model.config.vocab_size, g), g)
+    built = []
+    original = cache.PrefixCache.__init__
+
+    def spy(self, *args, groups=None, **kwargs):
+        built.append(0 if groups is None else len(groups))
+        original(self, *args, groups=groups, **kwargs)
+
+    monkeypatch.setattr(cache.PrefixCache, "__init__", spy)
+    grad_err, lp_err, _, norm = compare(model, rollouts, GRPOLoss(), max_pack_tokens=24, replay=replay)
+    assert max(built) >= 2, built  # a pack below two or more parents ran
+    assert norm > 0 and grad_err <= 1e-10 and lp_err <= 1e-12, (grad_err, lp_err)
+
+    prefix = cache._PrefixLayer._prefix
+
+    def first_parent_only(self, queries):
+        keys, values, groups = prefix(self, queries)
+        return cache.Prefix(keys, values, tuple((a, b, groups[0][2]) for a, b, _ in groups))
+
+    monkeypatch.setattr(cache._PrefixLayer, "_prefix", first_parent_only)
+    grad_err, lp_err, _, _ = compare(model, rollouts, GRPOLoss(), max_pack_tokens=24, replay=replay)
+    assert grad_err > 1e-3 and lp_err > 1e-3
 
 
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -255,7 +255,7 @@ def test_recurrent_families_run_packs_of_one(keep64):
     g = torch.Generator().manual_seed(15)
     tree = RolloutTree(make_rollouts(shared_prompt(8, 4, 3, 256, g), g))
     run = _Run(model, 1.0, EngineConfig(max_pack_tokens=10_000), LOSS)
-    assert [len(p) for p in run.packs_of(tree.root.children[0])] == [1, 1, 1, 1]
+    assert [len(p) for p in run.packs_of([tree.root.children[0]])] == [1, 1, 1, 1]
     layer = recurrent.RecurrentLayer(None)
     layer.update_conv_state(torch.zeros(1, 4, 6), conv_kernel_size=3)
     with pytest.raises(RuntimeError, match="packs of one"):

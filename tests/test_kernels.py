@@ -129,7 +129,7 @@ def test_split_attention_on_cuda_equals_naive(arch, monkeypatch):
 @cuda
 def test_cuda_kernels_against_sdpa():
     """One block pair on the GPU: the split forward and backward equal one SDPA call over all keys."""
-    from branchreplay.engine.attention import _SplitAttention
+    from branchreplay.engine.attention import split_attention
 
     torch.manual_seed(0)
     B, h, h_kv, S, P, d = 1, 8, 2, 50, 70, 64
@@ -137,7 +137,7 @@ def test_cuda_kernels_against_sdpa():
     k, v = (torch.randn(B, h_kv, P + S, d, device="cuda", requires_grad=True) for _ in range(2))
     own = torch.zeros(S, S, device="cuda").masked_fill(~torch.ones(S, S, dtype=torch.bool, device="cuda").tril(),
                                                        float("-inf"))[None, None]
-    out = _SplitAttention.apply(q, k[:, :, P:], v[:, :, P:], own, d**-0.5, 1, k[:, :, :P], v[:, :, :P])
+    out = split_attention(q, k[:, :, P:], v[:, :, P:], own, d**-0.5, [k[:, :, :P]], [v[:, :, :P]])
     full = torch.cat([torch.zeros(1, 1, S, P, device="cuda"), own], dim=-1)
     ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=full, enable_gqa=True)
     dout = torch.randn_like(out)

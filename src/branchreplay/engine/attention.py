@@ -62,48 +62,80 @@ def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, de
 
 class _SplitAttention(torch.autograd.Function):
     """q [B, h, S, d]; k, v [B, h_kv, S, d] (the pack's own keys; h a multiple of h_kv, grouped as `repeat_kv`);
-    own_mask [1, 1, S, S] or None (causal); then n prefix key pieces and n prefix value pieces [1, h_kv, L_i, d],
-    root first (the ancestors' states, alive anyway). Returns out [B, h, S, d]. Saved for backward: q, the pack's
-    own k / v and mask, out, lse and the pieces; the concatenated prefix exists only inside forward and backward.
-    The block kernels are the device's (`kernels.py`).
+    own_mask [1, 1, S, S] or None (causal); `groups`, a tuple of (a, b, pieces) in order, covering the B x S queries
+    of the folded sequence (`_fold_rows`: the rows one after the other): queries a ... b - 1 see the prefix pieces
+    with those indices, root first; then n prefix key pieces and n prefix value pieces [1, h_kv, L_i, d] (the
+    ancestors' states, alive anyway). Returns out [B, h, S, d]. Saved for backward: q, the pack's own k / v and mask,
+    out, lse and the pieces; a group's concatenated prefix exists only inside forward and backward. The block kernels
+    are the device's (`kernels.py`).
 
-    B > 1 (the rows of a batch, `packs.batched_packs`, each a node's own tokens below the one shared prefix): every
-    query sees every prefix key, so for the prefix block the B rows are folded into one query sequence of B x S
-    (`_fold_rows`): one kernel call against the prefix as it is, never copied per row, whose dK, dV are then already
-    summed over the rows."""
+    A group's queries are folded into one query sequence against its prefix as it is, never copied per row: the
+    rows of a batch below one prefix (`packs.batched_packs`), or the nodes of a pack that hang below different
+    parents (one group per parent, `stack._Run.packs_of`). A piece several groups see (their common ancestors) gets
+    the sum of their dK, dV."""
 
     @staticmethod
-    def forward(ctx, q, k, v, own_mask, scale, n, *pieces):
+    def forward(ctx, q, k, v, own_mask, scale, groups, n, *pieces):
         kernels = kernels_for(q.device)
         causal = own_mask is None
         if any(piece.shape[0] != 1 for piece in pieces):  # the CPU kernel does not check q's and k's batch sizes
             raise RuntimeError(f"split attention takes prefix pieces of one row, got {[p.shape for p in pieces]}")
-        kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
-        rows = q.shape[0]
-        out_p, lse_p, saved_p = kernels.forward(_fold_rows(q), kp, vp, None, False, scale)
-        out_p, lse_p = _unfold_rows(out_p, rows), _unfold_rows(lse_p, rows)
+        rows, folded = q.shape[0], _fold_rows(q)
+        outs, lses, saved_p = [], [], []
+        for a, b, used in groups:
+            kp, vp = torch.cat([pieces[i] for i in used], dim=2), torch.cat([pieces[n + i] for i in used], dim=2)
+            out_g, lse_g, saved_g = kernels.forward(_queries(folded, a, b, groups), kp, vp, None, False, scale)
+            outs.append(out_g)
+            lses.append(lse_g)
+            saved_p.append(saved_g)
         del kp, vp
+        out_p, lse_p = _unfold_rows(_joined(outs, 2), rows), _unfold_rows(_joined(lses, 2), rows)
         out_s, lse_s, saved_s = kernels.forward(q, k, v, own_mask, causal, scale)
         lse = torch.logaddexp(lse_p, lse_s)  # [B, h, S]
         w_p, w_s = torch.exp(lse_p - lse)[..., None].to(q.dtype), torch.exp(lse_s - lse)[..., None].to(q.dtype)
         out = out_p * w_p + out_s * w_s
         ctx.save_for_backward(q, k, v, own_mask, out, lse, *pieces)
-        ctx.scale, ctx.n, ctx.saved = scale, n, (saved_p, saved_s)
+        ctx.scale, ctx.groups, ctx.n, ctx.saved = scale, groups, n, (saved_p, saved_s)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, own_mask, out, lse, *pieces = ctx.saved_tensors
         kernels = kernels_for(q.device)
-        n, dout, (saved_p, saved_s) = ctx.n, dout.contiguous(), ctx.saved
-        kp, vp = torch.cat(pieces[:n], dim=2), torch.cat(pieces[n:], dim=2)
-        dq_p, dk_p, dv_p = kernels.backward(_fold_rows(dout), _fold_rows(q), kp, vp, None, _fold_rows(out),
-                                            _fold_rows(lse), False, ctx.scale, saved_p)
-        dq_p = _unfold_rows(dq_p, q.shape[0])
+        n, groups, dout, (saved_p, saved_s) = ctx.n, ctx.groups, dout.contiguous(), ctx.saved
+        folded = [_fold_rows(x) for x in (dout, q, out, lse)]
+        dq_parts, dk, dv = [], [None] * n, [None] * n
+        for (a, b, used), saved_g in zip(groups, saved_p):
+            kp, vp = torch.cat([pieces[i] for i in used], dim=2), torch.cat([pieces[n + i] for i in used], dim=2)
+            dout_g, q_g, out_g, lse_g = (_queries(x, a, b, groups) for x in folded)
+            dq_g, dk_g, dv_g = kernels.backward(dout_g, q_g, kp, vp, None, out_g, lse_g, False, ctx.scale, saved_g)
+            dq_parts.append(dq_g)
+            sizes = [pieces[i].shape[2] for i in used]
+            for i, dk_i, dv_i in zip(used, dk_g.split(sizes, dim=2), dv_g.split(sizes, dim=2)):
+                dk[i] = dk_i if dk[i] is None else dk[i] + dk_i
+                dv[i] = dv_i if dv[i] is None else dv[i] + dv_i
         del kp, vp
+        dq_p = _unfold_rows(_joined(dq_parts, 2), q.shape[0])
         dq_s, dk_s, dv_s = kernels.backward(dout, q, k, v, own_mask, out, lse, own_mask is None, ctx.scale, saved_s)
-        sizes = [t.shape[2] for t in pieces[:n]]
-        return (dq_p + dq_s, dk_s, dv_s, None, None, None, *dk_p.split(sizes, dim=2), *dv_p.split(sizes, dim=2))
+        return (dq_p + dq_s, dk_s, dv_s, None, None, None, None, *dk, *dv)
+
+
+def split_attention(q, k, v, own_mask, scale, keys, values, groups=None) -> torch.Tensor:
+    """`_SplitAttention` (its shapes): the queries against the prefix pieces `keys`, `values` (lists, root first) and
+    their own keys; `groups` as `cache.Prefix.groups`, None: every query sees every piece."""
+    if groups is None:
+        groups = ((0, q.shape[0] * q.shape[2], tuple(range(len(keys)))),)
+    return _SplitAttention.apply(q, k, v, own_mask, scale, groups, len(keys), *keys, *values)
+
+
+def _queries(folded: torch.Tensor, a: int, b: int, groups) -> torch.Tensor:
+    """Queries a ... b - 1 of a folded [1, h, N, ...] tensor: all of it for one group, else a contiguous copy (the
+    kernels take the layouts PyTorch's own SDPA hands them)."""
+    return folded if len(groups) == 1 else folded[:, :, a:b].contiguous()
+
+
+def _joined(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 
 GROUPS_ATTR = "_branchreplay_groups"  # set on the decoding rows' own keys: (spans, prompt keys, prompt values)
@@ -151,7 +183,7 @@ def _unfold_rows(x: torch.Tensor, rows: int) -> torch.Tensor:
 
 def split_sdpa(original):
     """transformers' sdpa attention function, extended: a mask marked by `own_keys_mask` runs `_SplitAttention`
-    on the pack's own keys / values and the prefix pieces they carry (`cache.PREFIX_ATTR`); any other call
+    on the pack's own keys / values and the prefix pieces the keys carry (`cache.Prefix`); any other call
     goes to `original` unchanged. Returns (attn_output [B, S, h, d], None) as transformers'.
     Raises RuntimeError when the two disagree (keys carrying prefix pieces with an unmarked mask, or the reverse) or
     when the layer asks for what split attention does not do (dropout, softcap, sliding window, position bias,
@@ -159,7 +191,7 @@ def split_sdpa(original):
 
     def attention(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
         kind = getattr(attention_mask, _MARK, None)
-        prefix_k, prefix_v = getattr(key, PREFIX_ATTR, None), getattr(value, PREFIX_ATTR, None)
+        prefix = getattr(key, PREFIX_ATTR, None)  # cache.Prefix
         groups = getattr(key, GROUPS_ATTR, None)
         unsupported = [k for k in ("softcap", "sliding_window", "position_bias", "s_aux") if kwargs.get(k) is not None]
         if (kind == "groups") != (groups is not None):
@@ -174,17 +206,17 @@ def split_sdpa(original):
             out = grouped_prefix_attention(query, key, value, attention_mask, scale, *groups)
             return out.transpose(1, 2).contiguous(), None
         if kind is None:
-            if prefix_k is not None:
+            if prefix is not None:
                 raise RuntimeError("keys without their prefix reached plain SDPA: the layer's mask lost the split "
                                    "mark (a model that copies or slices its attention mask is not supported)")
             return original(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
-        if dropout or unsupported or not prefix_k:
+        if dropout or unsupported or prefix is None:
             raise RuntimeError(f"split prefix attention cannot run this layer (dropout {dropout}, {unsupported}, "
-                               f"prefix pieces {'present' if prefix_k else 'missing'}); run it with "
+                               f"prefix pieces {'missing' if prefix is None else 'present'}); run it with "
                                "EngineConfig defaults on a supported family, or report the model")
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         own = None if kind == "causal" else attention_mask.to(query.dtype)
-        out = _SplitAttention.apply(query, key, value, own, scale, len(prefix_k), *prefix_k, *prefix_v)
+        out = split_attention(query, key, value, own, scale, prefix.keys, prefix.values, prefix.groups)
         return out.transpose(1, 2).contiguous(), None
 
     return attention

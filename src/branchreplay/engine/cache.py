@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
@@ -11,7 +12,7 @@ from transformers.cache_utils import Cache, DynamicLayer
 from .families import UnsupportedModelError
 from .recurrent import HybridLayer, RecurrentLayer
 
-PREFIX_ATTR = "_branchreplay_prefix"  # set on the keys / values `update` returns in split mode
+PREFIX_ATTR = "_branchreplay_prefix"  # set on the keys `update` returns in split mode: a `Prefix`
 
 NodeState = list[tuple[torch.Tensor, ...]]
 """What a node hands its descendants, per decoder layer. Attention layers: (keys, values) of the node's own
@@ -28,6 +29,17 @@ def kept_positions(prefix_length: int, window: int | None) -> int:
     return prefix_length if window is None else min(prefix_length, window - 1)
 
 
+class Prefix(NamedTuple):
+    """What a split pack's queries see before their own keys, in one attention layer (`attention._SplitAttention`):
+    the distinct key and value pieces [1, H_kv, L_i, D] of their ancestors, and `groups`, a tuple of (a, b, indices):
+    the queries a ... b - 1 of the pack, its rows one after the other, see the pieces with those indices, root
+    first. One group unless the pack's nodes hang below different parents."""
+
+    keys: list[torch.Tensor]
+    values: list[torch.Tensor]
+    groups: tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
 class _PrefixLayer(DynamicLayer):
     """One attention layer's cache: the ancestors' K/V, concatenated once with the K/V of this forward (or, with
     `split`, handed to split prefix attention as pieces: `update`).
@@ -39,9 +51,9 @@ class _PrefixLayer(DynamicLayer):
     """
 
     def __init__(self, ancestors: list[tuple[torch.Tensor, torch.Tensor]], window: int | None = None,
-                 prefix_length: int | None = None, split: bool = False):
+                 prefix_length: int | None = None, split: bool = False, groups: list | None = None):
         super().__init__()
-        self.split = split
+        self.split, self.groups = split, groups  # groups: `PrefixCache`'s, this layer's (k, v) per ancestor
         available = sum(k.shape[-2] for k, _ in ancestors)
         self.window = window
         self.is_sliding = window is not None  # transformers sizes the sliding mask on the first such layer
@@ -52,8 +64,8 @@ class _PrefixLayer(DynamicLayer):
 
     def update(self, key_states, value_states, *args, **kwargs):
         """The keys and values the layer attends to: the ancestors' and these, concatenated. With `split`
-        (`attention.PrefixSplit`), these alone, carrying the ancestors' pieces as `PREFIX_ATTR`: split attention
-        concatenates them only while it computes, and keeps no concatenated copy for backward.
+        (`attention.PrefixSplit`), these alone, the keys carrying the ancestors' pieces as `PREFIX_ATTR` (a `Prefix`):
+        split attention concatenates them only while it computes, and keeps no concatenated copy for backward.
 
         Raises:
             UnsupportedModelError: the layer hands keys and values in another layout than [batch, kv_heads, tokens,
@@ -62,14 +74,28 @@ class _PrefixLayer(DynamicLayer):
         _check_layout(key_states, value_states, self.ancestors)
         self.new_keys, self.new_values = key_states, value_states
         if self.split:
-            setattr(key_states, PREFIX_ATTR, [k for k, _ in self.ancestors])
-            setattr(value_states, PREFIX_ATTR, [v for _, v in self.ancestors])
+            setattr(key_states, PREFIX_ATTR, self._prefix(key_states.shape[0] * key_states.shape[2]))
             return key_states, value_states
         if not self.ancestors:
             return key_states, value_states
         keys = torch.cat([k for k, _ in self.ancestors] + [key_states], dim=-2)
         values = torch.cat([v for _, v in self.ancestors] + [value_states], dim=-2)
         return keys, values
+
+    def _prefix(self, queries: int) -> Prefix:
+        """The `Prefix` of a split forward of `queries` positions (its rows one after the other)."""
+        if self.groups is None:
+            return Prefix([k for k, _ in self.ancestors], [v for _, v in self.ancestors],
+                          ((0, queries, tuple(range(len(self.ancestors)))),))
+        index: dict[int, int] = {}
+        pieces, groups = [], []
+        for a, b, states in self.groups:
+            for state in states:
+                if id(state[0]) not in index:
+                    index[id(state[0])] = len(pieces)
+                    pieces.append(state)
+            groups.append((a, b, tuple(index[id(state[0])] for state in states)))
+        return Prefix([k for k, _ in pieces], [v for _, v in pieces], tuple(groups))
 
     def get_seq_length(self) -> int:
         """The absolute prefix length P (the query offset), also in a sliding layer that serves fewer keys."""
@@ -82,9 +108,15 @@ class _PrefixLayer(DynamicLayer):
         return self.kept + query_length, self.prefix_length - self.kept
 
     def node_state(self, a: int, b: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The keys and values of the node at positions a ... b - 1 of the forward's rows, one after the other (the
+        node's own row of a batch)."""
+        keys, values = self.new_keys, self.new_values
+        if keys.shape[0] > 1:
+            row, length = a // keys.shape[2], keys.shape[2]
+            keys, values, a, b = keys[row : row + 1], values[row : row + 1], a - row * length, b - row * length
         if self.window is not None:  # descendants start at the node's end: they see at most its last window - 1
             a = max(a, b - (self.window - 1))
-        return self.new_keys[:, :, a:b], self.new_values[:, :, a:b]
+        return keys[:, :, a:b], values[:, :, a:b]
 
 
 def _check_layout(keys: torch.Tensor, values: torch.Tensor, ancestors: list[tuple[torch.Tensor, torch.Tensor]]):
@@ -146,24 +178,40 @@ class PrefixCache(Cache):
             holds fewer positions than P (default: the positions the ancestors' states hold).
         split: attention layers hand the prefix pieces to split attention instead of concatenating them
             (`_PrefixLayer.update`); only for full-attention layers under `attention.PrefixSplit`.
-    After the forward, `node_state(a, b)` is the `NodeState` of the node at query positions [a, b).
+        groups: with `split`, a pack whose nodes hang below different parents: (a, b, ancestors) per run of nodes
+            with the same ancestors, a ... b - 1 their positions in the pack's rows one after the other (`ancestors`
+            is then unused). Raises ValueError without `split`.
+    After the forward, `node_state(a, b)` is the `NodeState` of the node at query positions [a, b) (rows one after
+    the other).
     """
 
     def __init__(self, ancestors: list[NodeState], num_layers: int, kinds: list[str] | None = None,
-                 windows: list[int | None] | None = None, prefix_length: int | None = None, split: bool = False):
+                 windows: list[int | None] | None = None, prefix_length: int | None = None, split: bool = False,
+                 groups: list[tuple[int, int, list[NodeState]]] | None = None):
         kinds = kinds or ["attention"] * num_layers
         windows = windows or [None] * num_layers
+        if groups is not None and not split:
+            raise ValueError("a pack below several parents runs only under split prefix attention")
+        if groups is not None:
+            distinct = {id(state): state for _, _, states in groups for state in states}
+            ancestors = list(distinct.values())
         for observe in _observers:
             observe(ancestors)
-        super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length, split)
+        super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length, split,
+                                        _layer_groups(groups, i))
                                  for i, (kind, window) in enumerate(zip(kinds, windows))])
 
     def node_state(self, a: int, b: int) -> NodeState:
         return [layer.node_state(a, b) for layer in self.layers]
 
 
+def _layer_groups(groups, i: int):
+    """`PrefixCache`'s groups with layer i's (k, v) of each ancestor."""
+    return None if groups is None else [(a, b, [state[i] for state in states]) for a, b, states in groups]
+
+
 def _layer(kind: str, states: list[tuple[torch.Tensor, ...]], window: int | None = None,
-           prefix_length: int | None = None, split: bool = False):
+           prefix_length: int | None = None, split: bool = False, groups=None):
     """One layer's cache from that layer's `NodeState` of each ancestor (root first): attention reads them all (a
     sliding one their last window - 1 positions), a recurrent layer only the parent's (the last), a hybrid
     (FalconH1) both: (k, v) parts and the parent's state."""
@@ -172,4 +220,4 @@ def _layer(kind: str, states: list[tuple[torch.Tensor, ...]], window: int | None
     if kind == "hybrid":
         return HybridLayer(_PrefixLayer([s[:2] for s in states], window, prefix_length),
                            states[-1][2:] if states else None)
-    return _PrefixLayer(states, window, prefix_length, split)
+    return _PrefixLayer(states, window, prefix_length, split, groups)

@@ -144,7 +144,7 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
     cache = GatheredCache(ancestors, run.num_layers, pieces, part.rank, run.kinds, run.windows, split)
     yield CP_FORWARD
     with capture() as embedded:
-        hidden, cache = run.forward([Node(part.prefix[a:b].to(run.device), a, [])], a, ancestors, cache=cache)
+        hidden, cache = run.forward([Node(part.prefix[a:b].to(run.device), a, [])], [ancestors], cache=cache)
     state = cache.round_state()
     last = k == len(part.rounds) - 1
     h = _gather(hidden[-1:], [1] * len(pieces))[pieces[-1][2]][0] if last else None

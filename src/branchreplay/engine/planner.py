@@ -135,7 +135,7 @@ def memory_model(model, forward, tokens: int, split: bool):
     model's position limit (GPT-2's learned table): s is at most max_position_embeddings // 7, and a model with
     fewer than 7 positions, whose trees are a few tokens, gets the fixed bytes only.
 
-    forward(nodes, P, ancestors) -> (hidden [S, H], cache): the engine's pack forward; split: the model runs split
+    forward(nodes, ancestors) -> (hidden [S, H], cache): the engine's pack forward; split: the model runs split
     prefix attention (`attention.PrefixSplit`). A generator that yields FORWARD before each probe forward (the
     probes are decoder forwards like the packs', so under lock-step the other ranks run dummies: `lockstep.py`)
     and returns the `MemoryModel`."""
@@ -164,12 +164,12 @@ def _fit(model, forward, s: int, split: bool):
         prefix = Node(torch.randint(0, vocab, (P,), generator=g), 0, [])
         yield FORWARD
         with torch.no_grad():
-            _, cache = forward([prefix], 0, [])
+            _, cache = forward([prefix], [[]])
         state = [tuple(t.detach().requires_grad_(True) for t in layer) for layer in cache.node_state(0, P)]
         node = Node(torch.randint(0, vocab, (S,), generator=g), P, [])
         leaves = [t for layer in state for t in layer]  # counted as state, not as activations
         yield FORWARD
-        return saved_bytes(params + leaves, lambda: forward([node], P, [state])), state
+        return saved_bytes(params + leaves, lambda: forward([node], [[state]])), state
 
     per_token = per_key = state_per_token = 0.0
     if s > 0:
@@ -202,7 +202,8 @@ def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: 
     Args:
         root: the (chunked) virtual root of the tree.
         memory: the model's `MemoryModel`.
-        packs_of: node -> list of packs (lists of sibling nodes), as the engine forms them.
+        packs_of: nodes -> list of packs (lists of their children, of one or several of them), as the engine forms
+            them (`stack._Run.packs_of`).
         budget: bytes, or None to keep everything (prediction only).
         replay_all: replay every internal pack (EngineConfig.replay == "replay").
         head_chunk_tokens: rows of the LM head at once (a pack's rows run in chunks of at most this many).
@@ -210,15 +211,15 @@ def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: 
         MemoryBudgetError: the step does not fit even with every internal pack replayed.
     """
     internal, longest = {}, [0]
-    _collect_internal(root, root.end, memory, packs_of, internal, longest)  # a context-parallel part's: P > 0
+    _collect_internal([root], memory, packs_of, internal, longest)
     fixed = memory.fixed_bytes + memory.head_per_row * min(head_chunk_tokens, longest[0])
     chosen = set(internal) if replay_all else set()
-    peak = _peak(root, 0, memory, packs_of, chosen) + fixed
+    peak = _peak([root], 0, memory, packs_of, chosen) + fixed
     if budget is None or replay_all or peak <= budget:
         return Plan(chosen, peak)
     for key in sorted(internal, key=internal.get, reverse=True):
         chosen.add(key)
-        peak = _peak(root, 0, memory, packs_of, chosen) + fixed
+        peak = _peak([root], 0, memory, packs_of, chosen) + fixed
         if peak <= budget:
             return Plan(chosen, peak)
     gib = 2**30
@@ -229,32 +230,33 @@ def plan(root, memory: MemoryModel, packs_of, budget: float | None, replay_all: 
     )
 
 
-def _collect_internal(node, P, memory, packs_of, out, longest):
-    """Activation bytes of every internal pack under `node` (by id of its first node), and the longest pack (its
+def _activations(pack, memory: MemoryModel) -> float:
+    """A pack's activation bytes, its prefix taken as its deepest node's (nodes below different parents)."""
+    return memory.activations(sum(len(n) for n in pack), max(n.start for n in pack), len(pack) > 1)
+
+
+def _collect_internal(parents, memory, packs_of, out, longest):
+    """Activation bytes of every internal pack under `parents` (by id of its first node), and the longest pack (its
     trained rows go through the LM head together)."""
-    for pack in packs_of(node):
-        S = sum(len(n) for n in pack)
-        if any(n.children for n in pack):
-            out[id(pack[0])] = memory.activations(S, P, len(pack) > 1)
-        longest[0] = max(longest[0], S)
-        for n in pack:
-            _collect_internal(n, P + len(n), memory, packs_of, out, longest)
+    for pack in packs_of(parents):
+        below = [n for n in pack if n.children]
+        if below:
+            out[id(pack[0])] = _activations(pack, memory)
+            _collect_internal(below, memory, packs_of, out, longest)
+        longest[0] = max(longest[0], sum(len(n) for n in pack))
 
 
-def _peak(node, held: float, memory: MemoryModel, packs_of, replay: set[int]) -> float:
-    """Peak bytes while the subtrees under `node` run, given `held` bytes already held on the path."""
-    P = node.end
+def _peak(parents, held: float, memory: MemoryModel, packs_of, replay: set[int]) -> float:
+    """Peak bytes while the subtrees under `parents` run, given `held` bytes already held on the path."""
     peak = held
-    for pack in packs_of(node):
-        S = sum(len(n) for n in pack)
-        act = memory.activations(S, P, len(pack) > 1)
+    for pack in packs_of(parents):
+        act = _activations(pack, memory)
         peak = max(peak, held + act)  # its backward frees saved tensors about as fast as it makes gradients
-        kept = 0.0 if id(pack[0]) in replay else act
-        states = 0.0
-        for n in pack:
-            if n.children:
-                states += 2 * memory.state_per_token * len(n)  # leaves and their gradients, until the pack's backward
-                peak = max(peak, _peak(n, held + kept + states, memory, packs_of, replay))
+        below = [n for n in pack if n.children]
+        if below:
+            kept = 0.0 if id(pack[0]) in replay else act
+            states = 2 * memory.state_per_token * sum(len(n) for n in below)  # leaves and their gradients
+            peak = max(peak, _peak(below, held + kept + states, memory, packs_of, replay))
     return peak
 
 

@@ -1,12 +1,14 @@
 """The execution stack: exact forward and backward over a tree of rollouts, each unique position computed once.
 
-Depth first over the tree. The children of a node run as packs: their tokens are concatenated into one query
-sequence (up to `max_pack_tokens`) against ONE copy of the ancestors' K/V, with a tree mask (each child sees the
-whole prefix and its own earlier positions) and absolute position ids; childless children of one length run as
-the rows of one [B, L] batch instead, at the root (the rollouts of the dense packed schedule, `schedule.py`) and,
-with split prefix attention, below a prefix (a group's responses of one length). On CPU, where every layer is full
-attention, the prefix keys are attended without a mask and the tree mask covers only the pack's own keys
-(`attention.py`, merged by log-sum-exp). After a pack's forward, the K/V and the last hidden state
+Depth first over the tree's packs. The children of a pack's nodes run as packs: their tokens are concatenated into
+one query sequence (up to `max_pack_tokens`) with a tree mask (each child sees its whole prefix and its own earlier
+positions) and absolute position ids; childless children of one length run as the rows of one [B, L] batch
+instead, at the root (the rollouts of the dense packed schedule, `schedule.py`) and below a prefix. Where the model
+runs split prefix attention (`attention.py`: the prefix keys attended without a mask, the tree mask only over the
+pack's own keys, merged by log-sum-exp), a pack may hold the children of several nodes of the pack above, each
+attending to its own parent's prefix, and nodes of one length batch whether or not they have children: the nodes
+of one depth run in a few forwards, not one pack per parent (`packs_of`). Otherwise (the masked path) a pack holds
+one node's children against ONE copy of the ancestors' K/V. After a pack's forward, the K/V and the last hidden state
 of each of its nodes are detached into leaf tensors; the node's children run against those leaves; once every
 descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants, and the pack's
 backward runs once with them (a family with recurrent layers, `recurrent.py`, runs every node as a pack of one, and
@@ -87,6 +89,7 @@ class _Run:
         self.head_stats = head_stats  # `replay_logprobs(head_stats=...)`
         self.lockstep = False  # every forward and backward in step with the other ranks (`lockstep.py`)
         self.images: ImageRun | None = None  # the tree's image features while it runs (vision.py)
+        self.across_parents = False  # packs may hold children of different parents (`packs_of`), per tree
         embedding = self.decoder.get_input_embeddings()
         self.deferred = DeferredEmbeddingGrad(embedding) if loss is not None and embedding.weight.requires_grad \
             else None
@@ -109,6 +112,7 @@ class _Run:
         across the ranks first (`context_parallel.run_prefix`), then its branches against the prefix's state. A
         generator of the tree's collective events (`lockstep.py`) that returns the result."""
         part = tree if isinstance(tree, ContextParallelTree) else None
+        self.across_parents = self.prefix_split.applies and getattr(tree, "images", None) is None
         scheduled = schedule(part.below() if part else tree.root, self.pack_overhead_tokens, self.attention_per_key,
                              self.prefix_position_overhead)
         root = chunked(scheduled.root, self.chunk_tokens)
@@ -167,26 +171,42 @@ class _Run:
     # -- traversal ------------------------------------------------------------------------------------------------
 
     def children(self, parent: Node, ancestors: list[NodeState], parent_h: torch.Tensor | None):
-        """Run the subtrees under `parent`, pack by pack; on return, the ancestors' leaves hold their gradients.
-        The last root pack of the run's final tree is the last backward (post-order): it takes `final_backward`.
-        A generator of the packs' collective events (`lockstep.py`), as `pack`."""
-        packs = self.packs_of(parent)
+        """Run the subtrees under `parent` (the root, or a context-parallel prefix's last round), against
+        `ancestors` and the parent's last hidden state; on return, the ancestors' leaves hold their gradients. A
+        generator of the packs' collective events (`lockstep.py`), as `pack`."""
+        yield from self.subtrees([parent], [ancestors], [parent_h], top=not ancestors)
+
+    def subtrees(self, parents: list[Node], ancestors: list[list[NodeState]], parent_hs: list, top: bool = False):
+        """Run the subtrees under `parents` (the nodes with children of one pack), pack by pack (`packs_of`), each
+        child against its own parent's ancestors (`ancestors`, per parent) and last hidden state (`parent_hs`).
+        The last root pack of the run's final tree (`top`) is the last backward (post-order): it takes
+        `final_backward`."""
+        below = {id(child): k for k, parent in enumerate(parents) for child in parent.children}
+        packs = self.packs_of(parents)
         for i, pack in enumerate(packs):
-            final = self.final_backward is not None and not ancestors and i == len(packs) - 1
-            yield from self.pack(pack, parent.end, ancestors, parent_h, final)
+            final = self.final_backward is not None and top and i == len(packs) - 1
+            owners = [below[id(node)] for node in pack]
+            yield from self.pack(pack, [ancestors[k] for k in owners], [parent_hs[k] for k in owners], final)
 
-    def packs_of(self, parent: Node) -> list[list[Node]]:
-        """The packs in which `parent`'s children run (one node each in a recurrent family). Childless children of
-        equal length run as batches (`packs.batched_packs`) at the root, and below a prefix where the model runs split
-        prefix attention (which serves the one prefix to every row, `attention._SplitAttention`)."""
+    def packs_of(self, parents: list[Node]) -> list[list[Node]]:
+        """The packs in which the children of `parents` run (one node each in a recurrent family). Where the model
+        runs split prefix attention, and the tree has no images, the children of different parents share packs
+        (`packs.batched_packs`: equal lengths as the rows of a batch, with or without children of their own; split
+        attention serves each its own parent's prefix, `cache.Prefix`): a tree's nodes of one depth run in a few
+        forwards, not one per parent. Otherwise each parent's children run apart, as batches only at the root."""
         if self.family.recurrent:
-            return [[node] for node in parent.children]
-        if parent.end == 0 or self.prefix_split.applies:
-            return batched_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
-        return packs(parent.children, self.max_pack_tokens)
+            return [[node] for parent in parents for node in parent.children]
+        if self.across_parents:
+            return batched_packs([c for parent in parents for c in parent.children], self.max_pack_tokens,
+                                 self.max_batch_tokens, with_children=True)
+        return [pack for parent in parents
+                for pack in (batched_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
+                             if parent.end == 0 or self.prefix_split.applies
+                             else packs(parent.children, self.max_pack_tokens))]
 
-    def pack(self, nodes: list[Node], P: int, ancestors: list[NodeState], parent_h, final: bool = False):
-        """Forward of sibling `nodes` (starting at position P), their subtrees, then their one backward.
+    def pack(self, nodes: list[Node], ancestors: list[list[NodeState]], parent_hs: list, final: bool = False):
+        """Forward of `nodes` (each against its own `ancestors` and its parent's last hidden state `parent_hs`),
+        their subtrees, then their one backward.
 
         A generator that yields FORWARD before each decoder forward and BACKWARD before the backward when the
         backward runs through every layer (lock-step or final). Kept: the pack's autograd graph lives while its
@@ -199,29 +219,31 @@ class _Run:
         capture = self.deferred.capture if defer else contextlib.nullcontext
         yield FORWARD
         with torch.no_grad() if replay else contextlib.nullcontext(), capture() as embedded:
-            hidden, cache = self.forward(nodes, P, ancestors)  # hidden [S, H]
+            hidden, cache = self.forward(nodes, ancestors)  # hidden [S, H]
         router_terms = taken(self.router)  # none from a replayed pack's no-grad forward (pass 2)
-        pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_h)
-        node_spans = spans(nodes)
+        pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_hs)
+        parents, chains, hs = [], [], []  # the nodes with children, their descendants' ancestors and parent state
         leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children
-        for node, a, b in node_spans:
+        for (node, a, b), chain in zip(spans(nodes), ancestors):
             if not node.children:
                 continue
-            state = cache.node_state(a, b)
-            if not train:
-                yield from self.children(node, ancestors + [state], hidden[b - 1])
-                continue
-            state_leaves, h_leaf = [tuple(_leaf(t) for t in layer) for layer in state], _leaf(hidden[b - 1])
-            yield from self.children(node, ancestors + [state_leaves], h_leaf)
-            leaves.append(((a, b), state_leaves, h_leaf))
+            state, h = cache.node_state(a, b), hidden[b - 1]
+            if train:
+                state, h = [tuple(_leaf(t) for t in layer) for layer in state], _leaf(h)
+                leaves.append(((a, b), state, h))
+            parents.append(node)
+            chains.append(chain + [state])
+            hs.append(h)
+        if parents:
+            yield from self.subtrees(parents, chains, hs)
         if not train:
             return
         if replay:
             yield FORWARD
             with capture() as embedded:
-                hidden, cache = self.forward(nodes, P, ancestors)
+                hidden, cache = self.forward(nodes, ancestors)
             router_terms = taken(self.router)
-            pack_loss = self.pack_loss(nodes, hidden, parent_h)
+            pack_loss = self.pack_loss(nodes, hidden, parent_hs)
         outputs, grads = [], []
         for (a, b), state_leaves, h_leaf in leaves:
             pairs = [(out, leaf) for layer, leaf_layer in zip(cache.node_state(a, b), state_leaves)
@@ -255,27 +277,34 @@ class _Run:
         if defer:
             self.deferred.keep(embedded)
 
-    def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_h) -> torch.Tensor | None:
-        """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode)."""
-        pieces = [p for p in (self.trained_rows(node, hidden[a:b], parent_h) for node, a, b in spans(nodes)) if p]
+    def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_hs: list) -> torch.Tensor | None:
+        """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode);
+        parent_hs: each node's parent's last hidden state (None at the root)."""
+        pieces = [self.trained_rows(node, hidden[a:b], h) for (node, a, b), h in zip(spans(nodes), parent_hs)]
+        pieces = [p for p in pieces if p]
         leaves = not any(node.children for node in nodes)  # the pack's backward follows its forward at once
         return self.node_losses(pieces, backward_next=leaves) if pieces else None
 
     # -- one pack's forward -----------------------------------------------------------------------------------------
 
-    def forward(self, nodes: list[Node], P: int, ancestors: list[NodeState],
+    def forward(self, nodes: list[Node], ancestors: list[list[NodeState]],
                 cache=None) -> tuple[torch.Tensor, PrefixCache]:
-        """Run the pack's tokens against the ancestors' state. Returns hidden [S, H] (final-normed) and the cache,
-        which gives each node's state. `cache`: a pack of one node against that cache instead of a `PrefixCache` of
-        the ancestors (a context-parallel round's, `context_parallel.GatheredCache`)."""
+        """Run the pack's tokens, each node against its own `ancestors` (root first; nodes below different parents
+        only under split prefix attention, `packs_of`). Returns hidden [S, H] (final-normed) and the cache, which
+        gives each node's state. `cache`: a pack of one node against that cache instead of a `PrefixCache` of the
+        ancestors (a context-parallel round's, `context_parallel.GatheredCache`)."""
         lengths = [len(n) for n in nodes]
+        P = nodes[0].start  # > 0 for every node below the root
         split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
         images = self.images if self.images and any(self.images.covers(n.start, n.end) for n in nodes) else None
-        if is_batch(nodes, P, split) and images is None:  # rows of one [B, L] forward, each causal after the prefix
+        if cache is None:
+            cache = self.prefix_cache(nodes, ancestors, split)
+        if is_batch(nodes, P, split, self.across_parents) and images is None:  # rows of one [B, L] forward
             tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
-            cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
-                                split=split)
-            positions = self.position_ids(P + torch.arange(lengths[0], device=self.device), len(nodes))
+            local = torch.arange(lengths[0], device=self.device)
+            starts = [n.start for n in nodes]  # below different parents they differ (then the tree has no images)
+            positions = self.position_ids(P + local, len(nodes)) if len(set(starts)) == 1 else \
+                torch.tensor(starts, device=self.device)[:, None] + local  # [B, L]
             mask = own_keys_mask(None, lengths[0], self.dtype, self.device) if split else None
             with self.engine_forwards, routed(self.router, nodes, self.device):
                 out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
@@ -285,10 +314,8 @@ class _Run:
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device),  # output_size: no device sync
                                           torch.tensor(lengths, device=self.device), output_size=sum(lengths))
-        if cache is None:
-            cache = PrefixCache(ancestors, self.num_layers, self.kinds, windows=self.windows, prefix_length=P,
-                                split=split)
-        blocks = images.blocks(P + local) if images else None  # image blocks, bidirectional inside (vision.py)
+        positions = local + torch.tensor([n.start for n in nodes], device=self.device)[segment]
+        blocks = images.blocks(positions) if images else None  # image blocks, bidirectional inside (vision.py)
         if split:
             own = own_keys_tree_mask(local, segment, self.dtype, blocks) if len(nodes) > 1 or blocks is not None \
                 else None
@@ -298,11 +325,29 @@ class _Run:
         else:
             mask = None
         inputs = {"input_ids": tokens} if images is None else \
-            {"inputs_embeds": images.embeds(self.decoder.get_input_embeddings(), tokens[0], P + local)[None]}
+            {"inputs_embeds": images.embeds(self.decoder.get_input_embeddings(), tokens[0], positions)[None]}
         with self.engine_forwards, routed(self.router, nodes, self.device):
-            out = self.decoder(**inputs, position_ids=self.position_ids(P + local), attention_mask=mask, cache=cache,
+            out = self.decoder(**inputs, position_ids=self.position_ids(positions), attention_mask=mask, cache=cache,
                                use_cache=True)
         return out.last_hidden_state[0], cache
+
+    def prefix_cache(self, nodes: list[Node], ancestors: list[list[NodeState]], split: bool) -> PrefixCache:
+        """The `PrefixCache` of a pack: one prefix for all its nodes, or under split attention one per run of nodes
+        below the same parent (their positions in the pack's rows, one after the other)."""
+        runs = []  # [a, b, ancestors] per run of nodes with the same ancestors
+        for (_, a, b), chain in zip(spans(nodes), ancestors):
+            if runs and _same(runs[-1][2], chain):
+                runs[-1][1] = b
+            else:
+                runs.append([a, b, chain])
+        if len(runs) == 1:
+            return PrefixCache(ancestors[0], self.num_layers, self.kinds, windows=self.windows,
+                               prefix_length=nodes[0].start, split=split)
+        if not split:
+            raise RuntimeError("a pack below several parents reached the masked attention path (engine bug: "
+                               "`packs_of` forms such packs only under split prefix attention)")
+        return PrefixCache([], self.num_layers, self.kinds, windows=self.windows, prefix_length=nodes[0].start,
+                           split=True, groups=[tuple(run) for run in runs])
 
     def position_ids(self, positions: torch.Tensor, rows: int = 1) -> torch.Tensor:
         """The decoder's position ids for `rows` rows at absolute `positions` [S]: [rows, S], the index, or
@@ -315,7 +360,7 @@ class _Run:
     def dummy_forward(self) -> torch.Tensor:
         """A forward of one token (id 0, position 0) through every decoder layer, the lock-step's dummy
         (`lockstep.py`). Returns its hidden state [1, H]."""
-        return self.forward([Node(torch.zeros(1, dtype=torch.long), 0, [])], 0, [])[0]
+        return self.forward([Node(torch.zeros(1, dtype=torch.long), 0, [])], [[]])[0]
 
     # -- the nodes' losses -----------------------------------------------------------------------------------------
 
@@ -384,6 +429,11 @@ def _chain(root: Node) -> list[Node]:
         root = root.children[0]
         chain.append(root)
     return chain
+
+
+def _same(a: list[NodeState], b: list[NodeState]) -> bool:
+    """Whether two ancestor lists hold the same states (the same tensors, not equal values)."""
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:
