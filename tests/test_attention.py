@@ -10,6 +10,7 @@ import branchreplay.engine.attention as attention
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import make_rollouts, prompt_completion, random_ids, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
+from branchreplay.engine.cache import PrefixCache
 from branchreplay.engine.families import layer_windows
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import tiny_model
@@ -127,6 +128,10 @@ def test_queries_below_different_parents_see_their_own_prefix():
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5, msg=name)
     wrong = attention.split_attention(q, k, v, None, 0.3, keys, values, ((0, 3 * S, (0, 1)),))  # all below one
     assert (wrong[2] - out[2]).abs().max() > 1e-2
+    with pytest.raises(RuntimeError, match="do not cover"):  # a gap: queries 2S ... 3S - 1 would see no prefix
+        attention.split_attention(q, k, v, None, 0.3, keys, values, ((0, 2 * S, (0, 1)),))
+    with pytest.raises(ValueError, match="full attention layers"):  # a sliding window would cut each group apart
+        PrefixCache([], 1, windows=[4], split=True, groups=[(0, S, [[first]]), (S, 2 * S, [[second]])])
 
     doubles = [t.detach().double().requires_grad_() for t in inputs]
     assert torch.autograd.gradcheck(

@@ -2,7 +2,8 @@
 the tree mask, merged by their log-sum-exp (the merge of blockwise / ring attention: Milakov & Gimelshein 2018,
 "Online normalizer calculation for softmax"; Dao et al. 2022, FlashAttention, section 3.1).
 
-Every query of a pack sees all K prefix keys, so that block needs no mask: the flash kernel runs it at full speed,
+Every query of a pack sees all K keys of its prefix (its parent's: a pack may hold the children of several parents,
+one group of queries each, `cache.Prefix`), so that block needs no mask: the flash kernel runs it at full speed,
 and no [S, K + S] mask is built or kept for backward. Only the [S, S] block of the pack's own keys takes the tree
 mask; a pack of one node (a chunk of a long prompt) takes the causal flag instead, whose blocks the kernel skips.
 
@@ -78,6 +79,10 @@ class _SplitAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, own_mask, scale, groups, n, *pieces):
         kernels = kernels_for(q.device)
         causal = own_mask is None
+        bounds = [a for a, _, _ in groups] + [groups[-1][1]]
+        if bounds[0] != 0 or bounds[-1] != q.shape[0] * q.shape[2] or [b for _, b, _ in groups] != bounds[1:]:
+            raise RuntimeError(f"split attention's query groups {[g[:2] for g in groups]} do not cover its "
+                               f"{q.shape[0] * q.shape[2]} queries in order")
         if any(piece.shape[0] != 1 for piece in pieces):  # the CPU kernel does not check q's and k's batch sizes
             raise RuntimeError(f"split attention takes prefix pieces of one row, got {[p.shape for p in pieces]}")
         rows, folded = q.shape[0], _fold_rows(q)

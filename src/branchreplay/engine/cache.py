@@ -190,8 +190,9 @@ class PrefixCache(Cache):
                  groups: list[tuple[int, int, list[NodeState]]] | None = None):
         kinds = kinds or ["attention"] * num_layers
         windows = windows or [None] * num_layers
-        if groups is not None and not split:
-            raise ValueError("a pack below several parents runs only under split prefix attention")
+        if groups is not None and (not split or set(kinds) != {"attention"} or any(w is not None for w in windows)):
+            raise ValueError("a pack below several parents runs only under split prefix attention, on full "
+                             "attention layers")
         if groups is not None:
             distinct = {id(state): state for _, _, states in groups for state in states}
             ancestors = list(distinct.values())

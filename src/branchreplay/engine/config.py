@@ -22,14 +22,16 @@ class EngineConfig:
     trainer's `train.unknown_family`.)"""
 
     max_pack_tokens: int = field(default=256, metadata=help_of(
-        "most tokens of sibling nodes run as one pack (one query sequence against one copy of their prefix K/V), "
+        "most tokens of nodes run as one pack (one query sequence: siblings against one copy of their prefix K/V, "
+        "or with split prefix attention children of several parents, each against its own), "
         ">= 1; a longer node runs alone. A pack costs pack^2 attention scores where its nodes need only the sum of "
         "their lengths^2 / 2, so long nodes run alone; 256 was fastest on CPU for shared prompts of 1k-16k tokens "
         "with 256-token responses (docs/benchmarks.md)"))
     max_batch_tokens: int = field(default=1024, metadata=help_of(
         "most tokens of one [B, L] batch, >= 1: childless nodes of one length run as the rows of one forward, as "
         "in a padded batch but without pads: at the root (the rollouts of the dense packed schedule) and, with "
-        "split prefix attention, below a prefix (engine/stack.py). On 2 CPU threads (bench Llama) 2 rows of 320 "
+        "split prefix attention, below a prefix, where nodes with children batch too (engine/stack.py). On 2 CPU "
+        "threads (bench Llama) 2 rows of 320 "
         "tokens ran 11% faster as one batch than one at a time, and 8 rows of 1088 tokens 4% slower as batches of "
         "3 (medians, docs/benchmarks.md); 1 runs every node alone"))
     pack_overhead_tokens: int = field(default=PACK_OVERHEAD_TOKENS, metadata=help_of(

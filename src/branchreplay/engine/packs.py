@@ -28,14 +28,14 @@ def packs(nodes: list[Node], max_tokens: int) -> list[list[Node]]:
 
 def batched_packs(nodes: list[Node], max_tokens: int, batch_tokens: int, with_children: bool = False
                   ) -> list[list[Node]]:
-    """The packs of sibling nodes (of one parent, or with `with_children` of the nodes of one pack, whose own
-    children then batch too: `stack._Run.packs_of`): childless nodes of one length, two or more, as batches of at most
-    `batch_tokens` tokens (one [B, L] forward each, `is_batch`: at the root, the dense packed schedule's rollouts,
-    side by side as in a padded batch but without pads; below a prefix, the rollouts' last tokens, as Prefix Grouper
-    runs a group's responses); the other nodes as `packs`. A batch's rows attend only to the prefix and themselves,
-    under the causal mask, where a pack of them would take a [S, S] tree mask of which all but the diagonal blocks
-    are wasted; and a short row's [B, L] call parallelises better over CPU threads than B calls of one row
-    (`EngineConfig.max_batch_tokens`). A node longer than `batch_tokens` runs alone. Nodes stay in their order
+    """The packs of `nodes` (the children of one parent, or of the nodes of one pack: `stack._Run.packs_of`): childless
+    nodes of one length (with `with_children`, nodes of one length whether or not they have children), two or more, as
+    batches of at most `batch_tokens` tokens (one [B, L] forward each, `is_batch`: at the root, the dense packed
+    schedule's rollouts, side by side as in a padded batch but without pads; below a prefix, the rollouts' last tokens,
+    as Prefix Grouper runs a group's responses); the other nodes as `packs`. A batch's rows attend only to the prefix
+    and themselves, under the causal mask, where a pack of them would take a [S, S] tree mask of which all but the
+    diagonal blocks are wasted; and a short row's [B, L] call parallelises better over CPU threads than B calls of one
+    row (`EngineConfig.max_batch_tokens`). A node longer than `batch_tokens` runs alone. Nodes stay in their order
     within a pack (the children of one parent next to each other)."""
     by_length: dict[int, list[Node]] = {}
     rest = []

@@ -3,11 +3,13 @@
 Sharing a node saves positions: a node of L tokens shared by c children runs once instead of c times, (c - 1) x L
 positions fewer (each with its attention over the node's prefix). It also costs: the node is a forward and a
 backward of its own (a pack), and its children run as separate packs after it, where without it they would run in
-their parent's packs. A pack's fixed cost (the decoder's Python and per-layer kernel launches, mask and cache
-objects, the LM head's chunks, the leaves and the extra backward call) does not shrink with its size; on the CPU
-it is worth tens of positions (`EngineConfig.pack_overhead_tokens`, measured by scripts/pack_overhead.py). Trees
-built from sampled rollouts are full of nodes that share a few tokens by chance (two completions that both open
-with "The"), and a low-sharing tree (short prompt, long responses) saves little even at its root.
+their parent's packs (with split prefix attention they may share packs with the children of the node's siblings,
+`stack._Run.packs_of`, so this overcharges there: not measured). A pack's fixed cost (the decoder's Python and
+per-layer kernel launches, mask and cache objects, the LM head's chunks, the leaves and the extra backward call)
+does not shrink with its size; on the CPU it is worth tens of positions (`EngineConfig.pack_overhead_tokens`,
+measured by scripts/pack_overhead.py). Trees built from sampled rollouts are full of nodes that share a few tokens
+by chance (two completions that both open with "The"), and a low-sharing tree (short prompt, long responses) saves
+little even at its root.
 
 `schedule(root, overhead)` merges every node whose sharing saves fewer position-equivalents than the pack it
 costs into its children: each child gets the node's tokens in front of its own (a rollout that ends at the node

@@ -1,18 +1,18 @@
 """The execution stack: exact forward and backward over a tree of rollouts, each unique position computed once.
 
-Depth first over the tree's packs. The children of a pack's nodes run as packs: their tokens are concatenated into
-one query sequence (up to `max_pack_tokens`) with a tree mask (each child sees its whole prefix and its own earlier
-positions) and absolute position ids; childless children of one length run as the rows of one [B, L] batch
-instead, at the root (the rollouts of the dense packed schedule, `schedule.py`) and below a prefix. Where the model
-runs split prefix attention (`attention.py`: the prefix keys attended without a mask, the tree mask only over the
-pack's own keys, merged by log-sum-exp), a pack may hold the children of several nodes of the pack above, each
-attending to its own parent's prefix, and nodes of one length batch whether or not they have children: the nodes
-of one depth run in a few forwards, not one pack per parent (`packs_of`). Otherwise (the masked path) a pack holds
-one node's children against ONE copy of the ancestors' K/V. After a pack's forward, the K/V and the last hidden state
-of each of its nodes are detached into leaf tensors; the node's children run against those leaves; once every
-descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants, and the pack's
-backward runs once with them (a family with recurrent layers, `recurrent.py`, runs every node as a pack of one, and
-hands its children the conv / SSM state after the node instead of per-position K/V):
+Depth first over the tree's packs. The children of a pack's nodes run as packs: their tokens are concatenated into one
+query sequence (up to `max_pack_tokens`) with a tree mask (each child sees its whole prefix and its own earlier
+positions) and absolute position ids; childless children of one length run as the rows of one [B, L] batch instead, at
+the root (the rollouts of the dense packed schedule, `schedule.py`) and, with split prefix attention, below a prefix.
+Where the model runs split prefix attention (`attention.py`: the prefix keys attended without a mask, the tree mask only
+over the pack's own keys, merged by log-sum-exp), a pack may hold the children of several nodes of the pack above, each
+attending to its own parent's prefix, and nodes of one length batch whether or not they have children: the nodes of one
+depth run in a few forwards, not one pack per parent (`packs_of`). Otherwise (the masked path, recurrent families, trees
+with images) a pack holds one node's children against ONE copy of the ancestors' K/V. After a pack's forward, the K/V
+and the last hidden state of each of its nodes are detached into leaf tensors; the node's children run against those
+leaves; once every descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants,
+and the pack's backward runs once with them (a family with recurrent layers, `recurrent.py`, runs every node as a pack
+of one, and hands its children the conv / SSM state after the node instead of per-position K/V):
 
     torch.autograd.backward([pack_loss, K_n, V_n, h_last_n, ...], [1, dK_n, dV_n, dh_n, ...])
 
