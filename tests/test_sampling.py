@@ -355,7 +355,7 @@ def test_static_cache_halves_its_rows_as_streams_end_and_samples_as_each_group_a
 
 def test_static_cache_keeps_to_sdpa_attention():
     """A model with eager attention (which would add the boolean mask to its scores) decodes in the dynamic cache
-    even when the static one is asked for: the same samples as each group alone."""
+    even when the static one is asked for, and says so: the same samples as each group alone."""
     import branchreplay.rl.rollouts.sampling as sampling
 
     model = make_model("llama").double()
@@ -363,8 +363,9 @@ def test_static_cache_keeps_to_sdpa_attention():
     config = SamplingConfig(temperature=0.9, max_new_tokens=6, cache_implementation="static")
     alone = [sample_group(model, p, 2, config, {2, 40}, torch.Generator().manual_seed(k))
              for k, p in enumerate(PROMPTS)]
-    together = sampling.sample_groups(model, PROMPTS, 2, config, {2, 40},
-                                      [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    with pytest.warns(RuntimeWarning, match="eager attention.*dynamic cache"):
+        together = sampling.sample_groups(model, PROMPTS, 2, config, {2, 40},
+                                          [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
     assert [[s.completion_ids for s in g] for g in together] == [[s.completion_ids for s in g] for g in alone]
 
 

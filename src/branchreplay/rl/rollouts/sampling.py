@@ -17,6 +17,7 @@ included; `batch_select_indices` / `batch_repeat_interleave` exist only on KV la
 import contextlib
 import copy
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -124,6 +125,11 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     schedules = [branching_schedule(model, p, num_generations, config) for p in prompts]
     static = static_applies(model) and (config.cache_implementation == "static" or (
         config.cache_implementation == "auto" and model.device.type == "cuda"))
+    if config.cache_implementation == "static" and not (static and stackable(model.config)):
+        layers = "" if stackable(model.config) else ", sliding-window or recurrent layers"
+        warnings.warn("sampling.cache_implementation=static needs SDPA attention and full-attention layers only "
+                      f"(this model: {getattr(model.config, '_attn_implementation', None)} attention{layers}); it "
+                      "decodes with the dynamic cache", RuntimeWarning, stacklevel=2)
     if not stackable(model.config) or (len(prompts) < 2 and not static):
         return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
     was_training = model.training
