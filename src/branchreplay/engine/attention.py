@@ -96,9 +96,7 @@ class _SplitAttention(torch.autograd.Function):
         del kp, vp
         out_p, lse_p = _unfold_rows(_joined(outs, 2), rows), _unfold_rows(_joined(lses, 2), rows)
         out_s, lse_s, saved_s = kernels.forward(q, k, v, own_mask, causal, scale)
-        lse = torch.logaddexp(lse_p, lse_s)  # [B, h, S]
-        w_p, w_s = torch.exp(lse_p - lse)[..., None].to(q.dtype), torch.exp(lse_s - lse)[..., None].to(q.dtype)
-        out = out_p * w_p + out_s * w_s
+        out, lse = _merged(out_p, lse_p, out_s, lse_s)  # lse [B, h, S]
         ctx.save_for_backward(q, k, v, own_mask, out, lse, *pieces)
         ctx.scale, ctx.groups, ctx.n, ctx.saved = scale, groups, n, (saved_p, saved_s)
         return out
@@ -167,8 +165,15 @@ def grouped_prefix_attention(q, k, v, bias, scale, spans, prompt_keys, prompt_va
         if a < b:
             out, lse, _ = kernels.forward(_fold_rows(q[a:b]), kp, vp, None, False, scale)
             out_p[a:b], lse_p[a:b] = _unfold_rows(out, b - a), _unfold_rows(lse, b - a)
+    return _merged(out_p, lse_p, out_s, lse_s)[0]
+
+
+def _merged(out_p, lse_p, out_s, lse_s) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two attention blocks over disjoint keys ([..., S, d] outputs, [..., S] log-sum-exps) as one attention over
+    all their keys (the module docstring's formula): (out, lse)."""
     lse = torch.logaddexp(lse_p, lse_s)
-    return out_p * torch.exp(lse_p - lse)[..., None].to(q.dtype) + out_s * torch.exp(lse_s - lse)[..., None].to(q.dtype)
+    w_p, w_s = torch.exp(lse_p - lse)[..., None].to(out_p.dtype), torch.exp(lse_s - lse)[..., None].to(out_p.dtype)
+    return out_p * w_p + out_s * w_s, lse
 
 
 def _fold_rows(x: torch.Tensor) -> torch.Tensor:

@@ -293,8 +293,8 @@ class _Run:
         only under split prefix attention, `packs_of`). Returns hidden [S, H] (final-normed) and the cache, which
         gives each node's state. `cache`: a pack of one node against that cache instead of a `PrefixCache` of the
         ancestors (a context-parallel round's, `context_parallel.GatheredCache`)."""
-        lengths = [len(n) for n in nodes]
-        P = nodes[0].start  # > 0 for every node below the root
+        lengths, starts = [len(n) for n in nodes], [n.start for n in nodes]  # starts differ below different parents
+        P = starts[0]  # > 0 for every node below the root
         split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
         images = self.images if self.images and any(self.images.covers(n.start, n.end) for n in nodes) else None
         if cache is None:
@@ -302,9 +302,8 @@ class _Run:
         if is_batch(nodes, P, split, self.across_parents) and images is None:  # rows of one [B, L] forward
             tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
             local = torch.arange(lengths[0], device=self.device)
-            starts = [n.start for n in nodes]  # below different parents they differ (then the tree has no images)
             positions = self.position_ids(P + local, len(nodes)) if len(set(starts)) == 1 else \
-                torch.tensor(starts, device=self.device)[:, None] + local  # [B, L]
+                torch.tensor(starts, device=self.device)[:, None] + local  # [B, L] (no images: `run_tree`)
             mask = own_keys_mask(None, lengths[0], self.dtype, self.device) if split else None
             with self.engine_forwards, routed(self.router, nodes, self.device):
                 out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
@@ -314,7 +313,7 @@ class _Run:
         local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
         segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device),  # output_size: no device sync
                                           torch.tensor(lengths, device=self.device), output_size=sum(lengths))
-        positions = local + torch.tensor([n.start for n in nodes], device=self.device)[segment]
+        positions = P + local if len(set(starts)) == 1 else local + torch.tensor(starts, device=self.device)[segment]
         blocks = images.blocks(positions) if images else None  # image blocks, bidirectional inside (vision.py)
         if split:
             own = own_keys_tree_mask(local, segment, self.dtype, blocks) if len(nodes) > 1 or blocks is not None \

@@ -123,14 +123,15 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     (the default) is static on CUDA. Arguments, result (one list of Samples per prompt) and errors as
     `sample_group`'s."""
     schedules = [branching_schedule(model, p, num_generations, config) for p in prompts]
+    stacks = stackable(model.config)
     static = static_applies(model) and (config.cache_implementation == "static" or (
         config.cache_implementation == "auto" and model.device.type == "cuda"))
-    if config.cache_implementation == "static" and not (static and stackable(model.config)):
-        layers = "" if stackable(model.config) else ", sliding-window or recurrent layers"
+    if config.cache_implementation == "static" and not (static and stacks):
+        layers = "" if stacks else ", sliding-window or recurrent layers"
         warnings.warn("sampling.cache_implementation=static needs SDPA attention and full-attention layers only "
                       f"(this model: {getattr(model.config, '_attn_implementation', None)} attention{layers}); it "
                       "decodes with the dynamic cache", RuntimeWarning, stacklevel=2)
-    if not stackable(model.config) or (len(prompts) < 2 and not static):
+    if not stacks or (len(prompts) < 2 and not static):
         return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
     was_training = model.training
     model.eval()
