@@ -1,5 +1,6 @@
 """A multi-turn step's openings prefilled per item (each item's `sampling.prefill` alone, as the sampler did) and
-with their shared start once (`trajectories.open_items`, then each item's `Opening.prefilled`: its rest on a fork),
+as one radix trie, their shared start once (`sampling.prefill_branches`, as `turns.InProcessTurns` prefills a
+step's first turn),
 side by side on SmolLM2-135M-Instruct in float32 (docs/benchmarks.md, "One trie per step"): for each config, its
 first grpo.prompts_per_step training items, the two ways alternated --repeats times, each timed with the resets
 and the chat template; the median seconds and the positions each prefills.
@@ -19,8 +20,8 @@ from branchreplay.models import load_policy
 from branchreplay.rl.agent.conversation import Conversation
 from branchreplay.rl.agent.task import bind, load_agent_task
 from branchreplay.rl.config.run import Config
-from branchreplay.rl.rollouts.sampling import prefill
-from branchreplay.rl.rollouts.trajectories import Limits, open_items
+from branchreplay.rl.rollouts.sampling import prefill, prefill_branches
+from transformers import DynamicCache
 
 
 def main() -> None:
@@ -42,9 +43,8 @@ def main() -> None:
                 prefill(model, Conversation.start(tokenizer, env.reset(item), tools=tools).ids)
 
         def together():
-            opened, _ = open_items(model, tokenizer, env, items, config.sampling, Limits(config.agent.max_turns))
-            for opening in opened.values():
-                opening.prefilled(model)
+            ids = [Conversation.start(tokenizer, env.reset(item), tools=tools).ids for item in items.values()]
+            prefill_branches(model, DynamicCache(config=model.config), 0, ids)
 
         fed = []
         hook = model.register_forward_pre_hook(lambda m, a, kw: fed.append(kw["input_ids"].numel()), with_kwargs=True)

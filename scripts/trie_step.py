@@ -1,11 +1,13 @@
-"""One trie per step (issue 31), before and after, side by side: `branchreplay train` from a checkout of the head
-before it (--before: the root of a git worktree) and from this one, interleaved (before, after, after, before, ...),
-on three workloads with evaluation off:
+"""A step before and after a change (issue 31: one trie per step, multi-turn turns in one decoding loop), side by
+side: `branchreplay train` from a checkout of the head before it (--before: the root of a git worktree) and from
+this one, interleaved (before, after, after, before, ...), on these workloads with evaluation off:
 
   demo    configs/demo.yaml: the default task's prompts share the system prompt and the few-shot turns
   tools   the demo with a system prompt of tool definitions (about 1,000 tokens of JSON schemas, then the task's
           instruction) shared by every prompt; grpo.entropy_coef 1e-4 so that every group trains
   guess   configs/guess_number.yaml: multi-turn, every game opens with the same rules
+  agent   configs/agent.yaml: multi-turn with the calculator tool, turn_branching [2, 4]
+  agent-forks  the same with turn_branching [[[0, 2], [16, 2]], 2]: first replies that fork at their 16th token
 
 For each it prints the step's `tree/token_ratio` (logical over physical positions of the step's rollouts) and the
 median over the steps after the first of `time/sample_s`, `time/train_s` and `time/step_s`, per checkout.
@@ -49,18 +51,23 @@ def tool_definitions(count: int = 6) -> str:
     return "You may call these tools:\n" + json.dumps(tools, indent=1) + "\n\n" + SYSTEM_PROMPT
 
 
-WORKLOADS = ("demo", "tools", "guess")
+WORKLOADS = ("demo", "tools", "guess", "agent", "agent-forks")
+CONFIGS = {"demo": "demo.yaml", "guess": "guess_number.yaml", "agent": "agent.yaml"}
 
 
 def workload_config(workload: str, out: Path) -> Path:
-    """The run config of `workload`: a file of configs/, or for tools the demo's with the tool definitions as its
-    system prompt (written to `out`: JSON on the command line would be read as YAML)."""
-    if workload != "tools":
-        return ROOT / "configs" / {"demo": "demo.yaml", "guess": "guess_number.yaml"}[workload]
-    config = yaml.safe_load((ROOT / "configs" / "demo.yaml").read_text())
-    config["task"]["system_prompt"] = tool_definitions()
-    config["grpo"]["entropy_coef"] = 1e-4
-    path = out / "tools.yaml"
+    """The run config of `workload`: a file of configs/, or one derived from it (written to `out`: JSON on the
+    command line would be read as YAML): for tools the demo's with the tool definitions as its system prompt, for
+    agent-forks the agent's with forks inside the first turn."""
+    if workload in CONFIGS:
+        return ROOT / "configs" / CONFIGS[workload]
+    config = yaml.safe_load((ROOT / "configs" / ("demo.yaml" if workload == "tools" else "agent.yaml")).read_text())
+    if workload == "tools":
+        config["task"]["system_prompt"] = tool_definitions()
+        config["grpo"]["entropy_coef"] = 1e-4
+    else:
+        config["sampling"]["turn_branching"] = [[[0, 2], [16, 2]], 2]
+    path = out / f"{workload}.yaml"
     path.write_text(yaml.safe_dump(config))
     return path
 

@@ -317,43 +317,62 @@ def test_multi_turn_config_errors():
     assert Config.from_dict(ok.to_dict()) == ok
 
 
-def test_the_items_openings_are_prefilled_once_for_the_step(keep64):
-    """`open_items` prefills the start a step's items share once (their system prompt), each item's rest on a fork
-    of it when its sampling starts; an item whose reset fails is reported by name; each item's trajectories equal
-    those sampled from its own prefill (float64: the same ids, logprobs to 1e-12), an item opening exactly as
-    another one too (the shared cache is never written)."""
-    from branchreplay.rl.rollouts.trajectories import Limits, open_items
+@pytest.mark.parametrize("cache", ["dynamic", "static"])
+def test_a_turn_of_every_item_in_one_loop_equals_each_request_alone(keep64, cache):
+    """`InProcessTurns` (the trainer's multi-turn sampler): every reply of a turn of every item decodes in one loop
+    from each conversation's cache kept from its parent's turn (static: each history held once, read by its rows
+    through split prefix attention). Against each request sampled alone (its whole conversation prefilled from
+    nothing, `sample_from`) with the same generator per (item, branch path), float64: the same trajectories, ids
+    and logprobs to 1e-12, forks inside a turn included; an item whose reset fails is reported by name, an item
+    opening exactly as another one gets its own trajectories. Every token is prefilled once: the system prompt
+    the openings share in the first forward, then only the conversations' new tokens (a radix trie of all the
+    requests' ids). A control with the generators of two paths swapped differs."""
+    from branchreplay.rl.rollouts.sampling import prefill, sample_from
+    from branchreplay.rl.rollouts.trajectories import Limits, sample_trajectories_turnwise
+    from branchreplay.rl.rollouts.turns import InProcessTurns
 
     class Briefed(Counter):
         def reset(self, item):
             return [{"role": "system", "content": "You count with care, one step at a time."}, *super().reset(item)]
 
     model, tok, env = keep64(_chatty_model().double()), TurnTokenizerWithDecode(), Briefed()
-    config = SamplingConfig(temperature=1.0, max_new_tokens=8)
-    items = {0: ITEMS[0], 1: ITEMS[1], 2: {"question": "broken"}, 3: ITEMS[3], 4: ITEMS[0]}
-    fed = []
-    hook = model.register_forward_pre_hook(lambda m, args, kwargs: fed.append(kwargs["input_ids"].numel()),
-                                           with_kwargs=True)
-    openings, errors = open_items(model, tok, env, items, config, Limits(max_turns=3))
-    ids = [o.conversation.ids for o in openings.values()]
-    shared = next(i for i in range(min(map(len, ids))) if len({s[i] for s in ids}) > 1)
-    assert list(openings) == [0, 1, 3, 4] and list(errors) == [2] and "no such puzzle" in errors[2]
-    assert shared > 40 and fed == [shared] and {o.shared for o in openings.values()} == {shared}
-    fed.clear()
-    openings[1].prefilled(model)
+    config = SamplingConfig(temperature=1.0, max_new_tokens=8, cache_implementation=cache)
+    items = [ITEMS[0], ITEMS[1], {"question": "broken"}, ITEMS[3], ITEMS[0]]
+    branching, limits = (((0, 2), (2, 2)), 2), Limits(max_turns=3)
+
+    def generator(k, path, swap=False):
+        path = {(0,): (1,), (1,): (0,)}.get(path, path) if swap and k == 0 else path
+        return torch.Generator().manual_seed(1000 * k + sum(10 ** d * (j + 1) for d, j in enumerate(path)))
+
+    def alone(swap):
+        def sample_turn(requests, keys):
+            out = []
+            for (ids, schedule), key in zip(requests, keys):
+                cache_, logits = prefill(model, ids)
+                out.append(sample_from(model, cache_, logits, len(ids), schedule, config, {EOS},
+                                       generator(*key, swap=swap)))
+            return out
+        return sample_trajectories_turnwise(sample_turn, tok, env, items, branching, config, limits)
+
+    prefilled, requests = [], []
+    hook = model.register_forward_pre_hook(lambda m, args, kwargs: prefilled.append(kwargs["input_ids"].numel())
+                                           if "logits_to_keep" in kwargs else None, with_kwargs=True)
+    turns = InProcessTurns(model, config, {EOS}, generator)
+    together, errors = sample_trajectories_turnwise(
+        lambda r, keys: (requests.extend(ids for ids, _ in r), turns(r, keys))[1], tok, env, items, branching, config,
+        limits)
     hook.remove()
-    assert fed == [len(ids[1]) - shared]  # the item's own rest only
-    for k, opening in openings.items():
-        together, alone = (sample_trajectories(model, tok, env, items[k], (2,), config, {EOS},
-                                               torch.Generator().manual_seed(k), max_turns=3, opening=o)
-                           for o in (opening, None))
-        assert [t.conversation.ids for t in together] == [t.conversation.ids for t in alone]
-        for a, b in zip(together, alone):
+    reference, reference_errors = alone(swap=False)
+    assert list(together) == [0, 1, 3, 4] and errors == reference_errors and "no such puzzle" in errors[0]
+    assert sum(len(v) for v in together.values()) > 12 and max(t.turns for v in together.values() for t in v) == 3
+    for k in together:
+        assert [t.conversation.ids for t in together[k]] == [t.conversation.ids for t in reference[k]]
+        for a, b in zip(together[k], reference[k]):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-12)
-    same, _ = open_items(model, tok, env, {0: ITEMS[0], 4: ITEMS[0]}, config, Limits(max_turns=3))  # guess-number
-    assert {o.shared for o in same.values()} == {len(ids[0])}  # the whole opening, prefilled once
-    twice = [sample_trajectories(model, tok, env, ITEMS[0], (2,), config, {EOS}, torch.Generator().manual_seed(0),
-                                 max_turns=3, opening=o) for o in same.values()]
-    assert [t.conversation.ids for t in twice[0]] == [t.conversation.ids for t in twice[1]]
-    assert [t.logprobs for t in twice[1]] == [t.logprobs for t in sample_trajectories(
-        model, tok, env, ITEMS[0], (2,), config, {EOS}, torch.Generator().manual_seed(0), max_turns=3, opening=None)]
+    assert [t.conversation.ids for t in together[0]] != [t.conversation.ids for t in together[4]]
+    openings = [ids for ids in requests[:4]]
+    shared = next(i for i in range(min(map(len, openings))) if len({s[i] for s in openings}) > 1)
+    assert shared > 40 and prefilled[0] == shared
+    assert sum(prefilled) == len({tuple(ids[:n]) for ids in requests for n in range(1, len(ids) + 1)})
+    swapped, _ = alone(swap=True)
+    assert [t.conversation.ids for t in swapped[0]] != [t.conversation.ids for t in together[0]]

@@ -107,9 +107,10 @@ def _one_rank_fails(tmp: Path, rank: int) -> None:
         outcomes.append("no error")
     except VLLMError as e:
         outcomes.append(f"{type(e).__name__}: {e}")
-    original = sampler.sample_trajectories
+    original = sampler.sample_trajectories_turnwise
     if rank == 1:
-        sampler.sample_trajectories = lambda *args, **kwargs: (_ for _ in ()).throw(MemoryError("out of memory"))
+        sampler.sample_trajectories_turnwise = lambda *args, **kwargs: (_ for _ in ()).throw(
+            MemoryError("out of memory"))
     config = _config(tmp, "multi-turn", "auto")
     config.train.output_dir = str(tmp / "multi-turn-fails")
     try:
@@ -117,7 +118,7 @@ def _one_rank_fails(tmp: Path, rank: int) -> None:
         outcomes.append("no error")
     except Exception as e:  # noqa: BLE001
         outcomes.append(f"{type(e).__name__}: {e}")
-    sampler.sample_trajectories = original
+    sampler.sample_trajectories_turnwise = original
     (tmp / f"rank{rank}-fails.txt").write_text("\n".join(outcomes))
 
 

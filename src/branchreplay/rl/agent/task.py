@@ -1,6 +1,6 @@
 """Multi-turn agent tasks in a run (config section `agent`): which environment answers the assistant's turns, the
 limits of a trajectory, how its per-turn rewards combine with the final one, its metrics, and the greedy held-out
-evaluation. The sampling itself is `trajectories.sample_trajectories`; the environments are `environments.py`.
+evaluation. The sampling itself is `trajectories.sample_trajectories_turnwise`; the environments are `environments.py`.
 
     agent.environment: calculator     the default task's arithmetic with a `calculate` tool (the task's verifier)
                        guess_number   guess a number from 1 to 10 with higher / lower replies
@@ -28,7 +28,9 @@ from ..config.agent import AgentConfig
 from ..config.sampling import SamplingConfig
 from ..config.task import EVAL_SEED_OFFSET, reward_specs
 from ..data.tasks import load_task
-from ..rollouts.trajectories import ItemError, Limits, Trajectory, open_items, sample_trajectories
+from ..rollouts.trajectories import Limits, Trajectory, sample_trajectories_turnwise
+from ..rollouts.turns import InProcessTurns
+
 
 def load_agent_task(config) -> tuple:
     """(environment, train items, held-out items) of a run `config` (`rl.config.Config`) whose agent.environment
@@ -95,25 +97,18 @@ def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None) -> 
     agent.max_turns replies of sampling.max_new_tokens. Returns eval/accuracy (mean final reward: the task's
     success), eval/frac_correct (final reward 1), eval/reward (the combined reward trained on), eval/turns_mean,
     eval/tool_calls_mean, eval/mean_length (assistant tokens) and time/eval_s. Items that raise ItemError are
-    skipped with a warning (eval/skipped counts them). The start the items' openings share is prefilled once
-    (`trajectories.open_items`)."""
+    skipped with a warning (eval/skipped counts them). Every item's reply of a turn decodes in one loop, and the
+    start the items' openings share is prefilled once (`turns.InProcessTurns`)."""
     t0, a = time.perf_counter(), config.agent
     greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=config.sampling.max_new_tokens)
-    limit = context_limit(a, model)
-    openings, errors = open_items(model, tokenizer, env, dict(enumerate(items)), greedy,
-                                  Limits(a.max_turns, limit, a.max_tool_output_tokens))
-    for i, why in errors.items():
-        warnings.warn(f"held-out item {i} skipped: {why}", RuntimeWarning, stacklevel=2)
-    done, skipped = [], len(errors)
-    for i in list(openings):
-        if progress is not None:
-            progress(i, len(items))
-        try:
-            done += sample_trajectories(model, tokenizer, env, items[i], (1,), greedy, eos, None, a.max_turns, limit,
-                                        a.max_tool_output_tokens, opening=openings.pop(i))
-        except ItemError as e:  # a step or final reward that failed
-            warnings.warn(f"held-out item {i} skipped: {e}", RuntimeWarning, stacklevel=2)
-            skipped += 1
+    limits = Limits(a.max_turns, context_limit(a, model), a.max_tool_output_tokens)
+    if progress is not None:
+        progress(0, len(items))
+    turns = InProcessTurns(model, greedy, eos, lambda k, path: None)
+    drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, items, (1,), greedy, limits)
+    for why in errors:
+        warnings.warn(f"a held-out item was skipped: {why}", RuntimeWarning, stacklevel=2)
+    done, skipped = [t for k in sorted(drawn) for t in drawn[k]], len(errors)
     if progress is not None:
         progress(len(items), len(items))
     n, counts = max(len(done), 1), trajectory_metrics([done])

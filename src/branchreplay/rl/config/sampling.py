@@ -50,8 +50,9 @@ class SamplingConfig:
         "'dynamic', transformers' DynamicCache grown each step, finished streams' rows dropped at once; 'auto': "
         "static on CUDA, dynamic on the CPU (where decoding is compute-bound and idle rows cost: the demo's sampling "
         "about 10% slower static; after a 1,000-token shared start static was 1.5-1.6x faster in 7x less memory, so "
-        "set it for long prompts). The same samples either way. Models with sliding-window or recurrent layers or "
-        "without SDPA attention, and multi-turn conversations, decode with 'dynamic'"))
+        "set it for long prompts). The same samples either way. Multi-turn turns decode the same way, every "
+        "conversation's reply of a turn in one loop (static: each conversation's history held once). Models with "
+        "sliding-window or recurrent layers or without SDPA attention decode with 'dynamic'"))
     enforce_eager: bool = field(default=False, metadata=help_of(
         "vLLM's name: on CUDA, run the static cache's decoding step op by op instead of capturing it once as a CUDA "
         "graph and replaying it (mixture-of-experts models and models sharded by FSDP2 always run it eagerly)"))

@@ -25,7 +25,8 @@ from ..data.rewards import RewardFunctionError, score_columns
 from ..data.tasks import prompt_token_ids
 from .batch import Batch, group_rollouts
 from .sampling import branching_schedule, eos_token_ids, sample_groups
-from .trajectories import ItemError, Limits, open_items, sample_trajectories, sample_trajectories_turnwise
+from .trajectories import ItemError, Limits, sample_trajectories_turnwise
+from .turns import InProcessTurns
 from .vllm_client import VLLMError
 from .vllm_sampling import sample_trees
 
@@ -177,8 +178,9 @@ class Sampler:
         return seconds
 
     def trajectories(self, step: int, items: list[dict]) -> Batch:
-        """A multi-turn step: each item's trajectories (`trajectories.sample_trajectories`, item k's generator seeded
-        by (train.seed, step, k)), one reward each (`agent.task.trajectory_reward`), group advantages per item.
+        """A multi-turn step: each item's trajectories (`trajectories.sample_trajectories_turnwise`, in this process
+        or by the vLLM server; in this process item k's replies draw from its generator, seeded by (train.seed, step,
+        k)), one reward each (`agent.task.trajectory_reward`), group advantages per item.
         Items whose environment fails (ItemError) are skipped with a warning; raises ItemError when every item
         was."""
         cfg, a = self.config, self.config.agent
@@ -213,7 +215,7 @@ class Sampler:
         if self.vllm is not None:
             self.status(f"step {step}: sampling {len(items)} items with vLLM")
             limits = Limits(a.max_turns, context_limit(a, self.policy.model), a.max_tool_output_tokens)
-            turn = lambda requests: sample_trees(self.vllm, requests, cfg.sampling, self.eos_ids)  # noqa: E731
+            turn = lambda requests, keys: sample_trees(self.vllm, requests, cfg.sampling, self.eos_ids)  # noqa: E731
             try:
                 groups, errors = sample_trajectories_turnwise(turn, self.tokenizer, self.env, items,
                                                               turn_branching(cfg), cfg.sampling, limits, timings)
@@ -237,33 +239,21 @@ class Sampler:
         branching, limit = turn_branching(cfg), context_limit(a, self.policy.model)
         limits = Limits(a.max_turns, limit, a.max_tool_output_tokens)
         failure = None
+        mine = self.mine(len(items))
         with self.policy.gathered(), self.policy.autocast():
-            try:  # the items' openings prefilled together: a start they share runs once
-                mine = {k: items[k] for k in self.mine(len(items))}
-                openings, skipped = open_items(self.policy.model, self.tokenizer, self.env, mine, cfg.sampling, limits,
-                                               timings)
+            self.status(f"step {step}: sampling {len(mine)} items")
+            generators = [self.generator(step, k) for k in mine]
+            turns = InProcessTurns(self.policy.model, cfg.sampling, self.eos_ids, lambda i, path: generators[i])
+            try:
+                drawn, errors = sample_trajectories_turnwise(turns, self.tokenizer, self.env, [items[k] for k in mine],
+                                                             branching, cfg.sampling, limits, timings)
+                groups = {mine[i]: trajectories for i, trajectories in drawn.items()}
             except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait)
                 if self.ranks is None:
                     raise
-                failure, openings, skipped = e, {}, {}
-            for k, why in skipped.items():
-                warnings.warn(f"step {step}: item {k} skipped: {why}", RuntimeWarning, stacklevel=3)
-                errors.append(why)
-            for k in list(openings):
-                opening = openings.pop(k)  # its cache freed once its trajectories are sampled
-                self.status(f"step {step}: sampling item {k + 1}/{len(items)}")
-                try:
-                    groups[k] = sample_trajectories(self.policy.model, self.tokenizer, self.env, items[k], branching,
-                                                    cfg.sampling, self.eos_ids, self.generator(step, k), a.max_turns,
-                                                    limit, a.max_tool_output_tokens, timings, opening)
-                except ItemError as e:
-                    warnings.warn(f"step {step}: item {k} skipped: {e}", RuntimeWarning, stacklevel=3)
-                    errors.append(str(e))
-                except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait)
-                    if self.ranks is None:
-                        raise
-                    failure = e
-                    break
+                failure = e
+        for error in errors:
+            warnings.warn(f"step {step}: an item was skipped: {error}", RuntimeWarning, stacklevel=3)
         if self.ranks is not None:
             raise_together(failure, "sampling the trajectories")
             parts = self.ranks.gather((groups, errors))

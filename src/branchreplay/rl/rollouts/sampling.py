@@ -123,34 +123,60 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     (the default) is static on CUDA. Arguments, result (one list of Samples per prompt) and errors as
     `sample_group`'s."""
     schedules = [branching_schedule(model, p, num_generations, config) for p in prompts]
-    stacks = stackable(model.config)
-    static = static_applies(model) and (config.cache_implementation == "static" or (
-        config.cache_implementation == "auto" and model.device.type == "cuda"))
-    if config.cache_implementation == "static" and not (static and stacks):
-        layers = "" if stacks else ", sliding-window or recurrent layers"
-        warnings.warn("sampling.cache_implementation=static needs SDPA attention and full-attention layers only "
-                      f"(this model: {getattr(model.config, '_attn_implementation', None)} attention{layers}); it "
-                      "decodes with the dynamic cache", RuntimeWarning, stacklevel=2)
-    if not stacks or (len(prompts) < 2 and not static):
+    if not stackable(model.config) or (len(prompts) < 2 and not _static(model, config)):
+        _static(model, config, warn=True)
         return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
     was_training = model.training
     model.eval()
     try:
         filled = prefill_branches(model, DynamicCache(config=model.config), 0, prompts)
-        logits = torch.cat([lg for _, lg in filled])  # [groups, V]
-        start = torch.tensor([len(p) for p in prompts], device=logits.device)  # each row's first generated position
-        split = PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)) if static else None
-        with split or contextlib.nullcontext():  # split prefix attention switched on once, if it applies
-            graphs = not config.enforce_eager and graphs_apply(model)
-            if split is not None and split.applies:  # each prompt held once, seen by its group's rows
-                rows = StaticRows(model, start, config.max_new_tokens, graphs, prompts=[c for c, _ in filled])
-            else:
-                cache, visible = _stacked([c for c, _ in filled], [len(p) for p in prompts], model.config)
-                rows = (StaticRows(model, start, config.max_new_tokens, graphs, stacked=cache, visible=visible)
-                        if static else _DynamicRows(model, cache, visible, start))
-            return _decode_groups(rows, logits, schedules[0], config, eos_token_ids, generators)
+        return decode_prefilled(model, filled, [len(p) for p in prompts], schedules[0], config, eos_token_ids,
+                                generators)
     finally:
         model.train(was_training)
+
+
+@torch.no_grad()
+def decode_prefilled(model, filled: list[tuple[DynamicCache, torch.Tensor]], lengths: list[int],
+                     schedule: dict[int, int], config: SamplingConfig, eos_token_ids,
+                     generators: list[torch.Generator | None]) -> list[list[Sample]]:
+    """The decoding loop of `sample_groups` from prefixes already prefilled: filled[k] = (a batch-1 cache of
+    lengths[k] tokens, never written here; the [1, V] float32 logits of its next token), each group forked by
+    `schedule` ({generated depth: factor}) and drawing from `generators[k]` (the same generator may serve several
+    groups: they draw from it in group order at each generated position). Every live stream of every group
+    decodes in one batched forward per position, in the cache `sample_groups` describes (static or dynamic); a
+    model with recurrent or sliding-window layers decodes each group alone (`sample_from`). The model must be in
+    eval mode. Returns one list of Samples per group."""
+    static = _static(model, config, warn=True)
+    if not stackable(model.config) or (len(filled) < 2 and not static):
+        return [sample_from(model, fork(cache), logits, n, schedule, config, eos_token_ids, g)
+                for (cache, logits), n, g in zip(filled, lengths, generators)]
+    logits = torch.cat([lg for _, lg in filled])  # [groups, V]
+    start = torch.tensor(lengths, device=logits.device)  # each row's first generated position
+    split = PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)) if static else None
+    with split or contextlib.nullcontext():  # split prefix attention switched on once, if it applies
+        graphs = not config.enforce_eager and graphs_apply(model)
+        if split is not None and split.applies:  # each prompt held once, seen by its group's rows
+            rows = StaticRows(model, start, config.max_new_tokens, graphs, prompts=[c for c, _ in filled])
+        else:
+            cache, visible = _stacked([c for c, _ in filled], lengths, model.config)
+            rows = (StaticRows(model, start, config.max_new_tokens, graphs, stacked=cache, visible=visible)
+                    if static else _DynamicRows(model, cache, visible, start))
+        return _decode_groups(rows, logits, schedule, config, eos_token_ids, generators)
+
+
+def _static(model, config: SamplingConfig, warn: bool = False) -> bool:
+    """Whether the streams decode in `static_rows.StaticRows` (config.cache_implementation, the model's attention
+    and layers, its device). warn: say so when "static" was asked for on a model that cannot take it."""
+    stacks = stackable(model.config)
+    static = static_applies(model) and stacks and (config.cache_implementation == "static" or (
+        config.cache_implementation == "auto" and model.device.type == "cuda"))
+    if warn and config.cache_implementation == "static" and not static:
+        layers = "" if stacks else ", sliding-window or recurrent layers"
+        warnings.warn("sampling.cache_implementation=static needs SDPA attention and full-attention layers only "
+                      f"(this model: {getattr(model.config, '_attn_implementation', None)} attention{layers}); it "
+                      "decodes with the dynamic cache", RuntimeWarning, stacklevel=3)
+    return static
 
 
 def stackable(config) -> bool:

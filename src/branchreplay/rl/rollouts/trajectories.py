@@ -1,6 +1,6 @@
 """Multi-turn rollouts with tree sampling across turns: trajectories that share their earlier turns.
 
-For one dataset item, the environment's opening messages are prefilled once. Turn t then samples
+For one dataset item, the environment's opening messages start the conversation. Turn t then samples
 `turn_branching[t]` assistant replies (1 past the list; an entry may be a (depth, factor) schedule that also forks
 inside the turn, `sampling.turn_schedule`) from the conversation so far; each reply that called for an answer gets
 the environment's messages (`environments.Environment.step`), and its conversation goes on to turn t + 1. So with
@@ -9,12 +9,12 @@ which share the prompt, and in fours their first turn. The ids are built by `con
 Conversation` (assistant turns as sampled, environment turns as the template's delta), so shared turns are the same
 ids and `tree.RolloutTree` shares their nodes.
 
-KV caches: the start the openings of a step's items share (a system prompt, tool schemas, the identical opening
-of every guess-number item) is prefilled once per step (`open_items`), each item's rest on a fork of it; then one
-cache per conversation prefix that continues. A child forks its parent's cache (`sampling.fork`: the keys
-and values shared by reference, never copied) and prefills only its own new tokens (its reply and the environment's
-answer; a reply start that several children share, forked inside the turn, once: `sampling.prefill_branches`): the
-shared history is never run again.
+Sampling goes turn by turn across a step's items (`sample_trajectories_turnwise`): at each turn every trajectory
+still going asks for its replies at once, from the vLLM server (its prefix cache holds the shared turns) or in this
+process (`turns.InProcessTurns`: each conversation's cache kept from its parent's turn, its new tokens prefilled
+after it, the step's openings as one radix trie so that the start they share runs once, and every reply of the turn
+in one decoding loop); the shared history is never run again.
+
 A trajectory ends when the environment says done (or answers with no message), its reply was cut at
 sampling.max_new_tokens (no end-of-turn: `truncated`), its reply ended on an EOS id other than the template's end of
 turn (the tokenizer's EOS: `end_of_sequence`, e.g. Qwen's <|endoftext|>), it reached `max_turns` replies, or its
@@ -31,18 +31,15 @@ from __future__ import annotations
 import copy
 import math
 import numbers
-import os
 import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
-
 from ..agent.conversation import Conversation, TemplateNotPrefixStableError
 from ..agent.environments import TRUNCATED, Environment
 from ..data.cells import check_messages
-from .sampling import fork, prefill, prefill_branches, sample_from
 from ..config.sampling import SamplingConfig, turn_schedule
+from .turns import InProcessTurns
 
 
 class ItemError(ValueError):
@@ -80,113 +77,36 @@ class Limits:
             raise ValueError(f"max_turns must be >= 1, got {self.max_turns}")
 
 
-@dataclass
-class Opening:
-    """An item's conversation after the environment's opening messages, and the start the step's items share:
-    `shared` ids of it, prefilled once by `open_items` into `cache` (never written: each item forks it; None when
-    the items share nothing) with `logits` [1, V] float32, the next token's after them."""
-
-    conversation: Conversation
-    shared: int
-    cache: DynamicCache | None
-    logits: torch.Tensor | None
-
-    def prefilled(self, model) -> tuple[DynamicCache, torch.Tensor]:
-        """The item's cache and the [1, V] float32 logits of its first reply's first token: its ids after the shared
-        start prefilled on a fork of the shared cache, when the item's sampling starts (so that one item's own
-        cache is alive at a time, as when each item prefilled alone)."""
-        ids = self.conversation.ids
-        if self.cache is None:
-            return prefill(model, ids)
-        if self.shared == len(ids):
-            return self.cache, self.logits
-        return prefill(model, ids[self.shared:], fork(self.cache), position=self.shared)
-
-
-@torch.no_grad()
-def open_items(model, tokenizer, env: Environment, items: dict[int, dict], config: SamplingConfig, limits: Limits,
-               timings: dict | None = None) -> tuple[dict[int, Opening], dict[int, str]]:
-    """The openings of a step's items ({k: item}, every `reset` first), and the start they all share (a system
-    prompt, tool schemas, few-shot turns: their longest common prefix of ids) prefilled once for the step. Returns
-    ({k: Opening} of the items that opened, {k: why} of those whose reset failed or whose opening leaves no room
-    for a reply: `ItemError`'s message). timings as `sample_trajectories`'."""
-    clock, tools = _Clock(timings), getattr(env, "template_tools", None)
-    starts, errors = {}, {}
-    for k, item in items.items():
-        try:
-            starts[k] = _opening(env, item, tokenizer, config, limits, clock, tools)
-        except ItemError as e:
-            errors[k] = str(e)
-    if not starts:
-        return {}, errors
-    shared = os.path.commonprefix([s.ids for s in starts.values()])  # element-wise: works on lists of ids
-    cache = logits = None
-    if shared:
-        was_training = model.training
-        model.eval()
-        try:
-            cache, logits = prefill(model, shared)
-        finally:
-            model.train(was_training)
-    return {k: Opening(s, len(shared), cache, logits) for k, s in starts.items()}, errors
-
-
 @torch.no_grad()
 def sample_trajectories(model, tokenizer, env: Environment, item: dict, turn_branching: tuple,
                         config: SamplingConfig, eos_token_ids, generator: torch.Generator | None = None,
                         max_turns: int = 4, max_context_tokens: int | None = None,
-                        max_tool_output_tokens: int | None = None, timings: dict | None = None,
-                        opening: Opening | None = None) -> list[Trajectory]:
-    """The trajectories of `item`, depth first (children of one turn consecutive), at most the product of the
-    turn_branching factors (`sampling.SamplingConfig.turn_branching`: ints or (depth, factor) schedules).
+                        max_tool_output_tokens: int | None = None, timings: dict | None = None) -> list[Trajectory]:
+    """The trajectories of one `item`, sampled in this process (`turns.InProcessTurns`, every reply of a turn in one
+    decoding loop, all drawing from `generator`), at most the product of the turn_branching factors
+    (`sampling.SamplingConfig.turn_branching`: ints or (depth, factor) schedules), in the order of
+    `sample_trajectories_turnwise`.
 
     timings: when given, timings["env_s"] accumulates the seconds spent in the environment (reset, step,
-    final_reward), the rest of the call being the model's. opening: the item's `open_items` result (None: reset
-    and prefilled here). Raises ItemError (reset failed, or the opening leaves no room for a reply), ValueError for
-    max_turns < 1."""
+    final_reward), the rest of the call being the model's. Raises ItemError (reset, step or final_reward failed, or
+    the opening leaves no room for a reply), ValueError for max_turns < 1."""
     limits = Limits(max_turns, max_context_tokens, max_tool_output_tokens)
-    clock = _Clock(timings)
-    tools = getattr(env, "template_tools", None)
-    start = opening.conversation if opening else _opening(env, item, tokenizer, config, limits, clock, tools)
-    was_training = model.training
-    model.eval()
-    out: list[Trajectory] = []
-    try:
-        cache, logits = opening.prefilled(model) if opening else prefill(model, start.ids)
-        todo = [(Trajectory(start, [0.0] * len(start.ids)), cache, logits)]
-        while todo:
-            parent, cache, logits = todo.pop()
-            prefix = len(parent.conversation.ids)
-            # the decoding consumes its cache (rows forked and dropped): it gets a fork, the children need this one
-            samples = sample_from(model, fork(cache), logits, prefix, turn_schedule(turn_branching,
-                                  parent.turns), config, eos_token_ids, generator)
-            children = []
-            for sample in samples:
-                child = _replied(parent, sample, tokenizer)
-                if _next(child, sample.truncated, env, item, tokenizer, limits, config, clock, tools) is None:
-                    _final_reward(child, env, item, clock)
-                    out.append(child)
-                    continue
-                children.append(child)
-            # each child's reply and the environment's answer after the parent's cache; a reply start forked
-            # inside the turn is prefilled once for the children that share it
-            filled = prefill_branches(model, cache, prefix, [c.conversation.ids[prefix:] for c in children])
-            todo.extend(reversed([(c, *f) for c, f in zip(children, filled)]))  # depth first, in sampling order
-    finally:
-        model.train(was_training)
-    return out
+    turns = InProcessTurns(model, config, eos_token_ids, lambda k, path: generator)
+    done, errors = sample_trajectories_turnwise(turns, tokenizer, env, [item], turn_branching, config, limits, timings)
+    if errors:
+        raise ItemError(errors[0])
+    return done[0]
 
 
 def sample_trajectories_turnwise(sample_turn, tokenizer, env: Environment, items: list[dict], turn_branching: tuple,
                                  config: SamplingConfig, limits: Limits, timings: dict | None = None
                                  ) -> tuple[dict[int, list[Trajectory]], list[str]]:
-    """Every item's trajectories turn by turn across the items, for a sampler that takes many requests at once
-    (the vLLM server): at each turn, every trajectory still going asks for its replies in ONE call
-    `sample_turn([(conversation ids, {generated depth: fan-out}), ...])` -> per request, its `Sample`s
-    (`vllm_sampling.sample_trees`: all in flight together; the server's prefix cache holds the shared turns, so a
-    turn costs its new tokens). Trajectories as `sample_trajectories` draws them (limits, ends, rewards, item
-    errors), each item's in the lexicographic order of their branch paths (`sample_trajectories` lists a reply
-    that ended before the descendants of an earlier sibling that went on; nothing depends on the order).
+    """Every item's trajectories turn by turn across the items: at each turn, every trajectory still going asks for
+    its replies in ONE call `sample_turn([(conversation ids, {generated depth: fan-out}), ...], [(item index, branch
+    path), ...])` -> per request, its `Sample`s (`turns.InProcessTurns`, or `vllm_sampling.sample_trees`: all in
+    flight together; the server's prefix cache holds the shared turns, so a turn costs its new tokens). A request's
+    branch path is its parent's plus the index of its reply among the parent's. Trajectories end by the limits of
+    the module docstring; each item's are listed in the lexicographic order of their branch paths.
 
     Returns ({item index: its trajectories} for the items that did not fail, the failed items' ItemError
     messages); the sampler's errors (VLLMError) propagate."""
@@ -202,7 +122,8 @@ def sample_trajectories_turnwise(sample_turn, tokenizer, env: Environment, items
         live.append((k, (), Trajectory(start, [0.0] * len(start.ids))))
         done[k] = []
     while live:
-        replies = sample_turn([(t.conversation.ids, turn_schedule(turn_branching, t.turns)) for _, _, t in live])
+        replies = sample_turn([(t.conversation.ids, turn_schedule(turn_branching, t.turns)) for _, _, t in live],
+                              [(k, path) for k, path, _ in live])
         going = []
         for (k, path, parent), samples in zip(live, replies):
             if k in errors:
