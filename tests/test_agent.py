@@ -376,3 +376,23 @@ def test_a_turn_of_every_item_in_one_loop_equals_each_request_alone(keep64, cach
     assert sum(prefilled) == len({tuple(ids[:n]) for ids in requests for n in range(1, len(ids) + 1)})
     swapped, _ = alone(swap=True)
     assert [t.conversation.ids for t in swapped[0]] != [t.conversation.ids for t in together[0]]
+
+
+def test_evaluation_runs_its_items_in_batches_with_the_runs_cache(tmp_path, monkeypatch):
+    """`evaluate_agent` takes the run's sampling.cache_implementation (static here: the static rows decode) and runs
+    the held-out items `batch_size` at a time, reporting progress after each batch; the metrics equal those of one
+    batch of every item (greedy)."""
+    import branchreplay.rl.rollouts.sampling as sampling
+    from branchreplay.rl.agent.task import evaluate_agent
+    from branchreplay.rl.rollouts.static_rows import StaticRows
+
+    built = []
+    monkeypatch.setattr(sampling, "StaticRows", lambda *a, **k: built.append(1) or StaticRows(*a, **k))
+
+    config = make_config(tmp_path, sampling={"cache_implementation": "static"})
+    model, tok, calls = _chatty_model(), TurnTokenizerWithDecode(), []
+    batched = evaluate_agent(model, tok, config, Counter(), ITEMS[:5], {EOS}, lambda *a: calls.append(a), 2)
+    assert calls == [(0, 5), (2, 5), (4, 5), (5, 5)] and built
+    whole = evaluate_agent(model, tok, config, Counter(), ITEMS[:5], {EOS}, None, 8)
+    assert {k: v for k, v in batched.items() if k != "time/eval_s"} == {
+        k: v for k, v in whole.items() if k != "time/eval_s"}

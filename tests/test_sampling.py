@@ -450,6 +450,31 @@ def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("arch", ["llama", "lfm2", "mamba", "jamba", "mamba2", "bamba", "falcon_h1", "qwen3_next"])
+def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
+    """Multi-turn sampling prefills a conversation's new tokens after its parent's cache (`sampling.prefill` with a
+    position): the next logits equal one prefill of the whole sequence (float64; float32 kernels of the SSM scans:
+    1e-5). Mamba's and Jamba's forwards restart the scan when a cache is continued with several tokens (off by
+    0.07-0.8), so they take the tokens one at a time (`Family.continues_cache`); a control feeding them at once
+    shows the error."""
+    from branchreplay.engine.families import FAMILIES
+    from branchreplay.models import tiny_model
+    from branchreplay.rl.rollouts.sampling import fork, prefill
+
+    model = keep64(tiny_model(arch, torch.float64)).eval()
+    ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()
+    with torch.no_grad():
+        _, whole = prefill(model, ids)
+        cache, _ = prefill(model, ids[:20])
+        _, continued = prefill(model, ids[20:], fork(cache), position=20)
+        at_once = model(input_ids=torch.tensor([ids[20:]]), position_ids=torch.arange(20, 30)[None],
+                        cache=fork(cache), use_cache=True).logits[:, -1]
+    torch.testing.assert_close(continued, whole, rtol=0, atol=1e-5)
+    assert FAMILIES[model.config.model_type].continues_cache == (arch not in ("mamba", "jamba"))
+    if arch in ("mamba", "jamba"):
+        assert (at_once - whole).abs().max() > 1e-2
+
+
 def test_branches_sharing_a_start_prefill_it_once_and_equal_each_alone(keep64):
     """`sampling.prefill_branches` (multi-turn replies forked inside a turn): per branch the logits of prefilling it
     alone (float64), the shared starts run once: 7 of the branches' 12 ids."""

@@ -49,6 +49,9 @@ class Family:
         only (with those casts made float64 the tests measure ~1e-14; `tests/test_families_recurrent.py`).
     uniform_window: the config has no `layer_types` and `config.sliding_window`, when set, applies to every layer
         (Mistral, Mixtral, Qwen3-MoE with use_sliding_window).
+    continues_cache: transformers' forward continues a KV / recurrent cache with several new tokens at once. False
+        for Mamba and Jamba, whose mixers restart the scan there (logits off by 0.07-0.8 in float64), so the
+        sampler's `prefill` feeds them one token at a time after a cache.
 
     Mixture of experts (Mixtral, Qwen3-MoE): routing is per position (router logits, top-k and expert weights
     depend only on that position's hidden state), so a shared position's routing is shared like its logprob and
@@ -65,6 +68,7 @@ class Family:
     recurrent: bool = False
     uniform_window: bool = False
     float32_kernels: bool = False
+    continues_cache: bool = True
 
 
 FAMILIES: dict[str, Family] = {
@@ -86,11 +90,11 @@ FAMILIES: dict[str, Family] = {
     "qwen3_moe": Family("qwen3_moe", mask_mapping=False, uniform_window=True),
     "mixtral": Family("mixtral", mask_mapping=False, uniform_window=True),
     # recurrent and hybrid families (engine/recurrent.py); their packs hold one node, so mask_mapping is unused
-    "mamba": Family("mamba", mask_mapping=False, recurrent=True, float32_kernels=True),
+    "mamba": Family("mamba", mask_mapping=False, recurrent=True, float32_kernels=True, continues_cache=False),
     "mamba2": Family("mamba2", mask_mapping=False, recurrent=True, float32_kernels=True),
     "bamba": Family("bamba", mask_mapping=False, recurrent=True, float32_kernels=True),
     "falcon_h1": Family("falcon_h1", mask_mapping=False, recurrent=True, float32_kernels=True),
-    "jamba": Family("jamba", mask_mapping=False, recurrent=True, float32_kernels=True),
+    "jamba": Family("jamba", mask_mapping=False, recurrent=True, float32_kernels=True, continues_cache=False),
     "lfm2": Family("lfm2", mask_mapping=False, recurrent=True),  # float64-exact
     "qwen3_next": Family("qwen3_next", mask_mapping=False, recurrent=True, float32_kernels=True),
 }

@@ -92,23 +92,29 @@ def trajectory_metrics(groups: list[list[Trajectory]]) -> dict:
 
 
 @torch.no_grad()
-def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None) -> dict:
+def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None, batch_size: int = 16) -> dict:
     """Greedy multi-turn held-out evaluation: one trajectory per item (top-1 token at every step), up to
-    agent.max_turns replies of sampling.max_new_tokens. Returns eval/accuracy (mean final reward: the task's
-    success), eval/frac_correct (final reward 1), eval/reward (the combined reward trained on), eval/turns_mean,
-    eval/tool_calls_mean, eval/mean_length (assistant tokens) and time/eval_s. Items that raise ItemError are
-    skipped with a warning (eval/skipped counts them). Every item's reply of a turn decodes in one loop, and the
-    start the items' openings share is prefilled once (`turns.InProcessTurns`)."""
-    t0, a = time.perf_counter(), config.agent
-    greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=config.sampling.max_new_tokens)
+    agent.max_turns replies of sampling.max_new_tokens, in the run's sampling.cache_implementation. Returns
+    eval/accuracy (mean final reward: the task's success), eval/frac_correct (final reward 1), eval/reward (the
+    combined reward trained on), eval/turns_mean, eval/tool_calls_mean, eval/mean_length (assistant tokens) and
+    time/eval_s. Items that raise ItemError are skipped with a warning (eval/skipped counts them). The items run
+    `batch_size` at a time (progress(done, total) after each batch), each turn of a batch's items in one decoding
+    loop, the start their openings share prefilled once per batch (`turns.InProcessTurns`)."""
+    t0, a, s = time.perf_counter(), config.agent, config.sampling
+    greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=s.max_new_tokens,
+                            cache_implementation=s.cache_implementation, enforce_eager=s.enforce_eager)
     limits = Limits(a.max_turns, context_limit(a, model), a.max_tool_output_tokens)
-    if progress is not None:
-        progress(0, len(items))
-    turns = InProcessTurns(model, greedy, eos, lambda k, path: None)
-    drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, items, (1,), greedy, limits)
-    for why in errors:
-        warnings.warn(f"a held-out item was skipped: {why}", RuntimeWarning, stacklevel=2)
-    done, skipped = [t for k in sorted(drawn) for t in drawn[k]], len(errors)
+    done, skipped = [], 0
+    for first in range(0, len(items), batch_size):
+        if progress is not None:
+            progress(first, len(items))
+        turns = InProcessTurns(model, greedy, eos, lambda k, path: None)
+        drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, items[first : first + batch_size], (1,),
+                                                     greedy, limits)
+        for why in errors:
+            warnings.warn(f"a held-out item was skipped: {why}", RuntimeWarning, stacklevel=2)
+        done += [t for k in sorted(drawn) for t in drawn[k]]
+        skipped += len(errors)
     if progress is not None:
         progress(len(items), len(items))
     n, counts = max(len(done), 1), trajectory_metrics([done])

@@ -51,7 +51,8 @@ class SamplingConfig:
         "static on CUDA, dynamic on the CPU (where decoding is compute-bound and idle rows cost: the demo's sampling "
         "about 10% slower static; after a 1,000-token shared start static was 1.5-1.6x faster in 7x less memory, so "
         "set it for long prompts). The same samples either way. Multi-turn turns decode the same way, every "
-        "conversation's reply of a turn in one loop (static: each conversation's history held once). Models with "
+        "conversation's reply of a turn in one loop (static: each conversation's history held once where split "
+        "prefix attention applies). Models with "
         "sliding-window or recurrent layers or without SDPA attention decode with 'dynamic'"))
     enforce_eager: bool = field(default=False, metadata=help_of(
         "vLLM's name: on CUDA, run the static cache's decoding step op by op instead of capturing it once as a CUDA "

@@ -25,7 +25,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ...engine.attention import PrefixSplit
-from ...engine.families import layer_windows
+from ...engine.families import FAMILIES, layer_windows
 from ...engine.recurrent import layer_kinds
 from ...models import max_positions
 from ..config.sampling import SamplingConfig
@@ -143,9 +143,10 @@ def decode_prefilled(model, filled: list[tuple[DynamicCache, torch.Tensor]], len
     """The decoding loop of `sample_groups` from prefixes already prefilled: filled[k] = (a batch-1 cache of
     lengths[k] tokens, never written here; the [1, V] float32 logits of its next token), each group forked by
     `schedule` ({generated depth: factor}) and drawing from `generators[k]` (the same generator may serve several
-    groups: they draw from it in group order at each generated position). Every live stream of every group
-    decodes in one batched forward per position, in the cache `sample_groups` describes (static or dynamic); a
-    model with recurrent or sliding-window layers decodes each group alone (`sample_from`). The model must be in
+    groups: they draw from it in group order). Every live stream of every group decodes in one batched forward
+    per position, in the cache `sample_groups` describes (static or dynamic), the groups drawing in turn at each
+    generated position; a model with recurrent or sliding-window layers decodes each group alone (`sample_from`),
+    one group's whole samples after another's. The model must be in
     eval mode. Returns one list of Samples per group."""
     static = _static(model, config, warn=True)
     if not stackable(model.config) or (len(filled) < 2 and not static):
@@ -366,7 +367,13 @@ def fork(cache: DynamicCache) -> DynamicCache:
 
 def prefill(model, ids: list[int], cache=None, position: int = 0) -> tuple[DynamicCache, torch.Tensor]:
     """`ids` once, batch size 1, at positions `position` ... after what `cache` holds (a new cache when None): the
-    cache and the [1, V] float32 logits of the next token."""
+    cache and the [1, V] float32 logits of the next token. After a cache, a family that cannot continue it with
+    several tokens at once (`engine.families.Family.continues_cache`: Mamba, Jamba) takes them one at a time."""
+    family = FAMILIES.get(model.config.model_type)
+    if position > 0 and len(ids) > 1 and family is not None and not family.continues_cache:
+        for k, token in enumerate(ids):
+            cache, logits = prefill(model, [token], cache, position + k)
+        return cache, logits
     device = model.device
     cache = DynamicCache(config=model.config) if cache is None else cache
     out = model(input_ids=torch.tensor([ids], device=device),

@@ -8,7 +8,8 @@ item's opening as one trie (the start a step's items share, a system prompt, too
 every guess-number item, once per step). Then every reply of every request decodes together
 (`sampling.decode_prefilled`: dynamic or static cache, `sampling.cache_implementation`; with the static cache where
 split prefix attention applies each conversation's history is held once and read by its rows, never copied per
-row). Only the last turn's caches are kept: a request's children need its cache, nothing needs its parent's.
+row). Only the last turn's caches are kept: a request's children need its cache, nothing needs its parent's once
+they are prefilled.
 """
 
 from __future__ import annotations
@@ -29,8 +30,9 @@ class InProcessTurns:
     """`sample_turn` for `trajectories.sample_trajectories_turnwise`, sampling with `model` in this process.
 
     generator(item, path): the torch.Generator (or None) a request's replies draw from; requests that share one
-    draw from it in the order of the requests, one token each per generated position (so an item's samples depend
-    on its own requests only). A call takes [(conversation ids, {generated depth: fan-out}), ...] and their keys
+    draw from it in the order of the requests (one token each per generated position, or each request's whole
+    replies in turn for models that decode each request alone: `sampling.decode_prefilled`), so an item's samples
+    depend on its own requests only. A call takes [(conversation ids, {generated depth: fan-out}), ...] and their keys
     ((item, path); a path's parent is path[:-1], whose request came in the previous call) and returns each request's
     Samples. Raises KeyError when a request's parent was not in the previous call."""
 
@@ -45,6 +47,7 @@ class InProcessTurns:
         self.model.eval()
         try:
             prefixes = self._prefill([ids for ids, _ in requests], keys)
+            self.prefixes = prefixes  # the parents' caches are freed: their children are prefilled
             out: list = [None] * len(requests)
             by_schedule: dict[tuple, list[int]] = {}
             for i, (_, schedule) in enumerate(requests):
@@ -55,7 +58,6 @@ class InProcessTurns:
                                          self.eos_token_ids, [self.generator(*keys[i]) for i in members])
                 for i, samples in zip(members, drawn):
                     out[i] = samples
-            self.prefixes = prefixes
             return out
         finally:
             self.model.train(was_training)

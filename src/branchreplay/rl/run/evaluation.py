@@ -37,7 +37,8 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
     time/eval_s.
     env: a multi-turn environment (with `data` its held-out items): `agent.task.evaluate_agent`'s metrics instead."""
     if env is not None:
-        return evaluate_agent(model, tokenizer, config, env, data, eos_token_ids(model, tokenizer), progress)
+        return evaluate_agent(model, tokenizer, config, env, data, eos_token_ids(model, tokenizer), progress,
+                              EVAL_BATCH)
     t0 = time.perf_counter()
     if data is None:
         data = load_task(config.task)[1]
