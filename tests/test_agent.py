@@ -396,3 +396,18 @@ def test_evaluation_runs_its_items_in_batches_with_the_runs_cache(tmp_path, monk
     whole = evaluate_agent(model, tok, config, Counter(), ITEMS[:5], {EOS}, None, 8)
     assert {k: v for k, v in batched.items() if k != "time/eval_s"} == {
         k: v for k, v in whole.items() if k != "time/eval_s"}
+
+
+def test_items_sampled_in_waves_equal_the_whole_step(tmp_path, keep64):
+    """sampling.max_num_seqs with multi-turn items: waves of max_num_seqs // num_generations items (here one item
+    per wave), each its own turn-by-turn loop; in float64 the trajectories equal those of the whole step at once
+    (ids; logprobs to 1e-12), since each item draws from its own generator."""
+    out = []
+    for limit in (None, 4):
+        config = make_config(tmp_path / str(limit), sampling={"max_num_seqs": limit})
+        trainer = make_trainer(config, dtype=torch.float64)
+        keep64(trainer.model)
+        out.append(sum(trainer.generate(1).trajectories, []))
+    assert len(out[0]) > 2 and [t.conversation.ids for t in out[0]] == [t.conversation.ids for t in out[1]]
+    for a, b in zip(*out):
+        assert a.logprobs == pytest.approx(b.logprobs, abs=1e-12, rel=0)

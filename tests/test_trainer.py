@@ -457,3 +457,25 @@ def test_what_the_held_out_score_is_called():
     assert score_name(config, object()) == "mean reward"
     custom = Config.from_dict({"task": {"reward": "task,test_lora:length_reward", "reward_weights": [1.0, 0.5]}})
     assert score_name(custom) == "mean reward"
+
+
+def test_groups_sampled_in_waves_equal_the_whole_step(tmp_path, keep64):
+    """sampling.max_num_seqs: a step's groups sample in waves of max_num_seqs // num_generations (here 1, 2 and 1
+    group: 4 // 4, 9 // 4, 1 // 4 -> at least 1), each wave on its own; every group draws from its own generator,
+    so in float64 the samples equal the whole step's at once (ids; logprobs to 1e-12). A bad value is refused by
+    name."""
+    batches, waves = {}, {}
+    for limit in (None, 4, 9, 1):
+        trainer = make_trainer(make_config(tmp_path / str(limit), grpo={"prompts_per_step": 3},
+                                           sampling={"max_num_seqs": limit}), dtype=torch.float64)
+        keep64(trainer.model)
+        batches[limit], waves[limit] = trainer.generate(1), trainer.source.waves([0, 1, 2])
+    assert waves == {None: [[0, 1, 2]], 4: [[0], [1], [2]], 9: [[0, 1], [2]], 1: [[0], [1], [2]]}
+    whole = batches[None]
+    for batch in batches.values():
+        assert [[s.completion_ids for s in g] for g in batch.samples] == [[s.completion_ids for s in g]
+                                                                         for g in whole.samples]
+        for a, b in zip(sum(batch.samples, []), sum(whole.samples, [])):
+            assert a.logprobs == pytest.approx(b.logprobs, abs=1e-12, rel=0)
+    with pytest.raises(ValueError, match="sampling.max_num_seqs"):
+        make_config(tmp_path, sampling={"max_num_seqs": 0})

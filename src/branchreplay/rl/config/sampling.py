@@ -57,6 +57,13 @@ class SamplingConfig:
     enforce_eager: bool = field(default=False, metadata=help_of(
         "vLLM's name: on CUDA, run the static cache's decoding step op by op instead of capturing it once as a CUDA "
         "graph and replaying it (mixture-of-experts models and models sharded by FSDP2 always run it eagerly)"))
+    max_num_seqs: int | None = field(default=None, metadata=help_of(
+        "vLLM's name, for the in-process (hf) sampler: the most sequences sampled together. A step's groups "
+        "(multi-turn: its items) sample in waves of max(1, max_num_seqs // grpo.num_generations), each wave "
+        "prefilled and decoded on its own, so only a wave's KV caches are alive at once (multi-turn: every live "
+        "conversation of the wave's items, up to num_generations each); null (the default): the whole step at "
+        "once. Each group draws from its own generator, so waves change the samples only by the floating-point "
+        "order of the batched matmuls. >= 1"))
     backend: Backend = field(default="hf", metadata=help_of(
         "'hf': sampling here with transformers (the prompt prefilled once per group); 'vllm': a vLLM server "
         "(`branchreplay vllm-serve --model SPEC`, in its own venv from `make vllm`) samples, with prefix caching, "
@@ -80,6 +87,9 @@ class SamplingConfig:
         choice("sampling.backend", self.backend, Backend)
         choice("sampling.cache_implementation", self.cache_implementation, CacheImplementation)
         check("sampling.vllm_timeout_s", self.vllm_timeout_s > 0, "> 0 seconds", self.vllm_timeout_s)
+        if self.max_num_seqs is not None:
+            check("sampling.max_num_seqs", self.max_num_seqs >= 1, ">= 1 (or null: the whole step at once)",
+                  self.max_num_seqs)
         if self.vllm_importance_sampling_cap is not None:
             check("sampling.vllm_importance_sampling_cap", self.vllm_importance_sampling_cap > 0, "> 0 (or null)",
                   self.vllm_importance_sampling_cap)

@@ -58,6 +58,12 @@ class Sampler:
         """The groups (items) of `n` this rank samples: k with k % world == rank (all in one process)."""
         return self.ranks.mine(n) if self.ranks is not None else list(range(n))
 
+    def waves(self, groups: list[int]) -> list[list[int]]:
+        """`groups` (or items) in the waves the in-process sampler takes together (`sampling.max_num_seqs`)."""
+        limit = self.config.sampling.max_num_seqs
+        size = len(groups) if limit is None else max(1, limit // self.config.grpo.num_generations)
+        return [groups[i : i + size] for i in range(0, len(groups), max(size, 1))]
+
     def generator(self, step: int, k: int) -> torch.Generator:
         """The sampling generator of group (item) k of `step`, seeded by (train.seed, step, k)."""
         return torch.Generator(self.policy.model.device).manual_seed(mix(mix(self.config.train.seed, step), k))
@@ -125,9 +131,12 @@ class Sampler:
         cfg = self.config
         with self.policy.gathered(), self.policy.autocast():
             try:
-                self.status(f"step {step}: sampling {len(mine)} groups")
-                drawn = sample_groups(self.policy.model, [prompt_ids[k] for k in mine], cfg.grpo.num_generations,
-                                      cfg.sampling, self.eos_ids, [self.generator(step, k) for k in mine])
+                drawn = []
+                for wave in self.waves(mine):
+                    self.status(f"step {step}: sampling {len(drawn) + len(wave)}/{len(mine)} groups")
+                    drawn += sample_groups(self.policy.model, [prompt_ids[k] for k in wave],
+                                           cfg.grpo.num_generations, cfg.sampling, self.eos_ids,
+                                           [self.generator(step, k) for k in wave])
                 return dict(zip(mine, drawn)), None
             except Exception as e:  # noqa: BLE001 (re-raised on every rank)
                 if self.ranks is None:
@@ -241,13 +250,19 @@ class Sampler:
         failure = None
         mine = self.mine(len(items))
         with self.policy.gathered(), self.policy.autocast():
-            self.status(f"step {step}: sampling {len(mine)} items")
-            generators = [self.generator(step, k) for k in mine]
-            turns = InProcessTurns(self.policy.model, cfg.sampling, self.eos_ids, lambda i, path: generators[i])
             try:
-                drawn, errors = sample_trajectories_turnwise(turns, self.tokenizer, self.env, [items[k] for k in mine],
-                                                             branching, cfg.sampling, limits, timings)
-                groups = {mine[i]: trajectories for i, trajectories in drawn.items()}
+                started = 0
+                for wave in self.waves(mine):
+                    started += len(wave)
+                    self.status(f"step {step}: sampling {started}/{len(mine)} items")
+                    generators = [self.generator(step, k) for k in wave]
+                    turns = InProcessTurns(self.policy.model, cfg.sampling, self.eos_ids,
+                                           lambda i, path, generators=generators: generators[i])
+                    drawn, failed = sample_trajectories_turnwise(turns, self.tokenizer, self.env,
+                                                                 [items[k] for k in wave], branching, cfg.sampling,
+                                                                 limits, timings)
+                    groups.update({wave[i]: trajectories for i, trajectories in drawn.items()})
+                    errors += failed
             except Exception as e:  # noqa: BLE001 (re-raised on every rank: the others would wait)
                 if self.ranks is None:
                     raise
