@@ -51,15 +51,15 @@ class _PrefixLayer(DynamicLayer):
     """
 
     def __init__(self, ancestors: list[tuple[torch.Tensor, torch.Tensor]], window: int | None = None,
-                 prefix_length: int | None = None, split: bool = False, groups: list | None = None):
+                 prefix_length: int | None = None, split: bool = False, groups: tuple | None = None):
         super().__init__()
-        self.split, self.groups = split, groups  # groups: `PrefixCache`'s, this layer's (k, v) per ancestor
+        self.split, self.groups = split, groups  # groups: `Prefix.groups`, indices into `ancestors` (all kept)
         available = sum(k.shape[-2] for k, _ in ancestors)
         self.window = window
         self.is_sliding = window is not None  # transformers sizes the sliding mask on the first such layer
         self.prefix_length = available if prefix_length is None else prefix_length
         self.kept = kept_positions(self.prefix_length, window)
-        self.ancestors = _last_positions(ancestors, self.kept)
+        self.ancestors = ancestors if groups is not None else _last_positions(ancestors, self.kept)
         self.new_keys = self.new_values = None
 
     def update(self, key_states, value_states, *args, **kwargs):
@@ -84,18 +84,8 @@ class _PrefixLayer(DynamicLayer):
 
     def _prefix(self, queries: int) -> Prefix:
         """The `Prefix` of a split forward of `queries` positions (its rows one after the other)."""
-        if self.groups is None:
-            return Prefix([k for k, _ in self.ancestors], [v for _, v in self.ancestors],
-                          ((0, queries, tuple(range(len(self.ancestors)))),))
-        index: dict[int, int] = {}
-        pieces, groups = [], []
-        for a, b, states in self.groups:
-            for state in states:
-                if id(state[0]) not in index:
-                    index[id(state[0])] = len(pieces)
-                    pieces.append(state)
-            groups.append((a, b, tuple(index[id(state[0])] for state in states)))
-        return Prefix([k for k, _ in pieces], [v for _, v in pieces], tuple(groups))
+        groups = self.groups or ((0, queries, tuple(range(len(self.ancestors)))),)
+        return Prefix([k for k, _ in self.ancestors], [v for _, v in self.ancestors], groups)
 
     def get_seq_length(self) -> int:
         """The absolute prefix length P (the query offset), also in a sliding layer that serves fewer keys."""
@@ -193,22 +183,19 @@ class PrefixCache(Cache):
         if groups is not None and (not split or set(kinds) != {"attention"} or any(w is not None for w in windows)):
             raise ValueError("a pack below several parents runs only under split prefix attention, on full "
                              "attention layers")
-        if groups is not None:
+        indices = None
+        if groups is not None:  # the distinct ancestors, once each, and each group's indices into them
             distinct = {id(state): state for _, _, states in groups for state in states}
-            ancestors = list(distinct.values())
+            ancestors, order = list(distinct.values()), {key: j for j, key in enumerate(distinct)}
+            indices = tuple((a, b, tuple(order[id(state)] for state in states)) for a, b, states in groups)
         for observe in _observers:
             observe(ancestors)
         super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length, split,
-                                        _layer_groups(groups, i))
+                                        indices)
                                  for i, (kind, window) in enumerate(zip(kinds, windows))])
 
     def node_state(self, a: int, b: int) -> NodeState:
         return [layer.node_state(a, b) for layer in self.layers]
-
-
-def _layer_groups(groups, i: int):
-    """`PrefixCache`'s groups with layer i's (k, v) of each ancestor."""
-    return None if groups is None else [(a, b, [state[i] for state in states]) for a, b, states in groups]
 
 
 def _layer(kind: str, states: list[tuple[torch.Tensor, ...]], window: int | None = None,
