@@ -76,7 +76,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_rollouts_rewards_and_groups_of_a_multi_turn_step(tmp_path):
-    config = make_config(tmp_path, agent={"turn_reward_weight": 0.5, "turn_reward_reduction": "mean"})
+    # 12 new tokens: every first reply of this seed ends before the limit, so every trajectory forks twice
+    config = make_config(tmp_path, agent={"turn_reward_weight": 0.5, "turn_reward_reduction": "mean"},
+                         sampling={"max_new_tokens": 12})
     batch = make_trainer(config).generate(1)
     assert len(batch.rollouts) == 2 and all(len(g) == 4 for g in batch.rollouts)
     for group, trajectories in zip(batch.rollouts, batch.trajectories):

@@ -172,6 +172,38 @@ def test_filter_logits_top_k_then_top_p():
     assert kept(top_k=0, top_p=0.4) == [True, False, False, False]
 
 
+@pytest.mark.parametrize("filters", [{}, dict(top_k=5), dict(top_p=0.5)])
+def test_draws_follow_the_filtered_softmax(filters):
+    """The inverse-transform draw (`sampling._draw`) against the filtered softmax itself: 200,000 draws of 64 ids,
+    every frequency within 5 standard errors of its probability, filtered ids never drawn, and each draw's logprob
+    the unfiltered log_softmax's. Drawing from softmax(logits) without the temperature fails it."""
+    from branchreplay.rl.rollouts.sampling import _draw
+
+    logits = torch.randn(1, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2
+    config = SamplingConfig(temperature=0.9, **filters)
+    probs = _filter_logits(logits / 0.9, config.top_k, config.top_p).softmax(-1)[0]
+    generator, n = torch.Generator().manual_seed(1), 200_000
+    draws = [_draw(logits.expand(10_000, -1), config, generator) for _ in range(n // 10_000)]
+    ids = torch.cat([tokens for tokens, _ in draws])[:, 0]
+    freq = torch.bincount(ids, minlength=64).double() / n
+    assert (freq[probs == 0] == 0).all()
+    assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
+    reference = (logits / 0.9).log_softmax(-1)[0]
+    assert torch.equal(torch.cat([lp for _, lp in draws]), reference[ids])
+
+
+def test_draws_at_the_ends_of_the_unit_interval_stay_on_kept_ids(monkeypatch):
+    """u = 0 draws the first id of positive probability, u just below 1 the last one, and u * total rounded up to
+    the total (u = 1 here) still the last kept id, never a filtered id nor an index past the vocabulary."""
+    from branchreplay.rl.rollouts import sampling
+
+    logits = torch.tensor([[float("-inf"), 0.0, 1.0, float("-inf")]], dtype=torch.float64)
+    for u, expected in [(0.0, 1), (1 - 2**-53, 2), (1.0, 2)]:
+        monkeypatch.setattr(sampling.torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u, dtype=torch.float64))
+        tokens, _ = sampling._draw(logits, SamplingConfig(), None)
+        assert tokens.tolist() == [[expected]]
+
+
 def test_deterministic_for_fixed_seed():
     model = make_model("llama")
     config = SamplingConfig(max_new_tokens=8, branching=((0, 2), (3, 2)))
@@ -226,7 +258,7 @@ def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypat
     monkeypatch.setattr(attention, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
     model = make_model(kind).double()
     config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching, cache_implementation=cache)
-    eos = {2, 40, 41, 42, 43}  # frequent enough that some streams end early
+    eos = set(range(2, V, 16))  # 16 of 256 ids: frequent enough that some streams end early
     alone = [sample_group(model, p, 4, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
     together = sampling.sample_groups(model, PROMPTS, 4, config, eos,
                                       [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
@@ -517,3 +549,10 @@ def test_a_start_the_prompts_share_is_prefilled_once_for_the_step():
         assert [s.completion_ids for s in b_group] == [s.completion_ids for s in a_group]
         for a, b in zip(a_group, b_group):
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
+
+
+def test_one_generator_per_prompt_or_a_named_error():
+    import branchreplay.rl.rollouts.sampling as sampling
+
+    with pytest.raises(ValueError, match="4 prompts and 3 generators"):
+        sampling.sample_groups(make_model("llama"), PROMPTS, 2, SamplingConfig(max_new_tokens=2), {2}, [None] * 3)

@@ -2,10 +2,10 @@
 loop, as the vLLM server batches them (`trajectories.sample_trajectories_turnwise` drives it turn by turn).
 
 A conversation's KV cache is kept from one turn to the next: at turn t, each request's ids after its parent's (the
-parent's reply and the environment's answer) are prefilled from the parent's cache, the children of one parent as a
-radix trie (`sampling.prefill_branches`: a reply start forked inside the turn once), and at the first turn every
-item's opening as one trie (the start a step's items share, a system prompt, tool schemas, the identical opening of
-every guess-number item, once per step). Then every reply of every request decodes together
+parent's reply and the environment's answer) are prefilled from the parent's cache, the children of one parent (or of
+parents equal so far) as a radix trie (`sampling.prefill_branches`: a reply start forked inside the turn once), and
+at the first turn every item's opening as one trie (the start a step's items share, a system prompt, tool schemas,
+the identical opening of every guess-number item, once per step). Then every reply of every request decodes together
 (`sampling.decode_prefilled`: dynamic or static cache, `sampling.cache_implementation`; with the static cache where
 split prefix attention applies each conversation's history is held once and read by its rows, never copied per
 row). Only the last turn's caches are kept: a request's children need its cache, nothing needs its parent's once
@@ -46,30 +46,40 @@ class InProcessTurns:
         was_training = self.model.training
         self.model.eval()
         try:
-            prefixes = self._prefill([ids for ids, _ in requests], keys)
-            self.prefixes = prefixes  # the parents' caches are freed: their children are prefilled
-            out: list = [None] * len(requests)
-            by_schedule: dict[tuple, list[int]] = {}
-            for i, (_, schedule) in enumerate(requests):
-                by_schedule.setdefault(tuple(sorted(schedule.items())), []).append(i)
-            for schedule, members in by_schedule.items():
-                drawn = decode_prefilled(self.model, [prefixes[keys[i]][:2] for i in members],
-                                         [prefixes[keys[i]][2] for i in members], dict(schedule), self.config,
-                                         self.eos_token_ids, [self.generator(*keys[i]) for i in members])
-                for i, samples in zip(members, drawn):
-                    out[i] = samples
-            return out
+            return self._sample(requests, keys)
         finally:
             self.model.train(was_training)
 
+    def _sample(self, requests: list[tuple[list[int], dict[int, int]]], keys: list[Key]) -> list[list[Sample]]:
+        prefixes = self._prefill([ids for ids, _ in requests], keys)
+        self.prefixes = prefixes  # the parents' caches are freed: their children are prefilled
+        out: list = [None] * len(requests)
+        by_schedule: dict[tuple, list[int]] = {}
+        for i, (_, schedule) in enumerate(requests):
+            by_schedule.setdefault(tuple(sorted(schedule.items())), []).append(i)
+        for schedule, members in by_schedule.items():
+            drawn = decode_prefilled(self.model, [prefixes[keys[i]][:2] for i in members],
+                                     [prefixes[keys[i]][2] for i in members], dict(schedule), self.config,
+                                     self.eos_token_ids, [self.generator(*keys[i]) for i in members])
+            for i, samples in zip(members, drawn):
+                out[i] = samples
+        return out
+
     def _prefill(self, ids: list[list[int]], keys: list[Key]) -> dict[Key, tuple[DynamicCache, torch.Tensor, int]]:
         """Each request's (cache, [1, V] float32 next logits, length): its ids after its parent's prefilled from the
-        parent's cache, the openings (empty paths) from an empty one; a parent's children as one trie."""
-        children: dict[Key | None, list[int]] = {}
+        parent's cache, the openings (empty paths) from an empty one. The children of parents whose conversations
+        are equal so far (items that open alike, and every opening) form one trie, from one of those parents'
+        caches, so no token is prefilled twice."""
+        children: dict[tuple[int, ...], list[int]] = {}  # a parent conversation's ids: its children's requests
+        parents: dict[tuple[int, ...], Key | None] = {}
         for i, (item, path) in enumerate(keys):
-            children.setdefault((item, path[:-1]) if path else None, []).append(i)
+            parent = (item, path[:-1]) if path else None
+            shared = tuple(ids[i][: self.prefixes[parent][2]]) if parent is not None else ()
+            children.setdefault(shared, []).append(i)
+            parents.setdefault(shared, parent)
         out = {}
-        for parent, members in children.items():
+        for shared, members in children.items():
+            parent = parents[shared]
             cache, _, length = self.prefixes[parent] if parent is not None else (
                 DynamicCache(config=self.model.config), None, 0)
             filled = prefill_branches(self.model, cache, length, [ids[i][length:] for i in members])
