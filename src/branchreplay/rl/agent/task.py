@@ -28,6 +28,7 @@ from ..config.agent import AgentConfig
 from ..config.sampling import SamplingConfig
 from ..config.task import EVAL_SEED_OFFSET, reward_specs
 from ..data.tasks import load_task
+from ..rollouts.packed_linears import packed_linears
 from ..rollouts.trajectories import Limits, Trajectory, sample_trajectories_turnwise
 from ..rollouts.turns import InProcessTurns
 
@@ -105,16 +106,17 @@ def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None, bat
                             cache_implementation=s.cache_implementation, enforce_eager=s.enforce_eager)
     limits = Limits(a.max_turns, context_limit(a, model), a.max_tool_output_tokens)
     done, skipped = [], 0
-    for first in range(0, len(items), batch_size):
-        if progress is not None:
-            progress(first, len(items))
-        turns = InProcessTurns(model, greedy, eos, lambda k, path: None)
-        drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, items[first : first + batch_size], (1,),
-                                                     greedy, limits)
-        for why in errors:
-            warnings.warn(f"a held-out item was skipped: {why}", RuntimeWarning, stacklevel=2)
-        done += [t for k in sorted(drawn) for t in drawn[k]]
-        skipped += len(errors)
+    with packed_linears(model):
+        for first in range(0, len(items), batch_size):
+            if progress is not None:
+                progress(first, len(items))
+            turns = InProcessTurns(model, greedy, eos, lambda k, path: None)
+            drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, items[first : first + batch_size],
+                                                         (1,), greedy, limits)
+            for why in errors:
+                warnings.warn(f"a held-out item was skipped: {why}", RuntimeWarning, stacklevel=2)
+            done += [t for k in sorted(drawn) for t in drawn[k]]
+            skipped += len(errors)
     if progress is not None:
         progress(len(items), len(items))
     n, counts = max(len(done), 1), trajectory_metrics([done])

@@ -24,6 +24,7 @@ from ..data.order import mix, prompt_indices
 from ..data.rewards import RewardFunctionError, score_columns
 from ..data.tasks import prompt_token_ids
 from .batch import Batch, group_rollouts
+from .packed_linears import packed_linears
 from .sampling import branching_schedule, eos_token_ids, sample_groups
 from .trajectories import ItemError, Limits, sample_trajectories_turnwise
 from .turns import InProcessTurns
@@ -129,7 +130,7 @@ class Sampler:
         None), or ({}, ("rank", what failed)) on a rank of a data-parallel run (re-raised on every rank)."""
         mine = self.mine(len(prompt_ids))
         cfg = self.config
-        with self.policy.gathered(), self.policy.autocast():
+        with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model):
             try:
                 drawn = []
                 for wave in self.waves(mine):
@@ -249,7 +250,7 @@ class Sampler:
         limits = Limits(a.max_turns, limit, a.max_tool_output_tokens)
         failure = None
         mine = self.mine(len(items))
-        with self.policy.gathered(), self.policy.autocast():
+        with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model):
             try:
                 started = 0
                 for wave in self.waves(mine):

@@ -29,6 +29,7 @@ from ...engine.families import FAMILIES, layer_windows
 from ...engine.recurrent import layer_kinds
 from ...models import max_positions
 from ..config.sampling import SamplingConfig
+from .packed_linears import packed_linears
 from .static_rows import StaticRows, graphs_apply, static_applies
 
 
@@ -95,8 +96,9 @@ def sample_group(
     was_training = model.training
     model.eval()
     try:
-        cache, logits = prefill(model, prompt_ids)
-        return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
+        with packed_linears(model):
+            cache, logits = prefill(model, prompt_ids)
+            return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
     finally:
         model.train(was_training)
 
@@ -120,8 +122,9 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     `sample_group` per prompt instead. With config.cache_implementation="static" the streams decode in a
     preallocated cache, one fixed-shape step replayed as a CUDA graph on CUDA (`static_rows.StaticRows`; one prompt
     too; SDPA attention only); "dynamic" grows transformers' DynamicCache and drops finished streams' rows; "auto"
-    (the default) is static on CUDA. Arguments, result (one list of Samples per prompt) and errors as
-    `sample_group`'s, and a ValueError when `generators` and `prompts` differ in number."""
+    (the default) is static on CUDA. On the CPU in float32 the linear layers run from MKL-packed weights during the
+    call (`packed_linears`). Arguments, result (one list of Samples per prompt) and errors as `sample_group`'s, and
+    a ValueError when `generators` and `prompts` differ in number."""
     if len(generators) != len(prompts):
         raise ValueError(f"sample_groups got {len(prompts)} prompts and {len(generators)} generators: pass one "
                          "generator (or None) per prompt")
@@ -132,9 +135,10 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     was_training = model.training
     model.eval()
     try:
-        filled = prefill_branches(model, DynamicCache(config=model.config), 0, prompts)
-        return decode_prefilled(model, filled, [len(p) for p in prompts], schedules[0], config, eos_token_ids,
-                                generators)
+        with packed_linears(model):
+            filled = prefill_branches(model, DynamicCache(config=model.config), 0, prompts)
+            return decode_prefilled(model, filled, [len(p) for p in prompts], schedules[0], config, eos_token_ids,
+                                    generators)
     finally:
         model.train(was_training)
 

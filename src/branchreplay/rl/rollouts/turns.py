@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache
 
 from ..config.sampling import SamplingConfig
+from .packed_linears import packed_linears
 from .sampling import Sample, decode_prefilled, prefill_branches
 
 Key = tuple[int, tuple[int, ...]]
@@ -46,7 +47,8 @@ class InProcessTurns:
         was_training = self.model.training
         self.model.eval()
         try:
-            return self._sample(requests, keys)
+            with packed_linears(self.model):
+                return self._sample(requests, keys)
         finally:
             self.model.train(was_training)
 

@@ -16,6 +16,7 @@ from ..agent.task import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
 from ..config import Config
 from ..data.rewards import RewardFunctionError, make_rewards, score
+from ..rollouts.packed_linears import packed_linears
 from ..rollouts.sampling import Sample, eos_token_ids
 from ..config.task import reward_specs
 from ..data.tasks import load_task, prompt_token_ids
@@ -75,18 +76,20 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos
     EOS id under an attention mask (HF generate; on SmolLM2 this gave the same tokens as decoding each prompt alone,
     2.4x faster on 2 CPU cores). progress(done, total) is called before the first batch and after each."""
     pad, out = min(eos), []
-    for i in range(0, len(prompts), batch_size):
-        if progress is not None:
-            progress(i, len(prompts))
-        chunk = prompts[i : i + batch_size]
-        width = max(map(len, chunk))
-        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
-        generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False, max_new_tokens=max_new_tokens,
-                                   eos_token_id=sorted(eos), pad_token_id=pad)[:, width:].tolist()
-        for row in generated:
-            end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
-            out.append(row[: end + 1])
+    with packed_linears(model):
+        for i in range(0, len(prompts), batch_size):
+            if progress is not None:
+                progress(i, len(prompts))
+            chunk = prompts[i : i + batch_size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=model.device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=model.device)
+            generated = model.generate(input_ids=ids, attention_mask=mask, do_sample=False,
+                                       max_new_tokens=max_new_tokens, eos_token_id=sorted(eos),
+                                       pad_token_id=pad)[:, width:].tolist()
+            for row in generated:
+                end = next((k for k, t in enumerate(row) if t in eos), len(row) - 1)
+                out.append(row[: end + 1])
     if progress is not None:
         progress(len(out), len(prompts))
     return out
