@@ -556,3 +556,13 @@ def test_one_generator_per_prompt_or_a_named_error():
 
     with pytest.raises(ValueError, match="4 prompts and 3 generators"):
         sampling.sample_groups(make_model("llama"), PROMPTS, 2, SamplingConfig(max_new_tokens=2), {2}, [None] * 3)
+
+
+def test_auto_cache_is_static_wherever_it_applies():
+    """sampling.cache_implementation 'auto' decodes in the static rows on the CPU too, for full-attention SDPA
+    models; a sliding window (Mistral) or 'dynamic' keeps the dynamic cache."""
+    import branchreplay.rl.rollouts.sampling as sampling
+
+    auto, dynamic = SamplingConfig(), SamplingConfig(cache_implementation="dynamic")
+    assert sampling._static(make_model("llama"), auto) and sampling._static(make_model("qwen3"), auto)
+    assert not sampling._static(make_model("mistral"), auto) and not sampling._static(make_model("llama"), dynamic)

@@ -122,9 +122,9 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     `sample_group` per prompt instead. With config.cache_implementation="static" the streams decode in a
     preallocated cache, one fixed-shape step replayed as a CUDA graph on CUDA (`static_rows.StaticRows`; one prompt
     too; SDPA attention only); "dynamic" grows transformers' DynamicCache and drops finished streams' rows; "auto"
-    (the default) is static on CUDA. On the CPU in float32 the linear layers run from MKL-packed weights during the
-    call (`packed_linears`). Arguments, result (one list of Samples per prompt) and errors as `sample_group`'s, and
-    a ValueError when `generators` and `prompts` differ in number."""
+    (the default) is static wherever it applies. On the CPU in float32 the linear layers run from MKL-packed
+    weights during the call (`packed_linears`). Arguments, result (one list of Samples per prompt) and errors as
+    `sample_group`'s, and a ValueError when `generators` and `prompts` differ in number."""
     if len(generators) != len(prompts):
         raise ValueError(f"sample_groups got {len(prompts)} prompts and {len(generators)} generators: pass one "
                          "generator (or None) per prompt")
@@ -177,8 +177,7 @@ def _static(model, config: SamplingConfig, warn: bool = False) -> bool:
     """Whether the streams decode in `static_rows.StaticRows` (config.cache_implementation, the model's attention
     and layers, its device). warn: say so when "static" was asked for on a model that cannot take it."""
     stacks = stackable(model.config)
-    static = static_applies(model) and stacks and (config.cache_implementation == "static" or (
-        config.cache_implementation == "auto" and model.device.type == "cuda"))
+    static = static_applies(model) and stacks and config.cache_implementation in ("static", "auto")
     if warn and config.cache_implementation == "static" and not static:
         layers = "" if stacks else ", sliding-window or recurrent layers"
         warnings.warn("sampling.cache_implementation=static needs SDPA attention and full-attention layers only "
