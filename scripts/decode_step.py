@@ -4,8 +4,10 @@ roofline"): --streams rows at --prompt-tokens positions, float32, greedy, nothin
   1. torch.profiler over 5 steps (after the prefill) with transformers' DynamicCache (what `sampling.sample_groups`
      decodes with): the ops by self CPU time;
   2. the median step with DynamicCache, with transformers' StaticCache (preallocated, written in place; a 4-D mask
-     hides the unwritten slots), and with the StaticCache step under torch.compile (inductor; --compile), after its
-     first (compiling) call.
+     hides the unwritten slots), both again with the linear layers' weights MKL-packed (`packed_linears`, what the
+     sampler runs on the CPU), and with the StaticCache step under torch.compile (inductor; --compile), after its
+     first (compiling) call;
+  3. torch.profiler over 5 steps of the packed StaticCache step.
 
     .venv/bin/python scripts/decode_step.py --streams 32 --prompt-tokens 160 --new-tokens 48 --compile
 """
@@ -22,6 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache, StaticCache
 
 from branchreplay.models import load_policy
+from branchreplay.rl.rollouts.packed_linears import packed_linears
 
 
 @torch.no_grad()
@@ -64,6 +67,12 @@ def main() -> None:
     ms = lambda times: f"{1000 * statistics.median(times):.0f} ms"  # noqa: E731
     print("DynamicCache, median step:", ms(decode(model, ids, args.new_tokens, static=False)))
     print("StaticCache, median step:", ms(decode(model, ids, args.new_tokens, static=True)))
+    with packed_linears(model):
+        print("DynamicCache, packed weights, median step:", ms(decode(model, ids, args.new_tokens, static=False)))
+        print("StaticCache, packed weights, median step:", ms(decode(model, ids, args.new_tokens, static=True)))
+        prof = profile(activities=[ProfilerActivity.CPU])
+        decode(model, ids, 6, static=True, around=prof)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=8))
     if args.compile:
         step = torch.compile(lambda t, p, m, c: model(input_ids=t, position_ids=p, attention_mask=m, cache=c,
                                                       use_cache=True).logits[:, -1], dynamic=False)
