@@ -2,6 +2,7 @@
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from branchreplay.rl.rollouts import packed_linears as packing
@@ -16,25 +17,52 @@ def packed(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if "forward" in m.__dict__]
 
 
-@pytest.mark.parametrize("shape", [(1, 576), (7, 576), (32, 576), (3, 40, 576)])
-def test_a_packed_linear_equals_nn_linear_and_is_undone(shape):
-    """Inside the block: x @ W.T + b within float32 rounding of nn.Linear's, for one row, a few, a batch and a 3-D
-    input, contiguous or not; with grad enabled nn.Linear's own forward (the weight gets its gradient). Nested
-    blocks leave the module to the outer one; leaving restores it."""
+def mkl_calls(fn) -> int:
+    """How many times fn() ran MKL's packed sgemm (torch.profiler's op names)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(e.count for e in prof.key_averages() if e.key == "mkl::_mkl_linear")
+
+
+@pytest.mark.parametrize("rows", [1, 7, 32, 121, 1100])
+def test_a_packed_linear_equals_nn_linear_and_is_undone(rows):
+    """Inside the block x @ W.T + b runs MKL's packed sgemm (packed for 32 rows, used at any number) within float32
+    rounding of nn.Linear's, for 2-D inputs contiguous or strided and a 3-D one; with grad enabled, or an input of
+    the wrong width, nn.Linear's own (its gradient, its error). A nested block packs nothing; leaving restores the
+    module; enabled=False packs nothing."""
     torch.manual_seed(0)
     lin = nn.Linear(576, 1536)
-    x = torch.randn(*shape)
-    expected = lin(x).detach()
+    inputs = [torch.randn(rows, 576), torch.randn(rows, 1152)[:, ::2], torch.randn(2, rows, 576)]
+    expected = [lin(x).detach() for x in inputs]
     with packed_linears(lin):
         assert packed(lin) == [""]
         with torch.no_grad():
-            torch.testing.assert_close(lin(x), expected, rtol=1e-5, atol=1e-5)
-            torch.testing.assert_close(lin(x.transpose(0, -2)), expected.transpose(0, -2), rtol=1e-5, atol=1e-5)
+            for x, y in zip(inputs, expected):
+                assert mkl_calls(lambda: torch.testing.assert_close(lin(x), y, rtol=1e-5, atol=1e-5)) == 1
             with packed_linears(lin):
-                pass
-            assert packed(lin) == [""]
-        lin(x).sum().backward()
+                assert packed(lin) == [""] and mkl_calls(lambda: lin(inputs[0])) == 1
+            with pytest.raises(RuntimeError):
+                lin(torch.randn(rows, 500))
+        assert mkl_calls(lambda: lin(inputs[0]).sum().backward()) == 0
         assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
+    assert packed(lin) == []
+    with packed_linears(lin, enabled=False):
+        assert packed(lin) == []
+
+
+def test_a_weight_changed_or_replaced_inside_the_block_is_used_as_it_is_now():
+    """The packed copy is of the weight at entry: after an in-place change (an optimizer step) or a new Parameter
+    the forward computes from the module's weight as it is now, through nn.Linear."""
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32)
+    x = torch.randn(5, 64)
+    with packed_linears(lin), torch.no_grad():
+        lin.weight.mul_(2)
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
+        lin.weight = nn.Parameter(torch.randn(32, 64))
+        torch.testing.assert_close(lin(x), F.linear(x, lin.weight, lin.bias))
     assert packed(lin) == []
 
 
@@ -62,13 +90,18 @@ def test_the_sampler_decodes_with_packed_weights_at_ratio_one(monkeypatch):
     did run packed."""
     monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
     model = make_model("llama")
-    calls = []
-    model.lm_head.register_forward_hook(lambda m, args, out: calls.append("forward" in m.__dict__))
     config = SamplingConfig(temperature=0.7, max_new_tokens=12)
     generators = [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))]
-    groups = sample_groups(model, PROMPTS, 4, config, {2}, generators)
-    assert len(calls) > 5 and all(calls) and packed(model) == []
+    groups = []
+    calls = mkl_calls(lambda: groups.extend(sample_groups(model, PROMPTS, 4, config, {2}, generators)))
+    assert calls > 12 * 15 and packed(model) == []  # 15 matrices per forward, 12 decoding steps at least
     worst = max((torch.exp(reference_logprobs(model, prompt, s.completion_ids, 0.7) - torch.tensor(s.logprobs)) - 1)
                 .abs().max().item() for group, prompt in zip(groups, PROMPTS) for s in group)
     assert worst < 1e-5
 
+
+
+def test_sampling_pack_weights_false_leaves_the_layers_alone(monkeypatch):
+    monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
+    model, config = make_model("llama"), SamplingConfig(max_new_tokens=4, pack_weights=False)
+    assert mkl_calls(lambda: sample_groups(model, PROMPTS, 2, config, {2}, [None] * len(PROMPTS))) == 0

@@ -172,16 +172,17 @@ def test_filter_logits_top_k_then_top_p():
     assert kept(top_k=0, top_p=0.4) == [True, False, False, False]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("filters", [{}, dict(top_k=5), dict(top_p=0.5)])
-def test_draws_follow_the_filtered_softmax(filters):
+def test_draws_follow_the_filtered_softmax(filters, dtype):
     """The inverse-transform draw (`sampling._draw`) against the filtered softmax itself: 200,000 draws of 64 ids,
     every frequency within 5 standard errors of its probability, filtered ids never drawn, and each draw's logprob
     the unfiltered log_softmax's. Drawing from softmax(logits) without the temperature fails it."""
     from branchreplay.rl.rollouts.sampling import _draw
 
-    logits = torch.randn(1, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2
+    logits = (torch.randn(1, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
     config = SamplingConfig(temperature=0.9, **filters)
-    probs = _filter_logits(logits / 0.9, config.top_k, config.top_p).softmax(-1)[0]
+    probs = _filter_logits(logits / 0.9, config.top_k, config.top_p).softmax(-1)[0].double()
     generator, n = torch.Generator().manual_seed(1), 200_000
     draws = [_draw(logits.expand(10_000, -1), config, generator) for _ in range(n // 10_000)]
     ids = torch.cat([tokens for tokens, _ in draws])[:, 0]
@@ -190,6 +191,17 @@ def test_draws_follow_the_filtered_softmax(filters):
     assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
     reference = (logits / 0.9).log_softmax(-1)[0]
     assert torch.equal(torch.cat([lp for _, lp in draws]), reference[ids])
+
+
+def test_a_row_without_finite_probabilities_raises_by_name():
+    """NaN or inf logits (a diverged policy) raise a RuntimeError that says so, as torch.multinomial did, not an
+    index out of the vocabulary."""
+    from branchreplay.rl.rollouts.sampling import _draw
+
+    for bad in [float("nan"), float("inf")]:
+        logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, bad, 1.0]])
+        with pytest.raises(RuntimeError, match="no finite probabilities"):
+            _draw(logits, SamplingConfig(), None)
 
 
 def test_draws_at_the_ends_of_the_unit_interval_stay_on_kept_ids(monkeypatch):
@@ -558,11 +570,11 @@ def test_one_generator_per_prompt_or_a_named_error():
         sampling.sample_groups(make_model("llama"), PROMPTS, 2, SamplingConfig(max_new_tokens=2), {2}, [None] * 3)
 
 
-def test_auto_cache_is_static_wherever_it_applies():
-    """sampling.cache_implementation 'auto' decodes in the static rows on the CPU too, for full-attention SDPA
-    models; a sliding window (Mistral) or 'dynamic' keeps the dynamic cache."""
+def test_auto_cache_is_dynamic_on_the_cpu():
+    """sampling.cache_implementation 'auto' keeps the dynamic cache on the CPU (the static rows hold max_new_tokens
+    slots per row from the start); 'static' is taken where it applies, not for Mistral's sliding window."""
     import branchreplay.rl.rollouts.sampling as sampling
 
-    auto, dynamic = SamplingConfig(), SamplingConfig(cache_implementation="dynamic")
-    assert sampling._static(make_model("llama"), auto) and sampling._static(make_model("qwen3"), auto)
-    assert not sampling._static(make_model("mistral"), auto) and not sampling._static(make_model("llama"), dynamic)
+    static = SamplingConfig(cache_implementation="static")
+    assert not sampling._static(make_model("llama"), SamplingConfig()) and sampling._static(make_model("llama"), static)
+    assert not sampling._static(make_model("mistral"), static)

@@ -103,10 +103,11 @@ def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None, bat
     loop, the start their openings share prefilled once per batch (`turns.InProcessTurns`)."""
     t0, a, s = time.perf_counter(), config.agent, config.sampling
     greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=s.max_new_tokens,
-                            cache_implementation=s.cache_implementation, enforce_eager=s.enforce_eager)
+                            cache_implementation=s.cache_implementation, enforce_eager=s.enforce_eager,
+                            pack_weights=s.pack_weights)
     limits = Limits(a.max_turns, context_limit(a, model), a.max_tool_output_tokens)
     done, skipped = [], 0
-    with packed_linears(model):
+    with packed_linears(model, s.pack_weights):
         for first in range(0, len(items), batch_size):
             if progress is not None:
                 progress(first, len(items))

@@ -47,16 +47,22 @@ class SamplingConfig:
         "bucket of rows (replayed as a CUDA graph on CUDA; a finished stream's row decodes junk until the streams "
         "fit half the rows), each group's prompt held once where split prefix attention applies (float32 / float64 "
         "on the CPU, float32 on CUDA), else copied into each of its rows (up to twice the dynamic cache's memory); "
-        "'dynamic', transformers' DynamicCache grown each step, finished streams' rows dropped at once; 'auto' "
-        "(the default): static wherever it applies, on the CPU too (the demo's sampling about 5% faster than "
-        "dynamic, multi-turn as fast, and after a 1,000-token shared start 1.5x faster in 7x less memory), else "
-        "dynamic. The same samples either way, up to the floating-point order of the attention. Multi-turn turns "
-        "decode the same way, every conversation's reply of a turn in one loop (static: each conversation's "
-        "history held once where split prefix attention applies). Models with sliding-window or recurrent layers "
-        "or without SDPA attention decode with 'dynamic'"))
+        "'dynamic', transformers' DynamicCache grown each step, finished streams' rows dropped at once; 'auto': "
+        "static on CUDA, dynamic on the CPU: the static rows hold max_new_tokens slots per row from the start and "
+        "every step reads them all (at max_new_tokens 4096 with 14-token replies, 9x slower and 13.8 GB more than "
+        "dynamic), while at the demo's 48 tokens static samples about 5% faster and after a 1,000-token shared "
+        "start 1.5x faster in 7x less memory: set it for long prompts and short completions. The same samples "
+        "either way, up to the attention's floating-point order. Multi-turn turns decode the same way, every "
+        "conversation's reply of a turn in one loop (static: each conversation's history held once where split "
+        "prefix attention applies). Models with "
+        "sliding-window or recurrent layers or without SDPA attention decode with 'dynamic'"))
     enforce_eager: bool = field(default=False, metadata=help_of(
         "vLLM's name: on CUDA, run the static cache's decoding step op by op instead of capturing it once as a CUDA "
         "graph and replaying it (mixture-of-experts models and models sharded by FSDP2 always run it eagerly)"))
+    pack_weights: bool = field(default=True, metadata=help_of(
+        "the in-process (hf) sampler on the CPU in float32: run the linear layers from MKL-packed weights while "
+        "sampling (`rl/rollouts/packed_linears.py`; SmolLM2's decoding 10-15% faster), packed once per step, "
+        "about one more copy of the packed matrices' bytes resident meanwhile; false: nn.Linear as it is"))
     max_num_seqs: int | None = field(default=None, metadata=help_of(
         "vLLM's name, for the in-process (hf) sampler: the most sequences sampled together. A step's groups "
         "(multi-turn: its items) sample in waves of max(1, max_num_seqs // grpo.num_generations), each wave "

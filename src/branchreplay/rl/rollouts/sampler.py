@@ -130,7 +130,8 @@ class Sampler:
         None), or ({}, ("rank", what failed)) on a rank of a data-parallel run (re-raised on every rank)."""
         mine = self.mine(len(prompt_ids))
         cfg = self.config
-        with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model):
+        with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model,
+                                                                            cfg.sampling.pack_weights):
             try:
                 drawn = []
                 for wave in self.waves(mine):
@@ -250,7 +251,8 @@ class Sampler:
         limits = Limits(a.max_turns, limit, a.max_tool_output_tokens)
         failure = None
         mine = self.mine(len(items))
-        with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model):
+        with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model,
+                                                                            cfg.sampling.pack_weights):
             try:
                 started = 0
                 for wave in self.waves(mine):

@@ -96,7 +96,7 @@ def sample_group(
     was_training = model.training
     model.eval()
     try:
-        with packed_linears(model):
+        with packed_linears(model, config.pack_weights):
             cache, logits = prefill(model, prompt_ids)
             return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
     finally:
@@ -122,9 +122,9 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     `sample_group` per prompt instead. With config.cache_implementation="static" the streams decode in a
     preallocated cache, one fixed-shape step replayed as a CUDA graph on CUDA (`static_rows.StaticRows`; one prompt
     too; SDPA attention only); "dynamic" grows transformers' DynamicCache and drops finished streams' rows; "auto"
-    (the default) is static wherever it applies. On the CPU in float32 the linear layers run from MKL-packed
-    weights during the call (`packed_linears`). Arguments, result (one list of Samples per prompt) and errors as
-    `sample_group`'s, and a ValueError when `generators` and `prompts` differ in number."""
+    (the default) is static on CUDA. On the CPU in float32 the linear layers run from MKL-packed weights during the
+    call (`packed_linears`, unless config.pack_weights is false). Arguments, result (one list of Samples per
+    prompt) and errors as `sample_group`'s, and a ValueError when `generators` and `prompts` differ in number."""
     if len(generators) != len(prompts):
         raise ValueError(f"sample_groups got {len(prompts)} prompts and {len(generators)} generators: pass one "
                          "generator (or None) per prompt")
@@ -135,7 +135,7 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     was_training = model.training
     model.eval()
     try:
-        with packed_linears(model):
+        with packed_linears(model, config.pack_weights):
             filled = prefill_branches(model, DynamicCache(config=model.config), 0, prompts)
             return decode_prefilled(model, filled, [len(p) for p in prompts], schedules[0], config, eos_token_ids,
                                     generators)
@@ -177,7 +177,8 @@ def _static(model, config: SamplingConfig, warn: bool = False) -> bool:
     """Whether the streams decode in `static_rows.StaticRows` (config.cache_implementation, the model's attention
     and layers, its device). warn: say so when "static" was asked for on a model that cannot take it."""
     stacks = stackable(model.config)
-    static = static_applies(model) and stacks and config.cache_implementation in ("static", "auto")
+    static = static_applies(model) and stacks and (config.cache_implementation == "static" or (
+        config.cache_implementation == "auto" and model.device.type == "cuda"))
     if warn and config.cache_implementation == "static" and not static:
         layers = "" if stacks else ", sliding-window or recurrent layers"
         warnings.warn("sampling.cache_implementation=static needs SDPA attention and full-attention layers only "
@@ -421,12 +422,16 @@ def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torc
 
     The draw is the inverse transform: one uniform u per row from `generator` (float64), and the first token whose
     cumulative probability (summed in float64) exceeds u times the row's total, so a filtered token (probability 0)
-    is never drawn. `torch.multinomial` draws V exponentials per row instead (the Gumbel-max form), which on the
-    CPU cost 10 ms per 8 rows of a 49k vocabulary: a third of a decoding step of the demo's batch."""
+    is never drawn; a row whose probabilities are not finite (NaN or inf logits) raises RuntimeError, as
+    `torch.multinomial` did. That drew V exponentials per row instead (the Gumbel-max form), which on the CPU cost
+    10 ms per 8 rows of a 49k vocabulary: a third of a decoding step of the demo's batch."""
     scaled = logits / config.temperature
     probs = _filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
     cdf = probs.to(torch.float64).cumsum(dim=-1)  # [rows, V]
     total = cdf[:, -1:]
+    torch._assert_async(((total > 0) & total.isfinite()).all(),  # no host sync; on CUDA a device-side assert
+                        "sampling: a row of logits gave no finite probabilities (NaN or inf logits: a diverged policy, "
+                        "or an overflow in the model's dtype)")
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=cdf.device)
     below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u * total < total, always
     tokens = torch.searchsorted(cdf, below, right=True)  # [rows, 1]

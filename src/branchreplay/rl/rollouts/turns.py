@@ -47,7 +47,7 @@ class InProcessTurns:
         was_training = self.model.training
         self.model.eval()
         try:
-            with packed_linears(self.model):
+            with packed_linears(self.model, self.config.pack_weights):
                 return self._sample(requests, keys)
         finally:
             self.model.train(was_training)
