@@ -17,13 +17,13 @@ def packed(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if "forward" in m.__dict__]
 
 
-def mkl_calls(fn) -> int:
-    """How many times fn() ran MKL's packed sgemm (torch.profiler's op names)."""
+def mkl_calls(fn, op: str = "mkl::_mkl_linear") -> int:
+    """How many times fn() ran MKL's packed sgemm, or another op (torch.profiler's op names)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         fn()
-    return sum(e.count for e in prof.key_averages() if e.key == "mkl::_mkl_linear")
+    return sum(e.count for e in prof.key_averages() if e.key == op)
 
 
 @pytest.mark.parametrize("rows", [1, 7, 32, 121, 1100])
@@ -105,3 +105,14 @@ def test_sampling_pack_weights_false_leaves_the_layers_alone(monkeypatch):
     monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
     model, config = make_model("llama"), SamplingConfig(max_new_tokens=4, pack_weights=False)
     assert mkl_calls(lambda: sample_groups(model, PROMPTS, 2, config, {2}, [None] * len(PROMPTS))) == 0
+
+
+def test_a_model_sampled_prompt_by_prompt_is_packed_once_per_call(monkeypatch):
+    """sample_groups on a sliding-window model (each prompt sampled alone) packs each matrix once for the call,
+    not once per prompt."""
+    monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
+    model = make_model("mistral")
+    linears = sum(isinstance(m, nn.Linear) for m in model.modules())
+    packs = mkl_calls(lambda: sample_groups(model, PROMPTS, 2, SamplingConfig(max_new_tokens=3), {2},
+                                            [None] * len(PROMPTS)), op="mkl::_mkl_reorder_linear_weight")
+    assert packs == linears

@@ -131,7 +131,9 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     schedules = [branching_schedule(model, p, num_generations, config) for p in prompts]
     if not stackable(model.config) or (len(prompts) < 2 and not _static(model, config)):
         _static(model, config, warn=True)
-        return [sample_group(model, p, num_generations, config, eos_token_ids, g) for p, g in zip(prompts, generators)]
+        with packed_linears(model, config.pack_weights):  # packed once for all the prompts
+            return [sample_group(model, p, num_generations, config, eos_token_ids, g)
+                    for p, g in zip(prompts, generators)]
     was_training = model.training
     model.eval()
     try:
