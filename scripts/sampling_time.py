@@ -4,14 +4,16 @@
   - batched:   `sampling.sample_groups`, every group in one decoding loop (the trainer since), in the static cache
                (sampling.cache_implementation=static, the default on CUDA: its step a CUDA graph; also timed with
                enforce_eager there), each prompt held once or (where split prefix attention does not apply) in
-               every row, and in the dynamic one (the default on the CPU),
+               every row, and in the dynamic one, and with cache_implementation=auto (the default: on the CPU the
+               plain Llama step of `llama_rows.LlamaRows` where it applies),
   - TRL:       `model.generate` on the left-padded batch of prompts x G rows, as TRL's GRPOTrainer without vLLM.
 
 Same prompts (the default task's first --prompts training questions, chat-templated, after --system-tokens tokens
 of a shared start, a long system prompt's stand-in), temperature 1, no EOS (every row decodes --max-new-tokens
-tokens, so all decode the same number of tokens). Each run's peak memory is measured too (`bench.measure`: on the
-CPU the resident set's peak above its start). The methods alternate,
---repeats times each; it prints the median wall seconds and the largest peak of each, and their ratios. With --roofline
+tokens, so all decode the same number of tokens). The methods alternate, --repeats times each, timed alone;
+then one more run of each measures its peak memory (`bench.measure`: on the CPU the resident set's peak above its
+start, polled by a thread that takes the GIL every millisecond, which slowed the Python-heavy samplers by up to
+20%, so it is not timed). It prints the median wall seconds and the peak of each, and their ratios. With --roofline
 it first measures this machine's peak matmul FLOP rate and memory bandwidth (`bench/roofline.py`) and prints the
 batch's decoding ceiling in tokens/s and each sampler's share of it.
 
@@ -63,20 +65,23 @@ def main() -> None:
                for i in range(args.prompts)]
     ceiling = roofline(model, prompts, args.num_generations, args.max_new_tokens) if args.roofline else None
     methods = samplers(model, tokenizer, prompts, args.num_generations, args.max_new_tokens)
-    times, failed = {name: [] for name in methods}, {}
+    times, peaks, failed = {name: [] for name in methods}, {}, {}
     with torch.no_grad():
-        for _ in range(args.repeats):
+        for run in range(args.repeats + 1):  # the last round measures the peaks (a thread polls the resident set)
             for name, fn in methods.items():
                 if name in failed:
                     continue
                 try:
-                    times[name].append(measure(fn, model.device))
+                    if run < args.repeats:
+                        times[name].append(measure(fn, model.device, memory=False).seconds)
+                    else:
+                        peaks[name] = measure(fn, model.device).peak_bytes
                 except RuntimeError as e:  # e.g. a step that cannot be captured as a CUDA graph: the others still run
                     failed[name] = f"{type(e).__name__}: {e}"
     print(f"{args.prompts} prompts of {min(map(len, prompts))}-{max(map(len, prompts))} tokens x "
           f"G={args.num_generations}, {args.max_new_tokens} new tokens each, {args.dtype} on {model.device}, "
           f"{torch.get_num_threads()} threads, median of {args.repeats}")
-    report(times, failed, len(prompts) * args.num_generations * args.max_new_tokens, ceiling)
+    report(times, peaks, failed, len(prompts) * args.num_generations * args.max_new_tokens, ceiling)
 
 
 def roofline(model, prompts: list[list[int]], G: int, max_new_tokens: int):
@@ -136,23 +141,24 @@ def samplers(model, tokenizer, prompts: list[list[int]], G: int, max_new_tokens:
     methods = {"per group (sample_group)": per_group, "batched, static cache": batched(cache_implementation="static"),
                "batched, static, prompt per row": stacked,
                "batched, dynamic cache": batched(cache_implementation="dynamic"),
+               "batched, auto (plain step on CPU)": batched(cache_implementation="auto"),
                "TRL (model.generate, padded)": trl_generate}
     if device.type == "cuda":
         methods["batched, static, eager"] = batched(cache_implementation="static", enforce_eager=True)
     return methods
 
 
-def report(times: dict, failed: dict, tokens: int, ceiling) -> None:
-    """One line per method: median wall seconds, largest peak, against the static batched sampler, tokens/s and
-    (with a `ceiling`) the share of the roofline."""
-    base = statistics.median(m.seconds for m in times["batched, static cache"] or times["batched, dynamic cache"])
+def report(times: dict, peaks: dict, failed: dict, tokens: int, ceiling) -> None:
+    """One line per method: median wall seconds (timed without the memory poll), peak (one more run), against the
+    static batched sampler, tokens/s and (with a `ceiling`) the share of the roofline."""
+    base = statistics.median(times["batched, static cache"] or times["batched, dynamic cache"])
     for name, values in times.items():
         if name in failed:
             print(f"  {name:30} failed: {failed[name][:300]}")
             continue
-        wall, peak = statistics.median(m.seconds for m in values), max(m.peak_bytes for m in values)
+        wall = statistics.median(values)
         share = f"  {tokens / wall / ceiling.tokens_per_s:6.1%} of the roofline" if ceiling is not None else ""
-        print(f"  {name:32} {wall:7.2f} s  peak {peak / 2**20:7.0f} MiB  {wall / base:5.2f}x batched  "
+        print(f"  {name:32} {wall:7.2f} s  peak {peaks[name] / 2**20:7.0f} MiB  {wall / base:5.2f}x batched  "
               f"{tokens / wall:6.0f} tokens/s{share}")
 
 

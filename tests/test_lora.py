@@ -200,3 +200,16 @@ def test_the_reload_bound_follows_the_logits_scale():
     logits = torch.full((1, 8, 16), 33.0)
     assert reload_tolerance(logits) > 3.1e-4 and reload_tolerance(logits) < 1e-3 * 33
     assert reload_tolerance(torch.full((1, 8, 16), 0.01)) == 1e-5
+
+
+def test_a_peft_model_samples_through_its_own_forward():
+    """The plain Llama decoding step (`llama_rows`, cache_implementation auto on the CPU) would skip the LoRA
+    adapters: a peft model, and its base model with LoRA layers injected, decode through their own forward."""
+    from branchreplay.rl.config.sampling import SamplingConfig
+    from branchreplay.rl.rollouts import sampling
+
+    base = tiny_model("llama", seed=0)
+    assert sampling._plain(base, SamplingConfig())
+    lora = _lora(base)
+    assert not sampling._plain(lora, SamplingConfig())
+    assert not sampling._plain(lora.base_model.model, SamplingConfig())

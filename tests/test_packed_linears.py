@@ -26,30 +26,44 @@ def mkl_calls(fn, op: str = "mkl::_mkl_linear") -> int:
     return sum(e.count for e in prof.key_averages() if e.key == op)
 
 
-@pytest.mark.parametrize("rows", [1, 7, 32, 121, 1100])
+@pytest.mark.parametrize("rows", [1, 7, 17, 20, 32, 121, 1100])
 def test_a_packed_linear_equals_nn_linear_and_is_undone(rows):
-    """Inside the block x @ W.T + b runs MKL's packed sgemm (packed for 32 rows, used at any number) within float32
-    rounding of nn.Linear's, for 2-D inputs contiguous or strided and a 3-D one; with grad enabled, or an input of
-    the wrong width, nn.Linear's own (its gradient, its error). A nested block packs nothing; leaving restores the
+    """Inside the block (packed for 32 rows) x @ W.T + b equals nn.Linear's within float32 rounding for 2-D inputs
+    contiguous or strided and a 3-D one, from MKL's packed sgemm where the input has 17-32 rows (padded to 32: MKL
+    uses the packed copy for its own row count only) and through F.linear otherwise; with grad enabled, or an input
+    of the wrong width, nn.Linear's own (its gradient, its error). A nested block packs nothing; leaving restores the
     module; enabled=False packs nothing."""
     torch.manual_seed(0)
     lin = nn.Linear(576, 1536)
     inputs = [torch.randn(rows, 576), torch.randn(rows, 1152)[:, ::2], torch.randn(2, rows, 576)]
     expected = [lin(x).detach() for x in inputs]
-    with packed_linears(lin):
-        assert packed(lin) == [""]
+    with packed_linears(lin, rows=32):
+        assert packed(lin) == [""] and packing.block(lin).rows == 32
         with torch.no_grad():
             for x, y in zip(inputs, expected):
-                assert mkl_calls(lambda: torch.testing.assert_close(lin(x), y, rtol=1e-5, atol=1e-5)) == 1
-            with packed_linears(lin):
-                assert packed(lin) == [""] and mkl_calls(lambda: lin(inputs[0])) == 1
+                n = x.numel() // 576
+                assert mkl_calls(lambda: torch.testing.assert_close(lin(x), y, rtol=1e-5, atol=1e-5)) == (16 < n <= 32)
+            with packed_linears(lin, rows=8):
+                assert packed(lin) == [""] and packing.block(lin).rows == 32
             with pytest.raises(RuntimeError):
                 lin(torch.randn(rows, 500))
         assert mkl_calls(lambda: lin(inputs[0]).sum().backward()) == 0
         assert lin.weight.grad is not None and lin.weight.grad.abs().sum() > 0
-    assert packed(lin) == []
+    assert packed(lin) == [] and packing.block(lin) is None
     with packed_linears(lin, enabled=False):
-        assert packed(lin) == []
+        assert packed(lin) == [] and packing.block(lin) is None
+
+
+def test_a_padded_product_uses_the_packed_copy_and_an_unpadded_one_would_not():
+    """MKL computes from the packed copy only at the row count it was packed for; at any other it reads the original
+    weight. Control: a zeroed stand-in for the original weight changes an unpadded 20-row product (so MKL read it)
+    and leaves the padded one (`packed_linears.linear`) equal to x @ W.T."""
+    torch.manual_seed(0)
+    weight, x = torch.randn(96, 64), torch.randn(20, 64)
+    copy = packing.pack(weight, 32)
+    stand_in = torch.zeros_like(weight)
+    torch.testing.assert_close(packing.linear(x, copy, stand_in, None, 32), x @ weight.T, rtol=1e-5, atol=1e-5)
+    assert torch.ops.mkl._mkl_linear(x, copy, stand_in, None, 32).abs().max() == 0
 
 
 def test_a_weight_changed_or_replaced_inside_the_block_is_used_as_it_is_now():
@@ -84,17 +98,19 @@ def test_only_float32_cpu_linears_within_the_ratio_are_packed(monkeypatch):
     assert packed(model) == []
 
 
-def test_the_sampler_decodes_with_packed_weights_at_ratio_one(monkeypatch):
+@pytest.mark.parametrize("cache, matrices", [("auto", 2 * 4 + 1), ("dynamic", 2 * 7 + 1)])
+def test_the_sampler_decodes_with_packed_weights_at_ratio_one(cache, matrices, monkeypatch):
     """float32, temperature 0.7, every matrix packed: each sampled logprob against the same model's uncached,
     unpacked forward over prompt + completion; the first iteration's ratio is 1 within 1e-5. The decoding forwards
-    did run packed."""
+    did run packed: the plain Llama step ("auto" on the CPU: fused q/k/v and gate/up, 4 matrices a layer) and
+    transformers' forward ("dynamic": 7 a layer), plus the head, at each of the 11 decoding steps."""
     monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
     model = make_model("llama")
-    config = SamplingConfig(temperature=0.7, max_new_tokens=12)
+    config = SamplingConfig(temperature=0.7, max_new_tokens=12, cache_implementation=cache)
     generators = [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))]
     groups = []
     calls = mkl_calls(lambda: groups.extend(sample_groups(model, PROMPTS, 4, config, {2}, generators)))
-    assert calls > 12 * 15 and packed(model) == []  # 15 matrices per forward, 12 decoding steps at least
+    assert calls >= 11 * matrices and packed(model) == []
     worst = max((torch.exp(reference_logprobs(model, prompt, s.completion_ids, 0.7) - torch.tensor(s.logprobs)) - 1)
                 .abs().max().item() for group, prompt in zip(groups, PROMPTS) for s in group)
     assert worst < 1e-5

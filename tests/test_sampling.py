@@ -24,6 +24,8 @@ def make_model(kind: str, seed: int = 0):
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**SMALL))
     elif kind == "qwen3":
         model = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(head_dim=16, **SMALL))
+    elif kind == "qwen2":  # biases on the query / key / value projections
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**SMALL))
     elif kind == "mistral":  # window smaller than prompt + completion: the cache keeps only the last W-1 positions
         model = transformers.MistralForCausalLM(transformers.MistralConfig(sliding_window=5, **SMALL))
     elif kind == "gpt2":  # learned positions; dropout 0.1 by default, so eval mode matters too
@@ -172,13 +174,18 @@ def test_filter_logits_top_k_then_top_p():
     assert kept(top_k=0, top_p=0.4) == [True, False, False, False]
 
 
+@pytest.mark.parametrize("block", [1024, 16])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("filters", [{}, dict(top_k=5), dict(top_p=0.5)])
-def test_draws_follow_the_filtered_softmax(filters, dtype):
-    """The inverse-transform draw (`sampling._draw`) against the filtered softmax itself: 200,000 draws of 64 ids,
-    every frequency within 5 standard errors of its probability, filtered ids never drawn, and each draw's logprob
-    the unfiltered log_softmax's. Drawing from softmax(logits) without the temperature fails it."""
+def test_draws_follow_the_filtered_softmax(filters, dtype, block, monkeypatch):
+    """The inverse-transform draw (`sampling._draw`) against the filtered softmax itself: 200,000 draws of 64 ids
+    (in one block of the two-level sum, or in four), every frequency within 5 standard errors of its probability,
+    filtered ids never drawn, and each draw's logprob the unfiltered log_softmax's. Drawing from softmax(logits)
+    without the temperature fails it."""
+    from branchreplay.rl.rollouts import sampling
     from branchreplay.rl.rollouts.sampling import _draw
+
+    monkeypatch.setattr(sampling, "DRAW_BLOCK", block)
 
     logits = (torch.randn(1, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
     config = SamplingConfig(temperature=0.9, **filters)
@@ -191,6 +198,23 @@ def test_draws_follow_the_filtered_softmax(filters, dtype):
     assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
     reference = (logits / 0.9).log_softmax(-1)[0]
     assert torch.equal(torch.cat([lp for _, lp in draws]), reference[ids])
+
+
+@pytest.mark.parametrize("filters", [{}, dict(top_p=0.9)])
+def test_the_two_level_draw_is_the_one_level_cumulative_sum_draw(filters):
+    """4,096 rows of a 3,000-id vocabulary (two full blocks of 1,024 and a ragged one): `_draw`'s token is, for the
+    same uniform numbers, the first whose float64 cumulative probability over the whole row exceeds u times the
+    total (the draw before the sum was split in blocks). An off-by-one inside or across blocks fails it."""
+    from branchreplay.rl.rollouts.sampling import _draw
+
+    logits = torch.randn(4096, 3000, generator=torch.Generator().manual_seed(0)) * 4
+    config = SamplingConfig(temperature=0.8, **filters)
+    tokens, _ = _draw(logits, config, torch.Generator().manual_seed(1))
+    cdf = _filter_logits(logits / 0.8, 0, config.top_p).softmax(-1).double().cumsum(-1)
+    u = torch.rand((4096, 1), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
+    assert (tokens // 1024).unique().tolist() == [0, 1, 2]
+    assert torch.equal(tokens, expected)
 
 
 def test_a_row_without_finite_probabilities_raises_by_name():
@@ -247,27 +271,33 @@ def test_empty_prompt_and_bad_group_size_raise():
 PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 250, 11], PROMPT, [33]]  # four lengths: the stacked caches differ
 
 
-@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "mistral"])
+@pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("branching", [(), ((0, 2), (3, 2))])
-@pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic"])
+@pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic", "auto"])
 def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypatch):
     """sample_groups draws, per group from its own generator, the tokens sample_group draws for that group alone,
     with its logprobs to 1e-12 in float64 (early EOS drops streams mid-way); the reference logprobs check the stacked
-    caches' masked slots. Llama, Qwen3 and GPT-2 (learned positions) run stacked, in the static cache (each prompt
-    held once, or, "static-stacked", where split prefix attention does not apply, in every row) or the dynamic one;
-    Mistral's sliding window runs per group."""
+    caches' masked slots. Llama, Qwen2/3 and GPT-2 (learned positions) run stacked, in the static cache (each
+    prompt held once, or, "static-stacked", where split prefix attention does not apply, in every row) or the
+    dynamic one; "auto" runs the plain Llama step (`llama_rows`, its key store grown from 2 slots) for Llama and
+    Qwen2/3, each prompt held once, and the dynamic cache for GPT-2; Mistral's sliding window runs per group."""
     import branchreplay.engine.attention as attention
+    import branchreplay.rl.rollouts.llama_rows as llama_rows
     import branchreplay.rl.rollouts.sampling as sampling
     import branchreplay.rl.rollouts.static_rows as static_rows
 
-    once = cache == "static"
+    once = cache in ("static", "auto")
     if cache == "static-stacked":
         monkeypatch.setattr(sampling, "PrefixSplit", prefix_split_off)
         cache = "static"
-    steps, grouped_calls = [], []
+    steps, grouped_calls, plain_steps = [], [], []
     decode, grouped = static_rows.StaticRows.decode, attention.grouped_prefix_attention
+    plain = llama_rows.LlamaRows.decode
     monkeypatch.setattr(static_rows.StaticRows, "decode", lambda self, t, d: steps.append(d) or decode(self, t, d))
+    monkeypatch.setattr(llama_rows.LlamaRows, "decode", lambda self, t, d: plain_steps.append(d) or plain(self, t, d))
     monkeypatch.setattr(attention, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
+    monkeypatch.setattr(llama_rows, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
+    monkeypatch.setattr(llama_rows, "FIRST_SLOTS", 2)
     model = make_model(kind).double()
     config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching, cache_implementation=cache)
     eos = set(range(2, V, 16))  # 16 of 256 ids: frequent enough that some streams end early
@@ -276,7 +306,8 @@ def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypat
                                       [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
     assert sampling.stackable(model.config) == (kind != "mistral")
     assert bool(steps) == (cache == "static" and kind != "mistral")  # the static rows decoded, where they apply
-    assert bool(grouped_calls) == (once and kind != "mistral")  # each prompt held once
+    assert bool(plain_steps) == (cache == "auto" and kind in ("llama", "qwen2", "qwen3"))
+    assert bool(grouped_calls) == (once and kind != "mistral" and not (cache == "auto" and kind == "gpt2"))
     lengths = {len(s.completion_ids) for group in alone for s in group}
     assert min(lengths) < 8 and max(lengths) == 8  # some ended early, some ran to the end
     for a_group, b_group, prompt in zip(alone, together, PROMPTS):
@@ -288,7 +319,7 @@ def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypat
             assert b.logprobs == pytest.approx(ref.tolist(), abs=1e-10)
 
 
-@pytest.mark.parametrize("cache", ["static", "dynamic"])
+@pytest.mark.parametrize("cache", ["static", "dynamic", "auto"])
 def test_first_iteration_ratio_is_one_in_float32(cache):
     """float32, temperature 0.7: every sampled logprob against the same model's uncached forward over prompt +
     completion (what training recomputes as the policy's logprob): the first iteration's ratio exp(new - old) is 1
@@ -304,18 +335,20 @@ def test_first_iteration_ratio_is_one_in_float32(cache):
     assert worst < 1e-5
 
 
-@pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic"])
+@pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic", "auto"])
 def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
-    """Control: stacked caches whose empty slots are visible, or (the prompts held once) rows that see the next
-    group's prompt, give other logprobs than each group alone."""
+    """Control: stacked caches whose empty slots are visible, or (the prompts held once: static, and the plain Llama
+    step of "auto") rows that see the next group's prompt, give other logprobs than each group alone."""
     import branchreplay.engine.attention as attention
+    import branchreplay.rl.rollouts.llama_rows as llama_rows
     import branchreplay.rl.rollouts.sampling as sampling
 
     model = make_model("llama").double()
     config = SamplingConfig(temperature=1.0, max_new_tokens=4, cache_implementation=cache.split("-")[0])
-    if cache == "static":
+    if cache in ("static", "auto"):
         grouped = attention.grouped_prefix_attention
-        monkeypatch.setattr(attention, "grouped_prefix_attention", lambda q, k, v, bias, scale, spans, pk, pv:
+        module = attention if cache == "static" else llama_rows
+        monkeypatch.setattr(module, "grouped_prefix_attention", lambda q, k, v, bias, scale, spans, pk, pv:
                             grouped(q, k, v, bias, scale, spans, pk[1:] + pk[:1], pv[1:] + pv[:1]))
     else:
         if cache == "static-stacked":
@@ -570,11 +603,23 @@ def test_one_generator_per_prompt_or_a_named_error():
         sampling.sample_groups(make_model("llama"), PROMPTS, 2, SamplingConfig(max_new_tokens=2), {2}, [None] * 3)
 
 
-def test_auto_cache_is_dynamic_on_the_cpu():
-    """sampling.cache_implementation 'auto' keeps the dynamic cache on the CPU (the static rows hold max_new_tokens
-    slots per row from the start); 'static' is taken where it applies, not for Mistral's sliding window."""
+def test_auto_cache_on_the_cpu_is_the_plain_llama_step_where_it_applies():
+    """sampling.cache_implementation 'auto' decodes Llama-architecture models on the CPU with the plain step
+    (`llama_rows`) in float32 and float64, and falls back to the dynamic cache (transformers' forward) for other
+    families, sliding windows, bfloat16, CPU autocast and a model with a forward hook (which the plain step would
+    skip); 'static' is taken where it applies, not for Mistral's sliding window."""
     import branchreplay.rl.rollouts.sampling as sampling
 
-    static = SamplingConfig(cache_implementation="static")
-    assert not sampling._static(make_model("llama"), SamplingConfig()) and sampling._static(make_model("llama"), static)
+    static, auto = SamplingConfig(cache_implementation="static"), SamplingConfig()
+    assert not sampling._static(make_model("llama"), auto) and sampling._static(make_model("llama"), static)
     assert not sampling._static(make_model("mistral"), static)
+    for kind in ("llama", "qwen2", "qwen3"):
+        assert sampling._plain(make_model(kind), auto) and sampling._plain(make_model(kind).double(), auto)
+    assert not sampling._plain(make_model("llama"), SamplingConfig(cache_implementation="dynamic"))
+    assert not sampling._plain(make_model("gpt2"), auto) and not sampling._plain(make_model("mistral"), auto)
+    assert not sampling._plain(make_model("llama").bfloat16(), auto)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert not sampling._plain(make_model("llama"), auto)
+    hooked = make_model("llama")
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *a: None)
+    assert not sampling._plain(hooked, auto)

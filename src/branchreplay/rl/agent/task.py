@@ -107,7 +107,7 @@ def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None, bat
                             pack_weights=s.pack_weights)
     limits = Limits(a.max_turns, context_limit(a, model), a.max_tool_output_tokens)
     done, skipped = [], 0
-    with packed_linears(model, s.pack_weights):
+    with packed_linears(model, s.pack_weights, rows=batch_size):  # a turn's most replies: one per item
         for first in range(0, len(items), batch_size):
             if progress is not None:
                 progress(first, len(items))

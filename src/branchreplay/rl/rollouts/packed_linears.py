@@ -2,14 +2,18 @@
 
 A decoding step multiplies a few dozen rows by every weight matrix. On the CPU, MKL's sgemm then spends much of its
 time packing W into its internal blocked layout, again at every call; `cblas_sgemm_pack` does it once
-(`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU weight freezing uses). On SmolLM2's
-shapes at 32 rows (2 threads) the LM head takes 10.6 instead of 15.8 ms and an MLP matrix 0.19-0.22 instead of
-0.39-0.50 ms. MKL reserves a buffer of W's size plus about 10 MB of blocking per matrix, so a matrix is packed only
-where that stays within MAX_PACKED_RATIO of its own bytes: SmolLM2's LM head (2.1x) and MLP (3.9x), not its
-attention projections (8.7x and 21x); on larger models most matrices (1.2-1.8x), not the key / value projections of
-grouped-query attention where they are narrow (Qwen2.5-1.5B: 6.7x). Resident memory grows by about the packed
-matrices' own bytes while sampling (the demo's peak, set by training, did not move). `sampling.pack_weights: false`
-turns it off.
+(`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU weight freezing uses). MKL computes
+from the packed copy only for the number of rows it was packed for (`_mkl_linear` with any other number runs the
+unpacked sgemm on the original weight, as fast as nn.Linear: measured, 3072x576 at 31 rows 634 us against 411 at
+the packed 32), so a block packs for the decoding step's most rows (`rows`) and a product of fewer rows, but more
+than half as many, is padded with zero rows to that number (a decoding step of that size is bound by reading the
+weights, so the padding costs next to nothing); fewer, or more (a prefill), run nn.Linear. On SmolLM2's shapes at 32
+rows (2 threads) the LM head takes 7.7 instead of 10.4 ms and an MLP matrix 0.19 instead of 0.27-0.34 ms. The
+packed buffer's size is W's plus about 10 MB of blocking per matrix, of which only W's bytes become resident
+(measured: 30 packed 960x576 matrices, 348 MB allocated, 68 MB resident); a matrix is packed only where that
+stays within MAX_PACKED_RATIO of its own elements: SmolLM2's LM head (2.1x) and MLP (3.9x), not its attention
+projections (8.7x and 21x); on larger models most matrices (1.2-1.8x), not the key / value projections of
+grouped-query attention where they are narrow (Qwen2.5-1.5B: 6.7x). `sampling.pack_weights: false` turns it off.
 
 Packing is not a global patch: `packed_linears(model)` sets an instance `forward` on each packed nn.Linear for the
 duration of a `with` block and removes it on leaving. A forward runs nn.Linear's own (with the module's current
@@ -20,6 +24,8 @@ width, or when the weight was replaced or changed in place since it was packed (
 from __future__ import annotations
 
 import contextlib
+import weakref
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +33,24 @@ from torch import nn
 
 MAX_PACKED_RATIO = 4
 """A weight is packed only where MKL's packed buffer is at most this many times its own elements."""
+
+
+@dataclass
+class Block:
+    """An open `packed_linears` block on a model: the rows it packs for, and a memo for weights derived from the
+    model's for as long as the block lasts (`llama_rows`' fused, packed matrices: built once for every decoding
+    loop of a sampling step, checked against the parameters' versions)."""
+
+    rows: int
+    memo: dict = field(default_factory=dict)
+
+
+_OPEN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its open Block
+
+
+def block(model: nn.Module) -> Block | None:
+    """The `packed_linears` block open on `model` that packs its weights, or None."""
+    return _OPEN.get(model)
 
 
 def available() -> bool:
@@ -37,14 +61,34 @@ def available() -> bool:
         return False
 
 
+def pack(weight: torch.Tensor, rows: int) -> torch.Tensor:
+    """MKL's packed copy of a float32 CPU weight [out, in], for products of exactly `rows` rows (`linear`)."""
+    return torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), rows)
+
+
+def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, rows: int
+           ) -> torch.Tensor:
+    """x [..., in] @ weight.T + bias -> [..., out], from `packed` (`pack(weight, rows)`) when x has more than rows / 2
+    and at most `rows` rows (padded with zero rows to `rows`), else F.linear. float32, CPU."""
+    n = x.numel() // x.shape[-1]
+    if not rows // 2 < n <= rows:
+        return F.linear(x, weight, bias)
+    flat = x.reshape(n, x.shape[-1])
+    if n < rows:
+        flat = torch.cat([flat, flat.new_zeros(rows - n, flat.shape[1])])
+    out = torch.ops.mkl._mkl_linear(flat, packed, weight, bias, rows)
+    return (out[:n] if n < rows else out).reshape(*x.shape[:-1], weight.shape[0])
+
+
 def _packable(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module) is nn.Linear and "forward" not in module.__dict__ and type(weight) in (torch.Tensor,
             nn.Parameter) and weight.dtype == torch.float32 and weight.device.type == "cpu")
 
 
-def _forward(module: nn.Linear, packed: torch.Tensor):
-    """x @ W.T (+ b) through MKL's packed sgemm: x [..., in] float32 -> [..., out] float32, or nn.Linear's own."""
+def _forward(module: nn.Linear, packed: torch.Tensor, rows: int):
+    """x @ W.T (+ b) through MKL's packed sgemm (`linear`): x [..., in] float32 -> [..., out] float32, or
+    nn.Linear's own."""
     weight, version = module.weight, module.weight._version
 
     def forward(x: torch.Tensor) -> torch.Tensor:
@@ -53,31 +97,36 @@ def _forward(module: nn.Linear, packed: torch.Tensor):
                 or x.device.type != "cpu" or x.numel() == 0 or x.shape[-1] != w.shape[1] or w is not weight
                 or w._version != version):
             return F.linear(x, w, b)
-        return torch.ops.mkl._mkl_linear(x, packed, w, b, x.numel() // x.shape[-1])
-    forward.packed_weight = packed
+        return linear(x, packed, w, b, rows)
+    forward.packed_weight, forward.packed_rows = packed, rows
     return forward
 
 
 @contextlib.contextmanager
-def packed_linears(model: nn.Module, enabled: bool = True):
+def packed_linears(model: nn.Module, enabled: bool = True, rows: int = 32):
     """Inside the block, every float32 CPU nn.Linear of `model` (exactly nn.Linear: peft's base layers included, its
     LoRA wrappers not; DTensor weights not, but inside FSDP2's gathered parameters, as the sampler enters it, the
     layers hold plain ones) whose packed weight stays within MAX_PACKED_RATIO of its elements computes x @ W.T from
-    it. Nothing changes with enabled=False, without MKL or under CPU autocast. Nested in another block on the same
-    model it packs nothing (the outer block's packing stands). Results equal nn.Linear's up to the floating-point
-    order of the matmul (float32: about 1e-6 relative; MKL's own small-batch kernels differ from it by as much)."""
-    modules = []
+    it, packed for products of `rows` rows (the decoding step's most: the streams of a step, prompts x G), used for
+    more than rows / 2 of them (`linear`). Nothing changes with enabled=False, without MKL or under CPU autocast.
+    Nested in another block on the same model it packs nothing (the outer block's packing stands). Results equal
+    nn.Linear's up to the floating-point order of the matmul (float32: about 1e-6 relative; MKL's own small-batch
+    kernels differ from it by as much). While it lasts, `block(model)` gives its rows and its memo."""
+    modules, opened = [], False
     try:
-        nested = any(hasattr(m.__dict__.get("forward"), "packed_weight") for m in model.modules())
-        if enabled and not nested and available() and not torch.is_autocast_enabled("cpu"):
+        nested = model in _OPEN or any(hasattr(m.__dict__.get("forward"), "packed_weight") for m in model.modules())
+        if enabled and rows >= 1 and not nested and available() and not torch.is_autocast_enabled("cpu"):
             for m in model.modules():
                 if not _packable(m):
                     continue
-                packed = torch.ops.mkl._mkl_reorder_linear_weight(m.weight.detach(), 32)
+                packed = pack(m.weight, rows)
                 if packed.numel() <= MAX_PACKED_RATIO * m.weight.numel():
-                    m.forward = _forward(m, packed)
+                    m.forward = _forward(m, packed, rows)
                     modules.append(m)
+            _OPEN[model], opened = Block(rows), True
         yield model
     finally:
+        if opened:
+            del _OPEN[model]
         for m in modules:
             m.__dict__.pop("forward", None)

@@ -130,8 +130,9 @@ class Sampler:
         None), or ({}, ("rank", what failed)) on a rank of a data-parallel run (re-raised on every rank)."""
         mine = self.mine(len(prompt_ids))
         cfg = self.config
+        rows = max(map(len, self.waves(mine)), default=0) * cfg.grpo.num_generations  # a decoding step's most
         with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model,
-                                                                            cfg.sampling.pack_weights):
+                                                                            cfg.sampling.pack_weights, rows):
             try:
                 drawn = []
                 for wave in self.waves(mine):
@@ -251,8 +252,9 @@ class Sampler:
         limits = Limits(a.max_turns, limit, a.max_tool_output_tokens)
         failure = None
         mine = self.mine(len(items))
+        rows = max(map(len, self.waves(mine)), default=0) * cfg.grpo.num_generations  # a turn's most replies
         with self.policy.gathered(), self.policy.autocast(), packed_linears(self.policy.model,
-                                                                            cfg.sampling.pack_weights):
+                                                                            cfg.sampling.pack_weights, rows):
             try:
                 started = 0
                 for wave in self.waves(mine):

@@ -29,6 +29,7 @@ from ...engine.families import FAMILIES, layer_windows
 from ...engine.recurrent import layer_kinds
 from ...models import max_positions
 from ..config.sampling import SamplingConfig
+from .llama_rows import LlamaRows, llama_rows_apply
 from .packed_linears import packed_linears
 from .static_rows import StaticRows, graphs_apply, static_applies
 
@@ -96,7 +97,7 @@ def sample_group(
     was_training = model.training
     model.eval()
     try:
-        with packed_linears(model, config.pack_weights):
+        with packed_linears(model, config.pack_weights, rows=num_generations):
             cache, logits = prefill(model, prompt_ids)
             return sample_from(model, cache, logits, len(prompt_ids), schedule, config, eos_token_ids, generator)
     finally:
@@ -129,15 +130,15 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
         raise ValueError(f"sample_groups got {len(prompts)} prompts and {len(generators)} generators: pass one "
                          "generator (or None) per prompt")
     schedules = [branching_schedule(model, p, num_generations, config) for p in prompts]
-    if not stackable(model.config) or (len(prompts) < 2 and not _static(model, config)):
+    if not stackable(model.config) or (len(prompts) < 2 and not (_static(model, config) or _plain(model, config))):
         _static(model, config, warn=True)
-        with packed_linears(model, config.pack_weights):  # packed once for all the prompts
+        with packed_linears(model, config.pack_weights, rows=num_generations):  # packed once for all the prompts
             return [sample_group(model, p, num_generations, config, eos_token_ids, g)
                     for p, g in zip(prompts, generators)]
     was_training = model.training
     model.eval()
     try:
-        with packed_linears(model, config.pack_weights):
+        with packed_linears(model, config.pack_weights, rows=len(prompts) * num_generations):
             filled = prefill_branches(model, DynamicCache(config=model.config), 0, prompts)
             return decode_prefilled(model, filled, [len(p) for p in prompts], schedules[0], config, eos_token_ids,
                                     generators)
@@ -157,12 +158,16 @@ def decode_prefilled(model, filled: list[tuple[DynamicCache, torch.Tensor]], len
     generated position; a model with recurrent or sliding-window layers decodes each group alone (`sample_from`),
     one group's whole samples after another's. The model must be in
     eval mode. Returns one list of Samples per group."""
-    static = _static(model, config, warn=True)
-    if not stackable(model.config) or (len(filled) < 2 and not static):
+    static, plain = _static(model, config, warn=True), _plain(model, config)
+    if not stackable(model.config) or (len(filled) < 2 and not (static or plain)):
         return [sample_from(model, fork(cache), logits, n, schedule, config, eos_token_ids, g)
                 for (cache, logits), n, g in zip(filled, lengths, generators)]
     logits = torch.cat([lg for _, lg in filled])  # [groups, V]
     start = torch.tensor(lengths, device=logits.device)  # each row's first generated position
+    if plain:
+        most = len(filled) * math.prod(schedule.values())
+        rows = LlamaRows(model, start, [c for c, _ in filled], config.max_new_tokens, most, config.pack_weights)
+        return _decode_groups(rows, logits, schedule, config, eos_token_ids, generators)
     split = PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config)) if static else None
     with split or contextlib.nullcontext():  # split prefix attention switched on once, if it applies
         graphs = not config.enforce_eager and graphs_apply(model)
@@ -187,6 +192,12 @@ def _static(model, config: SamplingConfig, warn: bool = False) -> bool:
                       f"(this model: {getattr(model.config, '_attn_implementation', None)} attention{layers}); it "
                       "decodes with the dynamic cache", RuntimeWarning, stacklevel=3)
     return static
+
+
+def _plain(model, config: SamplingConfig) -> bool:
+    """Whether the streams decode in `llama_rows.LlamaRows`: cache_implementation "auto" on a model it applies to
+    (a Llama-architecture model on the CPU)."""
+    return config.cache_implementation == "auto" and llama_rows_apply(model)
 
 
 def stackable(config) -> bool:
@@ -418,6 +429,10 @@ def prefill_branches(model, cache, position: int, branches: list[list[int]]
     return out
 
 
+DRAW_BLOCK = 1024
+"""Vocabulary ids per block of `_draw`'s two-level cumulative sum."""
+
+
 def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of [rows, V] logits: sampled from the top-k / top-p filtered softmax(logits / T), [rows, 1];
     and its logprob under the unfiltered log_softmax(logits / T), [rows] (what training recomputes).
@@ -426,17 +441,30 @@ def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torc
     cumulative probability (summed in float64) exceeds u times the row's total, so a filtered token (probability 0)
     is never drawn; a row whose probabilities are not finite (NaN or inf logits) raises RuntimeError, as
     `torch.multinomial` did. That drew V exponentials per row instead (the Gumbel-max form), which on the CPU cost
-    10 ms per 8 rows of a 49k vocabulary: a third of a decoding step of the demo's batch."""
+    10 ms per 8 rows of a 49k vocabulary: a third of a decoding step of the demo's batch. The cumulative sum is
+    taken in two levels, over blocks of DRAW_BLOCK ids and then inside the block u falls in, so no [rows, V]
+    float64 tensor is made (that cumsum and its copy cost 1.6 ms per 8 rows in a decoding loop, page faults of
+    fresh 3 MB buffers mostly); where the rounding of the two levels differs at the block's end, the block's last
+    id of positive probability is drawn."""
     scaled = logits / config.temperature
     probs = _filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
-    cdf = probs.to(torch.float64).cumsum(dim=-1)  # [rows, V]
-    total = cdf[:, -1:]
+    rows, vocab = probs.shape
+    if vocab % DRAW_BLOCK:
+        probs = torch.nn.functional.pad(probs, (0, DRAW_BLOCK - vocab % DRAW_BLOCK))
+    blocks = probs.view(rows, -1, DRAW_BLOCK)
+    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [rows, blocks]
+    total = block_cdf[:, -1:]
     torch._assert_async(((total > 0) & total.isfinite()).all(),  # no host sync; on CUDA a device-side assert
                         "sampling: a row of logits gave no finite probabilities (NaN or inf logits: a diverged policy, "
                         "or an overflow in the model's dtype)")
-    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=cdf.device)
+    u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device)
     below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u * total < total, always
-    tokens = torch.searchsorted(cdf, below, right=True)  # [rows, 1]
+    block = torch.searchsorted(block_cdf, below, right=True).clamp_max(blocks.shape[1] - 1)  # [rows, 1]
+    before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0)), 0.0)
+    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, DRAW_BLOCK))[:, 0]  # [rows, DRAW_BLOCK]
+    at = torch.searchsorted(inside.to(torch.float64).cumsum(dim=-1), below - before, right=True)
+    last = DRAW_BLOCK - 1 - (inside > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
+    tokens = block * DRAW_BLOCK + torch.where(at < DRAW_BLOCK, at, last)
     return tokens, scaled.log_softmax(dim=-1).gather(-1, tokens)[:, 0]
 
 

@@ -14,6 +14,7 @@ they are prefilled.
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import torch
@@ -47,7 +48,8 @@ class InProcessTurns:
         was_training = self.model.training
         self.model.eval()
         try:
-            with packed_linears(self.model, self.config.pack_weights):
+            rows = sum(math.prod(schedule.values()) for _, schedule in requests)  # the replies of the turn
+            with packed_linears(self.model, self.config.pack_weights, rows=rows):
                 return self._sample(requests, keys)
         finally:
             self.model.train(was_training)

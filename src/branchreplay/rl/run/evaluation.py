@@ -78,7 +78,7 @@ def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos
     2.4x faster on 2 CPU cores). progress(done, total) is called before the first batch and after each.
     pack_weights: the linear layers from MKL-packed weights on the CPU in float32 (`packed_linears`)."""
     pad, out = min(eos), []
-    with packed_linears(model, pack_weights):
+    with packed_linears(model, pack_weights, rows=batch_size):
         for i in range(0, len(prompts), batch_size):
             if progress is not None:
                 progress(i, len(prompts))
