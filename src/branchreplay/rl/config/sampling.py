@@ -49,7 +49,7 @@ class SamplingConfig:
         "on the CPU, float32 on CUDA), else copied into each of its rows (up to twice the dynamic cache's memory); "
         "'dynamic', transformers' DynamicCache grown each step, finished streams' rows dropped at once; 'auto': "
         "static on CUDA; on the CPU, for Llama-architecture models (llama, qwen2, qwen3, mistral without a "
-        "window) in float32 / float64 without LoRA, the plain decoding step of rl/rollouts/llama_rows.py (fused, "
+        "window) in float32 / float64 without LoRA, the plain decoding step of rl/rollouts/llama_rows.py ("
         "MKL-packed projections, each group's prompt held once, generated keys in a store grown by doubling, "
         "only live streams decoded), else dynamic: the static rows hold max_new_tokens slots per row from the "
         "start and every step reads them all (at max_new_tokens 4096 with 14-token replies, 9x slower and 13.8 GB "

@@ -4,9 +4,9 @@ plain torch as gpt-fast writes its Transformer (sampling.cache_implementation=au
 transformers' forward adds work around a decoding step's matmuls and attention: three projections and two MLP
 matrices called apart, a DynamicCache that concatenates every layer's keys at every step (or a StaticCache read
 in full under a mask), masks and position ids built per call, and Python per module. Here a step is one
-function: per layer the query / key / value projections as
-one fused matmul, and the gate / up projections as one, each from MKL-packed weights (`packed_linears`; the
-attention projections too, which cost resident memory of their own bytes only), the layer's own RMSNorm, rotary
+function: per layer its seven matmuls from MKL-packed weights (`packed_linears`'s, and the attention
+projections it leaves unpacked packed here: they cost resident memory of their own bytes only; fusing q / k / v
+and gate / up into one matmul each saved nothing measurable once packed), the layer's own RMSNorm, rotary
 embedding, `apply_rotary_pos_emb`, activation and LM head modules for the rest (so each elementwise result is
 transformers'), and attention as `engine.attention.grouped_prefix_attention`: each group's prompt held once, as
 the prefill left it, every group's rows folded into one query sequence against it, and each row's own generated
@@ -19,9 +19,7 @@ read from the layer itself (Qwen3's q / k RMSNorm over the head dim): llama, qwe
 sliding-window layers, on the CPU in float32 or float64, outside autocast, with every projection a plain
 nn.Linear holding a plain tensor (a LoRA wrapper, an FSDP2 DTensor or a forward hook on any module: the model's
 own forward, which those rely on, decodes instead). The samples equal the dynamic cache's up to the matmuls'
-floating-point order (float64 test: the same ids). While sampling, the fused copies and their packed forms hold
-about twice the attention and MLP weights' bytes more (SmolLM2: peak 1.1 GB above the start, against 0.6 GB for
-the static cache). Not compiled: `torch.compile` of transformers' static step made it slower on this CPU
+floating-point order (float64 test: the same ids). Not compiled: `torch.compile` of transformers' static step made it slower on this CPU
 (docs/benchmarks.md), and this one has not been tried.
 """
 
@@ -65,19 +63,16 @@ def llama_rows_apply(model) -> bool:
 
 
 class _Linear:
-    """x [n, in] -> [n, out] by one weight [out, in] (the concatenation of several nn.Linear's, their biases
-    concatenated, zeros for a layer without one), from MKL's copy packed for `rows` rows in float32 where this
-    build has MKL and `pack` (`packed_linears.linear`: used for more than rows / 2 rows)."""
+    """x [n, in] -> [n, out] by an nn.Linear's weight and bias, from MKL's copy packed for `rows` rows in float32
+    where this build has MKL and `pack` (`packed_linears.linear`: used for more than rows / 2 rows): the copy the
+    open `packed_linears` block made where it made one for those rows, else one made here."""
 
-    def __init__(self, *modules: nn.Linear, rows: int, pack: bool):
-        weights = [m.weight.detach() for m in modules]
-        self.weight = torch.cat(weights) if len(weights) > 1 else weights[0]
-        biases = [m.bias for m in modules]
-        self.bias = None if all(b is None for b in biases) else torch.cat(
-            [b.detach() if b is not None else m.weight.new_zeros(m.out_features) for m, b in zip(modules, biases)])
+    def __init__(self, module: nn.Linear, rows: int, pack: bool):
+        self.weight = module.weight.detach()
+        self.bias = None if module.bias is None else module.bias.detach()
         self.rows, self.packed = rows, None
         if pack and self.weight.dtype == torch.float32 and packed_linears.available():
-            forward = modules[0].__dict__.get("forward") if len(modules) == 1 else None  # packed by the block
+            forward = module.__dict__.get("forward")
             same = getattr(forward, "packed_rows", None) == rows
             self.packed = forward.packed_weight if same else packed_linears.pack(self.weight, rows)
 
@@ -88,31 +83,29 @@ class _Linear:
 
 
 class _Layer:
-    """One decoder layer's modules and fused weights."""
+    """One decoder layer's modules and weights."""
 
     def __init__(self, layer: nn.Module, rows: int, pack: bool):
         attn, mlp = layer.self_attn, layer.mlp
         self.norm_in, self.norm_post, self.act = layer.input_layernorm, layer.post_attention_layernorm, mlp.act_fn
         self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
-        self.qkv = _Linear(attn.q_proj, attn.k_proj, attn.v_proj, rows=rows, pack=pack)
-        self.sizes = [attn.q_proj.out_features, attn.k_proj.out_features, attn.v_proj.out_features]
-        self.o, self.down = _Linear(attn.o_proj, rows=rows, pack=pack), _Linear(mlp.down_proj, rows=rows, pack=pack)
-        self.gate_up = _Linear(mlp.gate_proj, mlp.up_proj, rows=rows, pack=pack)
+        self.q, self.k, self.v, self.o, self.gate, self.up, self.down = (_Linear(m, rows, pack) for m in (
+            attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj))
         self.scale, self.head_dim = attn.scaling, attn.head_dim
         self.rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
 
 
 def _weights(model, rows: int, pack: bool) -> tuple[list[_Layer], _Linear]:
-    """The layers' fused weights and the LM head's, packed for `rows` rows, or for the rows of the `packed_linears`
-    block open on the model, built once per block (its memo) while every parameter is the same tensor at the same
-    version (an optimizer step or a new Parameter builds them again)."""
+    """The layers' weights and the LM head's, packed for `rows` rows, or for the rows of the `packed_linears` block
+    open on the model, built once per block (its memo) while every parameter is the same tensor at the same version
+    (an optimizer step or a new Parameter builds them again)."""
     opened = packed_linears.block(model) if pack else None
     rows = rows if opened is None else opened.rows
     versions = tuple((id(p), p._version) for p in model.parameters())
     hit = opened.memo.get(("llama_rows", rows)) if opened is not None else None
     if hit is not None and hit[0] == versions:
         return hit[1]
-    built = [_Layer(layer, rows, pack) for layer in model.model.layers], _Linear(model.lm_head, rows=rows, pack=pack)
+    built = [_Layer(layer, rows, pack) for layer in model.model.layers], _Linear(model.lm_head, rows, pack)
     if opened is not None:
         opened.memo[("llama_rows", rows)] = versions, built
     return built
@@ -125,7 +118,7 @@ class LlamaRows:
     position (live stream k starts as prompt k). prompts: one batch-1 DynamicCache per prompt (its keys / values
     [1, kv_heads, P_k, head_dim] are read, never written). max_new_tokens: the most tokens a row generates. rows:
     the most live streams a step will have (prompts x G), what the weights are packed for, unless a
-    `packed_linears` block is open on the model: then its rows, and the fused, packed weights are built once for
+    `packed_linears` block is open on the model: then its rows, and the packed weights are built once for
     the block (every decoding loop of a sampling step, every turn of a multi-turn one). pack: use MKL-packed
     weights (sampling.pack_weights). Build it inside `torch.no_grad()`."""
 
@@ -181,8 +174,8 @@ class LlamaRows:
         cos, sin = self.rotary(h, (self.start + depth)[:, None])  # [rows, 1, head_dim]
         for layer, keys, values, prompt_keys, prompt_values in zip(self.layers, self.keys, self.values,
                                                                    self.prompt_keys, self.prompt_values):
-            q, k, v = layer.qkv(layer.norm_in(h)).split(layer.sizes, dim=-1)
-            q, k, v = (x.view(rows, 1, -1, layer.head_dim) for x in (q, k, v))
+            x = layer.norm_in(h)
+            q, k, v = (f(x).view(rows, 1, -1, layer.head_dim) for f in (layer.q, layer.k, layer.v))
             if layer.q_norm is not None:
                 q, k = layer.q_norm(q), layer.k_norm(k)
             q, k = layer.rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # [rows, heads, 1, head_dim]
@@ -191,7 +184,7 @@ class LlamaRows:
             out = grouped_prefix_attention(q, keys[:, :, : depth + 1], values[:, :, : depth + 1], None, layer.scale,
                                            self.spans, prompt_keys, prompt_values)
             h = h + layer.o(out.transpose(1, 2).reshape(rows, -1))
-            gate, up = layer.gate_up(layer.norm_post(h)).chunk(2, dim=-1)
-            h = h + layer.down(layer.act(gate) * up)
+            x = layer.norm_post(h)
+            h = h + layer.down(layer.act(layer.gate(x)) * layer.up(x))
         self.used = depth + 1
         return self.head(self.norm(h)).float()

@@ -24,6 +24,7 @@ width, or when the weight was replaced or changed in place since it was packed (
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from dataclasses import dataclass, field
 
@@ -80,6 +81,13 @@ def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: to
     return (out[:n] if n < rows else out).reshape(*x.shape[:-1], weight.shape[0])
 
 
+@functools.lru_cache(maxsize=256)
+def _packed_elements(out_features: int, in_features: int, rows: int) -> int:
+    """The elements of MKL's packed buffer for a [out, in] float32 weight and `rows` rows (a function of the shape
+    only: measured once per shape on a zero matrix, so a weight it rejects is never packed)."""
+    return pack(torch.zeros(out_features, in_features), rows).numel()
+
+
 def _packable(module: nn.Module) -> bool:
     weight = getattr(module, "weight", None)
     return (type(module) is nn.Linear and "forward" not in module.__dict__ and type(weight) in (torch.Tensor,
@@ -119,9 +127,8 @@ def packed_linears(model: nn.Module, enabled: bool = True, rows: int = 32):
             for m in model.modules():
                 if not _packable(m):
                     continue
-                packed = pack(m.weight, rows)
-                if packed.numel() <= MAX_PACKED_RATIO * m.weight.numel():
-                    m.forward = _forward(m, packed, rows)
+                if _packed_elements(*m.weight.shape, rows) <= MAX_PACKED_RATIO * m.weight.numel():
+                    m.forward = _forward(m, pack(m.weight, rows), rows)
                     modules.append(m)
             _OPEN[model], opened = Block(rows), True
         yield model
