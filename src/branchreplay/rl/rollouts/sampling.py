@@ -123,8 +123,10 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     `sample_group` per prompt instead. With config.cache_implementation="static" the streams decode in a
     preallocated cache, one fixed-shape step replayed as a CUDA graph on CUDA (`static_rows.StaticRows`; one prompt
     too; SDPA attention only); "dynamic" grows transformers' DynamicCache and drops finished streams' rows; "auto"
-    (the default) is static on CUDA. On the CPU in float32 the linear layers run from MKL-packed weights during the
-    call (`packed_linears`, unless config.pack_weights is false). Arguments, result (one list of Samples per
+    (the default) is static on CUDA and, on the CPU, the plain Llama decoding step (`llama_rows.LlamaRows`, one
+    prompt too) where it applies, else dynamic. On the CPU in float32 the linear layers run from MKL-packed
+    weights during the call (`packed_linears`, packed for the call's prompts x G rows, unless config.pack_weights
+    is false). Arguments, result (one list of Samples per
     prompt) and errors as `sample_group`'s, and a ValueError when `generators` and `prompts` differ in number."""
     if len(generators) != len(prompts):
         raise ValueError(f"sample_groups got {len(prompts)} prompts and {len(generators)} generators: pass one "
