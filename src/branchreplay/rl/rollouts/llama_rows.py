@@ -19,8 +19,9 @@ read from the layer itself (Qwen3's q / k RMSNorm over the head dim): llama, qwe
 sliding-window layers, on the CPU in float32 or float64, outside autocast, with every projection a plain
 nn.Linear holding a plain tensor (a LoRA wrapper, an FSDP2 DTensor or a forward hook on any module: the model's
 own forward, which those rely on, decodes instead). The samples equal the dynamic cache's up to the matmuls'
-floating-point order (float64 test: the same ids). Not compiled: `torch.compile` of transformers' static step made it slower on this CPU
-(docs/benchmarks.md), and this one has not been tried.
+floating-point order (float64 test: the same ids). Not compiled: `torch.compile` of transformers' static step
+made it slower on this CPU, and of this one (inductor, dynamic shapes) had not finished its first step after 11
+minutes on 2 cores, for ops it could fuse that take about 8% of a step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
