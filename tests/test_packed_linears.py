@@ -80,6 +80,29 @@ def test_a_weight_changed_or_replaced_inside_the_block_is_used_as_it_is_now():
     assert packed(lin) == []
 
 
+def test_the_plain_step_samples_from_weights_changed_inside_the_block(monkeypatch):
+    """The plain Llama step (`llama_rows`, cache_implementation auto) takes the block's packed copies only while
+    each weight is the tensor packed at the same version: after an in-place change inside the block it samples as
+    the changed model does outside any block (it used to decode from the copies of the weights at entry: logprobs
+    0.2 apart)."""
+    monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
+    model, config = make_model("llama"), SamplingConfig(temperature=1.0, max_new_tokens=6)
+
+    def logprobs():
+        generators = [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))]
+        return [s.logprobs for g in sample_groups(model, PROMPTS, 4, config, {2}, generators) for s in g]
+
+    with packed_linears(model, rows=len(PROMPTS) * 4):
+        before = logprobs()
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.5)
+        inside = logprobs()
+    outside = logprobs()
+    torch.testing.assert_close(torch.tensor(sum(inside, [])), torch.tensor(sum(outside, [])), atol=1e-5, rtol=0)
+    assert max(abs(a - b) for a, b in zip(sum(before, []), sum(inside, []))) > 1e-3  # the change matters
+
+
 def test_only_float32_cpu_linears_within_the_ratio_are_packed(monkeypatch):
     """A tiny Llama's matrices are far smaller than MKL's blocking (packed: hundreds of times their bytes), so none
     is packed; with the ratio lifted every nn.Linear is (attention, MLP, LM head), in float64 none, under CPU
@@ -129,6 +152,9 @@ def test_a_model_sampled_prompt_by_prompt_is_packed_once_per_call(monkeypatch):
     monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
     model = make_model("mistral")
     linears = sum(isinstance(m, nn.Linear) for m in model.modules())
-    call = lambda: sample_groups(model, PROMPTS, 2, SamplingConfig(max_new_tokens=3), {2}, [None] * len(PROMPTS))
+
+    def call():
+        return sample_groups(model, PROMPTS, 2, SamplingConfig(max_new_tokens=3), {2}, [None] * len(PROMPTS))
+
     call()  # the packed sizes of the model's shapes, measured once per process (`_packed_elements`)
     assert mkl_calls(call, op="mkl::_mkl_reorder_linear_weight") == linears

@@ -603,11 +603,12 @@ def test_one_generator_per_prompt_or_a_named_error():
         sampling.sample_groups(make_model("llama"), PROMPTS, 2, SamplingConfig(max_new_tokens=2), {2}, [None] * 3)
 
 
-def test_auto_cache_on_the_cpu_is_the_plain_llama_step_where_it_applies():
+def test_auto_cache_on_the_cpu_is_the_plain_llama_step_where_it_applies(monkeypatch):
     """sampling.cache_implementation 'auto' decodes Llama-architecture models on the CPU with the plain step
     (`llama_rows`) in float32 and float64, and falls back to the dynamic cache (transformers' forward) for other
-    families, sliding windows, bfloat16, CPU autocast and a model with a forward hook (which the plain step would
-    skip); 'static' is taken where it applies, not for Mistral's sliding window."""
+    families, sliding windows, bfloat16, CPU autocast and a model with a forward hook or an instance forward other
+    than packed_linears' (which the plain step would skip); 'static' is taken where it applies, not for Mistral's
+    sliding window."""
     import branchreplay.rl.rollouts.sampling as sampling
 
     static, auto = SamplingConfig(cache_implementation="static"), SamplingConfig()
@@ -623,3 +624,10 @@ def test_auto_cache_on_the_cpu_is_the_plain_llama_step_where_it_applies():
     hooked = make_model("llama")
     hooked.model.layers[1].mlp.register_forward_hook(lambda *a: None)
     assert not sampling._plain(hooked, auto)
+    wrapped = make_model("llama")  # an instance forward, as accelerate's hooks set one
+    wrapped.model.layers[0].self_attn.forward = lambda *a, **k: None
+    assert not sampling._plain(wrapped, auto)
+    from branchreplay.rl.rollouts import packed_linears as packing
+    monkeypatch.setattr(packing, "MAX_PACKED_RATIO", float("inf"))
+    with packing.packed_linears(make_model("llama"), rows=8) as packed:  # packed_linears' own instance forwards
+        assert "forward" in packed.lm_head.__dict__ and sampling._plain(packed, auto)

@@ -14,14 +14,14 @@ keys in a preallocated store (slots doubled when full, never re-read beyond the 
 by their log-sum-exp. Every row is a live stream: a drop or fork gathers the used slots of the rows kept, as
 transformers' `reorder_cache` does, so no step decodes a finished stream.
 
-It applies (`llama_rows_apply`) to the families whose decoder layer is exactly Llama's, with the one variation
-read from the layer itself (Qwen3's q / k RMSNorm over the head dim): llama, qwen2, qwen3 and mistral, without
-sliding-window layers, on the CPU in float32 or float64, outside autocast, with every projection a plain
-nn.Linear holding a plain tensor (a LoRA wrapper, an FSDP2 DTensor or a forward hook on any module: the model's
-own forward, which those rely on, decodes instead). The samples equal the dynamic cache's up to the matmuls'
-floating-point order (float64 test: the same ids). Not compiled: `torch.compile` of transformers' static step
-made it slower on this CPU, and of this one (inductor, dynamic shapes) had not finished its first step after 11
-minutes on 2 cores, for ops it could fuse that take about 8% of a step (docs/benchmarks.md).
+It applies (`llama_rows_apply`) to the families whose decoder layer is exactly Llama's, with the one variation read from
+the layer itself (Qwen3's q / k RMSNorm over the head dim): llama, qwen2, qwen3 and mistral, without sliding-window
+layers, on the CPU in float32 or float64, outside autocast, with every projection a plain nn.Linear holding a plain
+tensor (a LoRA wrapper, an FSDP2 DTensor, or a forward hook or an instance forward on any module: the model's own
+forward, which those rely on, decodes instead). The samples equal the dynamic cache's up to the matmuls' floating-point
+order (float64 test: the same ids). Not compiled: `torch.compile` of transformers' static step made it slower on this
+CPU, and of this one (inductor, dynamic shapes) had not finished its first step after 11 minutes on 2 cores, for ops it
+could fuse that take about 8% of a step (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def llama_rows_apply(model) -> bool:
         return False
     if torch.is_autocast_enabled("cpu") or any(w is not None for w in layer_windows(config)):
         return False
-    if any(m._forward_hooks or m._forward_pre_hooks for m in model.modules()):
+    if any(m._forward_hooks or m._forward_pre_hooks or not _class_forward(m) for m in model.modules()):
         return False
     decoder = model.model if isinstance(model, PreTrainedModel) and "model" in model._modules else None
     if decoder is None or not hasattr(decoder, "layers") or not isinstance(model._modules.get("lm_head"), nn.Linear):
@@ -63,19 +63,26 @@ def llama_rows_apply(model) -> bool:
     return all(type(m) is nn.Linear and type(m.weight) in (torch.Tensor, nn.Parameter) for m in linears)
 
 
+def _class_forward(module: nn.Module) -> bool:
+    """Whether `module` runs its class's forward, or packed_linears' (an instance forward set by anything else, as
+    accelerate's hooks set one, is what the plain step would skip)."""
+    forward = module.__dict__.get("forward")
+    return forward is None or hasattr(forward, "packed_rows")
+
+
 class _Linear:
     """x [n, in] -> [n, out] by an nn.Linear's weight and bias, from MKL's copy packed for `rows` rows in float32
     where this build has MKL and `pack` (`packed_linears.linear`: used for more than rows / 2 rows): the copy the
-    open `packed_linears` block made where it made one for those rows, else one made here."""
+    open `packed_linears` block made where it made one for those rows of the weight as it is now, else one made
+    here."""
 
     def __init__(self, module: nn.Linear, rows: int, pack: bool):
         self.weight = module.weight.detach()
         self.bias = None if module.bias is None else module.bias.detach()
         self.rows, self.packed = rows, None
         if pack and self.weight.dtype == torch.float32 and packed_linears.available():
-            forward = module.__dict__.get("forward")
-            same = getattr(forward, "packed_rows", None) == rows
-            self.packed = forward.packed_weight if same else packed_linears.pack(self.weight, rows)
+            packed = packed_linears.packed_copy(module, rows)
+            self.packed = packed_linears.pack(self.weight, rows) if packed is None else packed
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is None:

@@ -8,12 +8,13 @@ unpacked sgemm on the original weight, as fast as nn.Linear: measured, 3072x576 
 the packed 32), so a block packs for the decoding step's most rows (`rows`) and a product of fewer rows, but more
 than half as many, is padded with zero rows to that number (a decoding step of that size is bound by reading the
 weights, so the padding costs next to nothing); fewer, or more (a prefill), run nn.Linear. On SmolLM2's shapes at 32
-rows (2 threads) the LM head takes 7.7 instead of 10.4 ms and an MLP matrix 0.19 instead of 0.27-0.34 ms. The
-packed buffer's size is W's plus about 10 MB of blocking per matrix, of which only W's bytes become resident
-(measured: 30 packed 960x576 matrices, 348 MB allocated, 68 MB resident); a matrix is packed only where that
-stays within MAX_PACKED_RATIO of its own elements: SmolLM2's LM head (2.1x) and MLP (3.9x), not its attention
-projections (8.7x and 21x); on larger models most matrices (1.2-1.8x), not the key / value projections of
-grouped-query attention where they are narrow (Qwen2.5-1.5B: 6.7x). `sampling.pack_weights: false` turns it off.
+rows (2 threads) the LM head takes 7.7 instead of 10.4 ms and an MLP matrix 0.19 instead of 0.27-0.34 ms. The packed
+buffer's size is W's plus about 10 MB of blocking per matrix, of which only W's bytes become resident (measured: 30
+packed 960x576 matrices, 348 MB allocated, 68 MB resident); a matrix is packed only where that stays within
+MAX_PACKED_RATIO of its own elements: SmolLM2's LM head (2.1x) and MLP (3.9x), not its attention projections (8.7x and
+21x; the plain Llama decoding step, `llama_rows`, packs those for itself); on larger models most matrices (1.2-1.8x),
+not the key / value projections of grouped-query attention where they are narrow (Qwen2.5-1.5B: 6.7x).
+`sampling.pack_weights: false` turns it off.
 
 Packing is not a global patch: `packed_linears(model)` sets an instance `forward` on each packed nn.Linear for the
 duration of a `with` block and removes it on leaving. A forward runs nn.Linear's own (with the module's current
@@ -39,8 +40,8 @@ MAX_PACKED_RATIO = 4
 @dataclass
 class Block:
     """An open `packed_linears` block on a model: the rows it packs for, and a memo for weights derived from the
-    model's for as long as the block lasts (`llama_rows`' fused, packed matrices: built once for every decoding
-    loop of a sampling step, checked against the parameters' versions)."""
+    model's for as long as the block lasts (`llama_rows`' layers and their packed matrices: built once for every
+    decoding loop of a sampling step, checked against the parameters' versions)."""
 
     rows: int
     memo: dict = field(default_factory=dict)
@@ -107,7 +108,17 @@ def _forward(module: nn.Linear, packed: torch.Tensor, rows: int):
             return F.linear(x, w, b)
         return linear(x, packed, w, b, rows)
     forward.packed_weight, forward.packed_rows = packed, rows
+    forward.current = lambda: module.weight is weight and weight._version == version
     return forward
+
+
+def packed_copy(module: nn.Module, rows: int) -> torch.Tensor | None:
+    """The packed copy of `module`'s weight that an open block made for `rows` rows, while the weight is still the
+    tensor it packed at the same version (the checks its own forward makes), else None."""
+    forward = module.__dict__.get("forward")
+    if getattr(forward, "packed_rows", None) != rows or not forward.current():
+        return None
+    return forward.packed_weight
 
 
 @contextlib.contextmanager

@@ -156,10 +156,10 @@ def decode_prefilled(model, filled: list[tuple[DynamicCache, torch.Tensor]], len
     lengths[k] tokens, never written here; the [1, V] float32 logits of its next token), each group forked by
     `schedule` ({generated depth: factor}) and drawing from `generators[k]` (the same generator may serve several
     groups: they draw from it in group order). Every live stream of every group decodes in one batched forward
-    per position, in the cache `sample_groups` describes (static or dynamic), the groups drawing in turn at each
-    generated position; a model with recurrent or sliding-window layers decodes each group alone (`sample_from`),
-    one group's whole samples after another's. The model must be in
-    eval mode. Returns one list of Samples per group."""
+    per position, in the rows `sample_groups` describes (the plain Llama step, static or dynamic), the groups
+    drawing in turn at each generated position; a model with recurrent or sliding-window layers decodes each group
+    alone (`sample_from`), one group's whole samples after another's. The model must be in eval mode. Returns one
+    list of Samples per group."""
     static, plain = _static(model, config, warn=True), _plain(model, config)
     if not stackable(model.config) or (len(filled) < 2 and not (static or plain)):
         return [sample_from(model, fork(cache), logits, n, schedule, config, eos_token_ids, g)
@@ -275,9 +275,9 @@ class _DynamicRows:
 
 
 def _decode_groups(rows, logits, schedule, config, eos_token_ids, generators):
-    """`sample_from` over the streams of several groups (`sample_groups`), held by `rows` (`_DynamicRows` or
-    `static_rows.StaticRows`: `select(index)` makes live stream j the old live stream index[j], `decode(tokens,
-    depth)` gives the next logits); the groups' streams are consecutive, in group order."""
+    """`sample_from` over the streams of several groups (`sample_groups`), held by `rows` (`_DynamicRows`,
+    `static_rows.StaticRows` or `llama_rows.LlamaRows`: `select(index)` makes live stream j the old live stream
+    index[j], `decode(tokens, depth)` gives the next logits); the groups' streams are consecutive, in group order."""
     eos = torch.tensor(sorted(set(eos_token_ids)), dtype=torch.long, device=logits.device)
     groups = [_Streams() for _ in generators]
     for depth in range(config.max_new_tokens):
@@ -451,19 +451,22 @@ def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torc
     scaled = logits / config.temperature
     probs = _filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
     rows, vocab = probs.shape
-    if vocab % DRAW_BLOCK:
-        probs = torch.nn.functional.pad(probs, (0, DRAW_BLOCK - vocab % DRAW_BLOCK))
-    blocks = probs.view(rows, -1, DRAW_BLOCK)
-    block_cdf = blocks.sum(dim=-1, dtype=torch.float64).cumsum(dim=-1)  # [rows, blocks]
+    whole = vocab - vocab % DRAW_BLOCK  # ids in whole blocks; the rest make a shorter last block (no padded copy)
+    sums = [probs[:, :whole].view(rows, whole // DRAW_BLOCK, DRAW_BLOCK).sum(dim=-1, dtype=torch.float64)]
+    if whole < vocab:
+        sums.append(probs[:, whole:].sum(dim=-1, keepdim=True, dtype=torch.float64))
+    block_cdf = torch.cat(sums, dim=-1).cumsum(dim=-1) if len(sums) > 1 else sums[0].cumsum(dim=-1)  # [rows, blocks]
     total = block_cdf[:, -1:]
     torch._assert_async(((total > 0) & total.isfinite()).all(),  # no host sync; on CUDA a device-side assert
                         "sampling: a row of logits gave no finite probabilities (NaN or inf logits: a diverged policy, "
                         "or an overflow in the model's dtype)")
     u = torch.rand(total.shape, dtype=torch.float64, generator=generator, device=probs.device)
     below = torch.minimum(u * total, torch.nextafter(total, torch.zeros_like(total)))  # u * total < total, always
-    block = torch.searchsorted(block_cdf, below, right=True).clamp_max(blocks.shape[1] - 1)  # [rows, 1]
+    # [rows, 1]; the clamp only matters for NaN totals (on CUDA, where the assert above reports asynchronously)
+    block = torch.searchsorted(block_cdf, below, right=True).clamp_max(block_cdf.shape[1] - 1)
     before = torch.where(block > 0, block_cdf.gather(-1, (block - 1).clamp_min(0)), 0.0)
-    inside = blocks.gather(1, block[:, :, None].expand(-1, -1, DRAW_BLOCK))[:, 0]  # [rows, DRAW_BLOCK]
+    ids = block * DRAW_BLOCK + torch.arange(DRAW_BLOCK, device=probs.device)  # [rows, DRAW_BLOCK]
+    inside = torch.where(ids < vocab, probs.gather(1, ids.clamp_max(vocab - 1)), 0.0)  # past the vocabulary: 0
     at = torch.searchsorted(inside.to(torch.float64).cumsum(dim=-1), below - before, right=True)
     last = DRAW_BLOCK - 1 - (inside > 0).flip(-1).to(torch.uint8).argmax(dim=-1, keepdim=True)
     tokens = block * DRAW_BLOCK + torch.where(at < DRAW_BLOCK, at, last)
