@@ -4,13 +4,11 @@ Every model is a tiny random config built here (nothing downloaded). The referen
 run on prompt + completion alone, without a cache and unpadded.
 """
 
-import contextlib
-
 import pytest
 import torch
 import transformers
 
-from branchreplay.rl.rollouts.sampling import SamplingConfig, _filter_logits, sample_group
+from branchreplay.rl.rollouts.sampling import SamplingConfig, sample_group
 
 V = 256
 PROMPT = [5, 17, 42, 99, 3, 250, 7]
@@ -161,84 +159,6 @@ def test_single_candidate_filters_are_greedy(kind, filters):
     assert all(s.completion_ids == ids[len(PROMPT):] for s in samples)
 
 
-def test_filter_logits_top_k_then_top_p():
-    logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
-    def kept(**kw):
-        return torch.isfinite(_filter_logits(logits, **kw))[0].tolist()
-
-    assert kept(top_k=0, top_p=1.0) == [True, True, True, True]
-    assert kept(top_k=3, top_p=1.0) == [True, True, True, False]
-    assert kept(top_k=0, top_p=0.75) == [True, True, False, False]
-    assert kept(top_k=0, top_p=0.85) == [True, True, True, False]
-    assert kept(top_k=2, top_p=0.85) == [True, True, False, False]
-    assert kept(top_k=0, top_p=0.4) == [True, False, False, False]
-
-
-@pytest.mark.parametrize("block", [1024, 16])
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-@pytest.mark.parametrize("filters", [{}, dict(top_k=5), dict(top_p=0.5)])
-def test_draws_follow_the_filtered_softmax(filters, dtype, block, monkeypatch):
-    """The inverse-transform draw (`sampling._draw`) against the filtered softmax itself: 200,000 draws of 64 ids
-    (in one block of the two-level sum, or in four), every frequency within 5 standard errors of its probability,
-    filtered ids never drawn, and each draw's logprob the unfiltered log_softmax's. Drawing from softmax(logits)
-    without the temperature fails it."""
-    from branchreplay.rl.rollouts import sampling
-    from branchreplay.rl.rollouts.sampling import _draw
-
-    monkeypatch.setattr(sampling, "DRAW_BLOCK", block)
-
-    logits = (torch.randn(1, 64, dtype=torch.float64, generator=torch.Generator().manual_seed(0)) * 2).to(dtype)
-    config = SamplingConfig(temperature=0.9, **filters)
-    probs = _filter_logits(logits / 0.9, config.top_k, config.top_p).softmax(-1)[0].double()
-    generator, n = torch.Generator().manual_seed(1), 200_000
-    draws = [_draw(logits.expand(10_000, -1), config, generator) for _ in range(n // 10_000)]
-    ids = torch.cat([tokens for tokens, _ in draws])[:, 0]
-    freq = torch.bincount(ids, minlength=64).double() / n
-    assert (freq[probs == 0] == 0).all()
-    assert ((freq - probs).abs() <= 5 * (probs * (1 - probs) / n).sqrt() + 1e-12).all()
-    reference = (logits / 0.9).log_softmax(-1)[0]
-    assert torch.equal(torch.cat([lp for _, lp in draws]), reference[ids])
-
-
-@pytest.mark.parametrize("filters", [{}, dict(top_p=0.9)])
-def test_the_two_level_draw_is_the_one_level_cumulative_sum_draw(filters):
-    """4,096 rows of a 3,000-id vocabulary (two full blocks of 1,024 and a ragged one): `_draw`'s token is, for the
-    same uniform numbers, the first whose float64 cumulative probability over the whole row exceeds u times the
-    total (the draw before the sum was split in blocks). An off-by-one inside or across blocks fails it."""
-    from branchreplay.rl.rollouts.sampling import _draw
-
-    logits = torch.randn(4096, 3000, generator=torch.Generator().manual_seed(0)) * 4
-    config = SamplingConfig(temperature=0.8, **filters)
-    tokens, _ = _draw(logits, config, torch.Generator().manual_seed(1))
-    cdf = _filter_logits(logits / 0.8, 0, config.top_p).softmax(-1).double().cumsum(-1)
-    u = torch.rand((4096, 1), dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    expected = torch.searchsorted(cdf, u * cdf[:, -1:], right=True)
-    assert (tokens // 1024).unique().tolist() == [0, 1, 2]
-    assert torch.equal(tokens, expected)
-
-
-def test_a_row_without_finite_probabilities_raises_by_name():
-    """NaN or inf logits (a diverged policy) raise a RuntimeError that says so, as torch.multinomial did, not an
-    index out of the vocabulary."""
-    from branchreplay.rl.rollouts.sampling import _draw
-
-    for bad in [float("nan"), float("inf")]:
-        logits = torch.tensor([[0.0, 1.0, 2.0], [0.0, bad, 1.0]])
-        with pytest.raises(RuntimeError, match="no finite probabilities"):
-            _draw(logits, SamplingConfig(), None)
-
-
-def test_draws_at_the_ends_of_the_unit_interval_stay_on_kept_ids(monkeypatch):
-    """u = 0 draws the first id of positive probability, u just below 1 the last one, and u * total rounded up to
-    the total (u = 1 here) still the last kept id, never a filtered id nor an index past the vocabulary."""
-    from branchreplay.rl.rollouts import sampling
-
-    logits = torch.tensor([[float("-inf"), 0.0, 1.0, float("-inf")]], dtype=torch.float64)
-    for u, expected in [(0.0, 1), (1 - 2**-53, 2), (1.0, 2)]:
-        monkeypatch.setattr(sampling.torch, "rand", lambda *a, u=u, **k: torch.full(a[0], u, dtype=torch.float64))
-        tokens, _ = sampling._draw(logits, SamplingConfig(), None)
-        assert tokens.tolist() == [[expected]]
-
 
 def test_deterministic_for_fixed_seed():
     model = make_model("llama")
@@ -360,144 +280,6 @@ def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
                 for x, y in zip(s.logprobs, reference_logprobs(model, prompt, s.completion_ids, 1.0).tolist()))
     assert worst > 1e-6
 
-
-@pytest.mark.parametrize("prompt", ["once", "in every row"])
-def test_static_rows_forks_drops_and_halvings(prompt):
-    """StaticRows: a fork gathers its parent's row (keys, values, mask, start) into the copies' rows of the next
-    power of two, a drop only forgets rows, and at half the rows or fewer the live ones are gathered into fewer. Every
-    row decodes the logits of its sequence alone, the prompt held once (split prefix attention) or in every row."""
-    from branchreplay.engine.attention import PrefixSplit
-    from branchreplay.engine.families import layer_windows
-    from branchreplay.engine.recurrent import layer_kinds
-    from branchreplay.rl.rollouts.sampling import prefill
-    from branchreplay.rl.rollouts.static_rows import StaticRows
-
-    model = make_model("llama").double().eval()
-
-    def alone(ids):
-        return model(input_ids=torch.tensor([PROMPT + ids])).logits[0, -1].float()
-
-    split = PrefixSplit(model, layer_windows(model.config), layer_kinds(model.config))
-    assert split.applies
-    with torch.no_grad(), split if prompt == "once" else contextlib.nullcontext():
-        cache, _ = prefill(model, PROMPT)
-        start = torch.tensor([len(PROMPT)])
-        if prompt == "once":
-            rows = StaticRows(model, start, 4, graphs=False, prompts=[cache])
-        else:
-            rows = StaticRows(model, start, 4, graphs=False, stacked=cache,
-                              visible=torch.ones(1, len(PROMPT), dtype=torch.long))
-        rows.select(torch.tensor([0, 0, 0, 0]))  # a fork into 4: gathered into 4 rows
-        assert (rows.capacity, rows.slots) == (4, [0, 1, 2, 3])
-        first = [[9], [7], [9], [8]]
-        logits = rows.decode(torch.tensor(first), 0)
-        for row, ids in zip(logits, first):
-            torch.testing.assert_close(row, alone(ids), rtol=0, atol=1e-6)
-        rows.select(torch.tensor([0, 2, 3]))  # stream 1 ended: a drop, 3 of 4 rows still read
-        assert (rows.capacity, rows.slots) == (4, [0, 2, 3])
-        rows.select(torch.tensor([1, 1, 2]))  # stream 0 ended, stream 1 (row 2) forks: gathered into 4 rows
-        assert (rows.capacity, rows.slots) == (4, [0, 1, 2])
-        second = [[9, 4], [9, 5], [8, 4]]
-        logits = rows.decode(torch.tensor([[4], [5], [4]]), 1)
-        rows.select(torch.tensor([1]))  # one of 4 rows: gathered into 1
-        assert (rows.capacity, rows.slots) == (1, [0])
-        last = rows.decode(torch.tensor([[6]]), 2)
-    for row, ids in zip(logits, second):
-        torch.testing.assert_close(row, alone(ids), rtol=0, atol=1e-6)
-    torch.testing.assert_close(last[0], alone([9, 5, 6]), rtol=0, atol=1e-6)
-
-
-def test_static_cache_halves_its_rows_as_streams_end_and_samples_as_each_group_alone(monkeypatch):
-    """Most streams end early (a quarter of the vocabulary is EOS): the static rows halve several times inside
-    sample_groups, and every group's samples equal sample_group's alone (float64)."""
-    import branchreplay.rl.rollouts.sampling as sampling
-    import branchreplay.rl.rollouts.static_rows as static_rows
-
-    capacities = []
-    gather = static_rows.StaticRows._gather
-    monkeypatch.setattr(static_rows.StaticRows, "_gather",
-                        lambda self, rows: capacities.append(len(rows)) or gather(self, rows))
-    model = make_model("llama").double()
-    config = SamplingConfig(temperature=0.9, max_new_tokens=12, cache_implementation="static")
-    eos = set(range(2, 66))
-    alone = [sample_group(model, p, 8, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
-    together = sampling.sample_groups(model, PROMPTS, 8, config, eos,
-                                      [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
-    assert capacities[:2] == [4, 32] and len(capacities) >= 4  # the prompts, the fork, then halvings
-    for a_group, b_group in zip(alone, together):
-        assert [(s.completion_ids, s.truncated) for s in b_group] == [(s.completion_ids, s.truncated) for s in a_group]
-        for a, b in zip(a_group, b_group):
-            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
-
-
-def test_static_cache_keeps_to_sdpa_attention():
-    """A model with eager attention (which would add the boolean mask to its scores) decodes in the dynamic cache
-    even when the static one is asked for, and says so: the same samples as each group alone."""
-    import branchreplay.rl.rollouts.sampling as sampling
-
-    model = make_model("llama").double()
-    model.set_attn_implementation("eager")
-    config = SamplingConfig(temperature=0.9, max_new_tokens=6, cache_implementation="static")
-    alone = [sample_group(model, p, 2, config, {2, 40}, torch.Generator().manual_seed(k))
-             for k, p in enumerate(PROMPTS)]
-    with pytest.warns(RuntimeWarning, match="eager attention.*dynamic cache"):
-        together = sampling.sample_groups(model, PROMPTS, 2, config, {2, 40},
-                                          [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
-    assert [[s.completion_ids for s in g] for g in together] == [[s.completion_ids for s in g] for g in alone]
-
-
-def test_a_step_that_cannot_be_captured_warns_and_decodes_op_by_op(monkeypatch):
-    """A failed CUDA graph capture (here: asked for on the CPU, which has none) warns once, rewinds the warm-up's
-    writes and decodes op by op: the samples equal the dynamic cache's."""
-    import branchreplay.rl.rollouts.sampling as sampling
-
-    model = make_model("llama").double()
-    out = {}
-    for cache in ("dynamic", "static"):
-        config = SamplingConfig(temperature=0.9, max_new_tokens=6, cache_implementation=cache)
-        monkeypatch.setattr(sampling, "graphs_apply", lambda model: True)
-        with pytest.warns(RuntimeWarning, match="enforce_eager") if cache == "static" else contextlib.nullcontext():
-            out[cache] = sampling.sample_groups(model, PROMPTS, 2, config, {2},
-                                                [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
-    assert [[(s.completion_ids, s.logprobs) for s in g] for g in out["static"]] == \
-        [[(s.completion_ids, s.logprobs) for s in g] for g in out["dynamic"]]
-
-
-@pytest.mark.cuda
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (scripts/gpu_check.sh)")
-@pytest.mark.filterwarnings("error::RuntimeWarning")  # a failed capture warns: here it fails the test
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(dtype, monkeypatch):
-    """On CUDA the static cache's step is captured as a CUDA graph and replayed. float64 (each row holds its prompt:
-    split attention is float32 on CUDA): the samples equal the dynamic cache's (ids, parents, logprobs to 1e-10).
-    float32 (each prompt held once, `grouped_prefix_attention` through the memory-efficient kernel): every logprob
-    within 1e-4 of the same model's uncached forward. The capture warns of no failure."""
-    import branchreplay.engine.attention as attention
-    import branchreplay.rl.rollouts.sampling as sampling
-    import branchreplay.rl.rollouts.static_rows as static_rows
-
-    graphs, grouped_calls = [], []
-    capture, grouped = static_rows.StaticRows._capture, attention.grouped_prefix_attention
-    monkeypatch.setattr(static_rows.StaticRows, "_capture", lambda self: graphs.append(1) or capture(self))
-    monkeypatch.setattr(attention, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
-    model = make_model("llama").to(dtype).cuda()
-    out = {}
-    for cache in ("dynamic", "static"):
-        config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=((0, 2), (3, 2)),
-                                cache_implementation=cache)
-        out[cache] = sampling.sample_groups(model, PROMPTS, 4, config, {2, 40, 41, 42, 43},
-                                            [torch.Generator("cuda").manual_seed(k) for k in range(len(PROMPTS))])
-    assert graphs and bool(grouped_calls) == (dtype == torch.float32)
-    if dtype == torch.float64:
-        for a_group, b_group in zip(out["dynamic"], out["static"]):
-            assert [(s.completion_ids, s.parent) for s in b_group] == [(s.completion_ids, s.parent) for s in a_group]
-            for a, b in zip(a_group, b_group):
-                assert b.logprobs == pytest.approx(a.logprobs, abs=1e-10)
-    else:
-        for group, prompt in zip(out["static"], PROMPTS):
-            for s in group:
-                ref = reference_logprobs(model, prompt, s.completion_ids, 0.9)
-                assert s.logprobs == pytest.approx(ref.tolist(), abs=1e-4)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "lfm2"])
