@@ -195,12 +195,13 @@ PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 250, 11], PROMPT, [33]]  # four le
 @pytest.mark.parametrize("branching", [(), ((0, 2), (3, 2))])
 @pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic", "auto"])
 def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypatch):
-    """sample_groups draws, per group from its own generator, the tokens sample_group draws for that group alone,
-    with its logprobs to 1e-12 in float64 (early EOS drops streams mid-way); the reference logprobs check the stacked
-    caches' masked slots. Llama, Qwen2/3 and GPT-2 (learned positions) run stacked, in the static cache (each
-    prompt held once, or, "static-stacked", where split prefix attention does not apply, in every row) or the
-    dynamic one; "auto" runs the plain Llama step (`llama_rows`, its key store grown from 2 slots) for Llama and
-    Qwen2/3, each prompt held once, and the dynamic cache for GPT-2; Mistral's sliding window runs per group."""
+    """sample_groups draws, per group from its own generator, the tokens sample_group draws for that group alone, with
+    its logprobs to 1e-12 in float64 (early EOS drops streams mid-way); the reference logprobs check the stacked
+    caches' masked slots. Llama, Qwen2/3 and GPT-2 (learned positions) run stacked, in the static cache (each prompt
+    held once, or, "static-stacked", where split prefix attention does not apply, in every row; its generated slots
+    doubled from 2 to 4 to 8) or the dynamic one; "auto" runs the plain Llama step (`llama_rows`, its key store
+    grown from 2 slots) for Llama and Qwen2/3, each prompt held once, and the dynamic cache for GPT-2; Mistral's
+    sliding window runs per group."""
     import branchreplay.engine.attention as attention
     import branchreplay.rl.rollouts.llama_rows as llama_rows
     import branchreplay.rl.rollouts.sampling as sampling
@@ -218,6 +219,7 @@ def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypat
     monkeypatch.setattr(attention, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
     monkeypatch.setattr(llama_rows, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
     monkeypatch.setattr(llama_rows, "FIRST_SLOTS", 2)
+    monkeypatch.setattr(static_rows, "FIRST_SLOTS", 2)
     model = make_model(kind).double()
     config = SamplingConfig(temperature=0.9, max_new_tokens=8, branching=branching, cache_implementation=cache)
     eos = set(range(2, V, 16))  # 16 of 256 ids: frequent enough that some streams end early

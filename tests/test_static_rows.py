@@ -81,6 +81,38 @@ def test_static_cache_halves_its_rows_as_streams_end_and_samples_as_each_group_a
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
 
 
+
+@pytest.mark.parametrize("prompt", ["once", "in every row"])
+def test_static_rows_hold_at_most_twice_the_slots_written_whatever_max_new_tokens(prompt, monkeypatch):
+    """max_new_tokens 400 (near the tiny model's 512 positions) with replies that end within a few tokens (a quarter
+    of the vocabulary is EOS): the rows start with FIRST_SLOTS (here 4) generated slots and double them only when
+    the streams reach the last, so a step never holds more than twice the slots written (it used to hold all 400
+    from the start); the samples equal each group's alone (float64)."""
+    import branchreplay.rl.rollouts.sampling as sampling
+    import branchreplay.rl.rollouts.static_rows as static_rows
+    from test_sampling import prefix_split_off
+
+    if prompt == "in every row":
+        monkeypatch.setattr(sampling, "PrefixSplit", prefix_split_off)
+    held = []  # (depth, generated slots held) at each decoding step
+    decode = static_rows.StaticRows.decode
+    monkeypatch.setattr(static_rows.StaticRows, "decode",
+                        lambda self, t, d: (decode(self, t, d), held.append((d, self.slots_held)))[0])
+    monkeypatch.setattr(static_rows, "FIRST_SLOTS", 4)
+    model = make_model("llama").double()
+    config = SamplingConfig(temperature=0.9, max_new_tokens=400, cache_implementation="static")
+    eos = set(range(2, 66))
+    alone = [sample_group(model, p, 8, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
+    together = sampling.sample_groups(model, PROMPTS, 8, config, eos,
+                                      [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    deepest = max(d for d, _ in held)
+    assert 4 <= deepest < 100 and {n for _, n in held} >= {4, 8}  # it outgrew the first slots, far from 400
+    assert all(d < n <= max(4, 2 * (d + 1)) for d, n in held)
+    for a_group, b_group in zip(alone, together):
+        assert [(s.completion_ids, s.truncated) for s in b_group] == [(s.completion_ids, s.truncated) for s in a_group]
+        for a, b in zip(a_group, b_group):
+            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
+
 def test_static_cache_keeps_to_sdpa_attention():
     """A model with eager attention (which would add the boolean mask to its scores) decodes in the dynamic cache
     even when the static one is asked for, and says so: the same samples as each group alone."""
@@ -122,7 +154,8 @@ def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(dtype, monkeypatch
     """On CUDA the static cache's step is captured as a CUDA graph and replayed. float64 (each row holds its prompt:
     split attention is float32 on CUDA): the samples equal the dynamic cache's (ids, parents, logprobs to 1e-10).
     float32 (each prompt held once, `grouped_prefix_attention` through the memory-efficient kernel): every logprob
-    within 1e-4 of the same model's uncached forward. The capture warns of no failure."""
+    within 1e-4 of the same model's uncached forward. The capture warns of no failure. The generated slots start at
+    2, so the step is captured again after each doubling (2, 4, 8) too."""
     import branchreplay.engine.attention as attention
     import branchreplay.rl.rollouts.sampling as sampling
     import branchreplay.rl.rollouts.static_rows as static_rows
@@ -131,6 +164,7 @@ def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(dtype, monkeypatch
     capture, grouped = static_rows.StaticRows._capture, attention.grouped_prefix_attention
     monkeypatch.setattr(static_rows.StaticRows, "_capture", lambda self: graphs.append(1) or capture(self))
     monkeypatch.setattr(attention, "grouped_prefix_attention", lambda *a: grouped_calls.append(1) or grouped(*a))
+    monkeypatch.setattr(static_rows, "FIRST_SLOTS", 2)
     model = make_model("llama").to(dtype).cuda()
     out = {}
     for cache in ("dynamic", "static"):

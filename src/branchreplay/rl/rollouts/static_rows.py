@@ -14,13 +14,18 @@ left-aligned to the longest P, as the dynamic path stacks them, generated token 
 mask of the row's prompt slots and the generated slots written so far. Either way a row sees exactly the keys the
 dynamic path gives it (masked slots get weight 0).
 
+The generated slots come in buckets too: a cache starts with FIRST_SLOTS of them (at most max_new_tokens) and
+doubles them, keeping those written, when the streams reach the last (each doubling a new shape: on CUDA captured
+again), so a step reads at most twice the slots its streams have written, however large max_new_tokens is.
+
 A stream is not a row: `slots[i]` is the row of live stream i among `capacity` rows, a power of two (the shape's
 bucket). A finished stream's row stops being read but goes on decoding junk, which is what keeps the step's shape,
 until the live streams fill half the rows or fewer; then, and at a fork (whose children copy their parent's row:
 generated keys and values, or the prompt's too where every row holds it, mask, first position), the live rows are
 gathered into a new cache of the bucket that holds them. So at most twice the live rows decode, a row's cache takes
 up to twice the dynamic one's memory (where it holds the prompt), and on CUDA the step is
-captured again after each gather (a few times per call: once after the first fork, once per halving).
+captured again after each gather (a few times per call: once after the first fork, once per halving, once per
+doubling of the slots).
 The tokens are still drawn on the host's schedule (per group, from its own generator, for its live streams only),
 so the sampled ids and logprobs are the dynamic path's (float64 test), at the cost of reading the drawn tokens back
 once per generated position.
@@ -35,6 +40,9 @@ from transformers import DynamicCache, StaticCache
 
 from ...engine.attention import GROUPS_ATTR, groups_mask
 from ...models import is_mixture_of_experts
+
+FIRST_SLOTS = 64
+"""Generated slots a row starts with (doubled when the streams reach the last, at most max_new_tokens)."""
 
 
 def static_applies(model) -> bool:
@@ -61,32 +69,33 @@ class StaticRows:
 
     start: [prompts] long, each prompt's first generated position; live stream k starts as prompt k in row k.
     Either every row holds its prompt: `stacked`, the prompts' caches left-aligned (`sampling._stacked`, P slots),
-    and `visible` [prompts, P] long, 1 where a slot holds one of the prompt's keys (the cache then has P +
-    max_new_tokens slots). Or each prompt is held once: `prompts`, one batch-1 DynamicCache per prompt, which the
-    rows of its group see through `grouped_prefix_attention` (the cache holds only the max_new_tokens generated
-    slots; a fork copies none of the prompt); the caller decodes inside an `engine.attention.PrefixSplit` that
-    applies. `graphs`: capture the step as a CUDA graph (on CUDA; `graphs_apply`). The capacity is a power of two,
-    the smallest that holds the live streams when they outgrow it or fill at most half of it (then the rows are
-    gathered into a new cache)."""
+    and `visible` [prompts, P] long, 1 where a slot holds one of the prompt's keys (the cache then has P slots and
+    the generated ones). Or each prompt is held once: `prompts`, one batch-1 DynamicCache per prompt, which the
+    rows of its group see through `grouped_prefix_attention` (the cache holds only the generated slots; a fork
+    copies none of the prompt); the caller decodes inside an `engine.attention.PrefixSplit` that applies. The
+    generated slots: FIRST_SLOTS, doubled when full, at most max_new_tokens. `graphs`: capture the step as a CUDA
+    graph (on CUDA; `graphs_apply`). The capacity is a power of two, the smallest that holds the live streams when
+    they outgrow it or fill at most half of it (then the rows are gathered into a new cache)."""
 
     def __init__(self, model, start: torch.Tensor, max_new_tokens: int, graphs: bool, stacked: DynamicCache = None,
                  visible: torch.Tensor = None, prompts: list[DynamicCache] = None):
         n = len(start)
         self.model, self.device, self.graphs, self.shared = model, start.device, graphs, prompts is not None
         self.width = 0 if self.shared else visible.shape[1]
-        self.cache = StaticCache(config=model.config, max_cache_len=self.width + max_new_tokens)
+        self.max_new_tokens, slots = max_new_tokens, min(FIRST_SLOTS, max_new_tokens)
+        self.cache = StaticCache(config=model.config, max_cache_len=self.width + slots)
         if self.shared:
             self.prompt_keys = [[c.layers[i].keys for c in prompts] for i in range(len(self.cache.layers))]
             self.prompt_values = [[c.layers[i].values for c in prompts] for i in range(len(self.cache.layers))]
             for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values):
                 empty = keys[0][:, :, :0].expand(n, -1, -1, -1), values[0][:, :, :0].expand(n, -1, -1, -1)
-                layer.lazy_initialization(*empty)  # allocates n rows of max_new_tokens slots
-            self.mask = torch.full((n, 1, 1, max_new_tokens), float("-inf"), dtype=model.dtype, device=self.device)
+                layer.lazy_initialization(*empty)  # allocates n rows of `slots` slots
+            self.mask = torch.full((n, 1, 1, slots), float("-inf"), dtype=model.dtype, device=self.device)
             self.group = list(range(n))
         else:
             for static, dynamic in zip(self.cache.layers, stacked.layers):
                 static.update(dynamic.keys, dynamic.values)  # allocates prompts rows, writes slots [0, width)
-            self.mask = torch.zeros(n, 1, 1, self.width + max_new_tokens, dtype=torch.bool, device=self.device)
+            self.mask = torch.zeros(n, 1, 1, self.width + slots, dtype=torch.bool, device=self.device)
             self.mask[:, 0, 0, : self.width] = visible.bool()
         self.start = start.clone()
         self.tokens = torch.zeros(n, 1, dtype=torch.long, device=self.device)
@@ -98,6 +107,11 @@ class StaticRows:
     @property
     def capacity(self) -> int:
         return len(self.start)
+
+    @property
+    def slots_held(self) -> int:
+        """Generated slots each row holds now (the prompt's, where every row holds it, not counted)."""
+        return self.mask.shape[-1] - self.width
 
     def _step(self) -> torch.Tensor:
         """One decoding step of every row: [capacity, V] logits in the model's dtype."""
@@ -143,14 +157,37 @@ class StaticRows:
             self.mask[index], self.start[index], self.tokens[index], self.positions[index])
         if self.shared:  # the rows of group g are consecutive (the sampler keeps streams in group order): span g
             self.group = [self.group[r] for r in rows] + [-1] * (capacity - len(rows))  # padding: no prompt
-            spans = [(self.group.index(g), len(self.group) - self.group[::-1].index(g)) if g in self.group else (0, 0)
-                     for g in range(len(self.prompt_keys[0]))]
-            for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values):
-                setattr(layer.keys, GROUPS_ATTR, (spans, keys, values))
-            groups_mask(self.mask)
+            self._mark_groups()
         self.slots = list(range(len(rows)))
         self.slot_index = torch.arange(len(rows), device=self.device)
         self.graph = self.logits = None  # the step's tensors moved: captured again at the next step
+
+    def _mark_groups(self) -> None:
+        """Hand each layer's keys the rows' group spans and the prompts (`grouped_prefix_attention`), and mark the
+        mask: after every gather or doubling, whose tensors are new."""
+        spans = [(self.group.index(g), len(self.group) - self.group[::-1].index(g)) if g in self.group else (0, 0)
+                 for g in range(len(self.prompt_keys[0]))]
+        for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values):
+            setattr(layer.keys, GROUPS_ATTR, (spans, keys, values))
+        groups_mask(self.mask)
+
+    def _grow(self) -> None:
+        """Double the generated slots of every row (at most max_new_tokens), keeping those written; the new ones
+        hidden by the mask until written."""
+        old = self.slots_held
+        new = min(2 * old, self.max_new_tokens)
+        for layer in self.cache.layers:
+            for name in ("keys", "values"):
+                held = getattr(layer, name)
+                grown = held.new_zeros((*held.shape[:2], self.width + new, held.shape[3]))
+                grown[:, :, : self.width + old] = held
+                setattr(layer, name, grown)
+            layer.max_cache_len = self.width + new
+        hidden = float("-inf") if self.shared else False
+        self.mask = torch.cat([self.mask, self.mask.new_full((*self.mask.shape[:3], new - old), hidden)], dim=-1)
+        if self.shared:
+            self._mark_groups()
+        self.graph = self.logits = None  # a new shape: captured again at the next step
 
     def select(self, index: torch.Tensor) -> None:
         """Live stream j becomes old live stream index[j]. A drop (every index once) only forgets rows; a fork (an
@@ -168,6 +205,8 @@ class StaticRows:
         """Each live stream's token ([streams, 1]) at generated depth `depth`: the [streams, V] float32 next logits.
         A step that cannot be captured as a CUDA graph (a forward that syncs with the host) warns and runs op by op
         from then on."""
+        if depth >= self.slots_held:
+            self._grow()
         self.tokens.index_copy_(0, self.slot_index, tokens)
         self.positions.copy_(self.start[:, None] + depth)
         if self.shared:
