@@ -61,25 +61,31 @@ def test_static_rows_forks_drops_and_halvings(prompt):
 def test_static_cache_halves_its_rows_as_streams_end_and_samples_as_each_group_alone(monkeypatch):
     """Most streams end early (a quarter of the vocabulary is EOS): the static rows halve several times inside
     sample_groups, and every group's samples equal sample_group's alone (float64)."""
-    import branchreplay.rl.rollouts.sampling as sampling
     import branchreplay.rl.rollouts.static_rows as static_rows
 
     capacities = []
     gather = static_rows.StaticRows._gather
     monkeypatch.setattr(static_rows.StaticRows, "_gather",
                         lambda self, rows: capacities.append(len(rows)) or gather(self, rows))
+    assert_samples_as_each_group_alone(SamplingConfig(temperature=0.9, max_new_tokens=12,
+                                                      cache_implementation="static"))
+    assert capacities[:2] == [4, 32] and len(capacities) >= 4  # the prompts, the fork, then halvings
+
+
+def assert_samples_as_each_group_alone(config: SamplingConfig) -> None:
+    """`sample_groups` on the tiny float64 Llama, PROMPTS x 8, a quarter of the vocabulary EOS: every group's samples
+    equal `sample_group`'s for that group alone (ids, ends, logprobs to 1e-12)."""
+    import branchreplay.rl.rollouts.sampling as sampling
+
     model = make_model("llama").double()
-    config = SamplingConfig(temperature=0.9, max_new_tokens=12, cache_implementation="static")
     eos = set(range(2, 66))
     alone = [sample_group(model, p, 8, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
     together = sampling.sample_groups(model, PROMPTS, 8, config, eos,
                                       [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
-    assert capacities[:2] == [4, 32] and len(capacities) >= 4  # the prompts, the fork, then halvings
     for a_group, b_group in zip(alone, together):
         assert [(s.completion_ids, s.truncated) for s in b_group] == [(s.completion_ids, s.truncated) for s in a_group]
         for a, b in zip(a_group, b_group):
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
-
 
 
 @pytest.mark.parametrize("prompt", ["once", "in every row"])
@@ -99,19 +105,11 @@ def test_static_rows_hold_at_most_twice_the_slots_written_whatever_max_new_token
     monkeypatch.setattr(static_rows.StaticRows, "decode",
                         lambda self, t, d: (decode(self, t, d), held.append((d, self.slots_held)))[0])
     monkeypatch.setattr(static_rows, "FIRST_SLOTS", 4)
-    model = make_model("llama").double()
-    config = SamplingConfig(temperature=0.9, max_new_tokens=400, cache_implementation="static")
-    eos = set(range(2, 66))
-    alone = [sample_group(model, p, 8, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
-    together = sampling.sample_groups(model, PROMPTS, 8, config, eos,
-                                      [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
+    assert_samples_as_each_group_alone(SamplingConfig(temperature=0.9, max_new_tokens=400,
+                                                      cache_implementation="static"))
     deepest = max(d for d, _ in held)
     assert 4 <= deepest < 100 and {n for _, n in held} >= {4, 8}  # it outgrew the first slots, far from 400
     assert all(d < n <= max(4, 2 * (d + 1)) for d, n in held)
-    for a_group, b_group in zip(alone, together):
-        assert [(s.completion_ids, s.truncated) for s in b_group] == [(s.completion_ids, s.truncated) for s in a_group]
-        for a, b in zip(a_group, b_group):
-            assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
 
 def test_static_cache_keeps_to_sdpa_attention():
     """A model with eager attention (which would add the boolean mask to its scores) decodes in the dynamic cache
