@@ -40,9 +40,7 @@ from transformers import DynamicCache, StaticCache
 
 from ...engine.attention import GROUPS_ATTR, groups_mask
 from ...models import is_mixture_of_experts
-
-FIRST_SLOTS = 64
-"""Generated slots a row starts with (doubled when the streams reach the last, at most max_new_tokens)."""
+from .llama_rows import FIRST_SLOTS  # generated slots a row starts with, as the plain step's key store
 
 
 def static_applies(model) -> bool:
