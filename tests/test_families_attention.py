@@ -207,8 +207,8 @@ def test_cli_verify_refuses_an_unregistered_model_unless_forced(tmp_path, capsys
     assert "gpt_neox" in err and "branchreplay verify" in err and "--force" in err
     assert main(["verify", "--model", str(tmp_path), "--random-trees", "0", "--force", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    # 5 shapes + the tree across the engine's chunk_tokens (verify's length thresholds)
-    assert out["arch"] == "gpt_neox" and out["passed"] is True and out["trees"] == 6
+    # 6 shapes + the tree across the engine's chunk_tokens (verify's length thresholds)
+    assert out["arch"] == "gpt_neox" and out["passed"] is True and out["trees"] == 7
     assert out["thresholds_covered"] == {"engine.chunk_tokens": 24}
     assert out["state_bytes_per_token"] == {"full_layers_per_token": 2 * 32 * 8, "sliding_layers_max": 0}
 

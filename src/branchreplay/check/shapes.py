@@ -99,6 +99,22 @@ def multi_turn(vocab: int, g: torch.Generator, depth: int = 4) -> list[Sequence]
     return paths
 
 
+def short_beside_long(vocab: int, g: torch.Generator) -> list[Sequence]:
+    """A short child alone beside long siblings of one length, which random trees seldom draw: the siblings run as
+    one batch and the short child as a pack of a few LM head rows (`engine.packs.batched_packs`), whose input
+    gradient cancels most where the target's probability is near 1 (`engine.head.projection`). The prompt is a
+    random span of 12 tokens said twice, so that a trained model predicts the copying that follows almost surely, as
+    it predicts its own samples. Below it: a 3-token child that goes on copying; three 16-token children that start
+    elsewhere and then copy; and a 16-token stem forking into a 1-token copying branch and two of 8 tokens."""
+    span = random_ids(12, vocab, g)
+    copying = span * 2
+    long = [random_ids(1, vocab, g) + copying[1:16] for _ in range(3)]
+    stem = random_ids(16, vocab, g)
+    branches = [[span[0]]] + [random_ids(1, vocab, g) + copying[1:8] for _ in range(2)]
+    completions = [copying[:3]] + long + [stem + b for b in branches]
+    return [prompt_completion(span + span, c) for c in completions]
+
+
 def random_tree(vocab: int, g: torch.Generator, max_rollouts: int = 8) -> list[Sequence]:
     """A random tree: a random prompt, then each rollout copies a random prefix of an earlier one and goes on."""
     prompt = random_ids(int(torch.randint(1, 20, (), generator=g)), vocab, g)
@@ -146,5 +162,6 @@ SHAPES = {
     "edge-cases": edge_cases,
     "forest": forest,
     "multi-turn": multi_turn,
+    "short-beside-long": short_beside_long,
     "random": random_tree,
 }

@@ -1,11 +1,12 @@
 """`branchreplay verify`: the execution stack against the naive per-rollout reference, on trees of every shape.
 
 For each shape in `shapes.SHAPES` (shared prompt, branches of branches, identical / prefix / empty completion,
-forest of prompts, multi-turn, random), and for every length at which the model or the engine changes how it
-computes (`length_thresholds`: the engine's chunk, a sliding window, an attention chunk, a rotary encoding whose
-frequencies switch with the length), a tree whose rollouts straddle it: the same model runs the naive reference
-(each rollout alone, unpadded, full HF forward) and `replay_backward`, with the GRPO loss (KL and entropy terms on,
-old logprobs off-policy so the clipping is exercised), and the errors are compared with the bound for the dtype.
+forest of prompts, multi-turn, short children beside long siblings, random), and for every length at which the model
+or the engine changes how it computes (`length_thresholds`: the engine's chunk, a sliding window, an attention chunk,
+a rotary encoding whose frequencies switch with the length), a tree whose rollouts straddle it: the same model runs
+the naive reference (each rollout alone, unpadded, full HF forward) and `replay_backward`, with the GRPO loss (KL and
+entropy terms on, old logprobs off-policy so the clipping is exercised), and the errors are compared with the bound
+for the dtype.
 
 The bound (README, docs/support.md):
     float64: max relative gradient error against the naive float64 computation <= 1e-6 (1e-4 for the families
@@ -115,9 +116,10 @@ def _threshold_cases(model, engine: EngineConfig) -> tuple[list, dict[str, str]]
 
 
 def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float = 0.8,
-                 force: bool = False, mixed_precision: str | None = None, loss: str = "grpo"
-                 ) -> tuple[list[ShapeResult], dict[str, str]]:
-    """Naive vs replay on every shape, every length threshold and `random_trees` random trees for `model`.
+                 force: bool = False, mixed_precision: str | None = None, loss: str = "grpo",
+                 shapes: tuple[str, ...] | None = None) -> tuple[list[ShapeResult], dict[str, str]]:
+    """Naive vs replay on every shape, every length threshold and `random_trees` random trees for `model`; with
+    `shapes` (names in `shapes.SHAPES`), on those shapes alone.
 
     float64 models run under `keep_float64` (HF's RMSNorm would otherwise round to float32, on both sides alike);
     a float32 or bfloat16 model is also compared with a float64 copy of itself (the module docstring's bound).
@@ -131,9 +133,11 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
     without the engine's own self-check: this comparison is that check, on more trees (force="unchecked").
     Returns (one result per tree, {threshold name: why it has no tree} for thresholds past the model's positions).
     Raises: UnsupportedModelError for a family the engine does not know (unless `force`); ValueError for
-    `mixed_precision` on a model whose parameters are not float32, or an unknown `loss`."""
+    `mixed_precision` on a model whose parameters are not float32, an unknown `loss` or an unknown shape."""
     if loss not in ("grpo", "ppo", "rloo"):
         raise ValueError(f"verify loss={loss!r} is not valid; accepted values: grpo, ppo, rloo (dpo: verify_dpo)")
+    if shapes is not None and (not shapes or set(shapes) - set(SHAPES)):
+        raise ValueError(f"verify shapes {list(shapes)}: name one or more of {', '.join(SHAPES)}")
     force = UNCHECKED if force else False
     float64 = next(model.parameters()).dtype == torch.float64
     if mixed_precision is not None and next(model.parameters()).dtype != torch.float32:
@@ -149,10 +153,10 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
         for m, _ in models:
             if float64:
                 stack.enter_context(keep_float64(m))
-        return _verify(models, seed, random_trees, temperature, force, compute, loss)
+        return _verify(models, seed, random_trees, temperature, force, compute, loss, shapes)
 
 
-def _verify(models, seed, random_trees, temperature, force, compute, objective):
+def _verify(models, seed, random_trees, temperature, force, compute, objective, shapes=None):
     model = models[0][0]
     family = FAMILIES.get(model.config.model_type)
     float32_kernels = family is not None and family.float32_kernels  # SSM scans etc. in float32 (Family)
@@ -163,10 +167,12 @@ def _verify(models, seed, random_trees, temperature, force, compute, objective):
         losses = [GRPOLoss(epsilon_low=0.2, epsilon_high=0.2), ValueLoss(cliprange_value=0.2, coef=0.1)]
     else:
         losses = [GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)]
-    cases = [(name, build, None) for name, build in SHAPES.items() if name != "random"]
-    threshold_cases, skipped = _threshold_cases(model, EngineConfig(**ENGINE))
-    cases += threshold_cases
-    cases += [(f"random-{i}", SHAPES["random"], None) for i in range(random_trees)]
+    if shapes is not None:
+        cases, skipped = [(name, SHAPES[name], None) for name in shapes], {}
+    else:
+        cases = [(name, build, None) for name, build in SHAPES.items() if name != "random"]
+        threshold_cases, skipped = _threshold_cases(model, EngineConfig(**ENGINE))
+        cases += threshold_cases + [(f"random-{i}", SHAPES["random"], None) for i in range(random_trees)]
     results = []
     for name, build, threshold in cases:
         rollouts = make_rollouts(build(vocab, g), g)

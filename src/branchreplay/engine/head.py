@@ -160,16 +160,71 @@ def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature
 
 def scaled_logits(head, hidden: torch.Tensor, temperature: float, transform: LogitTransform, float32: bool = False
                   ) -> torch.Tensor:
-    """[N, H] -> [N, V] transform(head(hidden)) / temperature, half precision upcast to float32 (`head_logprobs`)."""
+    """[N, H] -> [N, V] transform(head(hidden)) / temperature, half precision upcast to float32 (`head_logprobs`). A
+    float32 CPU head that is a plain linear layer (`plain_cpu_linear`) runs through `projection` outside autocast
+    (its input gradient in vocabulary blocks)."""
     if float32:
         with torch.autocast(hidden.device.type, enabled=False):
             bias = None if head.bias is None else head.bias.float()
-            logits = transform(torch.nn.functional.linear(hidden.float(), head.weight.float(), bias))
+            logits = transform(projection(hidden.float(), head.weight.float(), bias))
+    elif hidden.dtype == torch.float32 and plain_cpu_linear(head) and not torch.is_autocast_enabled("cpu"):
+        logits = transform(projection(hidden, head.weight, head.bias))
     else:
         logits = transform(head(hidden))
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     return logits / temperature
+
+
+VOCAB_BLOCK = 1024
+"""Vocabulary rows per partial product of `projection`'s input gradient."""
+
+
+def plain_cpu_linear(module) -> bool:
+    """Whether `module` is an nn.Linear whose forward is nn.Linear's own (no instance forward, no forward hooks) on a
+    plain float32 CPU weight: a layer whose output a caller may compute from its weight and bias itself."""
+    weight = getattr(module, "weight", None)
+    return (type(module) is torch.nn.Linear and "forward" not in module.__dict__ and not module._forward_hooks
+            and not module._forward_pre_hooks and type(weight) in (torch.Tensor, torch.nn.Parameter)
+            and weight.dtype == torch.float32 and weight.device.type == "cpu")
+
+
+def projection(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """`F.linear(hidden, weight, bias)`: [*, H] -> [*, V] logits, whose gradient with respect to `hidden` is summed
+    over the vocabulary in blocks of `VOCAB_BLOCK` rows on the CPU in float32 (`_BlockedProjection`); elsewhere the
+    plain linear layer."""
+    if hidden.device.type == "cpu" and hidden.dtype == torch.float32 and weight.dtype == torch.float32:
+        return _BlockedProjection.apply(hidden, weight, bias)
+    return torch.nn.functional.linear(hidden, weight, bias)
+
+
+class _BlockedProjection(torch.autograd.Function):
+    """The LM head's projection with its input gradient dL/dhidden = dL/dlogits [N, V] @ weight [V, H] computed as a
+    sum of [N, VOCAB_BLOCK] @ [VOCAB_BLOCK, H] products. For a few rows (a pack of a short child: 1-4 trained
+    positions) the CPU BLAS runs a kernel that sums each V-long dot product in one float32 chain, far less precise
+    than its kernel for many rows; the pack's backward carried that error into every parameter (issue 50). In
+    blocks, every row count rounds like many rows. The forward and the weight's gradient (a sum over the N rows) are
+    the plain linear layer's."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias):
+        ctx.save_for_backward(hidden if weight.requires_grad else None, weight)
+        return torch.nn.functional.linear(hidden, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad):
+        hidden, weight = ctx.saved_tensors
+        grad_hidden = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            for a in range(0, weight.shape[0], VOCAB_BLOCK):
+                part = grad[..., a : a + VOCAB_BLOCK] @ weight[a : a + VOCAB_BLOCK]
+                grad_hidden = part if grad_hidden is None else grad_hidden.add_(part)
+        rows = grad.reshape(-1, grad.shape[-1])  # [N, V]
+        if ctx.needs_input_grad[1]:
+            grad_weight = rows.T @ hidden.reshape(-1, hidden.shape[-1])
+        if ctx.needs_input_grad[2]:
+            grad_bias = rows.sum(0)
+        return grad_hidden, grad_weight, grad_bias
 
 
 def check_float32_head(head) -> None:

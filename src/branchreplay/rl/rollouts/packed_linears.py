@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ...engine.head import plain_cpu_linear
+
 MAX_PACKED_RATIO = 4
 """A weight is packed only where MKL's packed buffer is at most this many times its own elements."""
 
@@ -89,12 +91,6 @@ def _packed_elements(out_features: int, in_features: int, rows: int) -> int:
     return pack(torch.zeros(out_features, in_features), rows).numel()
 
 
-def _packable(module: nn.Module) -> bool:
-    weight = getattr(module, "weight", None)
-    return (type(module) is nn.Linear and "forward" not in module.__dict__ and type(weight) in (torch.Tensor,
-            nn.Parameter) and weight.dtype == torch.float32 and weight.device.type == "cpu")
-
-
 def _forward(module: nn.Linear, packed: torch.Tensor, rows: int):
     """x @ W.T (+ b) through MKL's packed sgemm (`linear`): x [..., in] float32 -> [..., out] float32, or
     nn.Linear's own."""
@@ -136,7 +132,7 @@ def packed_linears(model: nn.Module, enabled: bool = True, rows: int = 32):
         nested = model in _OPEN or any(hasattr(m.__dict__.get("forward"), "packed_weight") for m in model.modules())
         if enabled and rows >= 1 and not nested and available() and not torch.is_autocast_enabled("cpu"):
             for m in model.modules():
-                if not _packable(m):
+                if not plain_cpu_linear(m):
                     continue
                 if _packed_elements(*m.weight.shape, rows) <= MAX_PACKED_RATIO * m.weight.numel():
                     m.forward = _forward(m, pack(m.weight, rows), rows)
