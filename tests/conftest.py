@@ -21,6 +21,19 @@ def grads(model) -> list[torch.Tensor]:
     return [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
 
 
+FLOAT32_REL = 1024 * torch.finfo(torch.float32).eps  # 1.2e-4, about the float32 gradient comparisons' 1e-4
+"""How far two float32 computations of one value that sum in different orders may be apart, relative to the value or
+to the scale of the terms it sums, whichever is larger (`float32_close`). A loss sums per-token terms that partly
+cancel (a group's advantages sum to 0), so its rounding relative to its own value is float32's epsilon times that
+cancellation: 160 epsilons on test_trl_trainer's grpo-kl-off-policy batch under AVX2 kernels (issue 50)."""
+
+
+def float32_close(ours: float, theirs: float, scale: float = 0.0, rel: float = FLOAT32_REL) -> bool:
+    """|ours - theirs| <= rel * max(|theirs|, scale): `scale` the magnitude of the terms summed into the value (a
+    value that is 0 in exact arithmetic is all rounding of them). Imported: `from conftest import float32_close`."""
+    return abs(ours - theirs) <= rel * max(abs(theirs), scale)
+
+
 def held_float64(model):
     """`keep_float64` on `model` (a test's own model) for as long as it lives: float64 throughout, so that two runs
     whose sums differ only in their order (one process and two ranks, one forest and per-group trees) agree to

@@ -9,12 +9,13 @@ metrics.
 import pytest
 import torch
 
-from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from conftest import grads
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeDPOTrainer  # noqa: E402
+from branchreplay.trl.dpo import pair_rollouts  # noqa: E402
 from test_trl_trainer import _logged, folder, moe_folder, two_step_logs  # noqa: E402, F401 (fixtures)
 
 PAIRS = {  # prompt, chosen, rejected (the word tokenizer's ids; "2" ends)
@@ -84,6 +85,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("case", CASES)
+@pytest.mark.float32
 def test_tree_gradient_equals_dpo_trainer_on_the_same_batch(folder, tmp_path, case):  # noqa: F811
     trainer = _trainer(TreeDPOTrainer, folder, tmp_path, **CASES[case])
     inputs = _batch(trainer)
@@ -126,29 +128,57 @@ def test_the_pairs_share_their_prompt_and_response_start_in_one_tree(folder, tmp
 
 
 def test_the_dpo_batch_trips_on_a_swapped_pair(folder, tmp_path):  # noqa: F811
-    """The comparison can fail: chosen and rejected of one pair swapped on the tree's side only."""
+    """The comparison can fail: chosen and rejected of one pair swapped on the tree's side only, in the gradient and
+    in the logged reward accuracy and margin (the metrics of the two-step test, by its bound)."""
     trainer = _trainer(TreeDPOTrainer, folder, tmp_path)
     inputs = _batch(trainer)
     _perturb(trainer)
     model = trainer.model
     model.zero_grad(set_to_none=True)
-    trl.DPOTrainer.compute_loss(trainer, model, inputs).backward()
+    trl_loss, trl_metrics = _logged(trainer, lambda: trl.DPOTrainer.compute_loss(trainer, model, inputs))
+    trl_loss.backward()
     theirs = grads(model)
     B = inputs["input_ids"].shape[0] // 2
     swapped = {k: v.clone() for k, v in inputs.items()}
     for key in ("input_ids", "attention_mask", "completion_mask"):
         swapped[key][[0, B]] = inputs[key][[B, 0]]
     model.zero_grad(set_to_none=True)
-    trainer.compute_loss(model, swapped)
+    _, metrics = _logged(trainer, lambda: trainer.compute_loss(model, swapped))
     assert max_rel_grad_err(grads(model), theirs) > 1e-2
+    for key in ("rewards/accuracies", "rewards/margins"):
+        assert metrics[key] != pytest.approx(trl_metrics[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.float32
 def test_two_dpo_steps_log_the_same_metrics(folder, tmp_path):  # noqa: F811
-    steps = two_step_logs(lambda cls: _trainer(cls, folder, tmp_path), trl.DPOTrainer, TreeDPOTrainer, key="loss")
+    """From one seed, with the policy moved off the reference (`_perturb`), both trainers log the same metrics over
+    2 steps. Without the move every pair's reward margin starts at 0 in exact arithmetic, and rewards/accuracies
+    (the share of margins > 0) was float32 rounding: 0.25 against TRL's 0.0 under AVX2 kernels (issue 50). The
+    margins are checked to stand clear of 0 first."""
+    def perturbed(cls):
+        trainer = _trainer(cls, folder, tmp_path)
+        _perturb(trainer)
+        return trainer
+
+    margins = _reward_margins(perturbed(TreeDPOTrainer))
+    assert margins.abs().min() > 1e-3, margins  # float32 rounding moves them by about 1e-6
+    steps = two_step_logs(perturbed, trl.DPOTrainer, TreeDPOTrainer, key="loss")
     for step_theirs, step_ours in steps:
         for key in step_theirs:
             if key not in ("step_time", "epoch"):
                 assert step_ours[key] == pytest.approx(step_theirs[key], rel=1e-4, abs=1e-6), key
+
+
+def _reward_margins(trainer) -> torch.Tensor:
+    """Each pair's reward margin beta * ((chosen - ref chosen) - (rejected - ref rejected)) on the first batch, from
+    the naive reference's summed completion logprobs [pairs] (float64)."""
+    rollouts, _ = pair_rollouts(_batch(trainer))
+    sums = [torch.stack([(lp.double() * r.loss_mask).sum()
+                         for lp, r in zip(naive_backward(model, rollouts, None).logprobs, rollouts)])
+            for model in (trainer.model, trainer.ref_model)]
+    rewards = trainer.beta * (sums[0] - sums[1])
+    chosen, rejected = rewards.chunk(2)
+    return chosen - rejected
 
 
 def test_evaluation_is_trls_own_and_may_return_outputs(folder, tmp_path):  # noqa: F811
