@@ -156,6 +156,16 @@ def test_verify_refuses_flags_it_would_ignore(capsys):
     assert "drop --dtype" in capsys.readouterr().err
     assert main(["verify", "--nproc", "2", "--device", "cuda"]) == 2
     assert "drop --device cuda" in capsys.readouterr().err
+    assert main(["verify", "--shapes", "short-beside-long,nope"]) == 2
+    assert "--shapes 'short-beside-long,nope': name one or more of shared-prompt" in capsys.readouterr().err
+    assert main(["verify", "--loss", "dpo", "--shapes", "forest"]) == 2
+    assert "drop --shapes" in capsys.readouterr().err
+
+
+def test_verify_checks_the_named_shapes_alone(capsys):
+    assert main(["verify", "--arch", "llama", "--json", "--shapes", "short-beside-long,forest"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["passed"] is True and out["trees"] == 2 and out["thresholds_covered"] == {}
 
 
 def test_verify_loss_dpo_passes_and_fails_a_wrong_gradient(capsys, monkeypatch):

@@ -34,6 +34,8 @@ def add_commands(sub) -> None:
     v.add_argument("--device", default="cpu", help="torch device of both computations, e.g. cuda")
     v.add_argument("--seed", type=int, default=0)
     v.add_argument("--random-trees", type=int, default=3)
+    v.add_argument("--shapes", help="a comma list of tree shapes to check alone, e.g. short-beside-long (default: "
+                                    "every shape, each length threshold and --random-trees random trees)")
     v.add_argument("--json", action="store_true", help="print one JSON object")
     v.add_argument("--list", action="store_true", help="list the supported families and exit")
     v.add_argument("--force", action="store_true",
@@ -74,6 +76,14 @@ def _refused(args) -> str:
         return "--mixed-precision runs float32 parameters in one process: drop --dtype and --nproc"
     if args.nproc > 1 and args.device != "cpu":
         return f"--nproc runs gloo processes on the CPU; drop --device {args.device}"
+    if args.shapes is not None:
+        from .shapes import SHAPES
+
+        if args.loss == "dpo" or args.nproc > 1:
+            return "--shapes picks the trees of the one-process check of grpo, ppo or rloo: drop --shapes"
+        unknown = [name for name in args.shapes.split(",") if name not in SHAPES]
+        if unknown or not args.shapes:
+            return f"--shapes {args.shapes!r}: name one or more of {', '.join(SHAPES)}"
     return ""
 
 
@@ -99,7 +109,8 @@ def _verify_one_process(args, dtype) -> int:
         else:
             results, uncovered = verify_model(model, seed=args.seed, random_trees=args.random_trees,
                                               force=args.force, mixed_precision=args.mixed_precision,
-                                              loss=args.loss)
+                                              loss=args.loss,
+                                              shapes=tuple(args.shapes.split(",")) if args.shapes else None)
     except UnsupportedModelError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -158,7 +169,7 @@ def _print_table(args, summary: dict, results, uncovered) -> None:
         extra = f"{r.max_rel_grad_err_vs_f64:>10.2e}{r.naive_rel_grad_err_vs_f64:>11.2e}" if vs_f64 else ""
         print(f"{r.shape:<30}{r.rollouts:>9}{r.logical_tokens:>9}{r.physical_tokens:>9}"
               f"{r.max_rel_grad_err:>11.2e}{r.max_abs_logprob_err:>13.2e}{extra}  {'yes' if r.passed else 'NO'}")
-    print("thresholds crossed: " + ", ".join(r.threshold for r in results if r.threshold))
+    print("thresholds crossed: " + (", ".join(r.threshold for r in results if r.threshold) or "none"))
     for name, why in uncovered.items():
         print(f"threshold not covered: {name} ({why})")
     verdict = "PASSED" if summary["passed"] else "FAILED"
