@@ -28,6 +28,8 @@ from ..engine.router import RouterLoss
 from ..engine.sequence import replay_function_backward
 from ..engine.vision import language_model
 from ..tree import ReplayResult
+from .processes import WrapperStep, launch_refusals, watching_ranks
+from .zero import GradientInjection
 from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_mask
 
 class TreeTrainerMixin:
@@ -42,7 +44,8 @@ class TreeTrainerMixin:
     Raises (when the trainer is built, before anything is generated):
         ValueError: naming the config field, for what the tree does not run: active dropout (set
             disable_dropout=True), fp16 (its loss scaler would not scale the tree's gradients), use_liger_kernel,
-            DeepSpeed, FSDP, more than one process, and what a subclass adds.
+            DeepSpeed, FSDP, processes that would not train together (`processes.launch_refusals`), and what a
+            subclass adds.
         UnsupportedModelError (a ValueError): the model's family, when the engine cannot run it (recurrent layers
             of an unregistered family, ALiBi, an attention implementation without a tree mask) or its self-check
             fails.
@@ -58,6 +61,7 @@ class TreeTrainerMixin:
         if unknown_family not in ("self-check", "refuse"):
             raise ValueError(f"{name}: unknown_family={unknown_family!r}; use 'self-check' or 'refuse'")
         self._tree_outputs = None  # the [B, C] logprobs and entropies (and router aux loss) TRL's loss reads
+        self._zero3 = GradientInjection()  # the gradient handed to DeepSpeed ZeRO-3 (zero.py)
         super().__init__(*args, **kwargs)
         self.engine = engine if engine is not None else EngineConfig()
         self._force = check_family(self.model, unknown_family, name, router_loss=self.aux_loss_enabled)
@@ -85,29 +89,30 @@ class TreeTrainerMixin:
     def _refusals(self) -> list[tuple[bool, str]]:
         """(refused, why) of every setting or setup the tree does not run; a subclass adds its own."""
         args = self.args
-        distributed = self.accelerator.distributed_type.value
-        name = type(self).__name__
         return [
             (args.fp16, "fp16=True: its loss scaler would not scale the tree's gradients; use bf16=True or neither"),
             (args.use_liger_kernel, "use_liger_kernel=True replaces the model's forward; set it to False"),
-            (distributed in ("DEEPSPEED", "FSDP"),
-             f"{distributed} is not supported by {name} (ZeRO-3 / FSDP shard the parameters the tree's backward "
-             "writes into); run on one process, or use branchreplay train with torchrun"),
-            (self.accelerator.num_processes > 1,
-             f"{self.accelerator.num_processes} processes: {name} runs on one; for data parallelism use "
-             "branchreplay train with torchrun"),
-        ]
+        ] + launch_refusals(self.accelerator, self.model, type(self).__name__, self.config_name)
+
+    def train(self, *args, **kwargs):
+        """TRL's `train`; on several processes, a rank that dies stops the others with `processes.RankDied`."""
+        with watching_ranks(self.accelerator, type(self).__name__, lambda: self.state.global_step + 1):
+            return super().train(*args, **kwargs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        """Training: the tree's forward and backward (gradients into `param.grad`); returns TRL's loss value as a
-        0-dim float32 leaf tensor that requires grad, so the trainer's own backward on it is a no-op. Evaluation
-        (no grad): TRL's own padded loss."""
+        """Training: the tree's forward and backward; returns TRL's loss value as a 0-dim float32 tensor on which
+        the trainer's own `accelerator.backward` hands the gradient to the launch's wrapper
+        (`processes.WrapperStep`: on one process, DDP and FSDP2 a leaf, the gradient already in `param.grad`;
+        under DeepSpeed a loss that carries it). Evaluation (no grad): TRL's own padded loss."""
         if not (self.model.training and torch.is_grad_enabled()):  # evaluation (DPO's may ask for outputs)
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         if return_outputs:
             raise ValueError(f"{type(self).__name__}: a training step does not return outputs")
-        loss = self._tree_backward(self.accelerator.unwrap_model(model), inputs)
-        return torch.tensor(loss, dtype=torch.float32, device=self.accelerator.device, requires_grad=True)
+        step = WrapperStep(self.accelerator, model, self._zero3)
+        with step.running() as module:
+            loss = self._tree_backward(module, inputs)
+        scale = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
+        return step.loss(loss, scale)
 
     def _tree_backward(self, model, inputs) -> float:
         """The micro-batch's gradient into `param.grad`; returns the loss value `compute_loss` returns. Here: TRL's

@@ -29,6 +29,7 @@ from ..engine.vision import ImagePrompt
 from ..models import base_of
 from ..tree import Rollout, RolloutTree
 from .base import TreeTrainerMixin
+from .processes import gathered
 from .rows import check_images_in_prompts, image_counts, image_key, row_images
 
 
@@ -105,8 +106,8 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         separate reference model, or ld_alpha's split of the sums)."""
         if self.precompute_ref_logps or self.ref_model is None or self.ld_alpha is not None:
             return {}
-        with self.accelerator.autocast():
-            ref = replay_logprobs(self.ref_model, trees_of(self.ref_model), engine=self.engine, force=self._force)
+        with self.accelerator.autocast(), gathered(self.accelerator, self.ref_model) as ref_model:
+            ref = replay_logprobs(ref_model, trees_of(ref_model), engine=self.engine, force=self._force)
         sums = torch.zeros(len(rollouts), dtype=torch.float64)
         for k, i in enumerate(order):
             sums[i] = (ref.logprobs[k].double() * rollouts[i].loss_mask).sum()

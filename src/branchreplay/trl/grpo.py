@@ -15,6 +15,7 @@ import dataclasses
 
 import torch
 import trl
+from trl.trainer.utils import nanmax, nanmin
 
 from ..engine import replay_backward
 from ..losses import GRPOLoss, token_weights
@@ -98,16 +99,21 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
         ]
 
     def _log_loss_metrics(self, inputs, mask, logps, entropies, result) -> None:
-        """TRL's `_compute_loss` metrics, with its formulas, from the tree's per-row logprobs and entropies ([B, C]
-        float64, 0 past each completion), plus the tree's sizes."""
+        """TRL's `_compute_loss` metrics, with its formulas and its reductions over the processes, from the tree's
+        per-row logprobs and entropies ([B, C] float64, 0 past each completion), plus the tree's sizes."""
         metrics = self._metrics["train"]
         advantages = inputs["advantages"].double().cpu()
         advantages = advantages.unsqueeze(1) if advantages.dim() == 1 else advantages
         old = inputs.get("old_per_token_logps")
         ratio = torch.exp(logps - (logps if old is None else old.double().cpu()))
 
-        def masked_mean(x):
-            return float((x * mask).sum() / mask.sum().clamp(min=1.0))
+        def masked_mean(x):  # TRL's global_masked_mean: the sums and counts of every process
+            totals = torch.stack([(x * mask).sum(), mask.sum()]).to(self.accelerator.device)
+            totals = self.accelerator.reduce(totals, reduction="sum")
+            return float(totals[0] / totals[1].clamp(min=1.0))
+
+        def gathered_row_means(x):  # TRL's gathered masked_seq_mean: NaN for a row without a trained token
+            return self.accelerator.gather(((x * mask).sum(-1) / mask.sum(-1)).to(self.accelerator.device))
 
         if self.beta != 0.0:
             ref = inputs["ref_per_token_logps"].double().cpu()
@@ -124,16 +130,15 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
             metrics["clip_ratio/low_mean"].append(masked_mean(low))
             metrics["clip_ratio/high_mean"].append(masked_mean(high))
             metrics["clip_ratio/region_mean"].append(masked_mean(((low + high) > 0).double()))
-            rows = mask.sum(-1) > 0  # TRL's nanmin / nanmax over rows: NaN when no row has a trained token
-            low_rows, high_rows = ((x * mask).sum(-1)[rows] / mask.sum(-1)[rows] for x in (low, high))
-            metrics["clip_ratio/low_min"].append(float(low_rows.min()) if rows.any() else float("nan"))
-            metrics["clip_ratio/high_max"].append(float(high_rows.max()) if rows.any() else float("nan"))
+            metrics["clip_ratio/low_min"].append(float(nanmin(gathered_row_means(low))))
+            metrics["clip_ratio/high_max"].append(float(nanmax(gathered_row_means(high))))
         if self._entropy_bonus_enabled:
             accumulation = self.current_gradient_accumulation_steps
             policy_loss = result.loss + self.entropy_coef * masked_mean(entropies) / accumulation
             if self.loss_type not in ("dapo", "cispo"):  # TRL logs these before dividing by the accumulation
                 policy_loss *= accumulation
-            metrics["policy_loss"].append(policy_loss)
+            gathered = self.accelerator.gather(torch.tensor([policy_loss], device=self.accelerator.device))
+            metrics["policy_loss"].append(float(gathered.nanmean()))
             if self.accelerator.sync_gradients:
                 metrics["entropy_coef"].append(self.entropy_coef)
         self._log_tree_metrics(result)

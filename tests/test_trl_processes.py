@@ -1,0 +1,207 @@
+"""The TRL drop-ins on 2 processes, launched as a TRL user launches them: torchrun with `use_cpu=True` (accelerate's
+MULTI_CPU state: DDP over gloo), accelerate's FSDP2 with `reshard_after_forward` true and false, and DeepSpeed
+ZeRO-1, ZeRO-2 and ZeRO-3 (`DS_ACCELERATOR=cpu`; accelerate's FSDP2 and DeepSpeed states are built on the gloo
+processes by tests/trl_ranks.py's shim). TRL's own class under the same launch is the reference: from one seed both
+train 2 steps and must log the same metrics (TRL's are reduced over the processes), and the first step's gradient,
+as the optimizer receives it, must agree within 1e-4 relative (float32); under DDP, GRPO's also in float64 with
+the ranks' mean of the naive per-rollout gradients (each rollout alone, unpadded). The control hands the tree's
+gradient to no reduction (`branchreplay.trl.processes`) and must fail (GRPO's launches). GRPO's 6 rows per process
+with 4 generations split a group over both ranks; RLOO's 4 are whole groups, with 2 micro-batches per step.
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.engine.distributed import free_port
+from branchreplay.models import tiny_model
+
+pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
+
+from conftest import float32_close  # noqa: E402
+from test_trl_trainer import folder  # noqa: E402, F401 (fixture)
+
+RANKS = Path(__file__).with_name("trl_ranks.py")
+SIDES = ["trl", "tree", "unreduced"]
+JOBS = [  # one launch trains the three trainers under one wrapper; GRPO's has the control too
+    {"name": "grpo", "trainer": "grpo", "config": {"beta": 0.04}, "sides": SIDES},
+    {"name": "rloo", "trainer": "rloo", "sides": SIDES[:2],
+     "config": {"beta": 0.05, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}},
+    {"name": "dpo", "trainer": "dpo", "config": {}, "sides": SIDES[:2]},
+]
+
+
+def zero(stage: int) -> dict:
+    """DeepSpeed ZeRO at `stage`, its batch settings from the trainer's (transformers' "auto")."""
+    auto = ("train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "train_batch_size", "gradient_clipping")
+    return {"deepspeed": {"zero_optimization": {"stage": stage}, **dict.fromkeys(auto, "auto")}}
+
+
+LAUNCHES = {
+    "ddp": {},
+    "fsdp2-resharded": {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": True}},
+    "fsdp2-kept": {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2, "reshard_after_forward": False}},
+    "zero1": zero(1),  # GRPO alone: ZeRO-1 and ZeRO-2 take one path here (zero.linear_surrogate)
+    "zero2": zero(2),
+    "zero3": zero(3),
+}
+SKIP = ("step_time", "epoch", "learning_rate", "tree/logical_tokens", "tree/physical_tokens", "tree/token_ratio")
+
+
+def rounding_scale(trainer: str, key: str, step: dict) -> float:
+    """The size of the terms a metric sums, where they cancel: on-policy RLOO's loss is about 0 (zero-mean
+    advantages); DPO's rewards are beta (0.1) times differences of summed logprobs (`float32_close`)."""
+    if trainer == "rloo" and key == "loss":
+        return 0.1
+    if trainer == "dpo" and key.startswith("rewards/") and key != "rewards/accuracies":
+        return 0.1 * max(abs(step["logps/chosen"]), abs(step["logps/rejected"]))
+    return 0.0
+
+
+def launch(folder, tmp_path, jobs: list[dict], wrapper: dict | None = None) -> dict:  # noqa: F811
+    """tests/trl_ranks.py on 2 processes under torchrun, each job's config on top of `wrapper`; rank 0's report."""
+    out = tmp_path / "report.pt"
+    jobs = [{**job, "config": {**(wrapper or {}), **job["config"]}} for job in jobs]
+    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+               str(free_port()), str(RANKS), str(folder), str(out), json.dumps(jobs)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(RANKS.parent), "DS_ACCELERATOR": "cpu"}
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return torch.load(out, weights_only=False)
+
+
+@pytest.fixture(scope="module", params=list(LAUNCHES))
+def launched(request, folder, tmp_path_factory):  # noqa: F811
+    if "deepspeed" in LAUNCHES[request.param]:
+        pytest.importorskip("deepspeed", reason="DeepSpeed is in the dev extra (pip install -e '.[dev]')")
+    jobs = JOBS[:1] if request.param == "zero1" else JOBS
+    if request.param == "ddp":  # and GRPO in float64 beside the naive per-rollout gradient
+        jobs = [{**JOBS[0], "sides": SIDES + ["float64"]}] + JOBS[1:]
+    return launch(folder, tmp_path_factory.mktemp(request.param), jobs, LAUNCHES[request.param])
+
+
+@pytest.mark.parametrize("trainer", [job["name"] for job in JOBS])
+def test_two_processes_train_as_trls_class_under_the_same_launch(launched, trainer):
+    if trainer not in launched:
+        pytest.skip("ZeRO-1 runs GRPO alone (the same hand-over as ZeRO-2)")
+    """The tree's 2 logged steps equal TRL's (every metric TRL logs, within float32 rounding of the metric or of the
+    terms it sums, at least 1e-2: `float32_close`); the first step's gradient
+    within 1e-4 relative; the control (no reduction) fails both; each rank's tree shared prefixes."""
+    theirs, ours, control = (launched[trainer].get(side) for side in SIDES)
+    assert len(theirs["logs"]) == len(ours["logs"]) == 2
+    for step_theirs, step_ours in zip(theirs["logs"], ours["logs"]):
+        for key, value in step_theirs.items():
+            if key not in SKIP:
+                scale = max(rounding_scale(trainer, key, step_theirs), 1e-2)
+                assert float32_close(step_ours[key], value, scale), (key, step_ours[key], value)
+    assert max_rel_grad_err(ours["grads"], theirs["grads"]) < 1e-4
+    if control is not None:  # the control fails
+        unreduced = [torch.zeros_like(t) if c is None else c for c, t in zip(control["grads"], theirs["grads"])]
+        assert max_rel_grad_err(unreduced, theirs["grads"]) > 1e-2
+        assert control["logs"][0]["grad_norm"] != pytest.approx(theirs["logs"][0]["grad_norm"], rel=1e-3)
+    for rank_ratios in ours["ratios"]:
+        assert all(ratio > 1.0 for ratio in rank_ratios), ours["ratios"]
+    if "float64" in launched[trainer]:  # the ranks' mean of the naive per-rollout gradients, float64
+        exact = launched[trainer]["float64"]
+        assert max_rel_grad_err(exact["grads"], exact["naive"]) < 1e-10
+
+
+def test_processes_that_would_train_apart_are_refused(folder, tmp_path):  # noqa: F811
+    """torchrun's 2 processes without use_cpu=True on a machine without an accelerator: transformers gives each a
+    one-process state (TRL's class then trains two copies); the tree's refuses when built, naming the setting."""
+    if torch.cuda.is_available():
+        pytest.skip("with an accelerator the processes train together")
+    job = {"name": "apart", "trainer": "grpo", "sides": ["tree"],
+           "config": {"use_cpu": False, "per_device_train_batch_size": 4}}
+    refused = launch(folder, tmp_path, [job])["apart"]["refused"]
+    assert "WORLD_SIZE=2" in refused and "GRPOConfig(use_cpu=True)" in refused
+
+
+def _accelerator(kind: str, fsdp_version: int | None = None, zero_stage: int | None = None):
+    """accelerate's state as launch_refusals reads it (FSDP1 cannot even be built on this CPU: its plugin refuses
+    sync_module_states on cpu)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    return SimpleNamespace(distributed_type=DistributedType(kind), num_processes=2, state=SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version), deepspeed_plugin=SimpleNamespace(
+            zero_stage=zero_stage)))
+
+
+REFUSALS = [  # (launch, model, what the refusal names; None: runs)
+    (("FSDP", 1, None), "llama", "fsdp_version: 2"),
+    (("FSDP", 2, None), "llama", None),
+    (("FSDP", 2, None), "gemma3-vision", "vision tower; use DDP or DeepSpeed ZeRO-1/2"),
+    (("DEEPSPEED", None, 2), "gemma3-vision", None),
+    (("DEEPSPEED", None, 3), "gemma3-vision", "vision tower"),
+    (("DEEPSPEED", None, 3), "qwen3_moe", "routed experts; use ZeRO-2, FSDP2 or DDP"),
+    (("DEEPSPEED", None, 2), "qwen3_moe", None),
+    (("MULTI_CPU", None, None), "qwen3_moe", None),
+]
+
+
+@pytest.mark.parametrize("launch, arch, named", REFUSALS)
+def test_launches_the_tree_cannot_hand_a_whole_gradient_to_are_refused_by_name(launch, arch, named):
+    from branchreplay.models import tiny_vision_model
+    from branchreplay.trl.processes import launch_refusals
+
+    model = tiny_vision_model() if arch == "gemma3-vision" else tiny_model(arch)
+    refused = [why for no, why in launch_refusals(_accelerator(*launch), model, "TreeRLOOTrainer", "RLOOConfig")
+               if no]
+    assert refused == [] if named is None else (len(refused) == 1 and named in refused[0]), refused
+
+
+def test_zero3_gradient_injection_names_a_parameter_the_token_did_not_reach():
+    """ZeRO-3's hand-over (`zero.GradientInjection`): every parameter's hook adds its gradient once and is removed;
+    a parameter the zero-loss token does not use keeps its hook, and the next micro-batch's check names it."""
+    from types import SimpleNamespace
+
+    from branchreplay.trl.zero import GradientInjection
+
+    class Engine(torch.nn.Module):  # stands in for DeepSpeed's engine: `engine.module`, called with input_ids
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.ModuleDict({"used": torch.nn.Linear(2, 2), "unused": torch.nn.Linear(2, 2)})
+
+        def forward(self, input_ids):
+            return SimpleNamespace(logits=self.module["used"](torch.ones(1, 2)))
+
+    engine = Engine()
+    grads = {p: torch.full_like(p, 3.0) for p in engine.module.parameters()}
+    injection = GradientInjection()
+    loss = injection.loss(engine, 1.5, grads, torch.device("cpu"))
+    assert float(loss) == 1.5
+    loss.backward()
+    assert all(bool((p.grad == 3.0).all()) for p in engine.module["used"].parameters())
+    with pytest.raises(RuntimeError, match=r"unused\.bias, unused\.weight did not reach DeepSpeed"):
+        injection.check()
+
+
+def test_a_rank_that_dies_stops_the_other_with_one_line_naming_it(folder, tmp_path):  # noqa: F811
+    """Two processes started as srun or mpirun start them (no torchrun agent to stop the survivor): rank 1 is
+    SIGKILLed after step 1; rank 0's next collective fails at once (gloo) and it stops with `RankDied` naming rank 1
+    and the step, well before any collective timeout."""
+    import time
+
+    out, port = tmp_path / "report.pt", str(free_port())
+    job = {"name": "died", "trainer": "grpo", "sides": ["tree"], "die": True, "config": {"max_steps": 4}}
+    processes = []
+    for rank in (0, 1):
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
+               "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
+        processes.append(subprocess.Popen([sys.executable, str(RANKS), str(folder), str(out), json.dumps([job])],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    start = time.monotonic()
+    assert processes[0].wait(timeout=300) == 0, processes[0].stderr.read()[-3000:]
+    waited = time.monotonic() - start
+    assert processes[1].wait(timeout=60) == -9
+    said = torch.load(out, weights_only=False)["died"]["tree"]["died"]
+    assert said.startswith("TreeGRPOTrainer: rank 1 of 2 died during step 2") and "\n" not in said, said
+    assert waited < 120
