@@ -123,7 +123,8 @@ def test_processes_that_would_train_apart_are_refused(folder, tmp_path):  # noqa
     assert "WORLD_SIZE=2" in refused and "GRPOConfig(use_cpu=True)" in refused
 
 
-def _accelerator(kind: str, fsdp_version: int | None = None, zero_stage: int | None = None):
+def _accelerator(kind: str, fsdp_version: int | None = None, zero_stage: int | None = None,
+                 checkpointing: bool = False):
     """accelerate's state as launch_refusals reads it (FSDP1 cannot even be built on this CPU: its plugin refuses
     sync_module_states on cpu)."""
     from types import SimpleNamespace
@@ -131,13 +132,15 @@ def _accelerator(kind: str, fsdp_version: int | None = None, zero_stage: int | N
     from accelerate.utils import DistributedType
 
     return SimpleNamespace(distributed_type=DistributedType(kind), num_processes=2, state=SimpleNamespace(
-        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version), deepspeed_plugin=SimpleNamespace(
+        fsdp_plugin=SimpleNamespace(fsdp_version=fsdp_version, activation_checkpointing=checkpointing),
+        deepspeed_plugin=SimpleNamespace(
             zero_stage=zero_stage)))
 
 
 REFUSALS = [  # (launch, model, what the refusal names; None: runs)
     (("FSDP", 1, None), "llama", "fsdp_version: 2"),
     (("FSDP", 2, None), "llama", None),
+    (("FSDP", 2, None, True), "llama", "activation_checkpointing wraps the decoder layers"),
     (("FSDP", 2, None), "gemma3-vision", "vision tower; use DDP or DeepSpeed ZeRO-1/2"),
     (("DEEPSPEED", None, 2), "gemma3-vision", None),
     (("DEEPSPEED", None, 3), "gemma3-vision", "vision tower"),

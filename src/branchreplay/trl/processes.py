@@ -36,7 +36,8 @@ from .zero import hook_free, linear_surrogate
 
 
 def launch_refusals(accelerator, model: torch.nn.Module, trainer: str, config: str) -> list[tuple[bool, str]]:
-    """(refused, why) of the launch, when the trainer is built: FSDP1; models whose whole gradient the zero-loss
+    """(refused, why) of the launch, when the trainer is built: FSDP1 and FSDP's activation checkpointing; models
+    whose whole gradient the zero-loss
     token cannot hand on (FSDP2, ZeRO-3: it runs no vision tower; ZeRO-3: it reaches no unrouted expert); and
     processes that do not train together (torchrun's WORLD_SIZE larger than accelerate's process count: on a machine
     without an accelerator, transformers gives each process a one-process state unless `use_cpu=True`, and each
@@ -52,6 +53,9 @@ def launch_refusals(accelerator, model: torch.nn.Module, trainer: str, config: s
         (fsdp is not None and fsdp.fsdp_version != 2,
          f"FSDP version {fsdp.fsdp_version if fsdp else None} is not supported by {trainer}: set fsdp_version: 2 in "
          "accelerate's config (or fsdp_config={'fsdp_version': 2})"),
+        (fsdp is not None and bool(getattr(fsdp, "activation_checkpointing", False)),
+         f"FSDP's activation_checkpointing wraps the decoder layers, whose cached state the tree's packs hand on: set "
+         f"it to false in accelerate's FSDP config ({trainer} replays packs itself under engine.memory_budget)"),
         ((fsdp is not None or zero3) and is_vision_language(base),
          f"{wrapper} of a vision-language model is not supported by {trainer}: the token that hands the tree's "
          "gradient to the wrapper does not run the vision tower; use DDP or DeepSpeed ZeRO-1/2"),
