@@ -54,6 +54,26 @@ def length_reward(completions, **kwargs):
     return [float(len(str(c)) % 7) for c in completions]
 
 
+def train_dataset(trainer: str, tokenizer, prompts: int, context_tokens: int, completion_tokens: int) -> Dataset:
+    """The default task's first `prompts` questions as conversational prompts, after about `context_tokens` tokens
+    of shared context (a system message) when not 0; for DPO one pair per prompt: a worked answer of about
+    `completion_tokens` tokens against a short guess."""
+    questions = [item["question"] for item in list(load_task(TaskConfig())[0])[:prompts]]
+    context = None
+    if context_tokens:
+        per = len(tokenizer(CONTEXT)["input_ids"])
+        context = CONTEXT * max(1, context_tokens // per)
+    messages = [build_messages(q, context) if context else build_messages(q) for q in questions]
+    if trainer != "dpo":
+        return Dataset.from_dict({"prompt": messages})
+    sentence = "Let me work this out step by step, one operation at a time. "  # about 14 tokens
+    steps = sentence * max(1, completion_tokens // 14)
+    return Dataset.from_dict({
+        "prompt": messages,
+        "chosen": [[{"role": "assistant", "content": steps + "The answer is 42."}] for _ in messages],
+        "rejected": [[{"role": "assistant", "content": "I think it is 41."}] for _ in messages]})
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
@@ -78,29 +98,18 @@ def main() -> None:
     torch.set_num_threads(a.threads)
     model_dir = str(default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    questions = [item["question"] for item in list(load_task(TaskConfig())[0])[: a.prompts]]
-    context = None
-    if a.context_tokens:
-        per = len(tokenizer(CONTEXT)["input_ids"])
-        context = CONTEXT * max(1, a.context_tokens // per)
-    prompts = [build_messages(q, context) if context else build_messages(q) for q in questions]
+    data = train_dataset(a.trainer, tokenizer, a.prompts, a.context_tokens, a.max_completion_length)
     common = dict(report_to=[], use_cpu=True, bf16=False, seed=0, save_strategy="no", max_steps=1)
     with tempfile.TemporaryDirectory() as out:
-        if a.trainer == "dpo":  # one pair per prompt: a long worked answer against a short guess
-            sentence = "Let me work this out step by step, one operation at a time. "  # about 14 tokens
-            steps = sentence * max(1, a.max_completion_length // 14)
-            pairs = {"prompt": prompts,
-                     "chosen": [[{"role": "assistant", "content": steps + "The answer is 42."}] for _ in prompts],
-                     "rejected": [[{"role": "assistant", "content": "I think it is 41."}] for _ in prompts]}
+        if a.trainer == "dpo":
             args = config_cls(output_dir=out, per_device_train_batch_size=a.prompts, **common, **extra)
-            trainer = tree_cls(model=model_dir, args=args, train_dataset=Dataset.from_dict(pairs),
-                               processing_class=tokenizer)
+            trainer = tree_cls(model=model_dir, args=args, train_dataset=data, processing_class=tokenizer)
         else:
             args = config_cls(output_dir=out, per_device_train_batch_size=a.prompts * a.num_generations,
                               num_generations=a.num_generations, max_completion_length=a.max_completion_length,
                               **common, **extra)
-            trainer = tree_cls(model=model_dir, reward_funcs=length_reward, args=args,
-                               train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=tokenizer)
+            trainer = tree_cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=data,
+                               processing_class=tokenizer)
         model = trainer.model
         model.train()
         trainer.current_gradient_accumulation_steps = 1

@@ -24,12 +24,13 @@ class Measured:
     peak_bytes: int
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
+    """This process's resident set size, bytes."""
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 
 
-def _release_freed_memory() -> None:
+def release_freed_memory() -> None:
     """Return memory freed by earlier phases to the OS (glibc malloc_trim), so it does not hide the next peak."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
@@ -50,7 +51,7 @@ def measure(fn, device: torch.device, memory: bool = True) -> Measured:
         if device.type == "cuda":
             torch.cuda.synchronize()
         return Measured(time.perf_counter() - t0, 0)
-    _release_freed_memory()
+    release_freed_memory()
     if device.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
@@ -59,13 +60,13 @@ def measure(fn, device: torch.device, memory: bool = True) -> Measured:
         fn()
         torch.cuda.synchronize()
         return Measured(time.perf_counter() - t0, torch.cuda.max_memory_allocated() - base)
-    base = _rss_bytes()
+    base = rss_bytes()
     peak = [base]
     done = threading.Event()
 
     def sample():
         while not done.is_set():
-            peak[0] = max(peak[0], _rss_bytes())
+            peak[0] = max(peak[0], rss_bytes())
             time.sleep(0.001)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -75,7 +76,7 @@ def measure(fn, device: torch.device, memory: bool = True) -> Measured:
     seconds = time.perf_counter() - t0
     done.set()
     sampler.join()
-    return Measured(seconds, max(peak[0], _rss_bytes()) - base)
+    return Measured(seconds, max(peak[0], rss_bytes()) - base)
 
 
 def tree_build_seconds(rollouts: int = 64, tokens: int = 32_768, vocab: int = 50_000) -> float:
