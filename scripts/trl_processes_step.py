@@ -38,6 +38,7 @@ from trl_ranks import on_cpu_processes  # noqa: E402 (the CPU shim for FSDP2 and
 from trl_step_time import length_reward, train_dataset  # noqa: E402
 
 from branchreplay.bench.measure import release_freed_memory, rss_bytes  # noqa: E402
+from branchreplay.engine.distributed import end_spawned_rank  # noqa: E402
 from branchreplay.models import default_model_dir  # noqa: E402
 from branchreplay.trl import TreeDPOTrainer, TreeGRPOTrainer, TreeRLOOTrainer  # noqa: E402
 
@@ -154,7 +155,7 @@ def main() -> None:
                 peak = max(p for _, p in steps) / 2**20
                 ratio = ", ".join(f"{x:.2f}" for x in ratios) or "-"
                 print(f"{name:28s} {rank:4d} {seconds:10.2f} {base[rank] / seconds:6.2f}x {peak:8.0f} {ratio:>12s}")
-    dist.barrier()
+    end_spawned_rank()  # gloo's teardown at exit aborts a rank now and then (its docstring)
 
 
 if __name__ == "__main__":

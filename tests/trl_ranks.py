@@ -228,6 +228,8 @@ def run_side(trainer: str, side: str, folder: str, out: str, config: dict, die: 
 
 
 def main(folder: str, out: str, jobs: list[dict]) -> None:
+    from branchreplay.engine.distributed import end_spawned_rank
+
     if any("deepspeed" in job.get("config", {}) for job in jobs):  # what accelerate's state does with accelerators
         import deepspeed
 
@@ -244,6 +246,10 @@ def main(folder: str, out: str, jobs: list[dict]) -> None:
                 report[job["name"]][side] = result
     if os.environ.get("RANK", "0") == "0":
         torch.save(report, out)
+    if any("died" in side for job in report.values() for side in job.values() if isinstance(side, dict)):
+        sys.stdout.flush()  # the process group is broken: no teardown
+        os._exit(0)
+    end_spawned_rank()  # gloo's teardown at exit aborts a rank now and then (its docstring)
 
 
 if __name__ == "__main__":
