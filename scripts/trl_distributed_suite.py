@@ -31,7 +31,6 @@ skips too, with its reason); FAILS (the control passes, the tree trainer fails o
 from __future__ import annotations
 
 import argparse
-import collections
 import os
 import shutil
 import subprocess
@@ -211,12 +210,9 @@ def main() -> int:
              f"{f', each launch with --max_steps {a.max_steps}' if a.max_steps else ''}.", "", *notes]
     summary = []
     for config in configs:
-        tests = sorted(t for t in rows if config_of(t) == config)
-        counts = collections.Counter(rows[t][0] for t in tests)
-        summary.append(f"{config}: {len(tests)} tests: " + ", ".join(
-            f"{counts[k]} {k}" for k in ("pass", "refused by name", "cannot run here", "FAILS")))
-        lines += ["", f"## {config}", "", summary[-1], "", "| test | outcome | reason |", "|---|---|---|"]
-        lines += [f"| `{t}` | {rows[t][0]} | {rows[t][1].replace('|', '/')} |" for t in tests]
+        line, table = trl_suite.section(config, config, {t: v for t, v in rows.items() if config_of(t) == config})
+        summary.append(line)
+        lines += table
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(summary))

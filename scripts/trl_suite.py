@@ -230,19 +230,25 @@ def main() -> int:
             control, tree = pool.map(lambda side: run_suite(work, suite, side, a.pytest_args, a.parallel),
                                      ("trl", "tree"))
         rows = {test: verdict(control[test], tree.get(test, ("missing", ""))) for test in control}
-        counts = collections.Counter(v for v, _ in rows.values())
-        summary.append(f"{suite}: {len(rows)} tests: " + ", ".join(f"{counts[k]} {k}" for k in
-                                                                  ("pass", "refused by name", "cannot run here",
-                                                                   "FAILS")))
-        lines += ["", f"## tests/test_{suite}_trainer.py", "", summary[-1], "", "| test | outcome | reason |",
-                  "|---|---|---|"]
-        lines += [f"| `{t}` | {v} | {why.replace('|', '/')} |" for t, (v, why) in sorted(rows.items())]
+        line, table = section(suite, f"tests/test_{suite}_trainer.py", rows)
+        summary.append(line)
+        lines += table
     a.out.parent.mkdir(parents=True, exist_ok=True)
     a.out.write_text("\n".join(lines) + "\n")
     print("\n".join(summary))
     print(f"table: {a.out}; work folder: {work}")
     return 1 if any(" 0 FAILS" not in line for line in summary) else 0
 
+
+
+def section(name: str, heading: str, rows: dict[str, tuple[str, str]]) -> tuple[str, list[str]]:
+    """One suite's outcomes ({test: (verdict, reason)}): its summary line ("<name>: N tests: ...") and its markdown
+    section (the heading, the summary, a row per test in name order)."""
+    counts = collections.Counter(v for v, _ in rows.values())
+    summary = f"{name}: {len(rows)} tests: " + ", ".join(
+        f"{counts[k]} {k}" for k in ("pass", "refused by name", "cannot run here", "FAILS"))
+    return summary, ["", f"## {heading}", "", summary, "", "| test | outcome | reason |", "|---|---|---|",
+                     *(f"| `{t}` | {v} | {why.replace('|', '/')} |" for t, (v, why) in sorted(rows.items()))]
 
 if __name__ == "__main__":
     sys.exit(main())
