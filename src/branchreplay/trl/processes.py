@@ -38,9 +38,9 @@ from .zero import hook_free, linear_surrogate
 def launch_refusals(accelerator, model: torch.nn.Module, trainer: str, config: str) -> list[tuple[bool, str]]:
     """(refused, why) of the launch, when the trainer is built: FSDP1 and FSDP's activation checkpointing; models
     whose whole gradient the zero-loss token cannot hand on (FSDP2, ZeRO-3: it runs no vision tower; ZeRO-3: it
-    reaches no unrouted expert); and processes that do not train together (torchrun's WORLD_SIZE larger than accelerate's process count: on a machine
-    without an accelerator, transformers gives each process a one-process state unless `use_cpu=True`, and each
-    would train its own copy)."""
+    reaches no unrouted expert); and processes that do not train together (torchrun's WORLD_SIZE larger than
+    accelerate's process count: on a machine without an accelerator, transformers gives each process a one-process
+    state unless `use_cpu=True`, and each would train its own copy)."""
     kind = accelerator.distributed_type.value
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     fsdp = getattr(accelerator.state, "fsdp_plugin", None) if kind == "FSDP" else None
