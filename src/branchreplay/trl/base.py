@@ -111,7 +111,7 @@ class TreeTrainerMixin:
         step = WrapperStep(self.accelerator, model, self._zero3)
         with step.running() as module:
             loss = self._tree_backward(module, inputs)
-        scale = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
+        scale = self._accumulation_divisor()
         return step.loss(loss, scale)
 
     def _tree_backward(self, model, inputs) -> float:
@@ -129,7 +129,7 @@ class TreeTrainerMixin:
         keep = mask.bool()
         old = inputs.get("old_per_token_logps")
         fill = old.detach().double() if old is not None else torch.zeros(mask.shape, dtype=torch.float64)
-        divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
+        divisor = self._accumulation_divisor()
         device = inputs["completion_ids"].device
         router = self._router_loss(model)
 
@@ -155,12 +155,14 @@ class TreeTrainerMixin:
         tree counts each position once per row through it (`engine.router`)."""
         return RouterLoss(model) if self.aux_loss_enabled else None
 
-    def _loss_is_scaled_for_accumulation(self) -> bool:
-        """transformers' `Trainer.training_step` rule: whether it leaves the loss as `compute_loss` returned it
-        (True) or divides it by the gradient accumulation steps before the backward."""
+    def _accumulation_divisor(self) -> float:
+        """What transformers' `Trainer.training_step` divides `compute_loss`'s loss by before the backward: 1 when
+        the loss is already scaled for gradient accumulation (its rule), else the accumulation steps."""
         if self.loss_is_scaled_for_ga is not None:
-            return bool(self.loss_is_scaled_for_ga)
-        return bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
+            scaled = bool(self.loss_is_scaled_for_ga)
+        else:
+            scaled = bool(self.model_accepts_loss_kwargs) or self.compute_loss_func is not None
+        return 1.0 if scaled else float(self.current_gradient_accumulation_steps)
 
     def _get_per_token_logps_and_entropies(self, *args, **kwargs):
         """TRL's padded forward, except inside pass 1's call of TRL's loss: the tree's rows then."""

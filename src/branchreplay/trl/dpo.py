@@ -72,7 +72,7 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         # up its clamp by this dtype)
         dtype = torch.float64 if next(model.parameters()).dtype == torch.float64 else torch.float32
         extra = self._tree_reference(trees_of, order, rollouts, inputs, dtype)
-        divisor = 1.0 if self._loss_is_scaled_for_accumulation() else float(self.current_gradient_accumulation_steps)
+        divisor = self._accumulation_divisor()
         shape = (inputs["input_ids"].shape[0], inputs["input_ids"].shape[1] - 1)
         device = inputs["input_ids"].device
 
