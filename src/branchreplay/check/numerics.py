@@ -115,12 +115,20 @@ def keep_float64(model) -> Iterator[int]:
     (`GEMMA_NORMS`, output `normed * (1 + weight)`); likewise the MoE routers (`MOE_ROUTERS`) and, for a Gemma2 /
     Gemma3 model, the eager attention softmax (see the module docstring). Yields how many modules compute in float64.
 
+    A model whose Hub kernels are on (transformers' `use_kernels`, its default for `from_pretrained` when the
+    `kernels` package is installed) has them reset while inside: each train / eval switch would otherwise replace
+    the norms' forwards again (`kernelize`), silently ending the float64 formulas.
+
     On exit every module and module function it touched is restored (nested use on the same model leaves what the
-    outer one set); other models of the process are never affected, except that a Gemma2 / Gemma3 model file's
-    function runs the float64 softmax for float64 inputs while inside. A deepcopy of the model made inside computes
-    with its own weights and keeps the float64 forwards (it is not restored)."""
+    outer one set), and the kernels are set again; other models of the process are never affected,
+    except that a Gemma2 / Gemma3 model file's function runs the float64 softmax for float64 inputs while inside. A
+    deepcopy of the model made inside computes with its own weights and keeps the float64 forwards (it is not
+    restored)."""
     touched_modules, touched_files, count = [], [], 0
+    kernelized = [m for m in model.modules() if getattr(m, "use_kernels", False) is True]
     try:
+        for m in kernelized:
+            m.reset_kernels()
         for module in model.modules():
             formula = _float64_formula(module)
             if formula is None:
@@ -145,3 +153,5 @@ def keep_float64(model) -> Iterator[int]:
                 module.forward = previous
         for hf, previous in reversed(touched_files):
             hf.eager_attention_forward = previous
+        for m in kernelized:
+            m.set_use_kernels(True)  # in the mode of its train / eval state, as its next switch would
