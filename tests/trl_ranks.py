@@ -67,7 +67,7 @@ def on_cpu_processes():
 def build(trainer: str, side: str, folder: str, out: str, config: dict, model=None):
     """`side`'s trainer (module docstring) on `model`, or on the folder's when None."""
     import trl
-    from datasets import Dataset
+    from datasets import Dataset, load_from_disk
     from transformers import AutoTokenizer
 
     from branchreplay import trl as tree
@@ -80,7 +80,13 @@ def build(trainer: str, side: str, folder: str, out: str, config: dict, model=No
     if trainer == "dpo":
         cls = trl.DPOTrainer if side == "trl" else tree.TreeDPOTrainer
         args = trl.DPOConfig(**{**settings, "per_device_train_batch_size": 2, "learning_rate": 1e-3, **config})
-        run = cls(model=folder, args=args, train_dataset=Dataset.from_dict(PAIRS), processing_class=tokenizer)
+        pairs = Dataset.from_dict(PAIRS)
+        if args.precompute_ref_log_probs:  # TRL caches them beside the dataset's files, which the ranks must share
+            with args.main_process_first():
+                if args.process_index == 0:
+                    pairs.save_to_disk(f"{out}.{side}.pairs")
+                pairs = load_from_disk(f"{out}.{side}.pairs")
+        run = cls(model=folder, args=args, train_dataset=pairs, processing_class=tokenizer)
         g = torch.Generator().manual_seed(4)  # the policy moved off the reference: margins clear of 0 (issue 50)
         with torch.no_grad():
             for p in run.model.parameters():
@@ -195,7 +201,6 @@ def run_side(trainer: str, side: str, folder: str, out: str, config: dict, die: 
     import torch.distributed as dist
 
     from branchreplay.trl.processes import RankDied
-
 
     with unreduced() if side == "unreduced" else contextlib.nullcontext(), contextlib.ExitStack() as stack:
         model = None

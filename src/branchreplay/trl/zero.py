@@ -24,11 +24,29 @@ from collections.abc import Iterator
 import torch
 
 
+MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
+
+
+def is_deepspeeds(hook) -> bool:
+    """Whether a module hook is DeepSpeed's (defined in a `deepspeed` module, or a partial of such a function)."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").split(".")[0] == "deepspeed"
+
+
 @contextlib.contextmanager
 def hook_free(model: torch.nn.Module) -> Iterator[dict[torch.nn.Parameter, torch.nn.Parameter]]:
     """`model`'s trainable parameters replaced, while inside, by leaves that share their storage and carry no hook
-    (a parameter registered in two modules, tied weights, gets one alias); yields {parameter: its alias}, whose
-    `.grad` the tree's backward passes fill."""
+    (a parameter registered in two modules, tied weights, gets one alias), and DeepSpeed's module hooks removed
+    from `model` and its submodules; yields {parameter: its alias}, whose `.grad` the tree's backward passes fill.
+    TRL's `unwrap_model_for_generation` removes the training engine's per-layer hooks but keeps the engine's own on
+    the root (the start of a forward resets ZeRO-3's parameter trace) and those of any other engine built on the
+    same module (TRL's DPO precomputes reference logprobs through a second, inference engine): a forward of the tree
+    would fire them on the aliases."""
+    kept = [(module, name, dict(getattr(module, name))) for module in model.modules() for name in MODULE_HOOKS
+            if any(is_deepspeeds(h) for h in getattr(module, name).values())]
+    for module, name, hooks in kept:
+        for key, hook in hooks.items():
+            if is_deepspeeds(hook):
+                del getattr(module, name)[key]
     aliases: dict[torch.nn.Parameter, torch.nn.Parameter] = {}
     swapped = []
     for module in model.modules():
@@ -44,6 +62,9 @@ def hook_free(model: torch.nn.Module) -> Iterator[dict[torch.nn.Parameter, torch
     finally:
         for module, name, p in swapped:
             module._parameters[name] = p
+        for module, name, hooks in kept:
+            getattr(module, name).clear()
+            getattr(module, name).update(hooks)
 
 
 def linear_surrogate(value: float, grads: dict[torch.nn.Parameter, torch.Tensor], scale: float,
