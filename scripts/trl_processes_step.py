@@ -9,7 +9,9 @@ with the tree's, from one seed, under `--launch`: ddp (use_cpu=True: accelerate'
 (reshard_after_forward true / false), zero2 or zero3 (DeepSpeed, DS_ACCELERATOR=cpu); accelerate selects FSDP and
 DeepSpeed only with an accelerator, so on a CPU the state is built by tests/trl_ranks.py's shim. GRPO and RLOO take
 `--prompts` x G rows per step over all ranks (`--per-device` rows each: by default a whole number of groups; set it
-to split groups over the ranks), DPO one pair per prompt after `--context-tokens` of shared context.
+to split groups over the ranks, and `--split-groups recompute auto` to train the tree's class once per choice of its
+`split_groups`; a choice named twice runs twice, and `--tree-only` leaves TRL's class out), DPO one pair per prompt
+after `--context-tokens` of shared context.
 "Training" is each micro-batch's `compute_loss` and `accelerator.backward` (under DeepSpeed the optimizer step
 runs inside the latter, for both classes), summed over the step; "peak" the most resident memory above the start of
 that window (`bench.measure`'s sampler). Rank 0 prints, per rank, the median over the steps after the first (a
@@ -99,10 +101,11 @@ class StepMeter:
             self.seconds, self.peak = 0.0, 0
 
 
-def build(cls, config_cls, a, out: str):
+def build(cls, config_cls, a, out: str, split_groups: str | None = None):
     model_dir = str(default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    data = train_dataset(a.trainer, tokenizer, a.prompts * a.steps, a.context_tokens, a.max_completion_length)
+    data = train_dataset(a.trainer, tokenizer, a.prompts * a.steps, a.context_tokens, a.max_completion_length,
+                         a.context_after_question)
     common = dict(report_to=[], use_cpu=True, bf16=False, seed=0, save_strategy="no", max_steps=a.steps,
                   logging_steps=1, output_dir=out, **LAUNCHES[a.launch])
     if a.trainer == "dpo":
@@ -111,7 +114,9 @@ def build(cls, config_cls, a, out: str):
     rows = a.per_device or a.prompts * a.num_generations // a.world
     args = config_cls(per_device_train_batch_size=rows, num_generations=a.num_generations,
                       max_completion_length=a.max_completion_length, **common)
-    return cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=data, processing_class=tokenizer)
+    tree_only = {} if split_groups is None else {"split_groups": split_groups}
+    return cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=data, processing_class=tokenizer,
+               **tree_only)
 
 
 def main() -> None:
@@ -123,7 +128,12 @@ def main() -> None:
     ap.add_argument("--per-device", type=int, default=0, help="rows per rank (default: the step's rows / ranks)")
     ap.add_argument("--max-completion-length", type=int, default=48, help="tokens")
     ap.add_argument("--context-tokens", type=int, default=0, help="shared context before every question")
+    ap.add_argument("--context-after-question", action="store_true",
+                    help="the context after each question instead (each prompt long and its own)")
     ap.add_argument("--steps", type=int, default=3, help="the first is a warm-up")
+    ap.add_argument("--split-groups", nargs="+", default=["auto"], choices=["auto", "recompute", "context-parallel"],
+                    help="the tree trainer's split_groups, one run each (GRPO and RLOO)")
+    ap.add_argument("--tree-only", action="store_true", help="leave TRL's class out (ratios against the first run)")
     a = ap.parse_args()
     a.world = int(os.environ.get("WORLD_SIZE", "1"))
     torch.set_num_threads(1)
@@ -134,8 +144,15 @@ def main() -> None:
     theirs_cls, tree_cls, config_cls = TRAINERS[a.trainer]
     results = {}
     with on_cpu_processes(), tempfile.TemporaryDirectory() as out:
-        for name, cls in (("TRL " + theirs_cls.__name__, theirs_cls), (tree_cls.__name__, tree_cls)):
-            trainer = build(cls, config_cls, a, f"{out}/{name}")
+        runs = [] if a.tree_only else [("TRL " + theirs_cls.__name__, theirs_cls, None)]
+        if a.trainer == "dpo":
+            runs.append((tree_cls.__name__, tree_cls, None))
+        else:
+            several = len(a.split_groups) > 1
+            runs += [(f"{tree_cls.__name__}{f' {choice}' if several else ''}{f' ({k + 1})' if several else ''}",
+                      tree_cls, choice) for k, choice in enumerate(a.split_groups)]
+        for name, cls, split_groups in runs:
+            trainer = build(cls, config_cls, a, f"{out}/{name}", split_groups)
             meter = StepMeter(trainer)
             trainer.train()
             ratios = [h["tree/token_ratio"] for h in trainer.state.log_history if "tree/token_ratio" in h]
@@ -148,13 +165,14 @@ def main() -> None:
               f"per rank {a.per_device or 'the step / ranks'}; median of steps 2-{a.steps}; load average "
               f"{os.getloadavg()[0]:.2f}")
         base = {r: statistics.median(s for s, _ in steps) for r, (steps, _) in enumerate(next(iter(results.values())))}
-        print(f"{'':28s} {'rank':>4s} {'training s':>10s} {'vs TRL':>7s} {'peak MB':>8s} {'token ratio':>12s}")
+        against = "vs 1st" if a.tree_only else "vs TRL"
+        print(f"{'':34s} {'rank':>4s} {'training s':>10s} {against:>7s} {'peak MB':>8s} {'token ratio':>12s}")
         for name, ranks in results.items():
             for rank, (steps, ratios) in enumerate(ranks):
                 seconds = statistics.median(s for s, _ in steps)
                 peak = max(p for _, p in steps) / 2**20
                 ratio = ", ".join(f"{x:.2f}" for x in ratios) or "-"
-                print(f"{name:28s} {rank:4d} {seconds:10.2f} {base[rank] / seconds:6.2f}x {peak:8.0f} {ratio:>12s}")
+                print(f"{name:34s} {rank:4d} {seconds:10.2f} {base[rank] / seconds:6.2f}x {peak:8.0f} {ratio:>12s}")
     end_spawned_rank()  # gloo's teardown at exit aborts a rank now and then (its docstring)
 
 

@@ -54,16 +54,21 @@ def length_reward(completions, **kwargs):
     return [float(len(str(c)) % 7) for c in completions]
 
 
-def train_dataset(trainer: str, tokenizer, prompts: int, context_tokens: int, completion_tokens: int) -> Dataset:
+def train_dataset(trainer: str, tokenizer, prompts: int, context_tokens: int, completion_tokens: int,
+                  context_after_question: bool = False) -> Dataset:
     """The default task's first `prompts` questions as conversational prompts, after about `context_tokens` tokens
-    of shared context (a system message) when not 0; for DPO one pair per prompt: a worked answer of about
-    `completion_tokens` tokens against a short guess."""
+    of shared context (a system message) when not 0, or after each question in its message with
+    `context_after_question` (each prompt's own from the question on); for DPO one pair per prompt: a worked answer
+    of about `completion_tokens` tokens against a short guess."""
     questions = [item["question"] for item in list(load_task(TaskConfig())[0])[:prompts]]
     context = None
     if context_tokens:
         per = len(tokenizer(CONTEXT)["input_ids"])
         context = CONTEXT * max(1, context_tokens // per)
-    messages = [build_messages(q, context) if context else build_messages(q) for q in questions]
+    if context and context_after_question:
+        messages = [build_messages(f"{q}\n\n{context}") for q in questions]
+    else:
+        messages = [build_messages(q, context) if context else build_messages(q) for q in questions]
     if trainer != "dpo":
         return Dataset.from_dict({"prompt": messages})
     sentence = "Let me work this out step by step, one operation at a time. "  # about 14 tokens

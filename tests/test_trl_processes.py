@@ -35,6 +35,8 @@ JOBS = [  # one launch trains the three trainers under one wrapper; GRPO's has t
      "config": {"beta": 0.05, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2}},
     {"name": "dpo", "trainer": "dpo", "config": {}, "sides": SIDES[:2]},
 ]
+SPLIT = {"name": "grpo-context-parallel", "trainer": "grpo", "config": {"beta": 0.04}, "sides": SIDES[:2],
+         "split_groups": "context-parallel"}  # the group on both ranks: its prompt once across them
 ZERO3_JOBS = [  # as TRL's own distributed tests launch them (tests/distributed/test_distributed.py)
     # one micro-batch per step: RLOO's logprob forward through DeepSpeed's hooks, just before the tree's, leaves
     # ZeRO-3's parameter trace recording (the tree's forward must not fire the engine's hook on the root)
@@ -93,13 +95,14 @@ def launch(folder, tmp_path, jobs: list[dict], wrapper: dict | None = None) -> d
 
 def jobs_of(wrapper: str) -> list[dict]:
     """The jobs one launch under `wrapper` trains: ZeRO-1 GRPO alone (the same hand-over as ZeRO-2); ZeRO-3 TRL's own
-    distributed tests' cases too; DDP GRPO in float64 beside the naive per-rollout gradient."""
+    distributed tests' cases too; DDP and ZeRO-3 the prompt across ranks; DDP GRPO in float64 beside the naive
+    per-rollout gradient."""
     if wrapper == "zero1":
         return JOBS[:1]
     if wrapper == "zero3":
-        return JOBS + ZERO3_JOBS
+        return JOBS + ZERO3_JOBS + [SPLIT]
     if wrapper == "ddp":
-        return [{**JOBS[0], "sides": SIDES + ["float64"]}] + JOBS[1:]
+        return [{**JOBS[0], "sides": SIDES + ["float64"]}] + JOBS[1:] + [{**SPLIT, "sides": SIDES[:2] + ["float64"]}]
     return JOBS
 
 
@@ -140,6 +143,9 @@ def test_two_processes_train_as_trls_class_under_the_same_launch(reports, wrappe
         assert control["logs"][0]["grad_norm"] != pytest.approx(theirs["logs"][0]["grad_norm"], rel=1e-3)
     for rank_ratios in ours["ratios"]:
         assert all(ratio > 1.0 for ratio in rank_ratios), ours["ratios"]
+    if job.get("split_groups") == "context-parallel":  # each rank computes less than with the prompt recomputed
+        recomputed = launched["grpo"]["tree"]["ratios"]  # (auto's choice for this tiny model: the cost model's)
+        assert all(cp > whole for cps, wholes in zip(ours["ratios"], recomputed) for cp, whole in zip(cps, wholes))
     if "float64" in launched[name]:  # the ranks' mean of the naive per-rollout gradients, float64
         exact = launched[name]["float64"]
         assert max_rel_grad_err(exact["grads"], exact["naive"]) < 1e-10
@@ -242,3 +248,31 @@ def test_a_rank_that_dies_stops_the_other_with_one_line_naming_it(folder, tmp_pa
     assert said.startswith("TreeGRPOTrainer: rank 1 of 2 died during step 2") and "\n" not in said, said
     assert waited < 120
 
+
+def test_a_prompt_on_several_ranks_runs_across_them_when_the_cost_model_predicts_it_faster():
+    """`split_groups` on SmolLM2-135M's shape (30 layers, 3 K/V heads of 64), 2 ranks: an 80-token prompt computed
+    whole runs across them (half the FLOPs each against the K/V moved); the demo's 121-token prompt, of which each
+    rank computes only the 11 after the start its other prompts share (`shared_start`, the prefix forest), stays
+    recomputed, and a 1,081-token one with 971 of its own runs across (docs/benchmarks.md measures both); the tiny
+    test model's prompts are cheaper than the collective calls. A family the context-parallel prefix cannot run is
+    refused by name when it is asked for, and kept recomputed under "auto"."""
+    from transformers import LlamaConfig
+
+    from branchreplay.tree import Rollout, RolloutTree
+    from branchreplay.trl.split_groups import faster_across, shared_start, split_groups_refusal
+
+    smollm2 = LlamaConfig(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                          num_key_value_heads=3, vocab_size=49152)
+    assert faster_across(80, 2, smollm2, element_bytes=4)
+    assert not faster_across(121, 2, smollm2, element_bytes=4, own=11)
+    assert faster_across(1081, 2, smollm2, element_bytes=4, own=971)
+    assert not faster_across(80, 2, tiny_model("llama").config, element_bytes=4)
+    trees = [RolloutTree([Rollout(torch.tensor(ids), loss_mask=torch.zeros(len(ids)))])
+             for ids in ([1, 2, 3, 4, 5], [1, 2, 3, 9], [1, 7])]
+    assert [shared_start(t, trees) for t in trees] == [3, 3, 1]
+    mamba = tiny_model("mamba2").config
+    assert "recurrent layers" in split_groups_refusal("context-parallel", mamba, False, False)
+    assert split_groups_refusal("auto", mamba, False, False) == ""
+    assert "router loss" in split_groups_refusal("context-parallel", smollm2, False, True)
+    assert "images" in split_groups_refusal("context-parallel", smollm2, True, False)
+    assert "use one of auto, recompute, context-parallel" in split_groups_refusal("always", smollm2, False, False)

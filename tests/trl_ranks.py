@@ -4,7 +4,8 @@
 
 FOLDER: a tiny model and its tokenizer. JOBS_JSON: a list of {"name", "trainer" (grpo, rloo or dpo), "config" (on
 top of this file's TRL config: use_cpu=True, i.e. accelerate's MULTI_CPU state, DDP over gloo, unless the config
-names FSDP or DeepSpeed), "sides", and optionally "die": rank 1 SIGKILLs itself after step 1}. Each side trains 2
+names FSDP or DeepSpeed), "sides", and optionally "die": rank 1 SIGKILLs itself after step 1, and
+"split_groups": the tree trainer's}. Each side trains 2
 steps from one seed: "trl" TRL's class, "tree" the tree's, "unreduced" the tree's with the gradient handed to no
 reduction (the control), "float64" the tree's GRPO in float64 beside the naive per-rollout gradient. Rank 0
 writes OUT (torch.save): {name: {side: {"logs": the logged steps, "grads": the first step's gradient as the
@@ -64,7 +65,7 @@ def on_cpu_processes():
     return mock.patch.object(accelerate.state.AcceleratorState, "__init__", init)
 
 
-def build(trainer: str, side: str, folder: str, out: str, config: dict, model=None):
+def build(trainer: str, side: str, folder: str, out: str, config: dict, model=None, split_groups: str = "auto"):
     """`side`'s trainer (module docstring) on `model`, or on the folder's when None."""
     import trl
     from datasets import Dataset, load_from_disk
@@ -96,7 +97,8 @@ def build(trainer: str, side: str, folder: str, out: str, config: dict, model=No
     make_config = trl.GRPOConfig if trainer == "grpo" else trl.RLOOConfig
     args = make_config(**{**settings, "per_device_train_batch_size": 6, "num_generations": 4,
                           "max_completion_length": 8, **config})
-    return cls[side != "trl"](model=model, reward_funcs=length_reward, args=args,
+    tree_only = {} if side == "trl" else {"split_groups": split_groups}
+    return cls[side != "trl"](model=model, reward_funcs=length_reward, args=args, **tree_only,
                               train_dataset=Dataset.from_dict({"prompt": GROUP_PROMPTS * 4}),
                               processing_class=tokenizer)
 
@@ -178,6 +180,7 @@ def against_naive(stack: contextlib.ExitStack, folder: str) -> list:
     weights before its first update) beside the tree's (`trl.grpo.replay_backward`)."""
     from transformers import AutoModelForCausalLM
 
+    from branchreplay.check.numerics import keep_float64
     from branchreplay.check.reference import naive_backward
     from branchreplay.trl import grpo
 
@@ -187,7 +190,8 @@ def against_naive(stack: contextlib.ExitStack, folder: str) -> list:
         if not naive:
             reference = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
             rollouts = [r for tree in trees for r in tree.rollouts]
-            naive_backward(reference, rollouts, loss, temperature=kwargs.get("temperature", 1.0))
+            with keep_float64(reference):
+                naive_backward(reference, rollouts, loss, temperature=kwargs.get("temperature", 1.0))
             naive.append([torch.zeros_like(p) if p.grad is None else p.grad for p in reference.parameters()])
         return replay_backward(model, trees, loss, **kwargs)
 
@@ -195,7 +199,8 @@ def against_naive(stack: contextlib.ExitStack, folder: str) -> list:
     return naive
 
 
-def run_side(trainer: str, side: str, folder: str, out: str, config: dict, die: bool = False) -> dict:
+def run_side(trainer: str, side: str, folder: str, out: str, config: dict, die: bool = False,
+             split_groups: str = "auto") -> dict:
     """One side of a job (module docstring). "float64": the tree's GRPO on a float64 model, and the naive
     per-rollout gradient of each rank's first micro-batch, averaged over the ranks."""
     import torch.distributed as dist
@@ -207,9 +212,12 @@ def run_side(trainer: str, side: str, folder: str, out: str, config: dict, die: 
         if side == "float64":  # TRL's model_init_kwargs take no float64: the model is handed in
             from transformers import AutoModelForCausalLM
 
+            from branchreplay.check.numerics import keep_float64
+
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
+            stack.enter_context(keep_float64(model))  # HF's RMSNorm otherwise rounds to float32
         try:
-            run = build(trainer, side, folder, out, config, model)
+            run = build(trainer, side, folder, out, config, model, split_groups)
         except ValueError as e:
             return {"refused": str(e)}
         grads = first_gradient(run, stack)
@@ -244,7 +252,8 @@ def main(folder: str, out: str, jobs: list[dict]) -> None:
         for job in jobs:
             report[job["name"]] = {}
             for side in job["sides"]:
-                result = run_side(job["trainer"], side, folder, out, job.get("config", {}), job.get("die", False))
+                result = run_side(job["trainer"], side, folder, out, job.get("config", {}), job.get("die", False),
+                                  job.get("split_groups", "auto"))
                 if "refused" in result:
                     report[job["name"]] = result
                     break

@@ -165,19 +165,16 @@ def _context_parallel(trees, costs, chosen: list[int], world_size: int, config, 
         groups = _branch_groups(tree, P, world_size, config)
         below = _positions_below(tree.root, P)
         for rank in range(world_size):
-            mine = [(a, b) for pieces in rounds for a, b, owner in pieces if owner == rank]
-            positions = sum(b - a for a, b in mine)
-            keys = sum((b - a) * a + (b - a) * (b - a + 1) // 2 for a, b in mine)
+            positions, keys = _pieces(rounds, rank)
             part = RolloutTree([tree.rollouts[j] for j in groups[rank]]) if groups[rank] else None
             extra_positions, extra_keys = _positions_below(part.root, P) if part else (0, 0)
             recomputed += extra_positions
             loads[rank] += _flops(positions + extra_positions, keys + extra_keys, config)
             physical[rank] += positions + extra_positions
             cp_parts[rank].append(ContextParallelTree(tree.rollouts[0].token_ids[:P], part, rounds, rank))
-            bytes_moved[rank] += 2 * sum((world_size - 1) * max(b - a for a, b, _ in pieces) * kv_bytes
-                                         for pieces in rounds)  # forward all-gather, backward all-to-all
+            bytes_moved[rank] += _bytes_moved(rounds, world_size, kv_bytes)
         recomputed -= below[0]
-        calls += 2 * (len(rounds) * config.num_hidden_layers + 1)
+        calls += _calls(rounds, config)
     rest = [(costs[i], trees[i], i) for i in range(len(trees)) if i not in chosen]
     parts, sources = [[] for _ in range(world_size)], [[] for _ in range(world_size)]
     _assign(rest, parts, loads, sources)
@@ -189,6 +186,40 @@ def _context_parallel(trees, costs, chosen: list[int], world_size: int, config, 
                for r in range(world_size)]
     return ShardPlan(parts, loads, physical, recomputed, sources, "context-parallel", sorted(chosen), bytes_moved,
                      seconds)
+
+
+def prefix_seconds(P: int, world_size: int, config, cost: CostModel = CostModel(), element_bytes: int = 4,
+                   own: int | None = None) -> tuple[float, float]:
+    """(recomputed, context-parallel): predicted seconds, on `cost`, of the forward and backward of an untrained
+    prefix of P positions (P >= world_size) on a rank that computes its last `own` positions itself (default all P;
+    fewer where the rank's other trees already compute its start, as a prefix forest does), and on the slowest of
+    `world_size` ranks that run all P once across them (its pieces' FLOPs, the K/V bytes it moves, the collective
+    calls)."""
+    rounds = zigzag_rounds(P, world_size)
+    kv_bytes = 2 * config.num_hidden_layers * _kv_heads(config) * head_dim(config) * element_bytes
+    own = P if own is None else own
+    whole = _flops(own, own * (P - own) + own * (own + 1) // 2, config) / cost.flops_per_s
+    pieces = max(_flops(*_pieces(rounds, rank), config) for rank in range(world_size)) / cost.flops_per_s
+    return whole, (pieces + _bytes_moved(rounds, world_size, kv_bytes) / cost.bytes_per_s
+                   + _calls(rounds, config) * cost.latency_s)
+
+
+def _pieces(rounds, rank: int) -> tuple[int, int]:
+    """(positions, attention keys) of `rank`'s pieces of a context-parallel prefix."""
+    mine = [(a, b) for pieces in rounds for a, b, owner in pieces if owner == rank]
+    return sum(b - a for a, b in mine), sum((b - a) * a + (b - a) * (b - a + 1) // 2 for a, b in mine)
+
+
+def _bytes_moved(rounds, world_size: int, kv_bytes: int) -> float:
+    """Bytes a rank sends (and receives) for a context-parallel prefix: the forward's all-gather of each round's
+    K/V and the backward's all-to-all of their gradients; `kv_bytes` per position, every layer."""
+    return 2 * sum((world_size - 1) * max(b - a for a, b, _ in pieces) * kv_bytes for pieces in rounds)
+
+
+def _calls(rounds, config) -> int:
+    """Collective calls of a context-parallel prefix, forward and backward: one per round and layer, and the last
+    hidden state's."""
+    return 2 * (len(rounds) * config.num_hidden_layers + 1)
 
 
 def _assign(items, parts, loads, sources) -> None:

@@ -26,8 +26,9 @@ from ..engine import EngineConfig, UnsupportedModelError
 from ..engine.families import UNCHECKED, family_of
 from ..engine.router import RouterLoss
 from ..engine.sequence import replay_function_backward
-from ..engine.vision import language_model
+from ..engine.vision import is_vision_language, language_model
 from ..tree import ReplayResult
+from .split_groups import arranged, split_groups_refusal
 from .processes import WrapperStep, launch_refusals, watching_ranks
 from .zero import GradientInjection
 from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_mask
@@ -40,6 +41,9 @@ class TreeTrainerMixin:
         unknown_family: a model family outside the engine's registry: 'self-check' it when the trainer is built
             (the engine against the naive per-rollout computation on a small random tree of the model itself;
             `branchreplay train`'s train.unknown_family) or 'refuse' it.
+        split_groups: on several processes, a GRPO or RLOO group whose rows land on several ranks has its prompt
+            'recompute'd by each of them, or run once across the ranks ('context-parallel'), or 'auto': per
+            prompt the faster on the engine's cost model (`split_groups.py`). DPO's pairs each lie on one rank.
 
     Raises (when the trainer is built, before anything is generated):
         ValueError: naming the config field, for what the tree does not run: active dropout (set
@@ -56,12 +60,14 @@ class TreeTrainerMixin:
     trl_name = "GRPOTrainer"  # TRL's class, for messages
     config_name = "GRPOConfig"
 
-    def __init__(self, *args, engine: EngineConfig | None = None, unknown_family: str = "self-check", **kwargs):
+    def __init__(self, *args, engine: EngineConfig | None = None, unknown_family: str = "self-check",
+                 split_groups: str = "auto", **kwargs):
         name = type(self).__name__
         if unknown_family not in ("self-check", "refuse"):
             raise ValueError(f"{name}: unknown_family={unknown_family!r}; use 'self-check' or 'refuse'")
         self._tree_outputs = None  # the [B, C] logprobs and entropies (and router aux loss) TRL's loss reads
         self._zero3 = GradientInjection()  # the gradient handed to DeepSpeed ZeRO-3 (zero.py)
+        self.split_groups = split_groups
         super().__init__(*args, **kwargs)
         self.engine = engine if engine is not None else EngineConfig()
         self._force = check_family(self.model, unknown_family, name, router_loss=self.aux_loss_enabled)
@@ -92,7 +98,23 @@ class TreeTrainerMixin:
         return [
             (args.fp16, "fp16=True: its loss scaler would not scale the tree's gradients; use bf16=True or neither"),
             (args.use_liger_kernel, "use_liger_kernel=True replaces the model's forward; set it to False"),
-        ] + launch_refusals(self.accelerator, self.model, type(self).__name__, self.config_name)
+        ] + launch_refusals(self.accelerator, self.model, type(self).__name__, self.config_name) + [
+            (bool(why := split_groups_refusal(self.split_groups, self._language_config(),
+                                              is_vision_language(self._base_model()), self.aux_loss_enabled)), why),
+        ]
+
+    def _base_model(self) -> torch.nn.Module:
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def _language_config(self):
+        """The config of the model's language model (a vision-language model's text tower)."""
+        return language_model(self._base_model()).config
+
+    def _arranged(self, trees: list, order: list[int], model: torch.nn.Module) -> tuple[list, list[int]]:
+        """`split_groups.arranged` of the micro-batch's prompt trees under the trainer's `split_groups` (the K/V's
+        bytes per element priced as the parameters')."""
+        return arranged(trees, order, self.split_groups, self._language_config(),
+                        next(model.parameters()).element_size(), self.aux_loss_enabled, self.engine.forest)
 
     def train(self, *args, **kwargs):
         """TRL's `train`; on several processes, a rank that dies stops the others with `processes.RankDied`."""
@@ -125,7 +147,7 @@ class TreeTrainerMixin:
         """TRL's `_compute_loss` as a function of the rows' logprobs and entropies, differentiated through the tree
         (module docstring); the gradient is scaled as transformers' `training_step` scales TRL's loss before its
         backward (divided by the accumulation steps unless the trainer says its loss already is)."""
-        trees, order = prompt_trees(inputs, rollouts, model)
+        trees, order = self._arranged(*prompt_trees(inputs, rollouts, model), model)
         keep = mask.bool()
         old = inputs.get("old_per_token_logps")
         fill = old.detach().double() if old is not None else torch.zeros(mask.shape, dtype=torch.float64)

@@ -74,7 +74,7 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
                            entropy_tokens=float(mask.sum()) * accumulation, loss_type=self.loss_type,
                            sapo_temperature_pos=self.args.sapo_temperature_pos,
                            sapo_temperature_neg=self.args.sapo_temperature_neg)
-        trees, order = prompt_trees(inputs, rollouts, model)
+        trees, order = self._arranged(*prompt_trees(inputs, rollouts, model), model)
         with self.accelerator.autocast():
             result = replay_backward(model, trees, loss_fn, temperature=self.temperature, engine=self.engine,
                                      force=self._force)
