@@ -50,6 +50,19 @@ def test_tiny_config_defaults_and_overrides(arch):
         assert big(ids(8)).logits.shape == (2, 8, 256)
 
 
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS + M.RECURRENT_ARCHS if a != "gpt2"])
+def test_tiny_config_has_only_its_family_fields(arch):
+    """A tiny config is the family's own config class with transformers' defaults, only shrunk: every field it holds
+    is one a default config of the class holds too, or one of the family's own settings (`_ARCH_EXTRA`). Mamba's
+    and Mamba2's have no attention fields, so a reader of config.num_attention_heads fails in the tests too."""
+    config = tiny_config(arch)
+    default = transformers.AutoConfig.for_model(config.model_type)
+    extra = set(vars(config)) - set(vars(default)) - set(M._ARCH_EXTRA.get(arch, {}))
+    assert not {k for k in extra if not k.startswith("_")}, extra
+    if arch in ("mamba", "mamba2"):
+        assert not hasattr(config, "num_attention_heads")
+
+
 def test_gpt2_names_mapped_and_dropout_off():
     c = tiny_config("gpt2", hidden_size=96, num_hidden_layers=3, max_position_embeddings=512)
     assert (c.n_embd, c.n_layer, c.n_head, c.n_positions, c.n_inner) == (96, 3, 4, 512, 128)

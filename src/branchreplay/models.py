@@ -114,14 +114,18 @@ def tiny_config(arch: str, **overrides) -> PretrainedConfig:
     experts, top 2, mixtral with sliding_window=16) are set up in `_ARCH_EXTRA`.
     `overrides` are config fields (e.g. hidden_size=256, num_hidden_layers=4); for gpt2 the Llama-style names
     hidden_size, num_hidden_layers, num_attention_heads, max_position_embeddings, intermediate_size are mapped
-    to n_embd, n_layer, n_head, n_positions, n_inner. head_dim follows hidden_size // num_attention_heads.
-    RECURRENT_ARCHS take the same defaults (attention fields only where the family has attention) plus the small
-    SSM / conv sizes of `_ARCH_EXTRA`.
+    to n_embd, n_layer, n_head, n_positions, n_inner. head_dim follows hidden_size // num_attention_heads where
+    the family's config has the field.
+    RECURRENT_ARCHS take the same defaults plus the small SSM / conv sizes of `_ARCH_EXTRA`. Of the shared
+    defaults only the fields the family's own config class has are set (Mamba's and Mamba2's have no attention
+    fields), so the config is the family's, with transformers' defaults, only shrunk.
     Raises ValueError for an unknown arch, or num_key_value_heads != num_attention_heads for gpt2.
     """
     if arch not in TINY_ARCHS + RECURRENT_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS + RECURRENT_ARCHS}")
-    kw = {**_TINY, **_ARCH_EXTRA.get(arch, {}), **overrides}
+    default = AutoConfig.for_model(_MODEL_TYPE.get(arch, arch)) if arch != "gpt2" else None
+    shared = _TINY if default is None else {k: v for k, v in _TINY.items() if hasattr(default, k)}
+    kw = {**shared, **_ARCH_EXTRA.get(arch, {}), **overrides}
     if arch == "gpt2":
         if overrides.get("num_key_value_heads", kw["num_attention_heads"]) != kw["num_attention_heads"]:
             raise ValueError("gpt2 has no grouped-query attention: num_key_value_heads must equal num_attention_heads")
@@ -129,7 +133,8 @@ def tiny_config(arch: str, **overrides) -> PretrainedConfig:
         no_dropout = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, summary_first_dropout=0.0)
         kw = {**no_dropout, **kw}
         return transformers.GPT2Config(**kw)
-    kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
+    if "num_attention_heads" in kw and hasattr(default, "head_dim"):
+        kw.setdefault("head_dim", kw["hidden_size"] // kw["num_attention_heads"])
     return AutoConfig.for_model(_MODEL_TYPE.get(arch, arch), **kw)
 
 

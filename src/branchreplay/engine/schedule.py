@@ -70,12 +70,17 @@ def schedule(root: Node, overhead_tokens: float, attention_per_key: float, prefi
 
 
 def attention_per_key(config, n_params: int) -> float:
-    """Position-equivalents of one (query, key) pair: 4 n_layers d_attn attention FLOPs against the 2 N_params of a
-    position's matmuls (forward; the backward scales both by 3)."""
+    """Position-equivalents of one (query, key) pair: 4 n_attention_layers d_attn attention FLOPs against the
+    2 N_params of a position's matmuls (forward; the backward scales both by 3). 0 for a model without attention
+    layers (Mamba, Mamba2: their configs have no attention fields)."""
     from ..models import head_dim
+    from .recurrent import layer_kinds
 
+    attention_layers = sum(kind != "recurrent" for kind in layer_kinds(config))
+    if not attention_layers:
+        return 0.0
     d_attn = config.num_attention_heads * head_dim(config)
-    return 2 * config.num_hidden_layers * d_attn / max(n_params, 1)
+    return 2 * attention_layers * d_attn / max(n_params, 1)
 
 
 def _scheduled(node: Node, pack: float, per_child_position: float, per_key: float, counts: list[int]) -> list[Node]:
