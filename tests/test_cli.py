@@ -64,6 +64,22 @@ def test_bench_from_json_merges_runs_into_one_table_and_plot(tmp_path, capsys):
     assert "different threads" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("text, said", [
+    ("", "is empty"),
+    ('{"model_type": "llama", "hidden_size": 64,}', "not valid JSON: Expecting property name enclosed in double "
+                                                     "quotes at line 1, column 43"),
+    ("[1]", "holds a JSON list"),
+    ('{"model_type": "llama", "hidden_size": "sixty-four"}', "'hidden_size' expected int, got str (value: "
+                                                            "'sixty-four')"),
+])
+def test_verify_a_folder_with_a_broken_config_json_is_one_line(tmp_path, capsys, text, said):
+    """`verify --model FOLDER` whose config.json is broken: one line naming the file and what is wrong, exit 2."""
+    (tmp_path / "config.json").write_text(text)
+    assert main(["verify", "--model", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"error: {tmp_path / 'config.json'}") and said in err and err.count("\n") == 1, err
+
+
 def test_bad_cli_input_is_one_line_error(capsys):
     """Typos end in `error: ...` and exit 2, not a traceback."""
     assert main(["verify", "--arch", "nope"]) == 2

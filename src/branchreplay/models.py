@@ -13,6 +13,7 @@ it checks the installed transformers (`require_transformers`): every part that c
 
 import contextlib
 import importlib.util
+import json
 import os
 import pathlib
 import re
@@ -312,6 +313,29 @@ def _load_pretrained(name, dtype, attn_implementation, with_tokenizer=True):
     return model, AutoTokenizer.from_pretrained(name) if with_tokenizer else None
 
 
+def checked_config(folder: pathlib.Path) -> PretrainedConfig:
+    """The config of a model folder, read by transformers. Raises ValueError, one line naming config.json and what is
+    wrong: empty, not valid JSON (the line and column), not an object, or a field transformers refuses (its name
+    and value, e.g. "hidden_size": "sixty-four")."""
+    file = folder / "config.json"
+    text = file.read_text(errors="replace")
+    if not text.strip():
+        raise ValueError(f"{file} is empty: write the model's config there (save_pretrained does)")
+    try:
+        fields = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{file} is not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+    if not isinstance(fields, dict):
+        raise ValueError(f"{file} holds a JSON {type(fields).__name__}, not an object of config fields")
+    from huggingface_hub.errors import StrictDataclassFieldValidationError  # transformers' typed config fields
+
+    try:
+        return AutoConfig.from_pretrained(folder)
+    except (ValueError, TypeError, KeyError, StrictDataclassFieldValidationError) as e:
+        said = " ".join(str(e).split())[:300] or type(e).__name__
+        raise ValueError(f"{file}: {said} (fix the field, or write the file again with save_pretrained)") from None
+
+
 def load_model(spec: str, dtype: torch.dtype = torch.float32, attn_implementation: str = "sdpa"
                ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase | None]:
     """Load a causal LM and its tokenizer; the model is in eval mode with parameters in `dtype`.
@@ -319,8 +343,9 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, attn_implementatio
     spec: "smollm2" (the embedded default, see default_model_dir), "tiny:<arch>" (tiny_model(arch), tokenizer None),
     a folder with config.json (tokenizer None if it holds no tokenizer files), a .gguf file, or a hub id "org/name"
     (tried only when no such local path exists).
-    Raises FileNotFoundError for a missing path, ValueError for a folder without config.json, a GGUF that is not
-    a causal LM, or an unknown spec; OSError when a hub id cannot be reached.
+    Raises FileNotFoundError for a missing path, ValueError for a folder without config.json or with a broken one
+    (`checked_config`), a GGUF that is not a causal LM, or an unknown spec; OSError when a hub id cannot be
+    reached.
     """
     if spec == DEFAULT_MODEL:
         spec = str(default_model_dir())
@@ -331,6 +356,7 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32, attn_implementatio
         if not (path / "config.json").is_file():
             raise ValueError(f"{path} has no config.json: pass a folder written by save_pretrained, a .gguf file, "
                              f"'{DEFAULT_MODEL}' or 'tiny:<arch>'")
+        checked_config(path)
         has_tokenizer = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json",
                                                              "tokenizer.model"))
         model, tokenizer = _load_pretrained(path, dtype, attn_implementation, has_tokenizer)
