@@ -160,6 +160,24 @@ def test_chunks_that_cut_an_image_and_images_outside_the_shared_prefix_are_refus
                                                          pixel_values=case.images["pixel_values"][:1]))
 
 
+@pytest.mark.parametrize("wrong", ["shifted", "a-placeholder-replaced", "a-placeholder-added"])
+def test_an_image_prompt_of_another_prompt_is_refused(case, wrong):
+    """The tree's tokens must hold the model's image placeholder exactly where its ImagePrompt puts the features:
+    made from the prompt shifted by one, with a placeholder replaced by a text token, or from the prompt while the
+    rollouts hold one more placeholder, it is refused by name (the features would overwrite other tokens)."""
+    at = int((case.prompt == IMAGE).nonzero()[1])
+    if wrong == "shifted":
+        other, rollouts = torch.cat([torch.tensor([7]), case.prompt[:-1]]), case.rollouts
+    elif wrong == "a-placeholder-replaced":
+        other, rollouts = case.prompt, [Rollout(torch.cat([r.token_ids[:at], torch.tensor([7]), r.token_ids[at + 1:]]),
+                                                r.loss_mask, advantages=r.advantages) for r in case.rollouts]
+    else:
+        other, rollouts = case.prompt, [Rollout(torch.cat([torch.tensor([IMAGE]), r.token_ids[1:]]), r.loss_mask,
+                                                advantages=r.advantages) for r in case.rollouts]
+    with pytest.raises(ValueError, match="make the ImagePrompt from the rollouts' own prompt"):
+        RolloutTree(rollouts, images=ImagePrompt.of(case.model, other, **case.images))
+
+
 def test_rotary_positions_that_miss_a_placeholder_are_refused(keep64):
     case = _qwen2_vl(torch.Generator().manual_seed(0), keep64)
     assert case.tree().images.rope_delta < 0  # 7 placeholders on grids of 2 x 2 and 1 x 3 merged patches

@@ -242,7 +242,8 @@ class RolloutTree:
         self.stats = self._stats()
         self.images = images
         if images is not None:
-            images.check(self.root.children[0].end if len(self.root.children) == 1 else 0)
+            shared = self.root.children[0].tokens if len(self.root.children) == 1 else torch.empty(0, dtype=torch.long)
+            images.check(shared)
 
     def nodes(self) -> list[Node]:
         """All real nodes in depth-first pre-order (parents before children)."""

@@ -152,13 +152,29 @@ class ImagePrompt:
 
         return cls(positions, features, blocks, rope_positions, rope_delta, model)
 
-    def check(self, shared_length: int) -> None:
-        """Raises ValueError when a placeholder lies outside the first `shared_length` positions (the tree's shared
-        prefix), or `blocks` or `rope_positions` does not match `positions`."""
+    def check(self, shared: torch.Tensor) -> None:
+        """Raises ValueError when a placeholder lies outside `shared` [S] (the ids of the prefix all the tree's
+        rollouts share), when the model's image token (config.image_token_id, where `of` set the model) is not at
+        exactly `positions` in it (an ImagePrompt made from another prompt: shifted, or a placeholder replaced),
+        or when `blocks` or `rope_positions` does not match `positions`."""
+        shared_length = len(shared)
         if self.positions.numel() and int(self.positions.max()) >= shared_length:
             raise ValueError(f"an image placeholder at position {int(self.positions.max())} lies outside the prefix "
                              f"all the tree's rollouts share ({shared_length} tokens): the rollouts of one tree must "
                              "share the prompt that holds the images (one tree per prompt and images)")
+        token = getattr(getattr(self.model, "config", None), "image_token_id", None)
+        if token is not None:
+            wrong = (shared[self.positions] != token).nonzero()
+            if len(wrong):
+                at = int(self.positions[int(wrong[0])])
+                raise ValueError(f"the tree's token at image position {at} is {int(shared[at])}, not the image "
+                                 f"placeholder {token}: make the ImagePrompt from the rollouts' own prompt "
+                                 "(ImagePrompt.of(model, prompt_ids, ...))")
+            count = int((shared == token).sum())
+            if count != self.positions.numel():
+                raise ValueError(f"the tree's shared prompt holds {count} image placeholders where its ImagePrompt "
+                                 f"places {self.positions.numel()}: make the ImagePrompt from the rollouts' own "
+                                 "prompt (ImagePrompt.of(model, prompt_ids, ...))")
         if self.blocks is not None and self.blocks.shape != self.positions.shape:
             raise ValueError(f"ImagePrompt.blocks has shape {tuple(self.blocks.shape)}, positions "
                              f"{tuple(self.positions.shape)}: one block id per placeholder")
