@@ -98,6 +98,13 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         params = [p.full_tensor() if hasattr(p, "full_tensor") else p.detach() for p in model.parameters()]
         report["adamw-3-steps"] = {"err": max_rel_grad_err(params, [p.detach() for p in single.parameters()]),
                                    "tol": 1e-10}
+    # rank 1 passes other trees than rank 0's: every rank refuses, naming rank 1, before any gradient
+    dp = DataParallel(tiny_model("llama", dtype=torch.float64, seed=0), **_strategy("ddp"))
+    try:
+        replay_backward_sharded(dp, _trees("four-groups", 256, seed=rank), GRPOLoss())
+        reports["other-trees-on-rank-1"] = None
+    except ValueError as e:
+        reports["other-trees-on-rank-1"] = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(reports, f)
     end_spawned_rank()  # on success only, after its results are written (engine.distributed)
@@ -126,6 +133,14 @@ def test_sharded_step_equals_single_process(strategy, sharded_reports):
         for case, r in report.items():
             assert r["err"] <= r["tol"], f"{strategy} rank {rank} {case}: max relative error {r['err']:.2e}"
         assert report["one-group-split"]["recomputed"] > 0  # both ranks ran the shared prompt
+
+
+def test_ranks_that_pass_other_trees_are_refused_naming_the_rank(sharded_reports):
+    """The documented requirement, the same trees on every rank, is checked: each rank would otherwise run its share
+    of another plan (a far-off gradient without an error)."""
+    for rank in range(2):
+        said = sharded_reports[rank]["other-trees-on-rank-1"]
+        assert said is not None and "the trees of rank 1 differ from rank 0's" in said, said
 
 
 def test_plan_keeps_groups_whole_and_balances_largest_first():

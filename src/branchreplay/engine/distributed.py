@@ -334,20 +334,48 @@ def end_spawned_rank() -> NoReturn:
     os._exit(0)
 
 
+ROLLOUT_FIELDS = ("token_ids", "loss_mask", "advantages", "weights", "old_logprobs", "ref_logprobs", "returns",
+                  "old_values")
+
+
+def check_same_trees(trees: list, layout: str) -> None:
+    """Raises ValueError, on every rank alike, naming the ranks whose `trees` (every rollout's tensors, in order) or
+    plan `layout` differ from rank 0's: each rank runs its share of the plan of all trees, so different trees would
+    give a wrong gradient without an error. One object all-gather of a SHA-256 digest (a collective: every rank of
+    the default group calls it)."""
+    import hashlib
+
+    digest = hashlib.sha256(layout.encode())
+    for tree in trees:
+        digest.update(len(tree.rollouts).to_bytes(8, "little"))
+        for rollout in tree.rollouts:
+            for name in ROLLOUT_FIELDS:
+                value = getattr(rollout, name)
+                digest.update(name.encode() + (b"-" if value is None else value.double().numpy().tobytes()))
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, digest.hexdigest())
+    others = [r for r, d in enumerate(everyone) if d != everyone[0]]
+    if others:
+        raise ValueError(f"replay_backward_sharded: the trees of rank {', '.join(map(str, others))} differ from rank "
+                         f"0's: every rank must pass the same trees (the plan gives each rank its share of them)")
+
+
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
                             force: Force = False, layout: str = "auto", cost=None):
     """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
     `CostModel`, default the one measured here; the same plan on every rank), the gradient reduced once: afterwards
     every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
     this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
-    same trees. `force`: as `replay_backward`'s; True refuses an unregistered family here (`check.self_check.
-    check_once`: its check needs the whole model), so check it before sharding and pass "unchecked".
+    same trees: `check_same_trees` raises ValueError, naming the ranks, where they differ. `force`: as
+    `replay_backward`'s; True refuses an unregistered family here (`check.self_check.check_once`: its check needs
+    the whole model), so check it before sharding and pass "unchecked".
     """
     from .config import EngineConfig
     from .sharding import CostModel, shard
     from .replay import replay_backward
 
     plan = shard(list(trees), dp.world_size, dp.model.config, layout=layout, cost=cost or CostModel())
+    check_same_trees(list(trees), plan.layout)
     with dp.accumulate():
         result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
                                  engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync(),
