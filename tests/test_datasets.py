@@ -196,3 +196,38 @@ def test_an_assistant_tool_call_without_content_is_a_message():
                    "row 0:")
     with pytest.raises(ValueError, match="row 0: message 1 has 'content' None"):
         check_messages([{"role": "user", "content": "1+1?"}, {"role": "assistant", "content": None}], "row 0:")
+
+
+BROKEN = {  # file text -> what the one line says after the file's name
+    "": "has no rows",
+    "\n  \n\n": "has no rows",
+    '{"question_text": "1+1=?", "solution": "2"},\n': "line 1 is not valid JSON: Extra data at column 44",
+    '{"question_text": "1+1=?", "solution": "2"}\n{"question_text": "\\ud800", "solution": "2"}\n':
+        "line 2, column 'question_text': a lone surrogate",
+    '{"question_text": "1+1=?", "solution": "2"}\n[1, 2]\n': "line 2 holds a JSON list, not an object of columns",
+    '{"question_text": "1+1=?", "solution": "2"}\n{"solution": "4"}\n': "line 2 lacks the column(s) question_text",
+}
+
+
+@pytest.mark.parametrize("text", BROKEN, ids=["empty", "blank-lines", "trailing-comma", "lone-surrogate", "a-list",
+                                              "a-row-without-a-column"])
+def test_a_broken_jsonl_file_is_one_line_naming_the_file_and_the_line(tmp_path, text):
+    """task.dataset and dpo.dataset alike (they ended in a traceback of the datasets library, or its "Instruction
+    'train' corresponds to no data!")."""
+    from branchreplay.rl.data.datafiles import read_rows
+
+    path = tmp_path / "broken.jsonl"
+    path.write_text(text, errors="surrogatepass")
+    with pytest.raises(ValueError, match=f"task.dataset {path} {BROKEN[text]}".replace("(", r"\(").replace(")", r"\)")):
+        load_task(TaskConfig(dataset=str(path), prompt_column="question_text", answer_column="solution",
+                             eval_size=0, reward="math_verify"))
+    with pytest.raises(ValueError, match=f"dpo.dataset {path}"):
+        read_rows(path, "dpo.dataset", ("question_text",))
+
+
+def test_a_string_cell_stays_a_string(tmp_path):
+    """" 1." in a JSONL cell is the string " 1.", not the number 1.0 (the datasets library read it as one)."""
+    path = _jsonl(tmp_path / "strings.jsonl", [{"question_text": "1-0=?", "solution": " 1."}] * 3)
+    train, _ = load_task(TaskConfig(dataset=path, prompt_column="question_text", answer_column="solution",
+                                    eval_size=0, reward="math_verify"))
+    assert train[0]["answer"] == " 1."

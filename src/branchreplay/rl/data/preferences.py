@@ -57,8 +57,7 @@ def load_preferences(path: str | Path, tokenizer, max_length: int | None = None)
     """
     path = Path(path)
     columns = ("prompt", "chosen", "rejected")
-    rows = [dict(row) for row in read_rows(path, "dpo.dataset", columns, "rows need prompt, chosen and rejected, as "
-                                           "TRL's")]
+    rows = read_rows(path, "dpo.dataset", columns, "rows need prompt, chosen and rejected, as TRL's")
     check_columns(rows, f"dpo.dataset {path}", text=columns)
     pairs, skipped, too_long = [], 0, 0
     for i, row in enumerate(rows):

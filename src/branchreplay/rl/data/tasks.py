@@ -99,7 +99,7 @@ def checked_rows(path, field: str, required: tuple[str, ...], hint: str, answers
     from .cells import check_columns
     from .datafiles import read_rows
 
-    rows = [dict(row) for row in read_rows(path, field, required, hint)]
+    rows = read_rows(path, field, required, hint)
     check_columns(rows, f"{field} {path}", text=required[:1], answers=answers)
     return rows
 
