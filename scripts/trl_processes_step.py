@@ -109,7 +109,8 @@ def build(cls, config_cls, a, out: str, split_groups: str | None = None):
     common = dict(report_to=[], use_cpu=True, bf16=False, seed=0, save_strategy="no", max_steps=a.steps,
                   logging_steps=1, output_dir=out, **LAUNCHES[a.launch])
     if a.trainer == "dpo":
-        args = config_cls(per_device_train_batch_size=a.per_device or a.prompts // a.world, **common)
+        longest = {"max_length": a.max_length} if a.max_length else {}  # DPOConfig's default: 1,024 tokens
+        args = config_cls(per_device_train_batch_size=a.per_device or a.prompts // a.world, **longest, **common)
         return cls(model=model_dir, args=args, train_dataset=data, processing_class=tokenizer)
     rows = a.per_device or a.prompts * a.num_generations // a.world
     args = config_cls(per_device_train_batch_size=rows, num_generations=a.num_generations,
@@ -128,6 +129,7 @@ def main() -> None:
     ap.add_argument("--per-device", type=int, default=0, help="rows per rank (default: the step's rows / ranks)")
     ap.add_argument("--max-completion-length", type=int, default=48, help="tokens")
     ap.add_argument("--context-tokens", type=int, default=0, help="shared context before every question")
+    ap.add_argument("--max-length", type=int, default=0, help="DPO's max_length (default: DPOConfig's)")
     ap.add_argument("--context-after-question", action="store_true",
                     help="the context after each question instead (each prompt long and its own)")
     ap.add_argument("--steps", type=int, default=3, help="the first is a warm-up")
