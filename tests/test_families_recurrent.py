@@ -2,10 +2,10 @@
 per-rollout reference (`naive_backward`: each rollout alone through the unmodified HF forward).
 
 Families: Mamba, Mamba2, Bamba (Mamba2 + attention), FalconH1 (attention and Mamba2 in every layer), Jamba (Mamba +
-attention, MoE), LFM2 (short conv + attention), Qwen3-Next (gated delta-net + attention, MoE).
+attention, MoE), NemotronH (Mamba2, attention, MoE and MLP layers), LFM2 (short conv + attention), Qwen3-Next (gated delta-net + attention, MoE).
 
 Precision. LFM2 is float64-exact. The others compute part of their forward in float32 inside transformers whatever
-the model dtype: `mamba2_chunk_scan` (Mamba2, Bamba, FalconH1), the gated delta rule and its norms (Qwen3-Next),
+the model dtype: `mamba2_chunk_scan` (Mamba2, Bamba, FalconH1, NemotronH), the gated delta rule and its norms (Qwen3-Next),
 the selective scan's `.float()` casts of B and x and of A, D, dt_bias (Mamba, Jamba), float32 logits and residual
 (Mamba, Mamba2). The reference and the engine then round at slightly different inputs (the engine runs a sequence as
 several scans, chunked elsewhere), so they agree to float32 precision only: these are checked with float32
@@ -165,6 +165,10 @@ FLOAT32_FUNCTIONS = {
     "falcon_h1": [("transformers.models.falcon_h1.modeling_falcon_h1", n) for n in
                   (*MAMBA2_SCAN, "FalconH1RMSNormGated.forward", "FalconH1Mixer.forward")]
     + [("branchreplay.engine.recurrent", "mamba2_forward")],
+    "nemotron_h": [("transformers.models.nemotron_h.modeling_nemotron_h", n) for n in
+                   (*MAMBA2_SCAN, "NemotronHRMSNormGated.forward", "NemotronHRMSNorm.forward",
+                    "NemotronHMamba2Mixer.forward", "NemotronHTopkRouter.forward", "NemotronHForCausalLM.forward")]
+    + [("branchreplay.engine.recurrent", "mamba2_forward")],
     "qwen3_next": [("transformers.models.qwen3_next.modeling_qwen3_next", n) for n in
                    ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "Qwen3NextRMSNorm.forward",
                     "Qwen3NextRMSNorm._norm", "Qwen3NextRMSNormGated.forward", "Qwen3NextGatedDeltaNet.forward",
@@ -247,7 +251,8 @@ def _run(model, ids, P, ancestors, forwards=True):
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
 def test_recurrent_state_is_constant_in_the_prefix_length(arch, keep64):
     """A recurrent layer hands its children its state after the node (conv inputs + SSM / delta-rule state), of a
-    size independent of the prefix length; attention layers hand their K/V (linear in it)."""
+    size independent of the prefix length; attention layers hand their K/V (linear in it), NemotronH's MLP and MoE
+    layers nothing."""
     model = _model(keep64, arch, torch.float32)
     kinds = layer_kinds(model.config)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
@@ -257,8 +262,11 @@ def test_recurrent_state_is_constant_in_the_prefix_length(arch, keep64):
         if recurrent_part is not None:
             assert [t.shape for t in state_short[recurrent_part]] == [t.shape for t in state_long[recurrent_part]]
             assert len(state_short[recurrent_part]) == (1 if arch == "lfm2" else 2)
-        if kind != "recurrent":
+        if kind == "stateless":
+            assert state_short == state_long == ()
+        elif kind != "recurrent":
             assert state_short[0].shape[-2] == 3 and state_long[0].shape[-2] == 40
+    assert ("stateless" in kinds) == (arch == "nemotron_h")
 
 
 @pytest.mark.parametrize("arch", ["mamba", "jamba"])

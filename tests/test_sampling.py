@@ -311,7 +311,8 @@ def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
     torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("arch", ["llama", "lfm2", "mamba", "jamba", "mamba2", "bamba", "falcon_h1", "qwen3_next"])
+@pytest.mark.parametrize("arch", ["llama", "lfm2", "mamba", "jamba", "mamba2", "bamba", "falcon_h1", "nemotron_h",
+                                  "qwen3_next"])
 def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
     """Multi-turn sampling prefills a conversation's new tokens after its parent's cache (`sampling.prefill` with a
     position): the next logits equal one prefill of the whole sequence (float64; float32 kernels of the SSM scans:

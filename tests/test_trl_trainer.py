@@ -374,13 +374,25 @@ def test_unregistered_families_are_self_checked_when_built_and_then_exact(folder
         _trainer(TreeGRPOTrainer, trainer.model.name_or_path, tmp_path, unknown_family="refuse")
 
 
+def test_nemotron_h_runs_and_equals_trl(folder, tmp_path):
+    """NemotronH (Mamba-2, attention and MLP layers, as TRL's tests build it): registered, so no self-check and no
+    refusal; the gradient equals TRL's on its batch to float32 rounding (its scan computes in float32)."""
+    path = _family_folder(folder, tmp_path, "nemotron_h", hybrid_override_pattern="M*-", mamba_num_heads=4,
+                          mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8)
+    trainer = _trainer(TreeGRPOTrainer, path, tmp_path)
+    assert trainer._force is False
+    theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
+    assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
+
+
 def test_a_family_the_engine_cannot_run_is_refused_when_built(folder, tmp_path, monkeypatch):
-    """nemotron_h (Mamba-2 and attention layers, not in the registry): refused in the constructor with the reason,
-    before anything is generated."""
-    path = _family_folder(folder, tmp_path, "nemotron_h", hybrid_override_pattern="M*", mamba_num_heads=4,
-                          mamba_head_dim=16, ssm_state_size=8, n_groups=1)
+    """granitemoehybrid (Mamba-2 and attention layers, not in the registry): refused in the constructor with the
+    reason, before anything is generated."""
+    path = _family_folder(folder, tmp_path, "granitemoehybrid", layer_types=["linear_attention", "full_attention"],
+                          mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, num_local_experts=4,
+                          num_experts_per_tok=2)
     monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda *a, **k: pytest.fail("generated before refusing"))
-    with pytest.raises(ValueError, match="TreeGRPOTrainer: nemotron_h: .*recurrent or hybrid layers"):
+    with pytest.raises(ValueError, match="TreeGRPOTrainer: granitemoehybrid: .*recurrent or hybrid layers"):
         _trainer(TreeGRPOTrainer, path, tmp_path)
 
 

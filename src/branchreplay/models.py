@@ -54,7 +54,8 @@ require_transformers(transformers.__version__)
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma2", "gemma3", "qwen2-sliding",
                                "qwen3_moe", "mixtral", "phi3")
-RECURRENT_ARCHS: tuple[str, ...] = ("mamba", "mamba2", "bamba", "falcon_h1", "jamba", "lfm2", "qwen3_next")
+RECURRENT_ARCHS: tuple[str, ...] = ("mamba", "mamba2", "bamba", "falcon_h1", "jamba", "nemotron_h", "lfm2",
+                                    "qwen3_next")
 """SSM / linear-attention / hybrid tiny configs (engine/recurrent.py); kept apart from TINY_ARCHS, whose tests assume
 attention-only models with float64-exact kernels."""
 
@@ -93,6 +94,12 @@ _ARCH_EXTRA = {
     "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
                   num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_dt_rank=8,
                   output_router_logits=False, experts_implementation="eager"),  # grouped_mm refuses float64
+    # one layer of each kind: Mamba2, attention, MoE (4 routed experts, top 2, a shared expert), MLP
+    "nemotron_h": dict(num_hidden_layers=4, layers_block_type=["linear_attention", "full_attention", "moe", "mlp"],
+                       mamba_num_heads=8,
+                       mamba_head_dim=16, n_groups=2, ssm_state_size=8, conv_kernel=4, chunk_size=8,
+                       n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                       moe_shared_expert_intermediate_size=64, experts_implementation="eager"),
     "lfm2": dict(num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], conv_L_cache=3),
     # gated delta-net + attention, MoE MLPs; the delta rule's chunk is 64 tokens (fixed in transformers)
     "qwen3_next": dict(layer_types=["linear_attention", "full_attention"], linear_num_key_heads=2,

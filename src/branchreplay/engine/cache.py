@@ -7,7 +7,7 @@ from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
 import torch
-from transformers.cache_utils import Cache, DynamicLayer
+from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
 
 from .families import UnsupportedModelError
 from .recurrent import HybridLayer, RecurrentLayer
@@ -162,7 +162,8 @@ class PrefixCache(Cache):
         ancestors: the `NodeState` of each ancestor, root first (tensors that require grad when training, so that
             gradients flow back to the ancestors through them).
         num_layers: number of decoder layers.
-        kinds: per layer "attention", "recurrent" or "hybrid" (`recurrent.layer_kinds`); default all attention.
+        kinds: per layer "attention", "recurrent", "hybrid" or "stateless" (`recurrent.layer_kinds`); default all
+            attention.
         windows: per layer the sliding window in tokens or None (`layer_windows`); default all full attention.
         prefix_length: the absolute position P at which the query sequence starts; needed when a sliding layer
             holds fewer positions than P (default: the positions the ancestors' states hold).
@@ -198,11 +199,20 @@ class PrefixCache(Cache):
         return [layer.node_state(a, b) for layer in self.layers]
 
 
+class _StatelessLayer(DummyLayer):
+    """A layer with no token mixer (NemotronH's MLP and MoE layers): nothing in from the prefix, nothing out."""
+
+    def node_state(self, a: int, b: int) -> tuple[torch.Tensor, ...]:
+        return ()
+
+
 def _layer(kind: str, states: list[tuple[torch.Tensor, ...]], window: int | None = None,
            prefix_length: int | None = None, split: bool = False, groups=None):
     """One layer's cache from that layer's `NodeState` of each ancestor (root first): attention reads them all (a
     sliding one their last window - 1 positions), a recurrent layer only the parent's (the last), a hybrid
-    (FalconH1) both: (k, v) parts and the parent's state."""
+    (FalconH1) both: (k, v) parts and the parent's state; a stateless layer none."""
+    if kind == "stateless":
+        return _StatelessLayer()
     if kind == "recurrent":
         return RecurrentLayer(states[-1] if states else None)
     if kind == "hybrid":

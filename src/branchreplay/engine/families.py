@@ -29,7 +29,7 @@ import torch
 
 from ..models import head_dim
 from .head import decoder_and_head
-from .recurrent import layer_kinds
+from .recurrent import attention_layers
 
 
 class UnsupportedModelError(ValueError):
@@ -95,6 +95,8 @@ FAMILIES: dict[str, Family] = {
     "bamba": Family("bamba", mask_mapping=False, recurrent=True, float32_kernels=True),
     "falcon_h1": Family("falcon_h1", mask_mapping=False, recurrent=True, float32_kernels=True),
     "jamba": Family("jamba", mask_mapping=False, recurrent=True, float32_kernels=True, continues_cache=False),
+    # Mamba2, attention, MLP and MoE layers, one kind per layer (its MLP / MoE layers hold no state)
+    "nemotron_h": Family("nemotron_h", mask_mapping=True, recurrent=True, float32_kernels=True),
     "lfm2": Family("lfm2", mask_mapping=False, recurrent=True),  # float64-exact
     "qwen3_next": Family("qwen3_next", mask_mapping=False, recurrent=True, float32_kernels=True),
 }
@@ -229,7 +231,7 @@ def state_bytes_per_token(config, dtype) -> tuple[int, int]:
     (a torch.dtype). A full layer keeps every prefix position; a sliding layer at most window - 1 of them
     (`cache.kept_positions`). Recurrent layers (`recurrent.py`) are not counted here."""
     n = config.num_hidden_layers
-    attention = [kind != "recurrent" for kind in layer_kinds(config)]
+    attention = attention_layers(config)
     if not any(attention):  # Mamba, Mamba2: no attention fields in the config
         return 0, 0
     heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads

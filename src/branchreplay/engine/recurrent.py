@@ -3,8 +3,9 @@ that make transformers' own code exact under the execution stack.
 
 A recurrent layer's `NodeState` is its state AFTER the node's last token, constant in the prefix length:
     (conv,)             LFM2 short convolution: conv [1, C, K], the last K inputs of the causal conv1d;
-    (conv, recurrent)   Mamba, Mamba2, Bamba, Jamba: recurrent = SSM state [1, D, N] (Mamba, Jamba) or
-                        [1, H, P, N] (Mamba2, Bamba; float32 whatever the model dtype, as the scan computes it);
+    (conv, recurrent)   Mamba, Mamba2, Bamba, NemotronH, Jamba: recurrent = SSM state [1, D, N] (Mamba, Jamba) or
+                        [1, H, P, N] (Mamba2, Bamba, NemotronH; float32 whatever the model dtype, as the scan
+                        computes it);
                         Qwen3-Next gated delta-net: recurrent [1, H_v, D_k, D_v] (float32, same reason);
     (k, v, conv, recurrent)  FalconH1, whose every layer holds attention and a Mamba2 mixer side by side.
 A child starts from its PARENT's state only (attention K/V, by contrast, are concatenated over all ancestors).
@@ -20,7 +21,7 @@ objects; installed files and the naive reference are untouched):
 - `LinearAttentionLayer.update_conv_state` / `update_recurrent_state` `copy_` into the cached tensors; in place on
   tensors that autograd saved, this is what breaks backward for Qwen3-Next ("modified by an inplace operation").
   `RecurrentLayer` assigns the new states instead and never writes into the parent's tensors.
-- Mamba2, Bamba, FalconH1: with seq_len == 1 and a cached state the mixer runs `mamba2_selective_state_update`,
+- Mamba2, Bamba, FalconH1, NemotronH: with seq_len == 1 and a cached state the mixer runs `mamba2_selective_state_update`,
   which updates the SSM state in place (and skips the dt limit the chunked path applies). `mamba2_forward` (the
   mixer's own multi-token path, taken for every length) runs the chunked scan from the cached state instead.
 - Mamba (v1), Jamba: `mamba_selective_scan` has no initial state; for a multi-token continuation after a cached
@@ -39,16 +40,24 @@ import torch
 import torch.nn.functional as F
 from transformers.cache_utils import CacheLayerMixin, LinearAttentionCacheLayerMixin
 
-RECURRENT_LAYER_TYPES = {"linear_attention": "recurrent", "conv": "recurrent", "hybrid": "hybrid"}
-"""transformers' `config.layer_types` entries -> our layer kind ("attention" for any other entry)."""
+LAYER_KINDS = {"linear_attention": "recurrent", "conv": "recurrent", "hybrid": "hybrid", "moe": "stateless",
+               "mlp": "stateless"}
+"""transformers' `config.layer_types` entries -> our layer kind ("attention" for any other entry). "moe" and "mlp"
+are NemotronH's layers without a token mixer: they read nothing from the prefix and hand nothing on."""
 
 
 def layer_kinds(config) -> list[str]:
-    """Per decoder layer: "attention" (K/V of every ancestor), "recurrent" (conv/SSM state of the parent) or
-    "hybrid" (both in one layer index: FalconH1), from `config.layer_types` (all "attention" without it)."""
+    """Per decoder layer: "attention" (K/V of every ancestor), "recurrent" (conv/SSM state of the parent), "hybrid"
+    (both in one layer index: FalconH1) or "stateless" (an MLP or MoE layer alone: NemotronH), from
+    `config.layer_types` (all "attention" without it)."""
     n = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
-    return [RECURRENT_LAYER_TYPES.get(t, "attention") for t in layer_types[:n]]
+    return [LAYER_KINDS.get(t, "attention") for t in layer_types[:n]]
+
+
+def attention_layers(config) -> list[bool]:
+    """Per decoder layer: whether it holds attention K/V (an "attention" or "hybrid" layer of `layer_kinds`)."""
+    return [kind in ("attention", "hybrid") for kind in layer_kinds(config)]
 
 
 class RecurrentLayer(LinearAttentionCacheLayerMixin):
@@ -134,7 +143,7 @@ class HybridLayer(RecurrentLayer, CacheLayerMixin):
 
 
 def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """Mamba2Mixer / BambaMixer / FalconH1Mixer forward under the engine: transformers' chunked path (conv1d over
+    """Mamba2Mixer / BambaMixer / FalconH1Mixer / NemotronHMamba2Mixer forward under the engine: transformers' chunked path (conv1d over
     the cached inputs + the new ones, `mamba2_chunk_scan` from the cached SSM state), for every length, including
     the single token for which transformers would update the state in place. Same operations in the same order as
     transformers' chunked path (FalconH1's multipliers and `mamba_rms_norm` switch included); the kernels are the
@@ -243,6 +252,7 @@ ENGINE_FORWARDS = {
     "Mamba2Mixer": mamba2_forward,
     "BambaMixer": mamba2_forward,
     "FalconH1Mixer": mamba2_forward,
+    "NemotronHMamba2Mixer": mamba2_forward,
     "MambaMixer": mamba_forward,
     "JambaMambaMixer": mamba_forward,
 }

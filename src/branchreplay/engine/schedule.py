@@ -74,13 +74,13 @@ def attention_per_key(config, n_params: int) -> float:
     2 N_params of a position's matmuls (forward; the backward scales both by 3). 0 for a model without attention
     layers (Mamba, Mamba2: their configs have no attention fields)."""
     from ..models import head_dim
-    from .recurrent import layer_kinds
+    from .recurrent import attention_layers
 
-    attention_layers = sum(kind != "recurrent" for kind in layer_kinds(config))
-    if not attention_layers:
+    n_attention = sum(attention_layers(config))
+    if not n_attention:
         return 0.0
     d_attn = config.num_attention_heads * head_dim(config)
-    return 2 * attention_layers * d_attn / max(n_params, 1)
+    return 2 * n_attention * d_attn / max(n_params, 1)
 
 
 def _scheduled(node: Node, pack: float, per_child_position: float, per_key: float, counts: list[int]) -> list[Node]:
