@@ -283,7 +283,8 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
 
     import shutil
 
-    shutil.rmtree(folder / "optimizer")
+    shutil.rmtree(folder / "optimizer")  # the earlier format: no optimizer/, and no checksums.json
+    (folder / "checksums.json").unlink()
     state = torch.load(folder / STATE, weights_only=False)
     by_name = get_optimizer_state_dict(trainer.model, trainer.policy.optimizer,
                                        options=StateDictOptions(full_state_dict=True))

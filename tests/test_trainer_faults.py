@@ -3,6 +3,8 @@ fails on the held-out answers, an incomplete latest checkpoint, a full disk and 
 (tiny Llama, byte tokenizer, toy task) are tests/test_trainer.py's.
 """
 
+import shutil
+
 import pytest
 
 from branchreplay.rl.run.checkpoint import latest_checkpoint
@@ -79,10 +81,40 @@ def test_an_incomplete_latest_checkpoint_is_named_on_resume(tmp_path):
     it says which one was incomplete, what it lacks, and which one it resumes from."""
     run = make_trainer(make_config(tmp_path, train={"steps": 2, "save_steps": 1})).fit()
     (run / "checkpoints" / "step-000002" / "model.safetensors").unlink()
-    with pytest.warns(RuntimeWarning, match=r"latest checkpoint is incomplete \(step-000002 lacks model.safetensors\)"
-                                            r"; resuming from step-000001"):
+    with pytest.warns(RuntimeWarning, match=r"latest checkpoint is incomplete or damaged \(step-000002 lacks "
+                                            r"model.safetensors\); resuming from step-000001"):
         make_trainer(make_config(tmp_path, train={"steps": 2, "save_steps": 1})).fit(resume=run)
     assert latest_checkpoint(run).name == "step-000002"
+
+
+@pytest.mark.parametrize("name, cut", [("model.safetensors", 0.5), ("model.safetensors", 100),
+                                       ("trainer_state.pt", 64), ("model.safetensors", "flip")])
+def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumes(tmp_path, name, cut):
+    """A checkpoint file cut short (to half, to 100 or 64 bytes) or with one byte changed used to end `--resume` in
+    a safetensors or zip traceback: the resume names the checkpoint and the file, and goes on from the previous
+    intact checkpoint; loading the damaged folder by its path is refused with the file named."""
+    from branchreplay.rl.run.checkpoint import load_weights
+
+    run = make_trainer(make_config(tmp_path, train={"steps": 2, "save_steps": 1})).fit()
+    damaged = run / "checkpoints" / "step-000002"
+    data = (damaged / name).read_bytes()
+    if cut == "flip":
+        data = data[:-9] + bytes([data[-9] ^ 0xFF]) + data[-8:]
+        said = rf"{name} fails its SHA-256 checksum"
+    else:
+        keep = int(len(data) * cut) if isinstance(cut, float) else cut
+        data = data[:keep]
+        said = rf"{name} has {keep:,} of [\d,]+ bytes"
+    (damaged / name).write_bytes(data)
+    shutil.copytree(damaged, tmp_path / "kept")  # the resume writes step 2 again
+    trainer = make_trainer(make_config(tmp_path, train={"steps": 3, "save_steps": 1}))
+    with pytest.warns(RuntimeWarning, match=rf"incomplete or damaged \(step-000002: {said}\); resuming from "
+                                            r"step-000001"):
+        trainer.fit(resume=run)
+    assert trainer.step == 3 and latest_checkpoint(run, verify=True).name == "step-000003"
+    if name == "model.safetensors":
+        with pytest.raises(ValueError, match=rf"checkpoint .*kept is damaged: {said}; load an earlier"):
+            load_weights(trainer.model, tmp_path / "kept")
 
 
 @pytest.fixture

@@ -15,6 +15,8 @@
     RUN_DIR/checkpoints/step-000010/trainer_state.pt    step, scheduler, python/numpy/torch RNG states, counters
     RUN_DIR/checkpoints/step-000010/critic/             PPO's value model: model.safetensors, config.json,
                                                         optimizer/ and trainer_state.pt (its scheduler), as above
+    RUN_DIR/checkpoints/step-000010/checksums.json      every other file of the folder: its size in bytes and its
+                                                        SHA-256, written last
     RUN_DIR/checkpoints/latest                          text: the name of the newest complete checkpoint
 
 A checkpoint is written into a hidden temporary folder next to its target (rank 0 creates it and every rank writes
@@ -24,11 +26,19 @@ os.replace). A crash at any point, or a rank that dies during the save, leaves e
 the new one, never a half-written one; leftover temporary folders are ignored by `latest_checkpoint` and removed by
 the next save. Checkpoints written before the optimizer state moved to DCP (a full state dict inside
 trainer_state.pt) still load.
+
+A checkpoint damaged after it was written (a file cut short by a copy, a disk that lost blocks) is told by its
+checksums.json: a file of another size counts as missing wherever checkpoints are listed, and a resume, an export
+or an evaluation also compares every file's SHA-256 before reading it (`faults`). A resume then takes the newest
+intact checkpoint, with a warning naming the damaged one and its file (`incomplete_latest`); loading a damaged
+folder by its path raises ValueError naming the file. Checkpoints written before checksums.json are checked for
+their files' presence only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 import random
@@ -57,6 +67,7 @@ ADAPTER = "adapter_model.safetensors"
 OPTIMIZER = "optimizer"
 STATE = "trainer_state.pt"
 CRITIC = "critic"
+CHECKSUMS = "checksums.json"
 
 
 def checkpoints_dir(run_dir: str | Path) -> Path:
@@ -166,7 +177,12 @@ def _write_rank0(tmp: Path, model, weights: dict, tokenizer, scheduler, step: in
 
 
 def _publish(tmp: Path, root: Path, name: str, keep: int) -> None:
-    """fsync the temporary folder, rename it into place, point `latest` at it, prune to the `keep` newest."""
+    """Write checksums.json, fsync the temporary folder, rename it into place, point `latest` at it, prune to the
+    `keep` newest."""
+    files = sorted(f for f in tmp.rglob("*") if f.is_file())
+    write_atomic(tmp / CHECKSUMS, json.dumps({f.relative_to(tmp).as_posix(): {"bytes": f.stat().st_size,
+                                                                            "sha256": _sha256(f)} for f in files},
+                                             indent=1))
     for f in sorted(tmp.rglob("*"), reverse=True):  # files first, then their folders
         if f.is_file():
             os.chmod(f, 0o666 & ~_umask())  # as open() makes them (safetensors writes 0600)
@@ -183,16 +199,17 @@ def _publish(tmp: Path, root: Path, name: str, keep: int) -> None:
             shutil.rmtree(old, ignore_errors=True)
 
 
-def latest_checkpoint(run_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder of a run, or None. Uses `latest`, else the highest complete step."""
+def latest_checkpoint(run_dir: str | Path, verify: bool = False) -> Path | None:
+    """The newest complete checkpoint folder of a run, or None. Uses `latest`, else the highest complete step.
+    `verify`: also compare every file's SHA-256 with checksums.json (reads the whole checkpoint), going back to an
+    earlier checkpoint while one fails."""
     root = checkpoints_dir(run_dir)
     pointer = root / "latest"
-    if pointer.is_file():
-        target = root / pointer.read_text().strip()
-        if _is_complete(target):
-            return target
-    complete = _complete(root)
-    return complete[-1] if complete else None
+    first = [root / pointer.read_text().strip()] if pointer.is_file() else []
+    for candidate in first + _complete(root)[::-1]:
+        if not faults(candidate, verify):
+            return candidate
+    return None
 
 
 def load_weights(model, checkpoint: str | Path) -> None:
@@ -202,10 +219,13 @@ def load_weights(model, checkpoint: str | Path) -> None:
     fit the model (another model, or a LoRA adapter for a model without LoRA, or the reverse)."""
     path = Path(checkpoint)
     if not ((path / WEIGHTS).is_file() or (path / ADAPTER).is_file()):
-        found = latest_checkpoint(path)
+        found = latest_checkpoint(path, verify=True)
         if found is None:
             raise FileNotFoundError(f"{path} holds no checkpoint ({WEIGHTS} or checkpoints/latest)")
         path = found
+    damage = [f for f in faults(path, verify=True) if not f.startswith("lacks")]
+    if damage:
+        raise ValueError(f"checkpoint {path} is damaged: {'; '.join(damage)}; load an earlier checkpoint of the run")
     if (path / ADAPTER).is_file() or is_lora(model):
         _load_adapter(model, path)
         return
@@ -256,7 +276,7 @@ def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler, critic:
     """Restore weights, optimizer, scheduler and RNG states from a checkpoint folder, on any world size (every rank
     of a data-parallel run calls it); returns (step, extra). `critic`: (value model, optimizer, scheduler) restored
     from critic/. Raises FileNotFoundError when `critic` is given and the checkpoint has none (a run started
-    with another algorithm)."""
+    with another algorithm), ValueError when a file fails its checksums.json entry (`load_weights`)."""
     path = Path(checkpoint)
     if critic is not None:
         if not (path / CRITIC / WEIGHTS).is_file():
@@ -308,7 +328,32 @@ def _complete(root: Path) -> list[Path]:
 def _is_complete(path: Path) -> bool:
     """Renamed into place only when complete; a copy that lost the DCP metadata is not (a folder without an
     optimizer/ subfolder is of the earlier format, its optimizer state inside trainer_state.pt)."""
-    return not missing(path)
+    return not faults(path)
+
+
+def faults(path: Path, verify: bool = False) -> list[str]:
+    """What keeps a checkpoint folder from being loaded, one phrase each ([] when none): "lacks model.safetensors"
+    for a file it needs, "model.safetensors has 100 of 2,113,928 bytes" for a file whose size differs from
+    checksums.json, and with `verify` "trainer_state.pt fails its SHA-256 checksum" (reads every file)."""
+    if not path.is_dir():
+        return ["lacks the folder"]
+    out = [f"lacks {m}" for m in missing(path)]
+    listed = path / CHECKSUMS
+    if not listed.is_file():  # written before checksums, or not complete
+        return out
+    try:
+        entries = json.loads(listed.read_text())
+    except (OSError, ValueError):
+        return out + [f"{CHECKSUMS} cannot be read"]
+    for name, entry in entries.items():
+        file = path / name
+        if not file.is_file():
+            out.append(f"lacks {name}")
+        elif (size := file.stat().st_size) != entry["bytes"]:
+            out.append(f"{name} has {size:,} of {entry['bytes']:,} bytes")
+        elif verify and _sha256(file) != entry["sha256"]:
+            out.append(f"{name} fails its SHA-256 checksum")
+    return list(dict.fromkeys(out))
 
 
 def missing(path: Path) -> list[str]:
@@ -324,16 +369,28 @@ def missing(path: Path) -> list[str]:
     return out
 
 
-def incomplete_latest(run_dir: str | Path, found: Path | None) -> str:
+def incomplete_latest(run_dir: str | Path, found: Path | None, verify: bool = False) -> str:
     """Why the checkpoint that `latest` points at is not the one a resume takes (`found`, `latest_checkpoint`'s):
-    "step-000003 lacks model.safetensors", or "" when it is."""
+    "step-000003 lacks model.safetensors", "step-000003: model.safetensors has 100 of 2,113,928 bytes", or "" when
+    it is."""
     pointer = checkpoints_dir(run_dir) / "latest"
     if not pointer.is_file():
         return ""
     name = pointer.read_text().strip()
     if found is not None and found.name == name:
         return ""
-    return f"{name} lacks {', '.join(missing(checkpoints_dir(run_dir) / name))}"
+    found_faults = faults(checkpoints_dir(run_dir) / name, verify)
+    if all(f.startswith("lacks ") for f in found_faults):
+        return f"{name} lacks {', '.join(f.removeprefix('lacks ') for f in found_faults)}"
+    return f"{name}: {'; '.join(found_faults)}"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+    return digest.hexdigest()
 
 
 def _rng_state() -> dict:

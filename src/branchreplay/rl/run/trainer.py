@@ -187,14 +187,14 @@ class Trainer:
             raise ValueError(f"{run_dir} already holds a run; continue it with --resume {run_dir}, or choose another "
                              "--train.output_dir")
         if resume is not None:
-            found = latest_checkpoint(run_dir)
-            why = incomplete_latest(run_dir, found)
+            found = latest_checkpoint(run_dir, verify=True)
+            why = incomplete_latest(run_dir, found, verify=True)
             if found is None:
                 raise FileNotFoundError(f"--resume {run_dir}: no complete checkpoint in {run_dir / 'checkpoints'}"
                                         + (f" ({why})" if why else ""))
             if why:  # said, not silently: the steps since the complete one train again
-                warnings.warn(f"--resume {run_dir}: the latest checkpoint is incomplete ({why}); resuming from "
-                              f"{found.name}", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"--resume {run_dir}: the latest checkpoint is incomplete or damaged ({why}); resuming "
+                              f"from {found.name}", RuntimeWarning, stacklevel=2)
             saved = saved_config(run_dir).to_dict() if latest_config(run_dir).is_file() else None
             if saved is not None:  # what a resume may change (config/resume.py)
                 check_resume(saved, resolved(self.config).to_dict(), run_dir)
