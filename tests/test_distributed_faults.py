@@ -72,6 +72,71 @@ def test_a_rank_killed_mid_step_stops_the_other_with_its_name_and_the_checkpoint
     assert [r["step"] for r in _records(tmp_path / "killed")] == [1, 2, 3]
 
 
+def _fault_worker(rank: int, world: int, port: int, tmp: str, fault: str) -> None:
+    """Rank 1 of a 2-rank run (FSDP2 resharded: the ranks' packs run in lock-step) raises an out-of-memory error in
+    its backward of step 2 and exits as the CLI does under torchrun ("raises"), or its reward never returns in step
+    2 ("hangs"); each rank writes the seconds to its end and its error."""
+    from pathlib import Path
+
+    from test_trainer import byte_reward, make_config, make_trainer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    calls = []
+
+    def reward(completions, **kwargs):
+        calls.append(1)
+        if rank == 1 and fault == "hangs" and len(calls) == 2:
+            time.sleep(600)  # the test ends this process
+        return byte_reward(completions, **kwargs)
+
+    config = make_config(Path(tmp), grpo={"prompts_per_step": 2},
+                         parallel={"strategy": "fsdp2", "fsdp_mode": "resharded", "timeout_s": 15},
+                         task={"reward_timeout_s": 600}, train={"steps": 3, "save_steps": 1})
+    trainer = make_trainer(config, dtype=torch.float64, reward_fn=reward)
+    if rank == 1 and fault == "raises":
+        backward = trainer.policy.backward
+        trainer.policy.backward = lambda *args: backward(*args) if trainer.step < 1 else (_ for _ in ()).throw(
+            torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)"))
+    t0 = time.perf_counter()
+    try:
+        trainer.fit()
+        outcome = "no error"
+    except BaseException as e:  # noqa: BLE001
+        outcome = f"{type(e).__name__}: {e}"
+    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    os._exit(1)  # as the CLI after an error under torchrun: no teardown of the group another rank may still use
+
+
+@pytest.mark.parametrize("fault", ["raises", "hangs"])
+def test_a_rank_that_raises_or_hangs_is_named_in_one_line(tmp_path, fault):
+    """Rank 1 raises an out-of-memory error inside the lock-step backward: rank 0 used to wait until
+    parallel.timeout_s and end with torch's error; now it ends at once with one line naming rank 1 and its error.
+    Rank 1's reward hangs (its heartbeat beats on): rank 0 ends after parallel.timeout_s (15 s) with one line naming
+    rank 1 and what it was doing (scoring), not gloo's "Timed out waiting" alone. The step-1 checkpoint is intact."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=_fault_worker, args=(r, 2, port, str(tmp_path), fault)) for r in range(2)]
+    for p in procs:
+        p.start()
+    procs[0].join(timeout=300)
+    procs[1].join(timeout=5 if fault == "hangs" else 60)
+    procs[1].kill()
+    seconds, outcome = (tmp_path / "rank0.txt").read_text().split("\n", 1)
+    assert "\n" not in outcome, outcome
+    if fault == "raises":
+        assert outcome.startswith("RankDied: rank 1 of 2 died during step 2 (rank 1: failed in step 2: "
+                                  "OutOfMemoryError: CUDA out of memory."), outcome
+        assert float(seconds) < 60, (seconds, outcome)  # the timeout is 15 s here, 600 s by default: before, > 15
+    else:
+        assert outcome.startswith("RankStuck: rank 1 of 2 did not arrive during step 2 within parallel.timeout_s, "
+                                  "alive but stuck (rank 1 has been at 'step 2: scoring 4 completions' for "), outcome
+        assert 15 <= float(seconds) < 120, (seconds, outcome)
+    assert f"--resume {tmp_path / 'run'}" in outcome
+    assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-000001"
+
+
 def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
     from pathlib import Path
 

@@ -117,6 +117,59 @@ def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumes(tmp_p
             load_weights(trainer.model, tmp_path / "kept")
 
 
+def _hanging_on_step(step: int, before=lambda: None):
+    """byte_reward, except that its call of training step `step` never returns (after calling `before`)."""
+    import threading
+
+    calls = []
+
+    def hanging(completions, **kwargs):
+        calls.append(len(completions) == 8)  # training calls (2 prompts x 4), not evaluation calls
+        if calls[-1] and sum(calls) == step:
+            before()
+            threading.Event().wait()
+        return byte_reward(completions, **kwargs)
+
+    return hanging
+
+
+def test_a_reward_that_never_returns_skips_its_step_after_task_reward_timeout_s(tmp_path):
+    """A reward function that never returns used to hold the run forever, printing nothing: past
+    task.reward_timeout_s the call counts as a reward that raised (the step skipped with a warning naming the
+    function and the limit) and the run goes on."""
+    config = make_config(tmp_path, task={"reward_timeout_s": 1}, train={"steps": 3})
+    with pytest.warns(RuntimeWarning, match=r"step 2 skipped: reward function 'hanging' raised TimeoutError: it did "
+                                            r"not return within task.reward_timeout_s=1 s"):
+        run = make_trainer(config, reward_fn=_hanging_on_step(2)).fit()
+    assert [("skipped" in r, r["step"]) for r in _metrics(run)] == [(False, 1), (True, 2), (False, 3)]
+
+
+def test_a_second_signal_ends_the_run_with_one_line_and_the_last_checkpoint_intact(tmp_path):
+    """SIGINT twice while a reward function hangs in step 2: the first asks for a stop after the step, which does
+    not end; the second used to end in a KeyboardInterrupt traceback. Now `TrainingAborted`, one line naming what
+    was interrupted and the intact checkpoint (step 1's), which resumes."""
+    import os
+    import signal
+    import time
+
+    from branchreplay.rl.run.stops import TrainingAborted
+
+    def twice():
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(0.5)  # two SIGINTs pending at once are delivered as one
+        os.kill(os.getpid(), signal.SIGINT)
+
+    config = make_config(tmp_path, train={"steps": 3, "save_steps": 1})
+    with pytest.raises(TrainingAborted) as aborted:
+        make_trainer(config, reward_fn=_hanging_on_step(2, twice)).fit()
+    run = tmp_path / "run"
+    assert str(aborted.value) == (f"aborted during step 2 at a second signal; step-000001 is intact. Resume with: "
+                                  f"branchreplay train --resume {run}")
+    assert latest_checkpoint(run, verify=True).name == "step-000001"
+    make_trainer(make_config(tmp_path, train={"steps": 3, "save_steps": 1})).fit(resume=run)
+    assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
+
+
 @pytest.fixture
 def small_disk(tmp_path):
     """A 2 MiB tmpfs (one tiny checkpoint fits, two do not); skips where mounting is not permitted."""

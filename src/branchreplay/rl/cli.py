@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import sys
+import traceback
 from pathlib import Path
 
 
@@ -46,12 +47,12 @@ def _train(argv: list[str]) -> int:
 
     config, options = parse_args(argv, ("--config", "--resume", "--threads"))  # before torch: a bad config is quick
     _set_threads(options["--threads"])
-    from .run.stops import RankDied, TrainingFailed, TrainingInterrupted
+    from .run.stops import RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted
     from .run.trainer import train
 
     try:
         run_dir = train(config, options["--resume"])
-    except TrainingInterrupted as e:
+    except (TrainingInterrupted, TrainingAborted) as e:
         print(e, file=sys.stderr)
         return 130
     except TrainingFailed as e:
@@ -60,6 +61,17 @@ def _train(argv: list[str]) -> int:
             sys.stderr.flush()
             os._exit(1)
         return 1
+    except (ValueError, OSError):
+        raise  # bad input: one line (config_command)
+    except Exception:
+        # Under torchrun the other ranks wait in a collective: leaving at once makes their next one fail now, naming
+        # this rank and its error (rl/run/parallel.py), not at the collective timeout; the interpreter's teardown
+        # of the process group could block.
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        raise
     if int(os.environ.get("RANK", "0")) == 0:  # under torchrun, once
         print(f"run folder: {run_dir}")
     return 0

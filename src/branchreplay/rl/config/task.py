@@ -67,9 +67,14 @@ class TaskConfig:
     reward_weights: list[float] | None = field(default=None, metadata=help_of(
         "one weight per function of task.reward (TRL's reward_weights); the reward is their weighted sum; null = "
         "all 1.0"))
+    reward_timeout_s: float = field(default=300.0, metadata=help_of(
+        "seconds a reward function of your own ('package.module:function') may take for one call; past it the call "
+        "counts as a reward that raised (the step is skipped with a warning; train.max_failed_steps in a row stop "
+        "the run). The call's thread cannot be stopped and is left running"))
 
     def __post_init__(self):
         check("task.eval_size", self.eval_size >= 0, ">= 0", self.eval_size)
+        check("task.reward_timeout_s", self.reward_timeout_s > 0, "> 0 seconds", self.reward_timeout_s)
         if self.dataset is not None and "task" in reward_specs(self.reward):
             raise ValueError("task.reward='task' grades with the reasoning-gym dataset's score_answer; with "
                              "task.dataset use 'math_verify' or 'package.module:function'")

@@ -11,6 +11,7 @@ column per function in a [B, n_funcs] float32 tensor with None -> NaN, then ``na
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import numbers
@@ -153,10 +154,40 @@ def _import_file(path: Path):
     return module
 
 
-def make_reward(spec: str, dataset: ProceduralDataset | None) -> Callable:
+def with_timeout(func: Callable, timeout_s: float) -> Callable:
+    """`func` called in a thread of its own and waited for at most `timeout_s` seconds (the caller's thread keeps
+    answering signals meanwhile). Returns what `func` returns and raises what it raises, or TimeoutError when it
+    has not returned by then; its thread cannot be stopped and is left running (a daemon: it does not keep the
+    process alive). As `ToolEnvironment`'s tool calls."""
+
+    @functools.wraps(func)
+    def timed(*args, **kwargs):
+        outcome: dict = {}
+
+        def call():
+            try:
+                outcome["value"] = func(*args, **kwargs)
+            except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
+                outcome["error"] = e
+
+        worker = threading.Thread(target=call, name=f"reward {timed.__name__}", daemon=True)
+        worker.start()
+        worker.join(timeout_s)
+        if worker.is_alive():
+            raise TimeoutError(f"it did not return within task.reward_timeout_s={timeout_s:g} s (its thread is left "
+                               "running)")
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome["value"]
+
+    return timed
+
+
+def make_reward(spec: str, dataset: ProceduralDataset | None, timeout_s: float | None = None) -> Callable:
     """The reward function named by one spec of `TaskConfig.reward`: "task" -> `reasoning_gym_reward(dataset)`,
-    "math_verify" -> `math_verify_reward`, else `load_reward_function(spec)`. Raises ValueError naming the field when
-    that fails, or for "task" without a reasoning-gym dataset (the user's own task.dataset)."""
+    "math_verify" -> `math_verify_reward`, else `load_reward_function(spec)`, called under `with_timeout(timeout_s)`
+    when given (the built-in two bound their own time: math-verify's timeouts). Raises ValueError naming the field
+    when that fails, or for "task" without a reasoning-gym dataset (the user's own task.dataset)."""
     if spec == "task":
         if not isinstance(dataset, ProceduralDataset):
             raise ValueError("task.reward='task' grades with a reasoning-gym dataset's score_answer; with task.dataset "
@@ -165,16 +196,17 @@ def make_reward(spec: str, dataset: ProceduralDataset | None) -> Callable:
     if spec == "math_verify":
         return math_verify_reward
     try:
-        return load_reward_function(spec)
+        func = load_reward_function(spec)
     except (ValueError, ImportError, AttributeError, TypeError) as e:
         raise ValueError(f"task.reward={spec!r}: {e}; accepted: 'task', 'math_verify' or "
                          "'package.module:function'") from e
+    return func if timeout_s is None else with_timeout(func, timeout_s)
 
 
 def make_rewards(cfg: TaskConfig, dataset) -> RewardFunctions:
-    """Every function of cfg.reward (a comma list of specs, `make_reward`) with cfg.reward_weights (default 1.0
-    each). Raises ValueError as `make_reward`."""
-    funcs = [make_reward(spec, dataset) for spec in reward_specs(cfg.reward)]
+    """Every function of cfg.reward (a comma list of specs, `make_reward`, the user's own under
+    cfg.reward_timeout_s) with cfg.reward_weights (default 1.0 each). Raises ValueError as `make_reward`."""
+    funcs = [make_reward(spec, dataset, cfg.reward_timeout_s) for spec in reward_specs(cfg.reward)]
     return RewardFunctions(funcs, list(cfg.reward_weights or [1.0] * len(funcs)))
 
 

@@ -84,6 +84,7 @@ class Sampler:
         rewards, error = {}, None
         try:
             if scored:
+                self.status(f"step {step}: scoring {len(scored) * G} completions")
                 total, columns = score_columns(self.rewards, self.tokenizer, [items[k] for k in scored],
                                                [samples[k] for k in scored], cfg.task)
                 rewards = dict(zip(scored, zip(total.split(G), columns.split(G))))

@@ -12,13 +12,22 @@ closes), nccl at the collective timeout (`parallel.timeout_s`). Which rank it wa
 an address). So every rank keeps a `Heartbeat` in torch.distributed's rendezvous store, a counter bumped twice a
 second from a daemon thread, and after a failed collective `Heartbeat.dead_ranks` names the ranks whose counter
 stood still.
+
+A rank that is alive but never arrives (a reward function that hangs) keeps beating; its collective partners fail
+at the collective timeout (`parallel.timeout_s`). So every rank also writes its phase there (what the run loop
+shows in its progress bar: "step 3: scoring 8 completions"), and marks it waiting while it is inside one of the
+trainer's collectives (`Ranks.gather`, `sum`, `any`); `Heartbeat.stuck_ranks` names the ranks that were not
+waiting, and what they were doing since when. A rank that raises writes its error as its phase before it leaves,
+so that the others name it whichever way its exit reaches them.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import hashlib
+import json
 import os
 import threading
 import time
@@ -46,14 +55,25 @@ class Ranks:
     def gather(self, obj) -> list:
         """`obj` of every rank, in rank order (all_gather_object: small picklable values only)."""
         out = [None] * self.world_size
-        dist.all_gather_object(out, obj)
+        with self.waiting():
+            dist.all_gather_object(out, obj)
         return out
 
     def sum(self, values: list[float]) -> list[float]:
         """Element-wise sums over ranks (float64)."""
         t = torch.tensor(values, dtype=torch.float64)
-        dist.all_reduce(t)
+        with self.waiting():
+            dist.all_reduce(t)
         return t.tolist()
+
+    def doing(self, text: str) -> None:
+        """This rank's phase, for the others to read if it never arrives (`Heartbeat.phase`)."""
+        if self.heartbeat is not None:
+            self.heartbeat.phase(text)
+
+    def waiting(self):
+        """Context: this rank waits for the others in a collective (`Heartbeat.waiting`)."""
+        return self.heartbeat.waiting() if self.heartbeat is not None else contextlib.nullcontext()
 
     def any(self, flag: bool) -> bool:
         """Whether any rank's flag is set (e.g. a stop request), so that all ranks stop at the same step."""
@@ -100,6 +120,7 @@ class Heartbeat:
 
     def __init__(self, rank: int, world_size: int, period_s: float = 0.5, wait_s: float = 2.0):
         self.rank, self.world_size, self.period_s, self.wait_s = rank, world_size, period_s, wait_s
+        self.text = "the start"  # this rank's phase (`phase`)
         self.store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
                                    timeout=datetime.timedelta(seconds=5))
         self.store.add(self._key(rank), 1)
@@ -119,6 +140,48 @@ class Heartbeat:
             self.store.set(self._key(self.rank, "leaving"), "1")
         except Exception:  # noqa: BLE001 (the store is gone: nobody is left to read it)
             pass
+
+    def phase(self, text: str, waiting: bool = False) -> None:
+        """Write what this rank is doing (from now) to the store; a failed write is let go (the phase is a help)."""
+        self.text = text
+        try:
+            self.store.set(self._key(self.rank, "phase"), json.dumps([time.time(), text, waiting]))
+        except Exception:  # noqa: BLE001 (the store is slow or gone)
+            pass
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """Marks this rank's phase as waiting for the others while inside (the phase text stays)."""
+        text = self.text
+        self.phase(text, waiting=True)
+        try:
+            yield
+        finally:
+            self.phase(text)
+
+    def stuck_ranks(self) -> list[tuple[int, str, float]]:
+        """(rank, phase text, seconds in it) of the other ranks that were not waiting in a collective, the ones the
+        others waited for; [] when every rank waits (or the store cannot be read)."""
+        out = []
+        try:
+            for r in range(self.world_size):
+                if r == self.rank or not self.store.check([self._key(r, "phase")]):
+                    continue
+                since, text, waiting = json.loads(self.store.get(self._key(r, "phase")))
+                if not waiting:
+                    out.append((r, text, time.time() - since))
+        except Exception:  # noqa: BLE001 (the store cannot be reached)
+            return []
+        return out
+
+    def last_phase(self, rank: int) -> str:
+        """The phase text `rank` last wrote, or "" (none, or the store cannot be read)."""
+        try:
+            if self.store.check([self._key(rank, "phase")]):
+                return json.loads(self.store.get(self._key(rank, "phase")))[1]
+        except Exception:  # noqa: BLE001
+            pass
+        return ""
 
     def _key(self, rank: int, what: str = "beats") -> str:
         return f"{self.PREFIX}{rank}/{what}"

@@ -36,7 +36,7 @@ from ..config import Config
 from ..config.resume import FIRST, changed_fields, check_resume, latest_config
 from ..config.resolve import resolved
 from ..config.run import saved_config
-from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards
+from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards, with_timeout
 from ..data.tasks import load_task
 from ..policy import Policy
 from ..rollouts.sampler import Sampler
@@ -47,7 +47,8 @@ from .evaluation import evaluate, score_name
 from .family import check_family
 from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, step_line, summarize
 from .parallel import launch
-from .stops import RankDied, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died, stop_on_signals
+from .stops import (RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
+                    stop_on_signals)
 from .update import run_updates
 
 class Trainer:
@@ -214,11 +215,17 @@ class Trainer:
                 p.force = self.policy.force
         log = MetricsLog(run_dir, truncate_after=self.step, console=self.console) if self.rank == 0 else NoLog()
         stop: list[str] = []
+        aborted = lambda: str(TrainingAborted(run_dir, self.during, latest_checkpoint(run_dir)))  # noqa: E731
         try:
-            with stop_on_signals(stop, self.console):
+            with stop_on_signals(stop, self.console, aborted):
                 self._loop(run_dir, log, stop)
-        except RuntimeError as e:
-            raise_if_a_rank_died(self.ranks, self.during, run_dir, e)
+        except KeyboardInterrupt:  # the second signal (stops.py)
+            raise TrainingAborted(run_dir, self.during, latest_checkpoint(run_dir)) from None
+        except Exception as e:
+            if self.ranks is not None and not isinstance(e, TrainingFailed):  # the others name it if its own
+                self.ranks.doing(f"failed in {self.during}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+            if isinstance(e, RuntimeError):
+                raise_if_a_rank_died(self.ranks, self.during, run_dir, e)
             raise
         finally:
             log.close()
@@ -234,7 +241,13 @@ class Trainer:
         bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
                        TimeRemainingColumn(), console=self.console)
         task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
-        self.status = lambda text: bar.update(task, info=text)
+
+        def status(text: str) -> None:  # shown, and written for the other ranks (parallel.Heartbeat)
+            bar.update(task, info=text)
+            if self.ranks is not None:
+                self.ranks.doing(text)
+
+        self.status = status
         with bar:
             first_eval = self.step == 0 and not log.records and cfg.eval_steps >= 0
             if self.ranks is not None:  # rank 0 holds the metrics log: its decision is everyone's
@@ -355,8 +368,9 @@ def load_data(config: Config, env, train_data, eval_data, reward_fn) -> tuple:
         eval_data = env_eval if eval_data is None else eval_data
     if train_data is None:
         train_data, eval_data = load_task(config.task)
-    if reward_fn is not None:  # an injected function (tests), alone
-        return env, train_data, eval_data, RewardFunctions([reward_fn], [1.0])
+    if reward_fn is not None:  # an injected function (tests), alone, as a user's own
+        return env, train_data, eval_data, RewardFunctions([with_timeout(reward_fn, config.task.reward_timeout_s)],
+                                                           [1.0])
     return env, train_data, eval_data, None if env is not None else make_rewards(config.task, train_data)
 
 
