@@ -2,16 +2,17 @@
 per-rollout reference (`naive_backward`: each rollout alone through the unmodified HF forward).
 
 Families: Mamba, Mamba2, Bamba (Mamba2 + attention), FalconH1 (attention and Mamba2 in every layer), Jamba (Mamba +
-attention, MoE), NemotronH (Mamba2, attention, MoE and MLP layers), LFM2 (short conv + attention), Qwen3-Next (gated delta-net + attention, MoE).
+attention, MoE), NemotronH (Mamba2, attention, MoE and MLP layers), LFM2 (short conv + attention), Qwen3-Next
+(gated delta-net + attention, MoE).
 
 Precision. LFM2 is float64-exact. The others compute part of their forward in float32 inside transformers whatever
-the model dtype: `mamba2_chunk_scan` (Mamba2, Bamba, FalconH1, NemotronH), the gated delta rule and its norms (Qwen3-Next),
-the selective scan's `.float()` casts of B and x and of A, D, dt_bias (Mamba, Jamba), float32 logits and residual
-(Mamba, Mamba2). The reference and the engine then round at slightly different inputs (the engine runs a sequence as
-several scans, chunked elsewhere), so they agree to float32 precision only: these are checked with float32
-tolerances (`Family.float32_kernels`), in a float64 model (less noise from everything else) and in a float32 one.
-`test_exact_with_float64_kernels` removes the doubt: with those float32 casts rewritten to float64 (test only), the
-same comparison agrees to ~1e-14, so the engine itself is exact.
+the model dtype: `mamba2_chunk_scan` (Mamba2, Bamba, FalconH1, NemotronH), the gated delta rule and its norms
+(Qwen3-Next), the selective scan's `.float()` casts of B and x and of A, D, dt_bias (Mamba, Jamba), float32 logits
+and residual (Mamba, Mamba2). The reference and the engine then round at slightly different inputs (the engine
+runs a sequence as several scans, chunked elsewhere), so they agree to float32 precision only: these are checked
+with float32 tolerances (`Family.float32_kernels`), in a float64 model (less noise from everything else) and in a
+float32 one. `test_exact_with_float64_kernels` removes the doubt: with those float32 casts rewritten to float64
+(test only), the same comparison agrees to ~1e-14, so the engine itself is exact.
 Error measure: per parameter max|g_replay - g_naive| / max|g_naive|, max over parameters.
 """
 

@@ -21,9 +21,10 @@ objects; installed files and the naive reference are untouched):
 - `LinearAttentionLayer.update_conv_state` / `update_recurrent_state` `copy_` into the cached tensors; in place on
   tensors that autograd saved, this is what breaks backward for Qwen3-Next ("modified by an inplace operation").
   `RecurrentLayer` assigns the new states instead and never writes into the parent's tensors.
-- Mamba2, Bamba, FalconH1, NemotronH: with seq_len == 1 and a cached state the mixer runs `mamba2_selective_state_update`,
-  which updates the SSM state in place (and skips the dt limit the chunked path applies). `mamba2_forward` (the
-  mixer's own multi-token path, taken for every length) runs the chunked scan from the cached state instead.
+- Mamba2, Bamba, FalconH1, NemotronH: with seq_len == 1 and a cached state the mixer runs
+  `mamba2_selective_state_update`, which updates the SSM state in place (and skips the dt limit the chunked path
+  applies). `mamba2_forward` (the mixer's own multi-token path, taken for every length) runs the chunked scan from
+  the cached state instead.
 - Mamba (v1), Jamba: `mamba_selective_scan` has no initial state; for a multi-token continuation after a cached
   state it restarts the scan from ZERO (logits wrong by ~1e-2), and only a single-token step reads the state (in
   place). `mamba_forward` runs transformers' sequential scan started from the cached state, for any length.
@@ -143,11 +144,12 @@ class HybridLayer(RecurrentLayer, CacheLayerMixin):
 
 
 def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """Mamba2Mixer / BambaMixer / FalconH1Mixer / NemotronHMamba2Mixer forward under the engine: transformers' chunked path (conv1d over
-    the cached inputs + the new ones, `mamba2_chunk_scan` from the cached SSM state), for every length, including
-    the single token for which transformers would update the state in place. Same operations in the same order as
-    transformers' chunked path (FalconH1's multipliers and `mamba_rms_norm` switch included); the kernels are the
-    model file's own (mamba_ssm / causal_conv1d when installed, their torch fallbacks otherwise)."""
+    """Mamba2Mixer / BambaMixer / FalconH1Mixer / NemotronHMamba2Mixer forward under the engine: transformers'
+    chunked path (conv1d over the cached inputs + the new ones, `mamba2_chunk_scan` from the cached SSM state), for
+    every length, including the single token for which transformers would update the state in place. Same
+    operations in the same order as transformers' chunked path (FalconH1's multipliers and `mamba_rms_norm` switch
+    included); the kernels are the model file's own (mamba_ssm / causal_conv1d when installed, their torch
+    fallbacks otherwise)."""
     if not _is_ours(cache, self.layer_idx) or attention_mask is not None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     hf = sys.modules[type(self).__module__]
