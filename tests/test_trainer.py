@@ -460,6 +460,22 @@ def test_what_the_held_out_score_is_called():
     assert score_name(custom) == "mean reward"
 
 
+def test_the_held_out_score_of_your_own_reward_is_logged_as_eval_reward(tmp_path):
+    """With the user's own reward function the held-out score is its mean reward (-0.018 in a trial): logged as
+    eval/reward, as the step line's "held-out mean reward" says; it was logged as eval/accuracy. The summary and
+    the plot read it."""
+    from rich.console import Console
+
+    config = make_config(tmp_path, task={"reward": "test_trainer:byte_reward"}, train={"steps": 1, "eval_steps": 1})
+    trainer = make_trainer(config)
+    trainer.console = Console(record=True, width=200, force_terminal=False)
+    records = _metrics(trainer.fit())
+    assert [("eval/reward" in r, "eval/accuracy" in r) for r in records] == [(True, False), (True, False)]
+    text = trainer.console.export_text()
+    assert "step 1/1  reward" in text and "held-out mean reward" in text
+    assert "│ eval/reward " in text, text  # the summary table's row
+
+
 def test_groups_sampled_in_waves_equal_the_whole_step(tmp_path, keep64):
     """sampling.max_num_seqs: a step's groups sample in waves of max_num_seqs // num_generations (here 1, 2 and 1
     group: 4 // 4, 9 // 4, 1 // 4 -> at least 1), each wave on its own; every group draws from its own generator,

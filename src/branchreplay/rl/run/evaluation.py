@@ -32,10 +32,10 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
     data: items (default: the task's held-out split, task.eval_size items); reward_fn: a `rewards.RewardFunctions`
     or one TRL-style function (default: task.reward, `rewards.make_rewards`); progress: called as progress(done,
     total) after each batch of answers; ranks: a data-parallel run's `rl.run.parallel.Ranks`, which evaluate items rank,
-    rank + world, ... each and gather the scores (every rank returns the same metrics). Returns eval/accuracy (mean
-    reward: in [0, 1] for the task's verifier, partial credit included; custom or weighted rewards keep their
-    range), eval/frac_correct (fraction scoring 1), eval/mean_length (tokens),
-    time/eval_s.
+    rank + world, ... each and gather the scores (every rank returns the same metrics). Returns the mean reward as
+    eval/accuracy when the task's scores are one (`score_name`: in [0, 1] for the task's verifier, partial credit
+    included), else as eval/reward (custom or weighted rewards keep their range), eval/frac_correct (fraction
+    scoring 1), eval/mean_length (tokens), time/eval_s.
     env: a multi-turn environment (with `data` its held-out items): `agent.task.evaluate_agent`'s metrics instead."""
     if env is not None:
         return evaluate_agent(model, tokenizer, config, env, data, eos_token_ids(model, tokenizer), progress,
@@ -66,7 +66,7 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
         parts = ranks.gather((scores, lengths))
         scores, lengths = [x for p, _ in parts for x in p], [n for _, ln in parts for n in ln]
     scores_t = torch.tensor(scores)
-    return {"eval/accuracy": scores_t.mean().item(), "eval/frac_correct": (scores_t == 1).float().mean().item(),
+    return {score_key(config): scores_t.mean().item(), "eval/frac_correct": (scores_t == 1).float().mean().item(),
             "eval/mean_length": sum(lengths) / len(lengths), "time/eval_s": time.perf_counter() - t0}
 
 
@@ -106,6 +106,12 @@ def score_name(config: Config, env=None) -> str:
     graded = all(spec in ("task", "math_verify") for spec in reward_specs(config.task.reward))
     weights = config.task.reward_weights
     return "accuracy" if graded and len(reward_specs(config.task.reward)) == 1 and not weights else "mean reward"
+
+
+def score_key(config: Config, env=None) -> str:
+    """The metric of the held-out score: "eval/accuracy" when it is one (`score_name`) or an environment scores the
+    run (`agent.task.evaluate_agent`'s metrics), else "eval/reward" (the mean of the user's own rewards)."""
+    return "eval/accuracy" if env is not None or score_name(config) == "accuracy" else "eval/reward"
 
 
 def evaluate_cli(config: Config, checkpoint: str | None) -> dict:

@@ -86,6 +86,15 @@ def _truncated(path: Path, after: int) -> list[dict]:
     return records
 
 
+HELD_OUT = ("eval/accuracy", "eval/reward")
+"""The held-out score's metric, whichever the run logs (`evaluation.score_key`)."""
+
+
+def held_out_key(records: list[dict]) -> str:
+    """The first of `HELD_OUT` that a record holds ("eval/accuracy" when none does)."""
+    return next((key for key in HELD_OUT if any(key in r for r in records)), HELD_OUT[0])
+
+
 def summarize(console: Console, run_dir: Path, records: list[dict], reward_name: str = "reward") -> Path:
     """Print a table of the run's main metrics (first, last, best) and save RUN_DIR/training.png: train reward and
     held-out score by step, labelled with `reward_name` (the reward functions' or the environment's name), whole
@@ -99,7 +108,7 @@ def summarize(console: Console, run_dir: Path, records: list[dict], reward_name:
     table = Table(title=f"run {run_dir}")
     for col in ("metric", "first", "last", "min", "max"):
         table.add_column(col, justify="left" if col == "metric" else "right")
-    for key in ("reward", "rewards/accuracies", "rewards/margins", "eval/accuracy", "eval/frac_correct", "loss",
+    for key in ("reward", "rewards/accuracies", "rewards/margins", *HELD_OUT, "eval/frac_correct", "loss",
                 "entropy", "completions/mean_length", "turns/mean", "tool_calls/mean", "tool_calls/error_rate",
                 "eval/turns_mean", "eval/tool_calls_mean", "tree/token_ratio", "time/sample_s", "time/sample_env_s",
                 "time/train_s", "time/step_s"):
@@ -111,7 +120,7 @@ def summarize(console: Console, run_dir: Path, records: list[dict], reward_name:
     plotted = False
     for key, label, style in (("reward", f"train reward ({reward_name})", "-"),
                               ("rewards/accuracies", "DPO preference accuracy", "-"),
-                              ("eval/accuracy", f"held-out ({reward_name})", "o-")):
+                              (held_out_key(records), f"held-out ({reward_name})", "o-")):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
             ax.plot(*zip(*points), style, label=label)
@@ -161,8 +170,9 @@ def step_line(record: dict, total_steps: int, score: str = "accuracy") -> str:
                   f"train {record['time/train_s']:.1f} s"]
     elif record["step"] > 0:
         parts.append(progress_info(record))
-    if "eval/accuracy" in record:
-        parts.append(f"held-out {score} {record['eval/accuracy']:.3f} ({record['time/eval_s']:.0f} s)")
+    key = held_out_key([record])
+    if key in record:
+        parts.append(f"held-out {score} {record[key]:.3f} ({record['time/eval_s']:.0f} s)")
     if "eval/error" in record:
         parts.append(f"held-out evaluation skipped ({record['eval/error'][:100]})")
     return "  ".join(parts)
