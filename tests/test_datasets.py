@@ -56,6 +56,45 @@ def test_prompt_files_columns_and_splits(tmp_path):
         TaskConfig(reward="task,math_verify", reward_weights=[1.0])
 
 
+def test_the_held_out_split_is_sized_to_the_file_and_none_when_evaluation_is_off(tmp_path):
+    """A 24-row file used to fail by default ("24 rows, all held out (task.eval_size=64)"), even with evaluation
+    off. Now the default holds one row in ten out (at most 64), and with evaluation off no row is held out
+    whatever task.eval_size says; too few rows to hold one out by default is named."""
+    rows = _jsonl(tmp_path / "rows.jsonl", [{"prompt": f"{i} + 1 = ?", "answer": str(i + 1)} for i in range(24)])
+    cfg = TaskConfig(dataset=rows, reward="math_verify")
+    assert [len(split) for split in load_task(cfg)] == [22, 2]
+    assert [len(split) for split in load_task(cfg, hold_out=False)] == [24, 0]
+    assert [len(split) for split in load_task(TaskConfig(dataset=rows, reward="math_verify", eval_size=64),
+                                              hold_out=False)] == [24, 0]
+    assert [len(split) for split in load_task(TaskConfig(dataset=rows, reward="math_verify", eval_size=5))] == [19, 5]
+    few = _jsonl(tmp_path / "few.jsonl", [{"prompt": "1 + 1 = ?", "answer": "2"}] * 9)
+    with pytest.raises(ValueError, match=r"few.jsonl has 9 rows, too few to hold one in ten out for evaluation "
+                                         r"\(task.eval_size null\): set task.eval_size.*train.eval_steps -1"):
+        load_task(TaskConfig(dataset=few, reward="math_verify"))
+    assert TaskConfig().held_out_size() == 64 and [len(s) for s in load_task(TaskConfig(size=8))] == [8, 64]
+
+
+def test_a_small_file_trains_with_evaluation_off_and_a_config_error_prints_once_per_node(tmp_path, model_folder,
+                                                                                         monkeypatch, capsys):
+    """The trial's case on the command line: 24 rows, task.eval_size left at its default, --train.eval_steps -1:
+    the run trains. Under torchrun a config error printed its line on every rank; now the first rank of each node
+    (LOCAL_RANK 0) prints it and the others exit 2 silently."""
+    from branchreplay.cli import main
+
+    rows = _jsonl(tmp_path / "rows.jsonl", [{"prompt": f"{i} {i}"} for i in range(24)])
+    (tmp_path / "my_reward.py").write_text("def ones(completions, **kwargs):\n    return [1.0] * len(completions)\n")
+    monkeypatch.chdir(tmp_path)
+    args = ["train", "--model.spec", str(model_folder), "--task.dataset", rows, "--task.reward", "my_reward:ones",
+            "--grpo.num_generations", "2", "--grpo.prompts_per_step", "1", "--sampling.max_new_tokens", "2",
+            "--train.steps", "1", "--train.eval_steps", "-1", "--train.output_dir", "run"]
+    assert main(args) == 0
+    capsys.readouterr()
+    for local_rank, said in (("1", ""), ("0", "error: task.eval_size=-3 is out of range; it must be >= 0 or null\n")):
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        assert main([*args, "--task.eval_size", "-3"]) == 2
+        assert capsys.readouterr().err == said
+
+
 def test_prompt_messages_plain_conversational_and_reasoning_gym():
     plain, chat = {"question": "2+2?"}, {"question": [{"role": "user", "content": "2*3?"}]}
     own = {"question": [{"role": "system", "content": "mine"}, {"role": "user", "content": "q"}]}

@@ -147,7 +147,8 @@ def _set_threads(value: str | None) -> None:
 
 def config_command(command, usage: str, argv: list[str]) -> int:
     """train / eval: --help prints the usage and every config field; a bad config, task, path or reward ends in one
-    `error:` line and exit 2."""
+    `error:` line and exit 2, printed once per node under torchrun (by LOCAL_RANK 0: every rank reads the same
+    config and files)."""
     from .config import help_text
 
     if "-h" in argv or "--help" in argv:
@@ -157,5 +158,6 @@ def config_command(command, usage: str, argv: list[str]) -> int:
     try:
         return command(argv)
     except (ValueError, OSError) as e:  # OSError: a file that cannot be read, a hub id that cannot be reached
-        print(f"error: {e}", file=sys.stderr)
+        if os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"error: {e}", file=sys.stderr)
         return 2

@@ -49,7 +49,8 @@ def load_agent_task(config) -> tuple:
     else:
         env = load_environment(a.environment, **kwargs)
     if callable(getattr(env, "items", None)):
-        return env, env.items(task.size, seed=task.seed), env.items(task.eval_size, seed=task.seed + EVAL_SEED_OFFSET)
+        return env, env.items(task.size, seed=task.seed), env.items(task.held_out_size(),
+                                                                             seed=task.seed + EVAL_SEED_OFFSET)
     splits = splits or load_task(task)
     return env, splits[0], splits[1]
 

@@ -15,6 +15,9 @@ SYSTEM_PROMPT = "Think briefly, then give the final answer inside <answer></answ
 EVAL_SEED_OFFSET = 10_000
 """The held-out split uses seed ``TaskConfig.seed + EVAL_SEED_OFFSET``."""
 
+DEFAULT_EVAL_SIZE = 64
+"""Held-out items of a generated task (reasoning-gym, an environment's items) when task.eval_size is null."""
+
 DEFAULT_TASK = "basic_arithmetic"
 DEFAULT_TASK_CONFIG = {
     "min_terms": 2,
@@ -36,7 +39,10 @@ class TaskConfig:
     name: str = field(default=DEFAULT_TASK, metadata=help_of(
         "a reasoning-gym dataset name (`known_tasks()` lists them)"))
     size: int = field(default=512, metadata=help_of("number of training examples"))
-    eval_size: int = field(default=64, metadata=help_of("number of held-out examples"))
+    eval_size: int | None = field(default=None, metadata=help_of(
+        f"number of held-out examples; null = {DEFAULT_EVAL_SIZE} of a reasoning-gym task or an environment, and of "
+        f"task.dataset one row in ten, at most {DEFAULT_EVAL_SIZE}. With evaluation off (train.eval_steps -1) no row "
+        "of task.dataset is held out"))
     seed: int = field(default=0, metadata=help_of(
         f"seed of the training split; the held-out split uses seed + {EVAL_SEED_OFFSET}"))
     config: dict | None = field(default=None, metadata=help_of(
@@ -73,7 +79,7 @@ class TaskConfig:
         "the run). The call's thread cannot be stopped and is left running"))
 
     def __post_init__(self):
-        check("task.eval_size", self.eval_size >= 0, ">= 0", self.eval_size)
+        check("task.eval_size", self.eval_size is None or self.eval_size >= 0, ">= 0 or null", self.eval_size)
         check("task.reward_timeout_s", self.reward_timeout_s > 0, "> 0 seconds", self.reward_timeout_s)
         if self.dataset is not None and "task" in reward_specs(self.reward):
             raise ValueError("task.reward='task' grades with the reasoning-gym dataset's score_answer; with "
@@ -88,6 +94,13 @@ class TaskConfig:
         if self.reward_weights is not None and len(self.reward_weights) != count:
             raise ValueError(f"task.reward_weights has {len(self.reward_weights)} weights for {count} reward "
                              f"function(s) in task.reward={self.reward!r}: give one weight per function")
+
+    def held_out_size(self, rows: int | None = None) -> int:
+        """task.eval_size, or when null its default: `DEFAULT_EVAL_SIZE` items of a generated task (`rows` None),
+        one row in ten of a file of `rows` rows, at most `DEFAULT_EVAL_SIZE`."""
+        if self.eval_size is not None:
+            return self.eval_size
+        return DEFAULT_EVAL_SIZE if rows is None else min(DEFAULT_EVAL_SIZE, rows // 10)
 
     def dataset_kwargs(self) -> dict:
         """The keyword arguments for the dataset's config class (``config`` with None resolved)."""

@@ -45,8 +45,9 @@ def known_tasks() -> list[str]:
     return sorted(DATASETS)
 
 
-def load_task(cfg: TaskConfig) -> tuple[ProceduralDataset, ProceduralDataset]:
-    """Build the (train, eval) datasets of ``cfg``.
+def load_task(cfg: TaskConfig, hold_out: bool = True) -> tuple[ProceduralDataset, ProceduralDataset]:
+    """Build the (train, eval) datasets of ``cfg``. ``hold_out`` False (evaluation off): a ``task.dataset`` file
+    holds no row out (`load_prompt_file`).
 
     Both splits come from the same generator with different seeds (``seed`` and ``seed + EVAL_SEED_OFFSET``), so
     they differ, but a small question space repeats: with the default task, 19 of the 64 held-out questions also
@@ -58,16 +59,17 @@ def load_task(cfg: TaskConfig) -> tuple[ProceduralDataset, ProceduralDataset]:
             a config value the dataset's own validation rejects.
     """
     if cfg.dataset is not None:
-        return load_prompt_file(cfg)
+        return load_prompt_file(cfg, hold_out)
     if cfg.name not in DATASETS:
         raise ValueError(_unknown_task_message(cfg.name))
     _check_config_keys(cfg.name, cfg.dataset_kwargs())
-    return _create(cfg, cfg.size, cfg.seed), _create(cfg, cfg.eval_size, cfg.seed + EVAL_SEED_OFFSET)
+    return _create(cfg, cfg.size, cfg.seed), _create(cfg, cfg.held_out_size(), cfg.seed + EVAL_SEED_OFFSET)
 
 
-def load_prompt_file(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
-    """(train items, held-out items) of cfg.dataset (and cfg.eval_dataset; without one, the last cfg.eval_size rows
-    are held out). Each item: every column of its row, `question` = the prompt column, `answer` = the answer column.
+def load_prompt_file(cfg: TaskConfig, hold_out: bool = True) -> tuple[list[dict], list[dict]]:
+    """(train items, held-out items) of cfg.dataset (and cfg.eval_dataset; without one, the last
+    `cfg.held_out_size(rows)` rows are held out, none when `hold_out` is False). Each item: every column of its row,
+    `question` = the prompt column, `answer` = the answer column.
 
     Raises FileNotFoundError (no such file), ValueError: an unknown format, a missing column (naming the columns
     found; the answer column is required only when set away from its default, or by a reward that needs it), a
@@ -85,11 +87,16 @@ def load_prompt_file(cfg: TaskConfig) -> tuple[list[dict], list[dict]]:
                                                             answers)]
         train = rows
     else:
-        cut = max(len(rows) - cfg.eval_size, 0)
+        cut = max(len(rows) - cfg.held_out_size(len(rows)), 0) if hold_out else len(rows)
         train, held_out = rows[:cut], rows[cut:]
-    if not train:
-        raise ValueError(f"task.dataset {cfg.dataset} has {len(rows)} rows, all held out (task.eval_size="
-                         f"{cfg.eval_size}): lower task.eval_size or give task.eval_dataset")
+        if hold_out and cfg.eval_size is None and not held_out:
+            raise ValueError(f"task.dataset {cfg.dataset} has {len(rows)} rows, too few to hold one in ten out for "
+                             "evaluation (task.eval_size null): set task.eval_size, give task.eval_dataset, or turn "
+                             "evaluation off (train.eval_steps -1)")
+        if not train:
+            raise ValueError(f"task.dataset {cfg.dataset} has {len(rows)} rows, all held out (task.eval_size="
+                             f"{cfg.eval_size}): lower task.eval_size, give task.eval_dataset, or turn evaluation off "
+                             "(train.eval_steps -1)")
     return train, held_out
 
 

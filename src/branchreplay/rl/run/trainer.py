@@ -367,7 +367,7 @@ def load_data(config: Config, env, train_data, eval_data, reward_fn) -> tuple:
         train_data = env_train if train_data is None else train_data
         eval_data = env_eval if eval_data is None else eval_data
     if train_data is None:
-        train_data, eval_data = load_task(config.task)
+        train_data, eval_data = load_task(config.task, hold_out=config.train.eval_steps >= 0)
     if reward_fn is not None:  # an injected function (tests), alone, as a user's own
         return env, train_data, eval_data, RewardFunctions([with_timeout(reward_fn, config.task.reward_timeout_s)],
                                                            [1.0])
