@@ -234,6 +234,32 @@ def test_run_prints_a_line_per_step_and_eval_progress(tmp_path):
     assert phases[0] == "held-out eval: 0/4 answers" and phases[-1] == "held-out eval: 4/4 answers", phases
 
 
+def test_a_log_that_is_not_a_terminal_gets_plain_unwrapped_lines_and_eval_progress(tmp_path, capsys):
+    """Printed to a file (here pytest's capture), a run wrapped rich's lines at 80 columns, printed the progress
+    bar's frame, and showed nothing during the held-out evaluation (minutes at step 0 on a loaded host: it looked
+    hung). Now: no bar, a line per evaluation batch, every step on one line however long; the libraries' own
+    progress bars are off ("Writing model shards")."""
+    import datasets
+    from transformers.utils import logging
+
+    from branchreplay.rl.cli import _plain_output
+
+    make_trainer(make_config(tmp_path, train={"steps": 2, "eval_steps": 2, "output_dir": str(tmp_path / ("a" * 90))}
+                             )).fit()
+    out = capsys.readouterr().out
+    lines = out.splitlines()
+    assert not [line for line in lines if line.startswith("step") and "━" in line], out  # the bar's frame
+    assert len([line for line in lines if line.startswith("held-out eval: 0/4 answers (")]) == 2, out
+    step = next(line for line in lines if line.startswith("step 2/2  reward"))
+    assert "held-out accuracy" in step and f"run {tmp_path / ('a' * 90)}" in out, out  # each on one line
+    try:
+        _plain_output()
+        assert not logging.is_progress_bar_enabled() and not datasets.is_progress_bar_enabled()
+    finally:
+        logging.enable_progress_bar()
+        datasets.enable_progress_bars()
+
+
 def test_leftover_temp_checkpoint_is_ignored(tmp_path):
     config = make_config(tmp_path, train={"steps": 2})
     run = make_trainer(config).fit()

@@ -47,6 +47,7 @@ def _train(argv: list[str]) -> int:
 
     config, options = parse_args(argv, ("--config", "--resume", "--threads"))  # before torch: a bad config is quick
     _set_threads(options["--threads"])
+    _plain_output()
     from .run.stops import RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted
     from .run.trainer import train
 
@@ -82,6 +83,7 @@ def _eval(argv: list[str]) -> int:
 
     config, options = parse_args(argv, ("--config", "--checkpoint", "--threads"))  # before torch: a bad config is quick
     _set_threads(options["--threads"])
+    _plain_output()
     from .run.evaluation import evaluate_cli
     from .data.rewards import RewardFunctionError
 
@@ -132,6 +134,14 @@ def _vllm_serve(args) -> int:
                             args.kv_cache_gib, args.lora_rank)
     print("starting: " + " ".join(command), file=sys.stderr, flush=True)
     return run_process_group(command, env=serve_environment(args.threads))
+
+
+def _plain_output() -> None:
+    """No library progress bars when stderr is not a terminal (a log file, CI: `log.quiet_progress_bars`)."""
+    if not sys.stderr.isatty():
+        from .run.log import quiet_progress_bars
+
+        quiet_progress_bars()
 
 
 def _set_threads(value: str | None) -> None:

@@ -7,13 +7,13 @@ import time
 from pathlib import Path
 
 import torch
-from rich.console import Console
 from rich.table import Table
 
 from ...engine.distributed import raise_together
 from ...models import apply_lora, autocast, load_policy
 from ..agent.task import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
+from .log import run_console
 from ..config import Config
 from ..data.rewards import RewardFunctionError, make_rewards, score
 from ..rollouts.packed_linears import packed_linears
@@ -134,13 +134,18 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
         load_weights(model, checkpoint)
     if env is not None:
         bind(env, tokenizer)
+    console, t0 = run_console(), time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        console.print(f"held-out eval: {done}/{total} answers ({time.perf_counter() - t0:.0f} s)")
+
     with autocast(config.model.dtype, model.device.type):  # as the trainer's held-out eval computes it
-        metrics = evaluate(model, tokenizer, config, data, reward_fn, env=env)
+        metrics = evaluate(model, tokenizer, config, data, reward_fn, progress=progress, env=env)
     name = config.agent.environment or config.task.eval_dataset or config.task.dataset or config.task.name
     table = Table(title=f"held-out {name} ({len(data)} items)")  # the data actually scored
     table.add_column("metric")
     table.add_column("value", justify="right")
     for key, value in metrics.items():
         table.add_row(key, f"{value:.4g}")
-    Console().print(table)
+    console.print(table)
     return metrics

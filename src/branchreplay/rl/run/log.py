@@ -12,6 +12,25 @@ from rich.console import Console
 from rich.table import Table
 
 
+def run_console(quiet: bool = False) -> Console:
+    """The console a run prints to: rich's own on a terminal; elsewhere (a log file, CI) plain lines that are not
+    wrapped at rich's 80 columns, tables at most `COLUMNS` wide (200 when unset)."""
+    console = Console(quiet=quiet)
+    if console.is_terminal:
+        return console
+    return Console(quiet=quiet, soft_wrap=True, width=int(os.environ.get("COLUMNS", 200)))
+
+
+def quiet_progress_bars() -> None:
+    """Turn off the progress bars of transformers, huggingface_hub and datasets (their own switches), which flood
+    a log that is not a terminal ("Writing model shards", "Creating parquet")."""
+    import datasets
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # huggingface_hub's too
+    datasets.disable_progress_bars()
+
+
 class MetricsLog:
     """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
     TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports (said on the console when it does not), and

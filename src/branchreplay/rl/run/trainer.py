@@ -45,7 +45,7 @@ from ..rollouts.vllm_client import VLLMClient, VLLMError
 from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, score_name
 from .family import check_family
-from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, step_line, summarize
+from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, run_console, step_line, summarize
 from .parallel import launch
 from .stops import (RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
                     stop_on_signals)
@@ -63,7 +63,7 @@ class Trainer:
                  console: Console | None = None, env=None):
         self.ranks = launch(config.parallel.strategy, config.to_dict(), config.parallel.timeout_s)  # None: one process
         self.rank = self.ranks.rank if self.ranks else 0
-        self.config, self.console = config, console or Console(quiet=self.rank != 0)
+        self.config, self.console = config, console or run_console(quiet=self.rank != 0)
         part = algorithm_class(config.algorithm)
         part.check(config)
         check_parallel(config, self.ranks, part)
@@ -239,7 +239,7 @@ class Trainer:
         """Steps until train.steps or a stop signal; evaluates and saves on schedule, and always saves at the end."""
         cfg = self.config.train
         bar = Progress(TextColumn("step {task.completed}/{task.total}"), BarColumn(), TextColumn("{task.fields[info]}"),
-                       TimeRemainingColumn(), console=self.console)
+                       TimeRemainingColumn(), console=self.console, disable=not self.console.is_terminal)
         task = bar.add_task("train", total=cfg.steps, completed=self.step, info="")
 
         def status(text: str) -> None:  # shown, and written for the other ranks (parallel.Heartbeat)
@@ -352,9 +352,15 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
+        t0 = time.perf_counter()
+
+        def progress(done: int, total: int) -> None:  # a log that is not a terminal gets a line per batch
+            self.status(f"held-out eval: {done}/{total} answers")
+            if not self.console.is_terminal:
+                self.console.print(f"held-out eval: {done}/{total} answers ({time.perf_counter() - t0:.0f} s)")
+
         with self.policy.gathered(), self.policy.autocast():
-            return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.rewards,
-                            progress=lambda done, total: self.status(f"held-out eval: {done}/{total} answers"),
+            return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.rewards, progress=progress,
                             ranks=self.ranks, env=self.env)
 
 
