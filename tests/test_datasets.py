@@ -199,7 +199,7 @@ def test_a_run_is_evaluated_from_any_folder_and_titled_with_its_data(model_folde
     capsys.readouterr()
     assert main(["eval", "--checkpoint", str(run)]) == 0
     out = capsys.readouterr().out
-    assert f"held-out{start / 'train.jsonl'}(3items)" in "".join(out.split()) and "eval/accuracy" in out  # wrapped
+    assert f"held-out{start / 'train.jsonl'}(3items)" in "".join(out.split()) and "eval/reward" in out  # own reward
 
 
 @pytest.mark.parametrize("column, value, found", [
