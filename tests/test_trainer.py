@@ -260,6 +260,57 @@ def test_a_log_that_is_not_a_terminal_gets_plain_unwrapped_lines_and_eval_progre
         datasets.enable_progress_bars()
 
 
+def _wandb_history(run_dir) -> list[dict]:
+    """The history rows of every offline W&B run file under run_dir/wandb, in order: the file is LevelDB's log
+    format (32 KiB blocks of chunks with a 7-byte header: CRC, length, type) after W&B's 7-byte header, each record
+    a `wandb_internal_pb2.Record`."""
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    rows = []
+    for path in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
+        data, pos, record = path.read_bytes(), 7, b""
+        while pos + 7 <= len(data):
+            if 32768 - pos % 32768 < 7:  # a block's tail too short for a header is padding
+                pos += 32768 - pos % 32768
+                continue
+            _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+            record, pos = record + data[pos + 7:pos + 7 + length], pos + 7 + length
+            if kind in (1, 4):  # a whole record, or its last chunk
+                parsed = wandb_internal_pb2.Record()
+                parsed.ParseFromString(record)
+                record = b""
+                if parsed.WhichOneof("record_type") == "history":
+                    rows.append({i.key or "/".join(i.nested_key): json.loads(i.value_json)
+                                 for i in parsed.history.item})
+    return rows
+
+
+def test_metrics_go_to_weights_and_biases_when_asked(tmp_path, monkeypatch):
+    """`report_to: wandb` (TRL's name) was dropped with a warning and `--train.report_to` did not exist: the run now
+    logs every step's metrics to W&B (offline here: no network), and a resume logs to the same run. Asking for it
+    without wandb installed is refused by name before anything loads."""
+    pytest.importorskip("wandb", reason="wandb is not installed (pip install wandb)")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    assert Config.from_dict({"report_to": ["tensorboard", "wandb"]}).train.report_to == "tensorboard,wandb"  # TRL's
+    run = make_trainer(make_config(tmp_path, train={"steps": 2, "report_to": "wandb"})).fit()
+    rows = _wandb_history(run)
+    assert [(r["_step"], r["reward"], r["loss"]) for r in rows] == [(r["step"], r["reward"], r["loss"])
+                                                                    for r in _metrics(run)]
+    run_id = (run / "wandb_id").read_text()
+    make_trainer(make_config(tmp_path, train={"steps": 3, "report_to": "wandb"})).fit(resume=run)
+    assert [r["_step"] for r in _wandb_history(run)] == [1, 2, 3]
+    assert {p.name.rsplit("-", 1)[1] for p in (run / "wandb").glob("offline-run-*")} == {run_id}
+    import importlib.util
+
+    find = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "wandb" else find(name, *a))
+    with pytest.raises(ValueError, match="train.report_to asks for wandb, which is not installed: pip install wandb"):
+        Config.from_dict({"train": {"report_to": "tensorboard,wandb"}})
+
+
 def test_leftover_temp_checkpoint_is_ignored(tmp_path):
     config = make_config(tmp_path, train={"steps": 2})
     run = make_trainer(config).fit()

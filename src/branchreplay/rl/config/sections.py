@@ -14,6 +14,7 @@ and, from their own modules, sampling (sampling.py), task (task.py), agent (agen
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -256,6 +257,19 @@ class DPOConfig:
             check("dpo.max_length", self.max_length >= 2, ">= 2", self.max_length)
 
 
+REPORT_TARGETS = ("tensorboard", "wandb")
+"""What train.report_to may name (and 'all', 'none')."""
+
+
+def report_targets(report_to: str) -> list[str]:
+    """The loggers of a train.report_to comma list: 'all' is every one of `REPORT_TARGETS` ('wandb' only when it
+    is installed), 'none' none."""
+    names = [n.strip() for n in report_to.split(",") if n.strip()]
+    if "all" in names:
+        return ["tensorboard"] + (["wandb"] if importlib.util.find_spec("wandb") is not None else [])
+    return [n for n in names if n != "none"]
+
+
 @dataclass
 class TrainConfig:
     """The run: how long, where it is written, how often it is saved and evaluated, how its gradients are computed
@@ -286,6 +300,10 @@ class TrainConfig:
         "refused with the measured error above the dtype's bound; the verdict is cached in the run folder) or "
         "'refuse' it. Recurrent or hybrid layers of an unknown family are always refused. A direct "
         "replay_backward call refuses an unknown family unless force=True"))
+    report_to: str = field(default="tensorboard", metadata=help_of(
+        "where metrics.jsonl is mirrored, a comma list (TRL's report_to): 'tensorboard' (RUN_DIR/tb, when "
+        "tensorboard is installed), 'wandb' (Weights & Biases: project $WANDB_PROJECT or 'branchreplay', the run "
+        "named after its folder and resumed with it; WANDB_MODE=offline works without a network), 'all' or 'none'"))
     max_failed_steps: int = field(default=3, metadata=help_of(
         "stop the run with an error after this many consecutive steps skipped because the reward (or every item's "
         "environment) failed, >= 0 (0 = never stop); the last good step is checkpointed first"))
@@ -298,6 +316,13 @@ class TrainConfig:
         check("train.max_failed_steps", self.max_failed_steps >= 0, ">= 0", self.max_failed_steps)
         choice("train.method", self.method, Method)
         choice("train.unknown_family", self.unknown_family, UnknownFamily)
+        unknown = set(report_targets(self.report_to)) - set(REPORT_TARGETS)
+        if unknown or not self.report_to.strip():
+            raise ValueError(f"train.report_to={self.report_to!r}: accepted values are a comma list of "
+                             f"{', '.join(REPORT_TARGETS)}, or 'all' or 'none'")
+        if "wandb" in report_targets(self.report_to) and importlib.util.find_spec("wandb") is None:
+            raise ValueError("train.report_to asks for wandb, which is not installed: pip install wandb, or drop it "
+                             "from train.report_to")
 
 
 @dataclass

@@ -8,6 +8,7 @@ A TRL user's YAML is one flat mapping (`learning_rate: 1e-6`, `num_generations: 
                                                                 process) -> grpo.prompts_per_step = that /
                                                                 num_generations, which must divide it (as TRL checks)
     scale_rewards: true / false                                 "group" / "none" (TRL's booleans)
+    report_to: [tensorboard, wandb]                             "tensorboard,wandb" (a list as a comma list)
     top_k: null                                                 0 (off)
     lr_scheduler_type                                           cosine, linear, constant (constant_with_warmup too)
     bf16: true                                                  model.dtype bfloat16 (mixed precision)
@@ -65,6 +66,7 @@ TRL_NAMES: dict[str, str] = {
     "save_total_limit": "train.keep_checkpoints",
     "eval_steps": "train.eval_steps",
     "log_completions": "train.log_completions",
+    "report_to": "train.report_to",
     "bf16": "model.dtype",
     "per_device_train_batch_size": "grpo.prompts_per_step",
     "gradient_accumulation_steps": "grpo.prompts_per_step",
@@ -80,7 +82,7 @@ TRL_LORA_R = 16  # TRL ModelConfig's lora_r default, when use_peft is true
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
 UPDATE_COUNTS = ("max_steps", "save_steps", "eval_steps")  # TRL counts optimizer steps; train.* count sampling rounds
 NO_EFFECT = {
-    "logging_steps", "logging_first_step", "logging_dir", "logging_strategy", "report_to", "run_name", "log_level",
+    "logging_steps", "logging_first_step", "logging_dir", "logging_strategy", "run_name", "log_level",
     "disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs", "use_vllm", "vllm_mode",
     "vllm_gpu_memory_utilization", "vllm_server_host", "vllm_server_port", "save_strategy", "eval_strategy",
     "push_to_hub", "hub_model_id", "dataloader_num_workers", "remove_unused_columns", "save_only_model",
@@ -198,6 +200,8 @@ def _convert(key: str, value, iterations: int = 1):
         return "group" if value else "none"
     if key == "top_k" and value is None:
         return 0
+    if key == "report_to" and isinstance(value, (list, tuple)):
+        return ",".join(map(str, value)) or "none"
     if key == "lr_scheduler_type":
         if value not in SCHEDULERS:
             raise ValueError(f"lr_scheduler_type={value!r} is not supported here; use one of {', '.join(SCHEDULERS)}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import uuid
 from pathlib import Path
 
 import torch
@@ -32,34 +33,43 @@ def quiet_progress_bars() -> None:
 
 
 class MetricsLog:
-    """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to
-    TensorBoard (RUN_DIR/tb) when `torch.utils.tensorboard` imports (said on the console when it does not), and
+    """RUN_DIR/metrics.jsonl, one JSON object per step (step 0: the evaluation before training), mirrored to the
+    loggers of `report_to` (`config.sections.report_targets`): TensorBoard (RUN_DIR/tb) when
+    `torch.utils.tensorboard` imports (said on the console when it does not), Weights & Biases (`WandbRun`); and
     RUN_DIR/completions.jsonl, the sampled completions of each step (`write_completions`, train.log_completions).
     Lines of steps after `truncate_after` (written after the checkpoint a resume starts from) are dropped from both,
-    so a resumed run's logs read as an uninterrupted one."""
+    so a resumed run's logs read as an uninterrupted one. `config`: the run's config, as W&B's run config."""
 
-    def __init__(self, run_dir: Path, truncate_after: int, console: Console | None = None):
+    def __init__(self, run_dir: Path, truncate_after: int, console: Console | None = None,
+                 report_to: str = "tensorboard", config: dict | None = None):
+        from ..config.sections import report_targets
+
+        targets = report_targets(report_to)
         self.path = run_dir / "metrics.jsonl"
         self.records = _truncated(self.path, truncate_after)
         _truncated(run_dir / "completions.jsonl", truncate_after)
         self.completions = None  # opened on the first write_completions
         self.file = open(self.path, "a")
-        try:
-            from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(run_dir / "tb"))
-        except ImportError:
-            self.tb = None
-            if console is not None:  # said once, when the run starts: never silently off
-                console.print("TensorBoard: off (pip install tensorboard to mirror metrics.jsonl into RUN_DIR/tb)")
+        self.tb = None
+        if "tensorboard" in targets:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+                self.tb = SummaryWriter(str(run_dir / "tb"))
+            except ImportError:
+                if console is not None:  # said once, when the run starts: never silently off
+                    console.print("TensorBoard: off (pip install tensorboard to mirror metrics.jsonl into RUN_DIR/tb)")
+        self.wandb = WandbRun(run_dir, config) if "wandb" in targets else None
 
     def write(self, record: dict) -> None:
         self.records.append(record)
         self.file.write(json.dumps(record) + "\n")
         self.file.flush()
+        scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
         if self.tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self.tb.add_scalar(key, value, record["step"])
+            for key, value in scalars.items():
+                self.tb.add_scalar(key, value, record["step"])
+        if self.wandb is not None:
+            self.wandb.log(scalars, record["step"])
 
     def write_completions(self, step: int, rows: list[dict]) -> None:
         """Append one JSON object per sampled completion of `step` to RUN_DIR/completions.jsonl (TRL's
@@ -75,6 +85,29 @@ class MetricsLog:
             self.completions.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
+
+
+class WandbRun:
+    """The run's Weights & Biases run: project $WANDB_PROJECT (default "branchreplay"), named after the run folder,
+    its files under RUN_DIR/wandb, its id kept in RUN_DIR/wandb_id so that a resume logs to the same run (W&B
+    drops the steps a resume repeats). W&B's own settings apply (WANDB_MODE=offline: no network)."""
+
+    def __init__(self, run_dir: Path, config: dict | None):
+        import wandb
+
+        id_file = run_dir / "wandb_id"
+        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        id_file.write_text(run_id)
+        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "branchreplay"), name=run_dir.name, id=run_id,
+                              resume="allow", dir=str(run_dir), config=config)
+
+    def log(self, scalars: dict, step: int) -> None:
+        self.run.log(scalars, step=step)
+
+    def finish(self) -> None:
+        self.run.finish()
 
 
 class NoLog:

@@ -213,7 +213,8 @@ class Trainer:
         for p in (self.reference, self.algorithm.critic):  # they run the policy's family
             if p is not None:
                 p.force = self.policy.force
-        log = MetricsLog(run_dir, truncate_after=self.step, console=self.console) if self.rank == 0 else NoLog()
+        log = MetricsLog(run_dir, truncate_after=self.step, console=self.console, report_to=cfg.report_to,
+                         config=resolved(self.config).to_dict()) if self.rank == 0 else NoLog()
         stop: list[str] = []
         aborted = lambda: str(TrainingAborted(run_dir, self.during, latest_checkpoint(run_dir)))  # noqa: E731
         try:
