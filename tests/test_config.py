@@ -3,7 +3,7 @@
 import pytest
 import yaml
 
-from branchreplay.rl.config import Config, apply_overrides, help_text, parse_args
+from branchreplay.rl.config import Config, apply_overrides, full_help, parse_args
 
 
 def _yaml(tmp_path, data) -> str:
@@ -90,12 +90,34 @@ def test_parse_train_args_and_resume(tmp_path):
 
 
 def test_help_lists_every_field():
-    text = help_text()
+    text = full_help("train")
     for name in ("--grpo.loss_type", "--sampling.temperature", "--task.name", "--train.output_dir", "--task.reward"):
         assert name in text
     task_config = next(line for line in text.splitlines() if line.startswith("--task.config "))
     assert "create_dataset(name, size=, seed=, **config)" in task_config and "``" not in task_config
     assert "another dataset." in task_config  # the docstring entry's continuation lines are kept
+
+
+def test_help_is_short_names_trl_first_and_each_command_lists_what_it_reads(capsys):
+    """`train --help` was 152 lines, a paragraph per option; `eval --help` listed the training options; the tiny
+    specs were offered for training, which refuses them. Now --help is a short view (TRL's names first) and
+    --help-all the full text, of what each command reads only."""
+    from branchreplay.cli import main
+
+    def shown(*argv):
+        assert main(list(argv)) == 0
+        return capsys.readouterr().out
+
+    short = shown("train", "--help")
+    assert len(short.splitlines()) <= 60 and "--learning_rate | --grpo.learning_rate  (default 1e-06)" in short
+    assert "--help-all" in short and "tiny" not in short
+    full = shown("train", "--help-all")
+    assert full.count("\n--") > 100 and "--engine.replay " in full and "tiny" not in full
+    assert "--max_completion_length  (TRL GRPOConfig) -> sampling.max_new_tokens" in full
+    for text in (shown("eval", "--help"), shown("eval", "--help-all")):
+        assert "--checkpoint DIR" in text or "--task.eval_size " in text
+        assert not [w for w in text.split() if w.startswith(("--grpo.", "--train.", "--engine.", "--parallel."))]
+    assert "--task.eval_size" in shown("eval", "--help-all") and "--model.spec" in shown("eval", "--help")
 
 
 def test_engine_section_typed_choices_and_every_field_helped():
@@ -115,7 +137,7 @@ def test_engine_section_typed_choices_and_every_field_helped():
         Config.from_dict({"engine": {"replay": "sometimes"}})
     with pytest.raises(ValueError, match=r"engine.memory_budget=0 is out of range"):
         Config.from_dict({"engine": {"memory_budget": 0}})
-    text = help_text()
+    text = full_help("train")
     line = next(li for li in text.splitlines() if li.startswith("--engine.replay "))
     assert "one of 'keep', 'replay', 'auto'" in line and "default 'auto'" in line
     assert "default 'self-check'" in next(li for li in text.splitlines() if li.startswith("--train.unknown_family"))
@@ -186,7 +208,7 @@ def test_trl_flat_grpo_config_names_map_onto_sections(tmp_path):
         Config.from_dict({"per_device_train_batch_size": 16, "grpo": {"prompts_per_step": 3}})
     with pytest.raises(ValueError, match="lr_scheduler_type='polynomial'"):
         Config.from_dict({"lr_scheduler_type": "polynomial"})
-    assert "--max_completion_length  (TRL GRPOConfig) -> sampling.max_new_tokens" in help_text()
+    assert "--max_completion_length  (TRL GRPOConfig) -> sampling.max_new_tokens" in full_help("train")
     lora = Config.from_dict({"use_peft": True, "lora_alpha": 64, "lora_target_modules": ["q_proj", "v_proj"],
                              "lora_dropout": 0.0}).model
     assert (lora.lora_r, lora.lora_alpha, lora.lora_target_modules) == (16, 64, "q_proj,v_proj")  # TRL's r = 16

@@ -18,7 +18,7 @@ def main(argv: list[str] | None = None) -> int:
         wing.add_commands(sub)
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "raw", False):  # train / eval parse the rest themselves (the run config's overrides)
-        return rl_cli.config_command(args.func, sub.choices[args.command].usage, rest)
+        return rl_cli.config_command(args.command, args.func, sub.choices[args.command].usage, rest)
     if rest:
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
     return args.func(args)

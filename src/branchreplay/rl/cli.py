@@ -155,15 +155,20 @@ def _set_threads(value: str | None) -> None:
     torch.set_num_threads(int(value))
 
 
-def config_command(command, usage: str, argv: list[str]) -> int:
-    """train / eval: --help prints the usage and every config field; a bad config, task, path or reward ends in one
+def config_command(name: str, command, usage: str, argv: list[str]) -> int:
+    """`name` ("train" or "eval") runs `command(argv)`. --help prints the usage and the options people use,
+    --help-all every option the command reads (config/help.py); a bad config, task, path or reward ends in one
     `error:` line and exit 2, printed once per node under torchrun (by LOCAL_RANK 0: every rank reads the same
     config and files)."""
-    from .config import help_text
+    from .config import full_help, short_help
 
+    if "--help-all" in argv:
+        print(f"usage: {usage}\n")
+        print(full_help(name))
+        return 0
     if "-h" in argv or "--help" in argv:
         print(f"usage: {usage}\n")
-        print(help_text())
+        print(short_help(name))
         return 0
     try:
         return command(argv)

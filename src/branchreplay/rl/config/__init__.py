@@ -1,13 +1,14 @@
 """The run configuration: `Config` (run.py) composed of one dataclass per section (sections.py, with sampling.py,
-task.py and agent.py beside it), TRL's flat names (trl_names.py), values and overrides (values.py), and the one
-parser of `train` and `eval` (`parse_args`). Torch-free, so that --help and config errors come before torch
+task.py and agent.py beside it), TRL's flat names (trl_names.py), values and overrides (values.py), the one
+parser of `train` and `eval` (`parse_args`) and their help (help.py). Torch-free, so that --help and config errors come before torch
 loads."""
 
-from .run import ALGORITHM_DEFAULTS, Config, help_text, parse_args, run_config
+from .help import full_help, short_help
+from .run import ALGORITHM_DEFAULTS, Config, parse_args, run_config
 from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelConfig, PPOConfig, ReinforcePPConfig,
                        RLOOConfig, TrainConfig)
 from .values import apply_overrides
 
 __all__ = ["ALGORITHM_DEFAULTS", "SECTIONS", "Config", "DPOConfig", "GRPOConfig", "ModelConfig", "ParallelConfig",
-           "PPOConfig", "ReinforcePPConfig", "RLOOConfig", "TrainConfig", "apply_overrides", "help_text",
-           "parse_args", "run_config"]
+           "PPOConfig", "ReinforcePPConfig", "RLOOConfig", "TrainConfig", "apply_overrides", "full_help",
+           "parse_args", "run_config", "short_help"]

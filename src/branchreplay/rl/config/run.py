@@ -23,7 +23,7 @@ its trainer where they differ from GRPO's (`ALGORITHM_DEFAULTS`).
 Values are parsed to the field's declared type (bool: true/false/yes/no/1/0; a closed choice must be one of its
 Literal values; tuples, lists and dicts as YAML, e.g. `--sampling.branching "[[0,2],[8,2]]"`). Unknown sections and
 keys are errors that list the valid ones. `parse_args` is the one parser of `train` and `eval`; every field's help
-is its metadata (`fields.help_of`), printed by `help_text`.
+is its metadata (`fields.help_of`), printed by `help.py`.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ import yaml
 
 from ...engine.config import EngineConfig
 from ...fields import nearest
-from ..algorithms import ALGORITHMS, check_algorithm
+from ..algorithms import check_algorithm
 from .agent import AgentConfig
 from .sampling import SamplingConfig, turn_factor
 from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelConfig, PPOConfig,
@@ -45,8 +45,8 @@ from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelCon
 from .task import TaskConfig
 from .resolve import resolved
 from .resume import check_resume, latest_config, launch_free, read
-from .trl_names import from_trl_names, help_lines
-from .values import MOVED, TRL_COMMAND_LINE, apply_overrides, coerce, field_types, kind, moved, plain
+from .trl_names import from_trl_names
+from .values import MOVED, TRL_COMMAND_LINE, apply_overrides, coerce, field_types, moved, plain
 
 
 ALGORITHM_DEFAULTS: dict[str, dict[str, dict]] = {
@@ -208,24 +208,6 @@ class Config:
     def save(self, path: str | Path) -> None:
         """Write the resolved config as YAML (what `from_yaml` reads back to an equal Config)."""
         Path(path).write_text(yaml.safe_dump(self.to_dict(), sort_keys=False))
-
-
-def help_text() -> str:
-    """One line per field: `--section.field  (type, default) help`, for the command's --help (the help is the
-    field's metadata, `fields.help_of`)."""
-    lines = [f"--algorithm  (one of {', '.join(map(repr, ALGORITHMS))}, or package.module:Class; default 'grpo')  "
-             "what the advantages and the loss are: GRPO's group baseline, PPO's critic and GAE, RLOO's leave-one-out "
-             "baseline, REINFORCE++'s global normalisation, DPO on preference pairs; an algorithm of your own "
-             "(rl/algorithms/base.py, docs/algorithms.md)"]
-    for section, cls in SECTIONS.items():
-        hints = field_types(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-            lines.append(f"--{section}.{f.name}  ({kind(hints[f.name])}, default {plain(default)!r})  "
-                         f"{f.metadata.get('help', '')}")
-    lines.append("TRL's flat GRPOConfig names are accepted too, in a YAML file or as --name VALUE "
-                 "(rl/config/trl_names.py):")
-    return "\n".join(lines + help_lines())
 
 
 def parse_args(argv: list[str], options: tuple[str, ...] = ("--config", "--resume")) -> tuple[Config, dict]:

@@ -42,8 +42,8 @@ class ModelConfig:
     """The policy model (the reference model for the KL penalty is a frozen copy of its initial weights)."""
 
     spec: str = field(default="smollm2", metadata=help_of(
-        "model to train, as models.load_model: 'smollm2' (default, SmolLM2-135M-Instruct), 'tiny:<arch>', a "
-        "save_pretrained folder, a .gguf file or a hub id 'org/name'"))
+        "the model: 'smollm2' (default, SmolLM2-135M-Instruct), a save_pretrained folder with its tokenizer, a "
+        ".gguf file or a hub id 'org/name'"))
     dtype: DType = field(default="float32", metadata=help_of(
         "float32 or float64: parameters and compute in that dtype; bfloat16: mixed precision, float32 parameters "
         "(master weights), gradients and AdamW state with the forwards under torch.autocast (as Hugging Face "
