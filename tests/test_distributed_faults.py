@@ -239,6 +239,31 @@ def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(
         heartbeat.stop()
 
 
+def test_a_rank_that_raised_or_is_leaving_is_not_named_stuck(monkeypatch):
+    """Of 4 ranks, rank 1 raised (its phase says so), rank 2 is leaving and rank 3 sits in its reward: rank 0 names
+    rank 3 only (with 3 or more ranks a survivor that timed out first must not be taken for the stuck one)."""
+    import json
+
+    import torch.distributed as dist
+
+    from branchreplay.rl.run.parallel import Heartbeat
+
+    port = free_port()
+    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(port))
+    heartbeat = Heartbeat(0, 4, period_s=0.05, wait_s=0.3)
+    try:
+        phases = {1: "failed in step 2: RuntimeError: Timed out", 2: "step 2: scoring 8 completions",
+                  3: "step 2: scoring 8 completions"}
+        for rank, text in phases.items():
+            store.set(f"{Heartbeat.PREFIX}{rank}/phase", json.dumps([time.time() - 30, text, False]))
+        store.set(f"{Heartbeat.PREFIX}2/leaving", "1")
+        assert [(r, text) for r, text, _ in heartbeat.stuck_ranks()] == [(3, "step 2: scoring 8 completions")]
+    finally:
+        heartbeat.stop()
+
+
 def test_a_rank_died_error_skips_the_teardown_of_the_broken_group(monkeypatch, tmp_path):
     """`train` closes the process group after a failed run (a barrier), except after RankDied: the group is broken,
     its barrier would raise another error (gloo) or block (nccl) in place of the one-line message."""

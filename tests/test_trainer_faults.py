@@ -144,6 +144,26 @@ def test_a_reward_that_never_returns_skips_its_step_after_task_reward_timeout_s(
     assert [("skipped" in r, r["step"]) for r in _metrics(run)] == [(False, 1), (True, 2), (False, 3)]
 
 
+def test_a_reward_under_its_timeout_may_use_signals_itself(tmp_path):
+    """The timeout runs the reward in the main thread (a SIGUSR1 at the limit), so a reward function that uses
+    signals itself, as math-verify's default timeouts do, still runs: in a thread of its own it raised
+    "signal only works in main thread" and every step was skipped."""
+    import signal
+
+    from math_verify import parse
+
+    def with_alarm(completions, **kwargs):
+        signal.signal(signal.SIGALRM, signal.getsignal(signal.SIGALRM))  # raises outside the main thread
+        assert parse("1/2", parsing_timeout=5)  # math-verify's own SIGALRM timeout
+        return byte_reward(completions, **kwargs)
+
+    previous = signal.getsignal(signal.SIGUSR1)
+    run = make_trainer(make_config(tmp_path, task={"reward_timeout_s": 30}, train={"steps": 2}),
+                       reward_fn=with_alarm).fit()
+    assert [("skipped" in r) for r in _metrics(run)] == [False, False]
+    assert signal.getsignal(signal.SIGUSR1) is previous  # the timeout's handler is gone after each call
+
+
 def test_a_second_signal_ends_the_run_with_one_line_and_the_last_checkpoint_intact(tmp_path):
     """SIGINT twice while a reward function hangs in step 2: the first asks for a stop after the step, which does
     not end; the second used to end in a KeyboardInterrupt traceback. Now `TrainingAborted`, one line naming what
@@ -163,11 +183,39 @@ def test_a_second_signal_ends_the_run_with_one_line_and_the_last_checkpoint_inta
     with pytest.raises(TrainingAborted) as aborted:
         make_trainer(config, reward_fn=_hanging_on_step(2, twice)).fit()
     run = tmp_path / "run"
+    assert str(TrainingAborted(run, "step 1", None)) == ("aborted during step 1 at a second signal; no checkpoint "
+                                                        "was written yet: start the run again")
     assert str(aborted.value) == (f"aborted during step 2 at a second signal; step-000001 is intact. Resume with: "
                                   f"branchreplay train --resume {run}")
     assert latest_checkpoint(run, verify=True).name == "step-000001"
     make_trainer(make_config(tmp_path, train={"steps": 3, "save_steps": 1})).fit(resume=run)
     assert [r["step"] for r in _metrics(run)] == [1, 2, 3]
+
+
+def test_a_resume_may_not_train_on_the_rows_it_held_out(tmp_path):
+    """Turning evaluation on or off changes which rows of task.dataset (without task.eval_dataset) are trained on:
+    a resume that flips it is refused by name; with an eval_dataset it may."""
+    from branchreplay.rl.config.resume import check_resume
+
+    saved = {"task": {"dataset": "rows.jsonl"}, "train": {"eval_steps": -1}}
+    with pytest.raises(ValueError, match=r"train.eval_steps would hold out the rows of rows.jsonl that the run "
+                                         r"trained on"):
+        check_resume(saved, {**saved, "train": {"eval_steps": 10}}, tmp_path)
+    with pytest.raises(ValueError, match=r"train.eval_steps -1 would train on the rows of rows.jsonl that the run "
+                                         r"held out"):
+        check_resume({**saved, "train": {"eval_steps": 5}}, saved, tmp_path)
+    held = {"task": {"dataset": "rows.jsonl", "eval_dataset": "held.jsonl"}, "train": {"eval_steps": -1}}
+    check_resume(held, {**held, "train": {"eval_steps": 10}}, tmp_path)
+
+
+def test_a_checksums_file_of_the_wrong_shape_is_named(tmp_path):
+    from branchreplay.rl.run.checkpoint import faults
+
+    run = make_trainer(make_config(tmp_path, train={"steps": 1})).fit()
+    folder = latest_checkpoint(run)
+    for text in ("[1, 2]", '{"model.safetensors": {"sha256": "0"}}', '{"a": 3}'):
+        (folder / "checksums.json").write_text(text)
+        assert faults(folder, verify=True) == ["checksums.json cannot be read"]
 
 
 @pytest.fixture

@@ -37,12 +37,13 @@ def load_agent_task(config) -> tuple:
     """(environment, train items, held-out items) of a run `config` (`rl.config.Config`) whose agent.environment
     is set. Raises ValueError for an environment that does not import or lacks a method (`load_environment`)."""
     a, task = config.agent, config.task
+    hold_out = config.train.eval_steps >= 0  # with evaluation off, a task.dataset file holds no row out
     kwargs = dict(a.environment_kwargs or {})
     splits = None
     if a.environment == "calculator":
         if len(reward_specs(task.reward)) != 1:
             raise ValueError(f"agent.environment=calculator scores with one task.reward, got {task.reward!r}")
-        splits = load_task(task)
+        splits = load_task(task, hold_out)
         env = calculator(make_reward(task.reward, splits[0]), timeout_s=a.tool_timeout_s, **kwargs)
     elif a.environment == "guess_number":
         env = GuessNumber(**kwargs)
@@ -51,7 +52,7 @@ def load_agent_task(config) -> tuple:
     if callable(getattr(env, "items", None)):
         return env, env.items(task.size, seed=task.seed), env.items(task.held_out_size(),
                                                                              seed=task.seed + EVAL_SEED_OFFSET)
-    splits = splits or load_task(task)
+    splits = splits or load_task(task, hold_out)
     return env, splits[0], splits[1]
 
 

@@ -44,7 +44,7 @@ COMMON: dict[str, tuple[tuple[str, str], ...]] = {
         ("task.name", "a reasoning-gym task"),
         ("task.dataset", "your own file of prompts instead"),
         ("task.eval_dataset", "its held-out file (default: its last rows)"),
-        ("task.eval_size", "held-out examples (default: 64, or one row in ten of a file)"),
+        ("task.eval_size", "held-out examples (default: 64, or one row in ten of a file, at most 64)"),
         ("task.reward", "task, math_verify or package.module:function"),
         ("sampling.max_new_tokens", "tokens per answer, at most"),
         ("agent.environment", "a multi-turn environment instead of a task"),

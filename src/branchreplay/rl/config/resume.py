@@ -27,7 +27,8 @@ import yaml
 FIRST = "config.yaml"
 RESUMED = re.compile(r"^config-resumed-at-step-(\d+)\.yaml$")
 RESUMABLE = ("train.steps", "train.save_steps", "train.eval_steps", "train.keep_checkpoints", "train.log_completions",
-             "train.max_failed_steps", "train.output_dir", "train.method", "train.unknown_family", "engine.*",
+             "train.max_failed_steps", "train.output_dir", "train.method", "train.unknown_family", "train.report_to",
+             "task.reward_timeout_s", "engine.*",
              "parallel.*", "sampling.backend", "sampling.vllm_url", "sampling.vllm_timeout_s", "model.device")
 """Fields a resume may change (`section.*`: every field of the section)."""
 
@@ -72,6 +73,12 @@ def check_resume(saved: dict, resumed: dict, run_dir: Path) -> None:
                          "that (another --train.output_dir), or drop the override. A resume may change train.steps, "
                          "the save and eval cadence, train.method, engine.*, parallel.*, the vLLM server and "
                          "model.device")
+    task, before, after = resumed.get("task") or {}, saved.get("train") or {}, resumed.get("train") or {}
+    was_on, is_on = before.get("eval_steps", 0) >= 0, after.get("eval_steps", 0) >= 0
+    if task.get("dataset") and not task.get("eval_dataset") and was_on != is_on:
+        raise ValueError(f"--resume {run_dir}: train.eval_steps {'-1 would train on' if was_on else 'would hold out'} "
+                         f"the rows of {task['dataset']} that the run {'held out' if was_on else 'trained on'}; keep "
+                         "evaluation as it was, or give task.eval_dataset")
     step = checkpoint_step(run_dir)
     steps = (resumed.get("train") or {}).get("steps")
     if step is not None and steps is not None and steps < step:

@@ -316,7 +316,7 @@ class TrainConfig:
         check("train.max_failed_steps", self.max_failed_steps >= 0, ">= 0", self.max_failed_steps)
         choice("train.method", self.method, Method)
         choice("train.unknown_family", self.unknown_family, UnknownFamily)
-        unknown = set(report_targets(self.report_to)) - set(REPORT_TARGETS)
+        unknown = {n.strip() for n in self.report_to.split(",") if n.strip()} - {*REPORT_TARGETS, "all", "none"}
         if unknown or not self.report_to.strip():
             raise ValueError(f"train.report_to={self.report_to!r}: accepted values are a comma list of "
                              f"{', '.join(REPORT_TARGETS)}, or 'all' or 'none'")

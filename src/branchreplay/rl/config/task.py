@@ -74,9 +74,10 @@ class TaskConfig:
         "one weight per function of task.reward (TRL's reward_weights); the reward is their weighted sum; null = "
         "all 1.0"))
     reward_timeout_s: float = field(default=300.0, metadata=help_of(
-        "seconds a reward function of your own ('package.module:function') may take for one call; past it the call "
-        "counts as a reward that raised (the step is skipped with a warning; train.max_failed_steps in a row stop "
-        "the run). The call's thread cannot be stopped and is left running"))
+        "seconds a reward function of your own ('package.module:function') may take for one call (one step's "
+        "completions, or a batch of held-out answers); past it the call is interrupted and counts as a reward that "
+        "raised (the step is skipped with a warning; train.max_failed_steps in a row stop the run). Enforced by a "
+        "SIGUSR1 to the main thread (rl/data/rewards.py, with_timeout)"))
 
     def __post_init__(self):
         check("task.eval_size", self.eval_size is None or self.eval_size >= 0, ">= 0 or null", self.eval_size)

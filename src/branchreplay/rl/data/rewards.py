@@ -16,6 +16,7 @@ import importlib
 import importlib.util
 import numbers
 import os
+import signal
 import sys
 import threading
 import warnings
@@ -155,30 +156,42 @@ def _import_file(path: Path):
 
 
 def with_timeout(func: Callable, timeout_s: float) -> Callable:
-    """`func` called in a thread of its own and waited for at most `timeout_s` seconds (the caller's thread keeps
-    answering signals meanwhile). Returns what `func` returns and raises what it raises, or TimeoutError when it
-    has not returned by then; its thread cannot be stopped and is left running (a daemon: it does not keep the
-    process alive). As `ToolEnvironment`'s tool calls."""
+    """`func`, interrupted with TimeoutError when a call has not returned after `timeout_s` seconds.
+
+    The call runs in the caller's thread, so that a reward function may use signals itself (math-verify's default
+    timeouts, a sandbox's SIGALRM). In the main thread a timer sends SIGUSR1 to it at the limit, and a handler
+    installed for the call raises TimeoutError there: a Python loop or a blocking call (sleep, a socket read) is
+    interrupted; C code that never returns to Python is not. In another thread (signals reach only the main
+    thread) the call runs without a limit. The previous SIGUSR1 handler is back after every call."""
 
     @functools.wraps(func)
     def timed(*args, **kwargs):
-        outcome: dict = {}
+        if threading.current_thread() is not threading.main_thread():
+            return func(*args, **kwargs)
+        done, delivered, fired = [False], threading.Event(), threading.Event()
 
-        def call():
-            try:
-                outcome["value"] = func(*args, **kwargs)
-            except BaseException as e:  # noqa: BLE001 (re-raised in the caller's thread)
-                outcome["error"] = e
+        def on_timeout(signum, frame):
+            delivered.set()
+            if not done[0]:
+                raise TimeoutError(f"it did not return within task.reward_timeout_s={timeout_s:g} s")
 
-        worker = threading.Thread(target=call, name=f"reward {timed.__name__}", daemon=True)
-        worker.start()
-        worker.join(timeout_s)
-        if worker.is_alive():
-            raise TimeoutError(f"it did not return within task.reward_timeout_s={timeout_s:g} s (its thread is left "
-                               "running)")
-        if "error" in outcome:
-            raise outcome["error"]
-        return outcome["value"]
+        def fire():
+            fired.set()
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGUSR1)
+
+        previous = signal.signal(signal.SIGUSR1, on_timeout)
+        timer = threading.Timer(timeout_s, fire)
+        timer.daemon = True
+        timer.start()
+        try:
+            return func(*args, **kwargs)
+        finally:
+            done[0] = True
+            timer.cancel()
+            timer.join()
+            if fired.is_set():  # sent as the call ended: let its handler run (a no-op now) before restoring
+                delivered.wait(5.0)
+            signal.signal(signal.SIGUSR1, previous)
 
     return timed
 

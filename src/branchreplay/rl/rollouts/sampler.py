@@ -276,7 +276,8 @@ class Sampler:
         for error in errors:
             warnings.warn(f"step {step}: an item was skipped: {error}", RuntimeWarning, stacklevel=3)
         if self.ranks is not None:
-            raise_together(failure, "sampling the trajectories")
+            with self.ranks.waiting():
+                raise_together(failure, "sampling the trajectories")
             parts = self.ranks.gather((groups, errors))
             errors = [e for _, part in parts for e in part]
             for part, _ in parts:

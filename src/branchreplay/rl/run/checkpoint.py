@@ -212,18 +212,19 @@ def latest_checkpoint(run_dir: str | Path, verify: bool = False) -> Path | None:
     return None
 
 
-def load_weights(model, checkpoint: str | Path) -> None:
-    """Load a checkpoint's weights into `model` (a checkpoint folder or a run folder, whose latest is used).
+def load_weights(model, checkpoint: str | Path, verify: bool = True) -> None:
+    """Load a checkpoint's weights into `model` (a checkpoint folder or a run folder, whose latest is used), after
+    comparing its files with checksums.json (`faults`; `verify` False: the caller did).
 
     Raises FileNotFoundError when there is no complete checkpoint there, ValueError when the checkpoint does not
     fit the model (another model, or a LoRA adapter for a model without LoRA, or the reverse)."""
     path = Path(checkpoint)
     if not ((path / WEIGHTS).is_file() or (path / ADAPTER).is_file()):
-        found = latest_checkpoint(path, verify=True)
+        found = latest_checkpoint(path, verify=verify)
         if found is None:
             raise FileNotFoundError(f"{path} holds no checkpoint ({WEIGHTS} or checkpoints/latest)")
         path = found
-    damage = [f for f in faults(path, verify=True) if not f.startswith("lacks")]
+    damage = [f for f in faults(path, verify=verify) if not f.startswith("lacks")]
     if damage:
         raise ValueError(f"checkpoint {path} is damaged: {'; '.join(damage)}; load an earlier checkpoint of the run")
     if (path / ADAPTER).is_file() or is_lora(model):
@@ -271,19 +272,20 @@ def _load_adapter(model, path: Path) -> None:
     set_peft_model_state_dict(model, state)
 
 
-def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler, critic: tuple | None = None
-                    ) -> tuple[int, dict]:
+def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler, critic: tuple | None = None,
+                    verify: bool = True) -> tuple[int, dict]:
     """Restore weights, optimizer, scheduler and RNG states from a checkpoint folder, on any world size (every rank
     of a data-parallel run calls it); returns (step, extra). `critic`: (value model, optimizer, scheduler) restored
     from critic/. Raises FileNotFoundError when `critic` is given and the checkpoint has none (a run started
-    with another algorithm), ValueError when a file fails its checksums.json entry (`load_weights`)."""
+    with another algorithm), ValueError when a file fails its checksums.json entry (`load_weights`; `verify` False:
+    the caller compared them, as `latest_checkpoint(verify=True)` does)."""
     path = Path(checkpoint)
     if critic is not None:
         if not (path / CRITIC / WEIGHTS).is_file():
             raise FileNotFoundError(f"{path} holds no critic/: the run was not trained with algorithm=ppo; resume it "
                                     "with its own algorithm")
-        load_checkpoint(path / CRITIC, *critic)
-    load_weights(model, path)
+        load_checkpoint(path / CRITIC, *critic, verify=False)  # the whole folder's checksums.json covers critic/
+    load_weights(model, path, verify)
     state = torch.load(path / STATE, weights_only=False)  # our own file: numpy RNG state needs pickle
     for p in model.parameters():  # torch initialises the optimizer's state only for parameters without grads
         p.grad = None
@@ -342,16 +344,17 @@ def faults(path: Path, verify: bool = False) -> list[str]:
     if not listed.is_file():  # written before checksums, or not complete
         return out
     try:
-        entries = json.loads(listed.read_text())
-    except (OSError, ValueError):
+        entries = {str(name): (int(entry["bytes"]), str(entry["sha256"]))
+                   for name, entry in json.loads(listed.read_text()).items()}
+    except (OSError, ValueError, TypeError, KeyError, AttributeError):
         return out + [f"{CHECKSUMS} cannot be read"]
-    for name, entry in entries.items():
+    for name, (size_listed, sha256) in entries.items():
         file = path / name
         if not file.is_file():
             out.append(f"lacks {name}")
-        elif (size := file.stat().st_size) != entry["bytes"]:
-            out.append(f"{name} has {size:,} of {entry['bytes']:,} bytes")
-        elif verify and _sha256(file) != entry["sha256"]:
+        elif (size := file.stat().st_size) != size_listed:
+            out.append(f"{name} has {size:,} of {size_listed:,} bytes")
+        elif verify and _sha256(file) != sha256:
             out.append(f"{name} fails its SHA-256 checksum")
     return list(dict.fromkeys(out))
 

@@ -4,6 +4,7 @@ task, greedy trajectories scored by its environment (`agent.task.evaluate_agent`
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -62,7 +63,8 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
             raise
         scores, lengths, error = [], [], e
     if ranks is not None:
-        raise_together(error, "held-out evaluation", kinds=(RewardFunctionError,))
+        with ranks.waiting():
+            raise_together(error, "held-out evaluation", kinds=(RewardFunctionError,))
         parts = ranks.gather((scores, lengths))
         scores, lengths = [x for p, _ in parts for x in p], [n for _, ln in parts for n in ln]
     scores_t = torch.tensor(scores)
@@ -124,6 +126,10 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
     else:
         data = load_task(config.task)[1]
         reward_fn = make_rewards(config.task, data)
+        if config.task.dataset is not None and config.task.eval_dataset is None and config.train.eval_steps < 0:
+            warnings.warn(f"the run trained on every row of {config.task.dataset} (train.eval_steps -1): its last "
+                          f"{len(data)} rows, scored here, were trained on; give --task.eval_dataset for a held-out "
+                          "score", RuntimeWarning, stacklevel=2)
     if checkpoint is not None and not Path(checkpoint).is_dir():
         raise FileNotFoundError(f"--checkpoint {checkpoint}: no such folder (give a run folder or a checkpoint "
                                 "folder)")

@@ -25,10 +25,13 @@ def run_console(quiet: bool = False) -> Console:
 def quiet_progress_bars() -> None:
     """Turn off the progress bars of transformers, huggingface_hub and datasets (their own switches), which flood
     a log that is not a terminal ("Writing model shards", "Creating parquet")."""
-    import datasets
     from transformers.utils import logging
 
     logging.disable_progress_bar()  # huggingface_hub's too
+    try:
+        import datasets  # not a dependency of ours: installed with trl, or by a user's data loading
+    except ImportError:
+        return
     datasets.disable_progress_bars()
 
 
@@ -100,8 +103,12 @@ class WandbRun:
         id_file = run_dir / "wandb_id"
         run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
-        self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "branchreplay"), name=run_dir.name, id=run_id,
-                              resume="allow", dir=str(run_dir), config=config)
+        try:
+            self.run = wandb.init(project=os.environ.get("WANDB_PROJECT", "branchreplay"), name=run_dir.name,
+                                  id=run_id, resume="allow", dir=str(run_dir), config=config)
+        except Exception as e:  # noqa: BLE001 (no API key, no network: wandb's own errors)
+            raise ValueError(f"train.report_to=wandb: W&B did not start ({type(e).__name__}: {e}); run `wandb "
+                             "login`, set WANDB_MODE=offline, or drop wandb from train.report_to") from e
 
     def log(self, scalars: dict, step: int) -> None:
         self.run.log(scalars, step=step)

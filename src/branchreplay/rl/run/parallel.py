@@ -104,6 +104,10 @@ def launch(strategy: str, config: dict, timeout_s: float = 600.0) -> Ranks | Non
     return ranks
 
 
+FAILED = "failed in "
+"""The start of the phase a rank writes when it raises (`Trainer.fit`)."""
+
+
 class Heartbeat:
     """This rank's liveness counter in the rendezvous store (TCPStore at MASTER_ADDR:MASTER_PORT, torchrun's agent
     or rank 0), bumped every `period_s` seconds by a daemon thread until `stop()` (at the latest at exit: a thread
@@ -154,21 +158,21 @@ class Heartbeat:
         """Marks this rank's phase as waiting for the others while inside (the phase text stays)."""
         text = self.text
         self.phase(text, waiting=True)
-        try:
-            yield
-        finally:
-            self.phase(text)
+        yield  # left waiting when the collective raises: this rank did arrive
+        self.phase(text)
 
     def stuck_ranks(self) -> list[tuple[int, str, float]]:
         """(rank, phase text, seconds in it) of the other ranks that were not waiting in a collective, the ones the
-        others waited for; [] when every rank waits (or the store cannot be read)."""
+        others waited for; [] when every rank waits (or the store cannot be read). A rank that raised or is leaving
+        (it found another rank dead or stuck) is not stuck."""
         out = []
         try:
             for r in range(self.world_size):
-                if r == self.rank or not self.store.check([self._key(r, "phase")]):
+                if r == self.rank or not self.store.check([self._key(r, "phase")]) or \
+                        self.store.check([self._key(r, "leaving")]):
                     continue
                 since, text, waiting = json.loads(self.store.get(self._key(r, "phase")))
-                if not waiting:
+                if not waiting and not text.startswith(FAILED):
                     out.append((r, text, time.time() - since))
         except Exception:  # noqa: BLE001 (the store cannot be reached)
             return []

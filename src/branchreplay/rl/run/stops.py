@@ -25,9 +25,9 @@ class TrainingAborted(RuntimeError):
     checkpoint of `run_dir` (written atomically) is intact, and the steps after it train again on resume."""
 
     def __init__(self, run_dir: Path, during: str, kept: Path | None):
-        kept_text = f"{kept.name} is intact" if kept is not None else "no checkpoint was written yet"
-        super().__init__(f"aborted during {during} at a second signal; {kept_text}. Resume with: branchreplay train "
-                         f"--resume {run_dir}")
+        then = (f"{kept.name} is intact. Resume with: branchreplay train --resume {run_dir}" if kept is not None
+                else "no checkpoint was written yet: start the run again")
+        super().__init__(f"aborted during {during} at a second signal; {then}")
         self.run_dir = run_dir
 
 

@@ -46,7 +46,7 @@ from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, s
 from .evaluation import evaluate, score_name
 from .family import check_family
 from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, run_console, step_line, summarize
-from .parallel import launch
+from .parallel import FAILED, launch
 from .stops import (RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
                     stop_on_signals)
 from .update import run_updates
@@ -200,7 +200,7 @@ class Trainer:
             if saved is not None:  # what a resume may change (config/resume.py)
                 check_resume(saved, resolved(self.config).to_dict(), run_dir)
             self.step, extra = load_checkpoint(found, self.model, self.policy.optimizer, self.policy.scheduler,
-                                               critic=self.critic_state())
+                                               critic=self.critic_state(), verify=False)  # verified when found
             for p in self.trained:  # a longer run: the schedule over the new train.steps, from the checkpoint's step
                 p.continue_schedule()
             self.num_tokens = extra.get("num_tokens", 0)
@@ -224,7 +224,7 @@ class Trainer:
             raise TrainingAborted(run_dir, self.during, latest_checkpoint(run_dir)) from None
         except Exception as e:
             if self.ranks is not None and not isinstance(e, TrainingFailed):  # the others name it if its own
-                self.ranks.doing(f"failed in {self.during}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
+                self.ranks.doing(f"{FAILED}{self.during}: {type(e).__name__}: {' '.join(str(e).split())[:200]}")
             if isinstance(e, RuntimeError):
                 raise_if_a_rank_died(self.ranks, self.during, run_dir, e)
             raise
