@@ -13,6 +13,17 @@ from branchreplay.engine.distributed import end_spawned_rank, free_port
 from test_distributed import _records, _train_config
 
 
+def _record_outcome(path, call) -> None:
+    """Write the seconds `call()` took and how it ended ("no error", or the exception's type and text) to `path`."""
+    t0 = time.perf_counter()
+    try:
+        call()
+        outcome = "no error"
+    except BaseException as e:  # noqa: BLE001 (what the test reads)
+        outcome = f"{type(e).__name__}: {e}"
+    path.write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+
+
 def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int, phase: str = "backward") -> None:
     import signal
     from pathlib import Path
@@ -99,13 +110,7 @@ def _fault_worker(rank: int, world: int, port: int, tmp: str, fault: str) -> Non
         backward = trainer.policy.backward
         trainer.policy.backward = lambda *args: backward(*args) if trainer.step < 1 else (_ for _ in ()).throw(
             torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (simulated)"))
-    t0 = time.perf_counter()
-    try:
-        trainer.fit()
-        outcome = "no error"
-    except BaseException as e:  # noqa: BLE001
-        outcome = f"{type(e).__name__}: {e}"
-    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    _record_outcome(Path(tmp) / f"rank{rank}.txt", trainer.fit)
     os._exit(1)  # as the CLI after an error under torchrun: no teardown of the group another rank may still use
 
 
@@ -151,13 +156,7 @@ def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
         return byte_reward(completions, **kwargs)
 
     trainer = make_trainer(_train_config(Path(tmp), 1), reward_fn=reward)
-    t0 = time.perf_counter()
-    try:
-        trainer.evaluate()
-        outcome = "no error"
-    except Exception as e:  # noqa: BLE001
-        outcome = f"{type(e).__name__}: {e}"
-    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    _record_outcome(Path(tmp) / f"rank{rank}.txt", trainer.evaluate)
     end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
 
 
@@ -192,13 +191,7 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str, error: str) -
 
     trainer = make_trainer(_train_config(Path(tmp), 1))
     checkpoint._write_rank0 = fails  # rank 0's files fail, after every rank wrote its optimizer shards
-    t0 = time.perf_counter()
-    try:
-        trainer.save(Path(tmp) / "run")
-        outcome = "no error"
-    except Exception as e:  # noqa: BLE001
-        outcome = f"{type(e).__name__}: {e}"
-    (Path(tmp) / f"rank{rank}.txt").write_text(f"{time.perf_counter() - t0:.1f}\n{outcome}")
+    _record_outcome(Path(tmp) / f"rank{rank}.txt", lambda: trainer.save(Path(tmp) / "run"))
     end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
 
 
@@ -218,9 +211,10 @@ def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path, e
     assert not [p for p in checkpoints.iterdir() if p.name != "latest"] if checkpoints.exists() else True
 
 
-def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(monkeypatch):
-    """Of 3 ranks, rank 1 stopped beating and rank 2 stopped because it found rank 1 dead (`leaving`): rank 0
-    names rank 1 only (with 3 or more ranks a slower survivor must not blame the one that left first)."""
+@pytest.fixture
+def rendezvous(monkeypatch):
+    """(a rendezvous store on a free port, a function making rank 0's `Heartbeat` among `world` ranks against it);
+    the heartbeats stop after the test."""
     import torch.distributed as dist
 
     from branchreplay.rl.run.parallel import Heartbeat
@@ -229,39 +223,45 @@ def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(
     store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(port))
-    heartbeat = Heartbeat(0, 3, period_s=0.05, wait_s=0.3)
-    try:
-        for rank in (1, 2):
-            store.add(f"{Heartbeat.PREFIX}{rank}/beats", 1)
-        store.set(f"{Heartbeat.PREFIX}2/leaving", "1")
-        assert heartbeat.dead_ranks() == [1]
-    finally:
+    made = []
+
+    def rank_0(world: int) -> Heartbeat:
+        made.append(Heartbeat(0, world, period_s=0.05, wait_s=0.3))
+        return made[-1]
+
+    yield store, rank_0
+    for heartbeat in made:
         heartbeat.stop()
 
 
-def test_a_rank_that_raised_or_is_leaving_is_not_named_stuck(monkeypatch):
+def test_the_heartbeat_names_the_silent_rank_and_not_a_survivor_that_is_leaving(rendezvous):
+    """Of 3 ranks, rank 1 stopped beating and rank 2 stopped because it found rank 1 dead (`leaving`): rank 0
+    names rank 1 only (with 3 or more ranks a slower survivor must not blame the one that left first)."""
+    from branchreplay.rl.run.parallel import Heartbeat
+
+    store, rank_0 = rendezvous
+    heartbeat = rank_0(3)
+    for rank in (1, 2):
+        store.add(f"{Heartbeat.PREFIX}{rank}/beats", 1)
+    store.set(f"{Heartbeat.PREFIX}2/leaving", "1")
+    assert heartbeat.dead_ranks() == [1]
+
+
+def test_a_rank_that_raised_or_is_leaving_is_not_named_stuck(rendezvous):
     """Of 4 ranks, rank 1 raised (its phase says so), rank 2 is leaving and rank 3 sits in its reward: rank 0 names
     rank 3 only (with 3 or more ranks a survivor that timed out first must not be taken for the stuck one)."""
     import json
 
-    import torch.distributed as dist
-
     from branchreplay.rl.run.parallel import Heartbeat
 
-    port = free_port()
-    store = dist.TCPStore("127.0.0.1", port, is_master=True, wait_for_workers=False)
-    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
-    monkeypatch.setenv("MASTER_PORT", str(port))
-    heartbeat = Heartbeat(0, 4, period_s=0.05, wait_s=0.3)
-    try:
-        phases = {1: "failed in step 2: RuntimeError: Timed out", 2: "step 2: scoring 8 completions",
-                  3: "step 2: scoring 8 completions"}
-        for rank, text in phases.items():
-            store.set(f"{Heartbeat.PREFIX}{rank}/phase", json.dumps([time.time() - 30, text, False]))
-        store.set(f"{Heartbeat.PREFIX}2/leaving", "1")
-        assert [(r, text) for r, text, _ in heartbeat.stuck_ranks()] == [(3, "step 2: scoring 8 completions")]
-    finally:
-        heartbeat.stop()
+    store, rank_0 = rendezvous
+    heartbeat = rank_0(4)
+    phases = {1: "failed in step 2: RuntimeError: Timed out", 2: "step 2: scoring 8 completions",
+              3: "step 2: scoring 8 completions"}
+    for rank, text in phases.items():
+        store.set(f"{Heartbeat.PREFIX}{rank}/phase", json.dumps([time.time() - 30, text, False]))
+    store.set(f"{Heartbeat.PREFIX}2/leaving", "1")
+    assert [(r, text) for r, text, _ in heartbeat.stuck_ranks()] == [(3, "step 2: scoring 8 completions")]
 
 
 def test_a_rank_died_error_skips_the_teardown_of_the_broken_group(monkeypatch, tmp_path):
