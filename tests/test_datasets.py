@@ -78,7 +78,8 @@ def test_a_small_file_trains_with_evaluation_off_and_a_config_error_prints_once_
                                                                                          monkeypatch, capsys):
     """The trial's case on the command line: 24 rows, task.eval_size left at its default, --train.eval_steps -1:
     the run trains. Under torchrun a config error printed its line on every rank; now the first rank of each node
-    (LOCAL_RANK 0) prints it and the others exit 2 silently."""
+    (LOCAL_RANK 0) prints it and the others exit 2 silently; once the process group has started, the rank that
+    raised prints its own line and leaves at once (os._exit(2))."""
     from branchreplay.cli import main
 
     rows = _jsonl(tmp_path / "rows.jsonl", [{"prompt": f"{i} {i}"} for i in range(24)])
@@ -93,6 +94,15 @@ def test_a_small_file_trains_with_evaluation_off_and_a_config_error_prints_once_
         monkeypatch.setenv("LOCAL_RANK", local_rank)
         assert main([*args, "--task.eval_size", "-3"]) == 2
         assert capsys.readouterr().err == said
+    import torch.distributed as dist  # raised after the process group started: the rank's own line, and it leaves
+
+    from branchreplay.rl import cli
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(cli.os, "_exit", lambda code: (_ for _ in ()).throw(SystemExit(code)))
+    with pytest.raises(SystemExit, match="2"):
+        main([*args, "--task.eval_size", "-3"])
+    assert capsys.readouterr().err == "error: task.eval_size=-3 is out of range; it must be >= 0 or null\n"
 
 
 def test_prompt_messages_plain_conversational_and_reasoning_gym():

@@ -159,7 +159,9 @@ def config_command(name: str, command, usage: str, argv: list[str]) -> int:
     """`name` ("train" or "eval") runs `command(argv)`. --help prints the usage and the options people use,
     --help-all every option the command reads (config/help.py); a bad config, task, path or reward ends in one
     `error:` line and exit 2, printed once per node under torchrun (by LOCAL_RANK 0: every rank reads the same
-    config and files)."""
+    config and files). Raised after the ranks started their process group (a file one rank cannot write), the line
+    is that rank's own, and the rank leaves at once (`os._exit`): the others' next collective then fails, naming it,
+    where the group's teardown could block."""
     from .config import full_help, short_help
 
     if "--help-all" in argv:
@@ -173,6 +175,17 @@ def config_command(name: str, command, usage: str, argv: list[str]) -> int:
     try:
         return command(argv)
     except (ValueError, OSError) as e:  # OSError: a file that cannot be read, a hub id that cannot be reached
-        if os.environ.get("LOCAL_RANK", "0") == "0":
+        started = _process_group_started()
+        if started or os.environ.get("LOCAL_RANK", "0") == "0":
             print(f"error: {e}", file=sys.stderr)
+        if started:
+            sys.stderr.flush()
+            os._exit(2)
         return 2
+
+
+def _process_group_started() -> bool:
+    """Whether this process is a rank of a started torch.distributed group (without importing torch for a config
+    error that came before it)."""
+    distributed = sys.modules.get("torch.distributed")
+    return distributed is not None and distributed.is_available() and distributed.is_initialized()
