@@ -287,6 +287,23 @@ def test_calculator_tool_and_task():
     assert env.final_reward([{"role": "assistant", "content": "<answer>5</answer>"}], {"answer": "5"}) == 1.0
 
 
+def test_the_calculator_task_holds_no_row_of_a_file_out_with_evaluation_off(tmp_path):
+    """agent.environment=calculator on a task.dataset of 8 rows with train.eval_steps -1: every row trains (the
+    agent path ignored evaluation being off and asked for a held-out split of one row in ten)."""
+    import json
+
+    from branchreplay.rl.agent.task import load_agent_task
+    from branchreplay.rl.config import Config
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"prompt": f"{i} + 1", "answer": str(i + 1)}) + "\n" for i in range(8)))
+    data = {"agent": {"environment": "calculator"}, "task": {"dataset": str(rows), "reward": "math_verify"}}
+    _, train, held_out = load_agent_task(Config.from_dict({**data, "train": {"eval_steps": -1}}))
+    assert (len(train), len(held_out)) == (8, 0)
+    with pytest.raises(ValueError, match="too few to hold one in ten out"):
+        load_agent_task(Config.from_dict(data))
+
+
 def test_guess_number_replies_and_reward():
     from branchreplay.rl.agent.environments import GuessNumber
 
