@@ -213,11 +213,7 @@ def main() -> int:
         line, table = trl_suite.section(config, config, {t: v for t, v in rows.items() if config_of(t) == config})
         summary.append(line)
         lines += table
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text("\n".join(lines) + "\n")
-    print("\n".join(summary))
-    print(f"table: {a.out}; work folder: {work} (each launch's output in logs/<side>/)")
-    return 1 if any(" 0 FAILS" not in line for line in summary) else 0
+    return trl_suite.write_report(a.out, lines, summary, f"work folder: {work} (each launch's output in logs/<side>/)")
 
 
 if __name__ == "__main__":

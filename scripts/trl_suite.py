@@ -233,10 +233,16 @@ def main() -> int:
         line, table = section(suite, f"tests/test_{suite}_trainer.py", rows)
         summary.append(line)
         lines += table
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text("\n".join(lines) + "\n")
+    return write_report(a.out, lines, summary, f"work folder: {work}")
+
+
+def write_report(out: Path, lines: list[str], summary: list[str], where: str) -> int:
+    """Write the markdown report `lines` to `out`, print the suites' summary lines and where the table and the work
+    are; returns the exit status: 1 when a summary line counts a FAIL, else 0."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines) + "\n")
     print("\n".join(summary))
-    print(f"table: {a.out}; work folder: {work}")
+    print(f"table: {out}; {where}")
     return 1 if any(" 0 FAILS" not in line for line in summary) else 0
 
 
