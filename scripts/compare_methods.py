@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from branchreplay.check.numerics import keep_float64
-from branchreplay.models import load_policy, tiny_model
+from branchreplay.models import load_policy
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config, apply_overrides
 from branchreplay.rl.run.trainer import Trainer
 

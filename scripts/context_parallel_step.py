@@ -23,7 +23,7 @@ from branchreplay.bench.runner import BENCH_MODEL, MODEL_LABEL
 from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine.distributed import free_port
 from branchreplay.engine.sharding import shard
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 LAYOUTS = ("context-parallel", "whole-or-split")

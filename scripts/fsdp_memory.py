@@ -22,7 +22,7 @@ from branchreplay.bench.fsdp_memory import HeldBytes
 from branchreplay.bench.runner import BENCH_MODEL
 from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine.distributed import free_port, param_bytes
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 MODES = ("gather-once", "resharded")

@@ -28,7 +28,7 @@ from branchreplay.check.reference import naive_backward
 from branchreplay.check.shapes import make_rollouts
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 
 ATTENTION = ("aten::_scaled_dot_product_flash_attention_for_cpu",
              "aten::_scaled_dot_product_flash_attention_for_cpu_backward")

@@ -31,7 +31,8 @@ from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import load_model, tiny_model
+from branchreplay.models import load_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 

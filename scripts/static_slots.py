@@ -18,7 +18,7 @@ import statistics
 import torch
 
 from branchreplay.bench.measure import measure
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config.sampling import SamplingConfig
 from branchreplay.rl.rollouts.sampling import sample_groups
 

@@ -7,7 +7,7 @@ PATH is a TRL source checkout (its `tests/` and `scripts/`; the installed TRL is
   - the hub models the tests name (`trl-internal-testing/tiny-<Class>[-<version>]`, and the few full-size names)
     are stood in by local folders of that name: tiny random models of the named class (TRL's own sizes: hidden 8,
     2 layers, 4 heads, bfloat16) with the tokenizer that ships here (SmolLM2's, with its chat template); Gemma3's
-    vision-language class as `models.save_tiny_vision_model` (a local Gemma3 processor on that tokenizer); a class
+    vision-language class as `tiny_models.save_tiny_vision_model` (a local Gemma3 processor on that tokenizer); a class
     with no stand-in here (other vision-language models, remote code) is left out, and its tests "cannot run
     here";
   - the datasets (`trl-internal-testing/zen` and the others TRL's `scripts/generate_*_dataset.py` make) are TRL's
@@ -94,7 +94,8 @@ def stand_in_model(name: str, root: Path, tokenizer) -> str | None:
     types = {**{v: k for k, v in modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()},
              **{v: k for k, v in modeling_auto.MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.items()}}
     if cls_name == "Gemma3ForConditionalGeneration":  # with a local processor (SmolLM2's tokenizer + image tokens)
-        from branchreplay.models import default_model_dir, save_tiny_vision_model
+        from branchreplay.models import default_model_dir
+        from branchreplay.tiny_models import save_tiny_vision_model
 
         save_tiny_vision_model(root / name, default_model_dir(), dtype=torch.bfloat16)
         return None

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from branchreplay.check.numerics import keep_float64
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 
 
 def grads(model) -> list[torch.Tensor]:

@@ -18,7 +18,7 @@ from branchreplay.check.reference import max_rel_grad_err, naive_backward, naive
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.sequence import replay_sequence_backward, sequence_sums
 from branchreplay.losses import GRPOLoss, ValueLoss, rloo_loss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.algorithms.ppo import ppo
 from branchreplay.rl.algorithms.reinforce_pp import reinforce_pp
 from branchreplay.rl.algorithms.rloo import rloo

@@ -13,7 +13,7 @@ from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.cache import PrefixCache
 from branchreplay.engine.families import layer_windows
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 

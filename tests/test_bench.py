@@ -15,7 +15,7 @@ from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.cli import main
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 
 SHAPES_UNDER_TEST = {

@@ -100,12 +100,12 @@ LONGROPE = ["--arch", "llama", "--json", "--random-trees", "0"]
 
 def _longrope_llama(monkeypatch):
     """`verify --arch llama` on the issue's longrope Llama (original_max_position_embeddings 32, max 128)."""
-    import branchreplay.models as models
+    import branchreplay.tiny_models as tiny_models
 
-    tiny = models.tiny_model
+    tiny = tiny_models.tiny_model
     rope = {"rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * 8, "long_factor": [4.0] * 8,
             "original_max_position_embeddings": 32}
-    monkeypatch.setattr(models, "tiny_model", lambda arch, **kw: tiny(
+    monkeypatch.setattr(tiny_models, "tiny_model", lambda arch, **kw: tiny(
         arch, max_position_embeddings=128, rope_parameters=rope, **kw))
 
 

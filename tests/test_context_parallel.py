@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from branchreplay.check.shapes import branches_of_branches, make_rollouts, shared_prompt
 from branchreplay.engine.distributed import free_port
 from branchreplay.engine.sharding import CostModel, shard, shared_prefix_length
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 TIMEOUT = datetime.timedelta(seconds=120)  # a collective that one rank skips fails the test instead of hanging CI

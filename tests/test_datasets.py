@@ -7,7 +7,7 @@ import json
 import pytest
 import torch
 
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config
 from branchreplay.rl.data.tasks import TaskConfig, load_task, prompt_messages
 from branchreplay.rl.run.trainer import Trainer

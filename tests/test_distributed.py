@@ -14,7 +14,8 @@ from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig
 from branchreplay.engine.distributed import end_spawned_rank, free_port
 from branchreplay.engine.sharding import shard
-from branchreplay.models import autocast, tiny_model
+from branchreplay.models import autocast
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}

@@ -125,7 +125,7 @@ def _one_rank_fails(tmp: Path, rank: int) -> None:
 def _worker(rank: int, world: int, port: int, tmp: str, url: str, failing_url: str) -> None:
     from branchreplay.check.parallel import algorithm_gradients
     from branchreplay.check.numerics import keep_float64
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))

@@ -71,7 +71,7 @@ def test_dpo_over_pair_trees_equals_naive_per_pair(arch, loss_type, tiny64):
 
 
 def test_dpo_float32_within_1e_4_of_naive():
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
 
     model = tiny_model("llama", dtype=torch.float32)
     rollouts = _rollouts(_pairs(model.config.vocab_size, seed=1))

@@ -19,7 +19,7 @@ from branchreplay.check.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import TINY_ARCHS, tiny_model
+from branchreplay.tiny_models import TINY_ARCHS, tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 

@@ -205,7 +205,7 @@ def _chatty_model():
     """The tiny Llama with an LM-head bias toward id 2 (the end of a turn): replies of a few tokens."""
     import torch
 
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
 
     model = tiny_model("llama", dtype=torch.float32)
     head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)

@@ -32,7 +32,7 @@ from branchreplay.engine.families import (
 )
 from branchreplay.engine.head import decoder_and_head
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import TINY_ARCHS, tiny_model
+from branchreplay.tiny_models import TINY_ARCHS, tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 
@@ -217,7 +217,7 @@ def test_cli_verify_includes_the_window_shape_for_a_sliding_model(monkeypatch, c
     def one_layer(arch, dtype, seed):
         return tiny_model(arch, dtype=dtype, seed=seed, num_hidden_layers=1)
 
-    monkeypatch.setattr("branchreplay.models.tiny_model", one_layer)
+    monkeypatch.setattr("branchreplay.tiny_models.tiny_model", one_layer)
     assert main(["verify", "--arch", "mistral", "--random-trees", "0"]) == 0
     out = capsys.readouterr().out
     assert "around-window" in out and "PASSED" in out

@@ -35,7 +35,7 @@ from branchreplay.engine.cache import PrefixCache
 from branchreplay.engine.families import FAMILIES
 from branchreplay.engine.recurrent import EngineForwards, layer_kinds
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import RECURRENT_ARCHS, tiny_model
+from branchreplay.tiny_models import RECURRENT_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads
 

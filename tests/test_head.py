@@ -14,7 +14,7 @@ from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import replay_backward, replay_logprobs
 from branchreplay.engine.head import HeadMismatchError, LogitTransform, decoder_and_head
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 

@@ -20,7 +20,7 @@ from branchreplay.engine.attention import CUDA_SPLIT, PrefixSplit
 from branchreplay.engine.families import layer_windows
 from branchreplay.engine.recurrent import layer_kinds
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads
 

@@ -9,7 +9,8 @@ import torch
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import apply_lora, tiny_model
+from branchreplay.models import apply_lora
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 

@@ -7,7 +7,7 @@ from branchreplay.check.reference import naive_backward
 from branchreplay.check.shapes import SHAPES, make_rollouts
 from branchreplay.engine import replay_backward, replay_logprobs
 from branchreplay.losses import GRPOLoss, LossStats
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 

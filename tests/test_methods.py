@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from branchreplay.check.numerics import keep_float64
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config
 from test_trainer import make_config, make_trainer
 

@@ -14,7 +14,8 @@ from branchreplay.engine.attention import PrefixSplit
 from branchreplay.engine.families import layer_windows
 from branchreplay.engine.recurrent import layer_kinds
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import autocast, tiny_model
+from branchreplay.models import autocast
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads
 

@@ -8,8 +8,9 @@ import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
 
 from branchreplay import models as M
-from branchreplay.models import (MIN_TRANSFORMERS, TINY_ARCHS, chat_prompt_ids, load_model, require_transformers,
-                                 tiny_config, tiny_model)
+from branchreplay import tiny_models
+from branchreplay.models import MIN_TRANSFORMERS, chat_prompt_ids, load_model, require_transformers
+from branchreplay.tiny_models import TINY_ARCHS, tiny_config, tiny_model
 
 CLASSES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
            "mistral": "MistralForCausalLM", "gpt2": "GPT2LMHeadModel", "gemma2": "Gemma2ForCausalLM",
@@ -50,14 +51,14 @@ def test_tiny_config_defaults_and_overrides(arch):
         assert big(ids(8)).logits.shape == (2, 8, 256)
 
 
-@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS + M.RECURRENT_ARCHS if a != "gpt2"])
+@pytest.mark.parametrize("arch", [a for a in TINY_ARCHS + tiny_models.RECURRENT_ARCHS if a != "gpt2"])
 def test_tiny_config_has_only_its_family_fields(arch):
     """A tiny config is the family's own config class with transformers' defaults, only shrunk: every field it holds
     is one a default config of the class holds too, or one of the family's own settings (`_ARCH_EXTRA`). Mamba's
     and Mamba2's have no attention fields, so a reader of config.num_attention_heads fails in the tests too."""
     config = tiny_config(arch)
     default = transformers.AutoConfig.for_model(config.model_type)
-    extra = set(vars(config)) - set(vars(default)) - set(M._ARCH_EXTRA.get(arch, {}))
+    extra = set(vars(config)) - set(vars(default)) - set(tiny_models._ARCH_EXTRA.get(arch, {}))
     assert not {k for k in extra if not k.startswith("_")}, extra
     if arch in ("mamba", "mamba2"):
         assert not hasattr(config, "num_attention_heads")

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from branchreplay.check.numerics import keep_float64
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 
 
 def test_float64_norms_hold_through_train_and_eval_of_a_model_with_hub_kernels(tmp_path):

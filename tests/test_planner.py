@@ -8,7 +8,7 @@ from branchreplay.check.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward
 from branchreplay.engine.planner import MemoryBudgetError, measure_peak_bytes
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
 MODEL = dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,

@@ -17,7 +17,7 @@ from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.positions import length_dependent_rotaries, regimes
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.rollouts.sampling import SamplingConfig, sample_group
 from branchreplay.tree import RolloutTree
 from conftest import grads

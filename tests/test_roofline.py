@@ -7,7 +7,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from transformers import DynamicCache
 
 from branchreplay.bench.roofline import DecodeShape, Roofline
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 
 
 @pytest.mark.parametrize("arch,tied", [("llama", False), ("qwen3", True)])

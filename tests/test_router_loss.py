@@ -91,7 +91,7 @@ def test_router_loss_over_trees_equals_the_naive_rollouts(arch, engine, tiny64):
 
 
 def test_a_model_without_routers_is_refused():
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
 
     with pytest.raises(ValueError, match="records no router logits"):
         RouterLoss(tiny_model("llama"))
@@ -102,7 +102,7 @@ def test_a_config_with_router_logits_on_trains_only_with_the_router_loss():
     without a `RouterLoss` is refused by name (the loss transformers would add is not computed), with one runs."""
     from branchreplay.engine import UnsupportedModelError, replay_backward, replay_logprobs
     from branchreplay.losses import GRPOLoss
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
 
     model = tiny_model("qwen3_moe", dtype=torch.float32)
     model.config.output_router_logits = True

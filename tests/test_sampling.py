@@ -291,7 +291,7 @@ def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
     untouched deep copy), recurrent layers (LFM2's short conv, written in place) included."""
     import copy
 
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
     from branchreplay.rl.rollouts.sampling import SHARED_LAYERS, _decode_one, fork, prefill
 
     model = tiny_model(arch).eval()
@@ -320,7 +320,7 @@ def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
     0.07-0.8), so they take the tokens one at a time (`Family.continues_cache`); a control feeding them at once
     shows the error."""
     from branchreplay.engine.families import FAMILIES
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
     from branchreplay.rl.rollouts.sampling import fork, prefill
 
     model = keep64(tiny_model(arch, torch.float64)).eval()
@@ -340,7 +340,7 @@ def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
 def test_branches_sharing_a_start_prefill_it_once_and_equal_each_alone(keep64):
     """`sampling.prefill_branches` (multi-turn replies forked inside a turn): per branch the logits of prefilling it
     alone (float64), the shared starts run once: 7 of the branches' 12 ids."""
-    from branchreplay.models import tiny_model
+    from branchreplay.tiny_models import tiny_model
     from branchreplay.rl.rollouts.sampling import fork, prefill, prefill_branches
 
     model = keep64(tiny_model("llama", torch.float64))

@@ -8,7 +8,7 @@ from transformers import GPTNeoXConfig, GPTNeoXForCausalLM, MambaConfig, MambaFo
 import branchreplay.check.self_check as self_check
 from branchreplay.engine import UnsupportedModelError
 from branchreplay.check.shapes import make_rollouts, shared_prompt
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 
 SELF_CHECK = "self-check"
 

@@ -15,7 +15,7 @@ import torch
 from branchreplay.check.reference import max_rel_grad_err
 from branchreplay.engine import UnsupportedModelError, replay_logprobs
 from branchreplay.losses import LOSS_TYPES, GRPOLoss
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.algorithms.advantages import group_advantages
 from branchreplay.rl.run.checkpoint import latest_checkpoint, save_checkpoint
 from branchreplay.rl.config import Config

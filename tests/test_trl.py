@@ -15,7 +15,7 @@ from branchreplay.check.numerics import keep_float64
 from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.losses import GRPOLoss, token_weights
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 

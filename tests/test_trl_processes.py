@@ -20,7 +20,7 @@ import torch
 
 from branchreplay.check.reference import max_rel_grad_err
 from branchreplay.engine.distributed import free_port
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 
 pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
@@ -191,7 +191,7 @@ REFUSALS = [  # (launch, model, what the refusal names; None: runs)
 
 @pytest.mark.parametrize("launch, arch, named", REFUSALS)
 def test_launches_the_tree_cannot_hand_a_whole_gradient_to_are_refused_by_name(launch, arch, named):
-    from branchreplay.models import tiny_vision_model
+    from branchreplay.tiny_models import tiny_vision_model
     from branchreplay.trl.processes import launch_refusals
 
     model = tiny_vision_model() if arch == "gemma3-vision" else tiny_model(arch)

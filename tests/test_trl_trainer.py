@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from branchreplay.check.reference import max_rel_grad_err
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from conftest import FLOAT32_REL, float32_close, grads
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")

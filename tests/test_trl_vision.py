@@ -1,6 +1,6 @@
 """The TRL drop-in on vision-language models: `TreeGRPOTrainer` against TRL 1.16's `GRPOTrainer` on the same
 micro-batch of a tiny Gemma3ForConditionalGeneration (float32) with a local Gemma3 processor
-(`models.save_tiny_vision_model`: PIL image processor, a word-level tokenizer with Gemma3's image tokens): each
+(`tiny_models.save_tiny_vision_model`: PIL image processor, a word-level tokenizer with Gemma3's image tokens): each
 prompt's images in its tree's prompt node, the vision tower run once per tree; prompts with equal text but other
 images make separate trees. Qwen2-VL (whose processor needs torchvision, not installed here): a batch laid out as
 TRL's (pixel rows per image_grid_thw) over the tree against the padded forward TRL runs on it."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from branchreplay.check.reference import max_rel_grad_err
-from branchreplay.models import save_tiny_vision_model, tiny_vision_model
+from branchreplay.tiny_models import save_tiny_vision_model, tiny_vision_model
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
@@ -25,7 +25,7 @@ G, C = 4, 6
 
 @pytest.fixture(scope="module")
 def vlm_folder(tmp_path_factory):
-    """`models.save_tiny_vision_model` (float32) with a whitespace word-level tokenizer of 256 ids ("0" pads, "2"
+    """`tiny_models.save_tiny_vision_model` (float32) with a whitespace word-level tokenizer of 256 ids ("0" pads, "2"
     ends) and Gemma3's image tokens added (256, 257, 258), padding on the left: TRL takes token_type_ids from the
     processor's padding as they come, so with right padding they would not line up with its left-padded
     prompt_ids (TRL's padded forward then shifts the bidirectional image blocks of the shorter prompts; the tree
@@ -147,7 +147,7 @@ def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
     (the model with attention_mask, pixel_values, image_grid_thw, mm_token_type_ids), float64 logprobs."""
     from branchreplay.check.numerics import keep_float64
     from branchreplay.engine import replay_logprobs
-    from branchreplay.models import tiny_qwen2_vl_model
+    from branchreplay.tiny_models import tiny_qwen2_vl_model
 
     g = torch.Generator().manual_seed(0)
     batch = _qwen2_vl_batch(g)

@@ -13,7 +13,7 @@ from branchreplay.check.reference import max_rel_grad_err, naive_backward
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.vision import ImagePrompt
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_qwen2_vl_model, tiny_vision_model
+from branchreplay.tiny_models import tiny_qwen2_vl_model, tiny_vision_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 

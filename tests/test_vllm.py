@@ -24,7 +24,7 @@ import pytest
 import safetensors.torch
 import torch
 
-from branchreplay.models import tiny_model
+from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config
 from branchreplay.rl.run.stops import TrainingFailed
 from branchreplay.rl.run.trainer import Trainer

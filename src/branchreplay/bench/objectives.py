@@ -23,7 +23,7 @@ from ..check.shapes import make_rollouts
 from ..engine import replay_backward
 from ..engine.sequence import replay_sequence_backward
 from ..losses import GRPOLoss, ValueLoss, dpo_loss, token_weights
-from ..models import tiny_model
+from ..tiny_models import tiny_model
 from ..tree import Rollout, RolloutTree, forests
 from ..value import ValueModel
 from . import flops as F

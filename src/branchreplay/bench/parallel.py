@@ -103,7 +103,7 @@ def _plan(tree: RolloutTree, ranks: int, config) -> dict:
 
 
 def _model(seed: int):
-    from ..models import tiny_model
+    from ..tiny_models import tiny_model
 
     return tiny_model("llama", dtype=torch.float32, seed=seed, **BENCH_MODEL)
 

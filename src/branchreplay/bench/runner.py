@@ -48,7 +48,8 @@ from ..check.shapes import make_rollouts, shared_prompt
 from ..engine import replay_backward
 from ..engine.planner import available_memory_bytes
 from ..losses import GRPOLoss
-from ..models import load_model, tiny_model
+from ..models import load_model
+from ..tiny_models import tiny_model
 from ..tree import Rollout, RolloutTree, forests
 from . import flops as F
 from ..check.padded import padded_backward

@@ -17,7 +17,7 @@ import torch
 from ..engine import EngineConfig, replay_logprobs
 from ..engine.cache import observe_states
 from ..engine.families import layer_windows, state_bytes_per_token
-from ..models import tiny_model
+from ..tiny_models import tiny_model
 from ..tree import Rollout, RolloutTree
 
 

@@ -52,7 +52,7 @@ def verify(args) -> int:
     """`branchreplay verify`: exit 0 when exact, 1 when not, 2 for bad arguments."""
     if args.list:
         from ..engine.families import FAMILIES
-        from ..models import RECURRENT_ARCHS, TINY_ARCHS
+        from ..tiny_models import RECURRENT_ARCHS, TINY_ARCHS
 
         print("supported families: " + ", ".join(sorted(FAMILIES)))
         print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
@@ -89,7 +89,8 @@ def _refused(args) -> str:
 
 def _verify_one_process(args, dtype) -> int:
     from ..engine.families import UnsupportedModelError
-    from ..models import load_model, tiny_model
+    from ..models import load_model
+    from ..tiny_models import tiny_model
     from .verify import verify_dpo, verify_model
 
     try:
