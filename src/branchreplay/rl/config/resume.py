@@ -86,6 +86,21 @@ def check_resume(saved: dict, resumed: dict, run_dir: Path) -> None:
                          f"nothing; give train.steps > {step} to go on")
 
 
+def save_run_config(run_dir: Path, config, saved: dict | None, first_step: int) -> list[str]:
+    """Write `config` (a `Config`, its paths and modules resolved) into the run folder: config.yaml for a new run
+    (`saved` None); for a resume that changed fields from `saved` (its newest config, as a dict), the config it
+    trains with as config-resumed-at-step-N.yaml (N: `first_step`), the earlier ones kept. Returns the changed
+    fields ([] for a new run, or a resume that changed nothing)."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    if saved is None:
+        config.save(run_dir / FIRST)
+        return []
+    changed = changed_fields(saved, config.to_dict())
+    if changed:
+        config.save(run_dir / f"config-resumed-at-step-{first_step}.yaml")
+    return changed
+
+
 def changed_fields(saved: dict, current: dict) -> list[str]:
     """The fields (section.field) whose values differ between two configs as dicts, train.output_dir aside."""
     return [name for name, _, _ in _differences(saved, current) if name != "train.output_dir"]

@@ -14,7 +14,7 @@ from ...engine.distributed import raise_together
 from ...models import apply_lora, autocast, load_policy
 from ..agent.task import bind, evaluate_agent, load_agent_task
 from .checkpoint import load_weights
-from .log import run_console
+from .log import held_out_progress, run_console
 from ..config import Config
 from ..data.rewards import RewardFunctionError, make_rewards, score
 from ..rollouts.packed_linears import packed_linears
@@ -140,11 +140,8 @@ def evaluate_cli(config: Config, checkpoint: str | None) -> dict:
         load_weights(model, checkpoint)
     if env is not None:
         bind(env, tokenizer)
-    console, t0 = run_console(), time.perf_counter()
-
-    def progress(done: int, total: int) -> None:
-        console.print(f"held-out eval: {done}/{total} answers ({time.perf_counter() - t0:.0f} s)")
-
+    console = run_console()
+    progress = held_out_progress(console, always=True)
     with autocast(config.model.dtype, model.device.type):  # as the trainer's held-out eval computes it
         metrics = evaluate(model, tokenizer, config, data, reward_fn, progress=progress, env=env)
     name = config.agent.environment or config.task.eval_dataset or config.task.dataset or config.task.name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import time
 import uuid
 from pathlib import Path
 
@@ -20,6 +21,21 @@ def run_console(quiet: bool = False) -> Console:
     if console.is_terminal:
         return console
     return Console(quiet=quiet, soft_wrap=True, width=int(os.environ.get("COLUMNS", 200)))
+
+
+def held_out_progress(console: Console, status=lambda text: None, always: bool = False):
+    """The progress callback of a held-out evaluation (`evaluation.evaluate`'s `progress(done, total)`): it hands
+    "held-out eval: 16/64 answers" to `status` (a progress bar's text), and prints it with the seconds so far when
+    `always`, or when `console` is not a terminal (a log file shows the evaluation advance)."""
+    t0 = time.perf_counter()
+
+    def progress(done: int, total: int) -> None:
+        text = f"held-out eval: {done}/{total} answers"
+        status(text)
+        if always or not console.is_terminal:
+            console.print(f"{text} ({time.perf_counter() - t0:.0f} s)")
+
+    return progress
 
 
 def quiet_progress_bars() -> None:

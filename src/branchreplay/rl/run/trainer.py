@@ -33,7 +33,7 @@ from ...models import apply_lora, load_policy, model_folder
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
 from ..config import Config
-from ..config.resume import FIRST, changed_fields, check_resume, latest_config
+from ..config.resume import FIRST, check_resume, latest_config, save_run_config
 from ..config.resolve import resolved
 from ..config.run import saved_config
 from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards, with_timeout
@@ -45,7 +45,8 @@ from ..rollouts.vllm_client import VLLMClient, VLLMError
 from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, score_name
 from .family import check_family
-from .log import MetricsLog, NoLog, peak_memory_bytes, progress_info, run_console, step_line, summarize
+from .log import (MetricsLog, NoLog, held_out_progress, peak_memory_bytes, progress_info, run_console, step_line,
+                  summarize)
 from .parallel import FAILED, launch
 from .stops import (RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
                     stop_on_signals)
@@ -207,7 +208,11 @@ class Trainer:
             self.console.print(f"resumed {run_dir} from {found.name}")
         cfg.output_dir = str(run_dir)
         if self.rank == 0:  # rank 0 alone writes the run folder
-            self.save_config(run_dir, saved if resume is not None else None)
+            changed = save_run_config(run_dir, resolved(self.config), saved if resume is not None else None,
+                                      self.step + 1)
+            if changed:
+                self.console.print(f"from step {self.step + 1}: {', '.join(changed)} changed (config-resumed-at-step-"
+                                   f"{self.step + 1}.yaml; {FIRST} and the others keep what the earlier steps used)")
         if self.ranks is None:  # data-parallel runs checked before sharding (__init__)
             self.policy.force = self.check_family(run_dir)
         for p in (self.reference, self.algorithm.critic):  # they run the policy's family
@@ -288,21 +293,6 @@ class Trainer:
         if found is None or found.name != f"step-{self.step:06d}":
             self.save(run_dir)
 
-    def save_config(self, run_dir: Path, saved: dict | None) -> None:
-        """config.yaml for a new run; for a resume that changed fields (`config.resume.RESUMABLE`), the config it
-        trains with as config-resumed-at-step-N.yaml (N: its first step), the earlier ones kept; each with its
-        paths and modules resolved (`config.resolve.resolved`)."""
-        run_dir.mkdir(parents=True, exist_ok=True)
-        config = resolved(self.config)  # its files and modules found from any folder (config/resolve.py)
-        if saved is None:
-            config.save(run_dir / FIRST)
-            return
-        changed = changed_fields(saved, config.to_dict())
-        if changed:
-            config.save(run_dir / f"config-resumed-at-step-{self.step + 1}.yaml")
-            self.console.print(f"from step {self.step + 1}: {', '.join(changed)} changed (config-resumed-at-step-"
-                               f"{self.step + 1}.yaml; {FIRST} and the others keep what the earlier steps used)")
-
     def stopping(self, stop: list) -> bool:
         """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
         return self.ranks.any(bool(stop)) if self.ranks else bool(stop)
@@ -353,13 +343,7 @@ class Trainer:
 
     def evaluate(self) -> dict:
         """The held-out score; data-parallel, each rank decodes its share of the split with the full parameters."""
-        t0 = time.perf_counter()
-
-        def progress(done: int, total: int) -> None:  # a log that is not a terminal gets a line per batch
-            self.status(f"held-out eval: {done}/{total} answers")
-            if not self.console.is_terminal:
-                self.console.print(f"held-out eval: {done}/{total} answers ({time.perf_counter() - t0:.0f} s)")
-
+        progress = held_out_progress(self.console, self.status)
         with self.policy.gathered(), self.policy.autocast():
             return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.rewards, progress=progress,
                             ranks=self.ranks, env=self.env)
