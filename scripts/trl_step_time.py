@@ -79,7 +79,8 @@ def train_dataset(trainer: str, tokenizer, prompts: int, context_tokens: int, co
         "rejected": [[{"role": "assistant", "content": "I think it is 41."}] for _ in messages]})
 
 
-def main() -> None:
+def arguments() -> tuple[argparse.Namespace, dict]:
+    """The command line, and the --set fields as {name: value}."""
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompts", type=int, default=4, help="prompts per step")
     ap.add_argument("--num-generations", type=int, default=8)
@@ -92,7 +93,6 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
                     help="another config field (a Python literal or a string), repeatable")
     a = ap.parse_args()
-    theirs_cls, tree_cls, config_cls = TRAINERS[a.trainer]
     extra = {}
     for item in a.set:
         name, _, value = item.partition("=")
@@ -100,7 +100,12 @@ def main() -> None:
             extra[name] = ast.literal_eval(value)
         except (ValueError, SyntaxError):
             extra[name] = value
-    torch.set_num_threads(a.threads)
+    return a, extra
+
+
+def one_batch(a: argparse.Namespace, extra: dict):
+    """(the tree trainer of `a.trainer` on SmolLM2, its first prepared batch, mean prompt and completion tokens)."""
+    _, tree_cls, config_cls = TRAINERS[a.trainer]
     model_dir = str(default_model_dir())
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = train_dataset(a.trainer, tokenizer, a.prompts, a.context_tokens, a.max_completion_length)
@@ -115,8 +120,7 @@ def main() -> None:
                               **common, **extra)
             trainer = tree_cls(model=model_dir, reward_funcs=length_reward, args=args, train_dataset=data,
                                processing_class=tokenizer)
-        model = trainer.model
-        model.train()
+        trainer.model.train()
         trainer.current_gradient_accumulation_steps = 1
         inputs = trainer._prepare_inputs(next(iter(trainer.get_train_dataloader())))
     if a.trainer == "dpo":
@@ -125,6 +129,15 @@ def main() -> None:
     else:
         P = inputs["prompt_mask"].sum(1).float().mean().item()
         R = inputs["completion_mask"].sum(1).float().mean().item()
+    return trainer, inputs, P, R
+
+
+def main() -> None:
+    a, extra = arguments()
+    theirs_cls, tree_cls, _ = TRAINERS[a.trainer]
+    torch.set_num_threads(a.threads)
+    trainer, inputs, P, R = one_batch(a, extra)
+    model = trainer.model
 
     def trl_step(checkpointing: bool):
         def run():
