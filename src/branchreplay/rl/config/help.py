@@ -95,11 +95,8 @@ def full_help(command: str) -> str:
     for name in _fields(command):
         if name == "algorithm":
             continue
-        section, field_name = name.split(".")
-        cls = SECTIONS[section]
-        f = next(f for f in dataclasses.fields(cls) if f.name == field_name)
-        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"--{name}  ({kind(field_types(cls)[f.name])}, default {plain(default)!r})  "
+        cls, f = _field(name)
+        lines.append(f"--{name}  ({kind(field_types(cls)[f.name])}, default {plain(_default(name))!r})  "
                      f"{f.metadata.get('help', '')}")
     if command == "train":
         lines.append("TRL's flat GRPOConfig names are accepted too, in a YAML file or as --name VALUE "
@@ -121,6 +118,12 @@ def _default(name: str):
     """The default of `section.field` (or of "algorithm")."""
     if name == "algorithm":
         return "grpo"
-    section, field_name = name.split(".")
-    f = next(f for f in dataclasses.fields(SECTIONS[section]) if f.name == field_name)
+    _, f = _field(name)
     return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+
+def _field(name: str):
+    """(the section's class, the dataclass field) of `section.field`."""
+    section, field_name = name.split(".")
+    cls = SECTIONS[section]
+    return cls, next(f for f in dataclasses.fields(cls) if f.name == field_name)

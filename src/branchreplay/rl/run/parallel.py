@@ -165,27 +165,27 @@ class Heartbeat:
         """(rank, phase text, seconds in it) of the other ranks that were not waiting in a collective, the ones the
         others waited for; [] when every rank waits (or the store cannot be read). A rank that raised or is leaving
         (it found another rank dead or stuck) is not stuck."""
-        out = []
         try:
-            for r in range(self.world_size):
-                if r == self.rank or not self.store.check([self._key(r, "phase")]) or \
-                        self.store.check([self._key(r, "leaving")]):
-                    continue
-                since, text, waiting = json.loads(self.store.get(self._key(r, "phase")))
-                if not waiting and not text.startswith(FAILED):
-                    out.append((r, text, time.time() - since))
+            phases = {r: self._phase(r) for r in range(self.world_size)
+                      if r != self.rank and not self.store.check([self._key(r, "leaving")])}
         except Exception:  # noqa: BLE001 (the store cannot be reached)
             return []
-        return out
+        return [(r, text, time.time() - since) for r, (since, text, waiting) in phases.items()
+                if text and not waiting and not text.startswith(FAILED)]
 
     def last_phase(self, rank: int) -> str:
         """The phase text `rank` last wrote, or "" (none, or the store cannot be read)."""
         try:
-            if self.store.check([self._key(rank, "phase")]):
-                return json.loads(self.store.get(self._key(rank, "phase")))[1]
+            return self._phase(rank)[1]
         except Exception:  # noqa: BLE001
-            pass
-        return ""
+            return ""
+
+    def _phase(self, rank: int) -> tuple[float, str, bool]:
+        """(since, text, waiting) of `rank`'s phase in the store; (0, "", False) when it wrote none."""
+        if not self.store.check([self._key(rank, "phase")]):
+            return 0.0, "", False
+        since, text, waiting = json.loads(self.store.get(self._key(rank, "phase")))
+        return since, text, waiting
 
     def _key(self, rank: int, what: str = "beats") -> str:
         return f"{self.PREFIX}{rank}/{what}"
