@@ -375,3 +375,15 @@ def test_real_vllm_server_matches_the_trainer_before_and_after_a_sync(tmp_path, 
         print(f"{case} step {r['step']}: logprob_diff_mean {r['sampling/logprob_diff_mean']:.1e}, weight sync "
               f"{r['time/weight_sync_s']:.2f} s")
         assert r["sampling/logprob_diff_mean"] < 1e-4, r["sampling/logprob_diff_mean"]
+
+
+def test_rollouts_drawn_ahead_by_the_server_use_the_weights_of_one_step_before(stand_in, tmp_path):
+    """grpo.max_staleness 1: the sampler process drives the server, pushing each version's weights once before it
+    asks: version 0 draws steps 1 and 2, version 1 step 3. The server's logprobs are the old ones (TRL's
+    AsyncGRPOTrainer), so the first step's ratio is exp(OFFSET) on every token."""
+    server = stand_in()
+    config = _config(tmp_path, server.url)
+    config.grpo.max_staleness, config.train.steps = 1, 3
+    rows = _metrics(_trainer(config).fit())
+    assert [r["sample/staleness_max"] for r in rows] == [0, 1, 1] and server.syncs == 2
+    assert rows[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(OFFSET), rel=1e-5)

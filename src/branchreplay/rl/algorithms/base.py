@@ -72,15 +72,26 @@ class Algorithm:
         """The old-policy pass (when `old`) and the reference pass (with a reference policy), their logprobs set on
         every rollout of the step (`old_logprobs`, `ref_logprobs`), on every rank; with the vLLM sampler, its
         logprobs compared with the old policy's (and TRL's truncated importance sampling: `sampler_mismatch`).
-        Returns the sampler metrics."""
+        A batch drawn ahead (`batch.versions`, grpo.max_staleness >= 1) by older weights: without
+        sampling.vllm_importance_sampling_cap its sampler's (behaviour) logprobs become the old logprobs, so the
+        clipped ratio is against the policy that drew the tokens (TRL's AsyncGRPOTrainer); with the cap the old
+        logprobs stay this policy's and min(exp(old - behaviour), cap) weighs each token (TRL's truncated
+        importance sampling; the decoupled objective of verl's and AReaL's asynchronous modes). Returns the
+        sampler metrics."""
         self.old = self.old_pass(shards) if old else None
         if self.reference is not None:
             for r, lp in zip(shards.rollouts, shards.everywhere(self.reference.logprobs(shards.local).logprobs)):
                 r.ref_logprobs = lp
-        if batch.sampler_logprobs is None or self.old is None:
+        if batch.sampler_logprobs is None:
             return {}
-        return sampler_mismatch(batch, shards.rollouts, self.old.logprobs,
-                                self.config.sampling.vllm_importance_sampling_cap)
+        cap, ahead = self.config.sampling.vllm_importance_sampling_cap, batch.versions is not None
+        metrics = {} if self.old is None else sampler_mismatch(batch, shards.rollouts, self.old.logprobs, cap,
+                                                               ratios=ahead)
+        if ahead and cap is None:
+            behaviour = {id(r): lp for r, lp in zip((r for g in batch.rollouts for r in g), batch.sampler_logprobs)}
+            for r in shards.rollouts:
+                r.old_logprobs = behaviour[id(r)]
+        return metrics
 
     def old_pass(self, shards) -> StepValues:
         """The policy's logprobs and entropies of every rollout of the step before the updates, set as their

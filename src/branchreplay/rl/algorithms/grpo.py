@@ -88,7 +88,8 @@ class GRPO(Algorithm):
             logprobs = None
         if self.batch.sampler_logprobs is not None and self.old is None:  # on-policy: this update's are the old ones
             logprobs = logprobs if logprobs is not None else shards.everywhere(result.logprobs)
-            metrics.update(sampler_mismatch(self.batch, shards.rollouts, logprobs, None))
+            metrics.update(sampler_mismatch(self.batch, shards.rollouts, logprobs, None,
+                                            ratios=self.batch.versions is not None))
         return result, {**metrics, **self.update_metrics(result)}
 
     def update_metrics(self, result) -> dict:

@@ -121,6 +121,11 @@ class GRPOConfig:
         "optimizer updates per batch of samples (TRL mu), >= 1; > 1 computes old logprobs before the first one"))
     mask_truncated_completions: bool = field(default=False, metadata=help_of(
         "exclude completions that hit sampling.max_new_tokens without EOS from the loss and its normaliser"))
+    max_staleness: int = field(default=0, metadata=help_of(
+        "rollouts ahead: how many sampling rounds the weights that drew a step's batch may lag the weights that "
+        "train it, >= 0 (TRL's max_staleness, counted in rounds as train.steps is); 0 = sample then train, as "
+        "always; >= 1 = the next steps' batches are drawn in a sampler process while this step trains, and the "
+        "sampler's logprobs are the old ones (rl/rollouts/ahead.py)"))
     max_grad_norm: float = field(default=1.0, metadata=help_of("gradient clipping norm, > 0"))
     learning_rate: float = field(default=1e-6, metadata=help_of("peak AdamW learning rate, > 0"))
     weight_decay: float = field(default=0.0, metadata=help_of("AdamW weight decay, >= 0"))
@@ -151,6 +156,7 @@ class GRPOConfig:
         check("grpo.sapo_temperature_neg", self.sapo_temperature_neg > 0, "> 0", self.sapo_temperature_neg)
         check("grpo.top_entropy_quantile", 0 <= self.top_entropy_quantile <= 1, "in [0, 1]",
               self.top_entropy_quantile)
+        check("grpo.max_staleness", self.max_staleness >= 0, ">= 0", self.max_staleness)
         check("grpo.max_grad_norm", self.max_grad_norm > 0, "> 0", self.max_grad_norm)
         check("grpo.learning_rate", self.learning_rate > 0, "> 0", self.learning_rate)
         check("grpo.weight_decay", self.weight_decay >= 0, ">= 0", self.weight_decay)

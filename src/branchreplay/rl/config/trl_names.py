@@ -43,6 +43,7 @@ TRL_NAMES: dict[str, str] = {
     "loss_type": "grpo.loss_type",
     "scale_rewards": "grpo.scale_rewards",
     "num_iterations": "grpo.num_iterations",
+    "max_staleness": "grpo.max_staleness",  # AsyncGRPOConfig's (TRL 1.16 trl.experimental.async_grpo)
     "mask_truncated_completions": "grpo.mask_truncated_completions",
     "importance_sampling_level": "grpo.importance_sampling_level",
     "top_entropy_quantile": "grpo.top_entropy_quantile",
@@ -80,7 +81,7 @@ BATCH_NAMES = ("per_device_train_batch_size", "gradient_accumulation_steps")  # 
 PEFT_NAMES = ("use_peft", "lora_r", "lora_alpha", "lora_target_modules", "lora_dropout")  # together: model.lora_*
 TRL_LORA_R = 16  # TRL ModelConfig's lora_r default, when use_peft is true
 SCHEDULERS = {"cosine": "cosine", "linear": "linear", "constant": "constant", "constant_with_warmup": "constant"}
-UPDATE_COUNTS = ("max_steps", "save_steps", "eval_steps")  # TRL counts optimizer steps; train.* count sampling rounds
+UPDATE_COUNTS = ("max_steps", "save_steps", "eval_steps", "max_staleness")  # TRL counts optimizer steps; ours rounds
 NO_EFFECT = {
     "logging_steps", "logging_first_step", "logging_dir", "logging_strategy", "run_name", "log_level",
     "disable_tqdm", "gradient_checkpointing", "gradient_checkpointing_kwargs", "use_vllm", "vllm_mode",

@@ -27,8 +27,11 @@ class Batch:
     truncated: [B] whether its last reply hit sampling.max_new_tokens without EOS.
     Single-turn: prompt_ids (per group, the chat-templated prompt) and samples (per group, G `Sample`s). Multi-turn:
     trajectories (per group, its `Trajectory`s) and metrics (`agent.task.trajectory_metrics`, the environment's
-    seconds). items: per group, its dataset item. sampler_logprobs: sampling.backend=vllm, per rollout [T], the
-    server's. trees: one `RolloutTree` per group (built once, with the batch).
+    seconds). items: per group, its dataset item. sampler_logprobs: per rollout [T] float64, the logprobs the
+    sampler drew with (0 outside the trained tokens): the vLLM server's, or a sampler process's (grpo.max_staleness).
+    versions: drawn ahead (grpo.max_staleness >= 1), per group the weights version that drew it (the sampling
+    rounds trained before it); None when drawn by the weights that train it. trees: one `RolloutTree` per group
+    (built once, with the batch).
     """
 
     rollouts: list[list[Rollout]]
@@ -43,6 +46,7 @@ class Batch:
     metrics: dict = field(default_factory=dict)
     items: list[dict] = field(default_factory=list)
     sampler_logprobs: list[torch.Tensor] | None = None
+    versions: list[int] | None = None
     trees: list[RolloutTree] = field(init=False)
 
     def __post_init__(self):

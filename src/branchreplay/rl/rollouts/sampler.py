@@ -45,6 +45,7 @@ class Sampler:
         self.eos_ids = eos_token_ids(policy.model, tokenizer)
         self.backend = config.sampling.backend
         self.stale = True  # whether the vLLM server lacks the policy's current weights (set after every update)
+        self.keeps_logprobs = self.backend == "vllm"  # whether a batch carries its sampler's logprobs (also ahead)
         self.base_synced = False  # LoRA: whether the server holds this run's base weights (sent once per run)
 
     def batch(self, step: int) -> Batch:
@@ -118,9 +119,10 @@ class Sampler:
             metrics[f"rewards/{name}/mean"] = kept.mean().item() if kept.numel() else float("nan")
             metrics[f"rewards/{name}/std"] = kept.std().item() if kept.numel() > 1 else 0.0
         sampler = None
-        if self.backend == "vllm":  # the server's logprobs of each rollout's positions (0 on the prompt)
+        if self.keeps_logprobs:  # the sampler's logprobs of each rollout's positions (0 on the prompt)
             sampler = [torch.tensor([0.0] * len(ids) + s.logprobs, dtype=torch.float64)
                        for ids, group in zip(prompt_ids, samples) for s in group]
+        if self.backend == "vllm":
             metrics["time/weight_sync_s"] = sync_s
         return Batch(rollouts, total, advantages, std, [len(s.completion_ids) for s in flat],
                      [s.truncated for s in flat], prompt_ids=prompt_ids, samples=samples, metrics=metrics,
@@ -212,8 +214,9 @@ class Sampler:
                                                    a.max_turns * cfg.sampling.max_new_tokens)
         metrics = {**trajectory_metrics(groups), "time/sample_env_s": timings["env_s"]}
         sampler = None
-        if self.backend == "vllm":  # the server's logprobs of each trajectory's positions (0 outside its replies)
+        if self.keeps_logprobs:  # the sampler's logprobs of each trajectory's positions (0 outside its replies)
             sampler = [torch.tensor(t.logprobs, dtype=torch.float64) for t in flat]
+        if self.backend == "vllm":
             metrics["time/weight_sync_s"] = sync_s
         return Batch(rollouts, rewards, advantages, std, [int(sum(t.conversation.loss_mask)) for t in flat],
                      [t.truncated for t in flat], trajectories=groups, items=[items[k] for k in kept],

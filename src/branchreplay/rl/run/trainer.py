@@ -39,6 +39,7 @@ from ..config.run import saved_config
 from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards, with_timeout
 from ..data.tasks import load_task
 from ..policy import Policy
+from ..rollouts.ahead import Ahead, SamplerFailed, check_ahead, start_sampler
 from ..rollouts.sampler import Sampler
 from ..rollouts.trajectories import ItemError
 from ..rollouts.vllm_client import VLLMClient, VLLMError
@@ -72,6 +73,7 @@ class Trainer:
         self.env, self.train_data, self.eval_data, self.rewards = load_data(config, env, train_data, eval_data,
                                                                           reward_fn)
         model, self.tokenizer = load_model(config, model, tokenizer)
+        check_ahead(config, part.samples, next(model.parameters()).device)
         g = config.grpo
         self.policy = Policy(model.eval(), config.sampling.temperature if part.samples else 1.0, config.engine,
                              config.train.method, micro_batch=g.micro_batch_prompts, dtype=config.model.dtype,
@@ -84,6 +86,11 @@ class Trainer:
                 torch.distributed.broadcast(p.data, src=0)
             # rank 0 runs the self-check before sharding and tells the others (its verdict in the run folder)
             self.policy.force = self.check_family(Path(config.train.output_dir))
+        sampler_of = lambda policy, ranks=None: Sampler(  # noqa: E731
+            config, policy, self.tokenizer, self.train_data, self.rewards, self.env, vllm, ranks,
+            status=lambda text: self.status(text))
+        ahead = config.grpo.max_staleness if part.samples else 0
+        process = start_sampler(config, self.policy, sampler_of, self.ranks) if ahead else None  # before sharding
         self.reference = None
         if part.needs_reference(config):  # frozen initial weights, copied before a checkpoint loads or sharding
             self.reference = self.policy.sibling(model, scope=model.disable_adapter) if config.model.lora_r else \
@@ -94,9 +101,10 @@ class Trainer:
         for p in self.trained:
             p.make_optimizer(g, config.train.steps * self.algorithm.num_updates)
         self.algorithm.status = lambda text: self.status(text)
-        self.source = Sampler(config, self.policy, self.tokenizer, self.train_data, self.rewards, self.env, vllm,
-                              self.ranks, status=lambda text: self.status(text)) if part.samples \
-            else self.algorithm.batches(self.tokenizer)
+        self.source = self.algorithm.batches(self.tokenizer) if not part.samples else \
+            sampler_of(self.policy, self.ranks) if not ahead else \
+            Ahead(process, sampler_of(self.policy, self.ranks), self.policy, ahead, config.train.steps, self.ranks,
+                  status=lambda text: self.status(text))
         self.step, self.num_tokens = 0, 0
         self.failure: str | None = None  # why the last step was skipped (the warning's text)
         self.completion_rows: list[dict] = []  # the last step's, for RUN_DIR/completions.jsonl (log_completions)
@@ -170,9 +178,10 @@ class Trainer:
         t2 = time.perf_counter()
         self.num_tokens += batch.logical_tokens
         env_s = batch.metrics.get("time/sample_env_s")
-        timing = {"time/sample_model_s": t1 - t0 - env_s} if env_s is not None else {}
+        drawn_s = batch.metrics.get("time/sampler_process_s", t1 - t0)  # drawn ahead: the process's own seconds
+        timing = {"time/sample_model_s": drawn_s - env_s} if env_s is not None else {}
         return {"step": step, **batch.step_metrics(), "num_tokens": self.num_tokens, **batch.metrics, **metrics,
-                "time/sample_s": t1 - t0, **timing,
+                "time/sample_s": t1 - t0, **timing,  # drawn ahead: the wait for the batch
                 "time/train_s": t2 - t1,  # the whole update, its no-grad passes (time/logprob_s) included
                 "time/step_s": t2 - t0, "memory/peak_bytes": peak_memory_bytes(self.model.device)}
 
@@ -215,6 +224,8 @@ class Trainer:
                                    f"{self.step + 1}.yaml; {FIRST} and the others keep what the earlier steps used)")
         if self.ranks is None:  # data-parallel runs checked before sharding (__init__)
             self.policy.force = self.check_family(run_dir)
+        if isinstance(self.source, Ahead):
+            self.console.print(self.source.describe())
         for p in (self.reference, self.algorithm.critic):  # they run the policy's family
             if p is not None:
                 p.force = self.policy.force
@@ -235,6 +246,8 @@ class Trainer:
             raise
         finally:
             log.close()
+            if isinstance(self.source, Ahead):
+                self.source.close()
         if self.stopping(stop):
             raise TrainingInterrupted(run_dir, self.step)
         if self.rank == 0:
@@ -266,9 +279,10 @@ class Trainer:
                 self.during = f"step {self.step + 1}"  # what a rank's death interrupted
                 try:
                     record = self.train_step(self.step + 1)
-                except VLLMError as e:  # raised before the step's update: the state is the last step's
+                except (VLLMError, SamplerFailed) as e:  # raised before the step's update: the state is the last's
                     self.save(run_dir)
-                    raise TrainingFailed(run_dir, f"step {self.step + 1}: the vLLM sampler failed ({e})") from e
+                    why = f"the vLLM sampler failed ({e})" if isinstance(e, VLLMError) else str(e)
+                    raise TrainingFailed(run_dir, f"step {self.step + 1}: {why}") from e
                 failed = failed + 1 if record is None else 0
                 if cfg.max_failed_steps and failed >= cfg.max_failed_steps:
                     self.step -= failed - 1  # the last good step: no update happened since, so its state is this
