@@ -383,7 +383,8 @@ def test_a_turn_of_every_item_in_one_loop_equals_each_request_alone(keep64, cach
 def test_evaluation_runs_its_items_in_batches_with_the_runs_cache(tmp_path, monkeypatch):
     """`evaluate_agent` takes the run's sampling.cache_implementation (static here: the static rows decode) and runs
     the held-out items `batch_size` at a time, reporting progress after each batch; the metrics equal those of one
-    batch of every item (greedy)."""
+    batch of every item (greedy). The items may be a dataset that takes one index at a time (reasoning-gym's: no
+    slices)."""
     import branchreplay.rl.rollouts.sampling as sampling
     from branchreplay.rl.agent.task import evaluate_agent
     from branchreplay.rl.rollouts.static_rows import StaticRows
@@ -393,7 +394,16 @@ def test_evaluation_runs_its_items_in_batches_with_the_runs_cache(tmp_path, monk
 
     config = make_config(tmp_path, sampling={"cache_implementation": "static"})
     model, tok, calls = _chatty_model(), TurnTokenizerWithDecode(), []
-    batched = evaluate_agent(model, tok, config, Counter(), ITEMS[:5], {EOS}, lambda *a: calls.append(a), 2)
+    class OneIndex:  # as reasoning-gym's ProceduralDataset
+        def __len__(self):
+            return 5
+
+        def __getitem__(self, k: int) -> dict:
+            if not isinstance(k, int):
+                raise TypeError(f"unsupported operand type(s) for +: 'int' and '{type(k).__name__}'")
+            return ITEMS[k]
+
+    batched = evaluate_agent(model, tok, config, Counter(), OneIndex(), {EOS}, lambda *a: calls.append(a), 2)
     assert calls == [(0, 5), (2, 5), (4, 5), (5, 5)] and built
     whole = evaluate_agent(model, tok, config, Counter(), ITEMS[:5], {EOS}, None, 8)
     assert {k: v for k, v in batched.items() if k != "time/eval_s"} == {

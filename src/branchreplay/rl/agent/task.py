@@ -114,8 +114,8 @@ def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None, bat
             if progress is not None:
                 progress(first, len(items))
             turns = InProcessTurns(model, greedy, eos, lambda k, path: None)
-            drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, items[first : first + batch_size],
-                                                         (1,), greedy, limits)
+            batch = [items[k] for k in range(first, min(first + batch_size, len(items)))]  # a dataset: no slices
+            drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, batch, (1,), greedy, limits)
             for why in errors:
                 warnings.warn(f"a held-out item was skipped: {why}", RuntimeWarning, stacklevel=2)
             done += [t for k in sorted(drawn) for t in drawn[k]]
