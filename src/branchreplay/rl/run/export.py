@@ -77,12 +77,12 @@ def _respect_umask(folder: Path) -> None:
         os.chmod(f, (0o777 if f.is_dir() else 0o666) & ~mask)
 
 
-RELOAD_TOLERANCE = 3e-5
+RELOAD_TOLERANCE = 3e-4
 """The reloaded folder's logits may differ from the checkpoint's by this fraction of the logits' scale (their
-largest |value|): merging LoRA adapters into float32 weights rounds each weight once, and the difference grows
-with the layers and the logits' size. Measured: SmolLM2 (30 layers, logits ~33) with adapters on q_proj and v_proj
-merged by peft 3.1e-4, a fraction 9.4e-6 (about 80 float32 epsilons); adapters on a tied LM head, whose merge
-moves the embedding too, several percent (tests/test_lora.py)."""
+largest |value|). The merged model and the checkpoint's LoRA model are two float32 computations of the same
+function, which round apart by what a 30-layer float32 forward rounds (SmolLM2 with adapters on q_proj and v_proj
+after the demo's 8 steps: 1.3e-3 on logits of 33, 4e-5 of the scale; 0 in float64); adapters on a tied LM head,
+whose merge moves the embedding too, miss by several percent (tests/test_lora.py)."""
 
 
 def reload_tolerance(expected: torch.Tensor) -> float:
