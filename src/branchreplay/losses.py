@@ -2,17 +2,11 @@
 
 A node's positions have ONE logprob each, shared by the k rollouts through it; advantages and loss weights are per
 rollout. A loss is any callable `loss(x: LossInputs) -> scalar Tensor` whose value on a set of rollouts is the sum
-of its values on the nodes (true for every per-token loss summed with weights, which is what GRPO, DAPO, Dr. GRPO,
-BNPO and PPO are once their normalisation is put into the weights: see `token_weights`; and for PPO's value loss,
-`ValueLoss`, on a critic). Losses of summed logprobs (RLOO's `rloo_loss`, DPO's `dpo_loss`) run in two passes,
-`engine.sequence`.
-
-`GRPOLoss` follows TRL 1.16's GRPOTrainer (trl/trainer/grpo_trainer.py, `_compute_loss`; tests/test_trl.py feeds
-the same batch to both). Departures: the normalisation is carried by per-token weights computed up front, so a
-batch split into micro-batches gives the same gradient (TRL's entropy mean is per micro-batch: equal with one);
-sequence-level importance sampling (GSPO) is `gspo_loss`, a function of each rollout's logprobs that runs in two
-passes (`engine.sequence.replay_function_backward`); top_entropy_quantile is the trainer's (it zeroes the
-advantages of low-entropy tokens); the loss type vespo is not implemented.
+of its values on the nodes: every per-token loss summed with weights (GRPO, DAPO, Dr. GRPO, BNPO and PPO once their
+normalisation is put into the weights, `token_weights`; PPO's value loss, `ValueLoss`, on a critic). Losses of
+summed logprobs (RLOO's `rloo_loss`, DPO's `dpo_loss`) and GSPO's `gspo_loss` run in two passes, `engine.sequence`.
+`GRPOLoss` follows TRL 1.16's GRPOTrainer (trl/trainer/grpo_trainer.py); its docstring lists the departures.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -148,6 +142,13 @@ class GRPOLoss:
     loss = sum_i sum_t weights[i, t] * l[i, t] - entropy_coef * H, where H is the mean entropy over the
     `entropy_tokens` trained (rollout, position) pairs, as TRL's bonus for every loss_type, or, when
     `entropy_tokens` is None, sum_i sum_t weights[i, t] * entropy[t] (verl's entropy aggregated like its loss).
+
+    Departures from TRL's GRPOTrainer (tests/test_trl.py feeds the same batch to both): the normalisation is carried
+    by per-token weights computed up front, so a batch split into micro-batches gives the same gradient (TRL's
+    entropy mean is per micro-batch: equal with one); sequence-level importance sampling (GSPO) is `gspo_loss`, a
+    function of each rollout's logprobs that runs in two passes (`engine.sequence.replay_function_backward`);
+    top_entropy_quantile is the trainer's (it zeroes the advantages of low-entropy tokens); the loss type vespo is
+    not implemented.
 
     Args:
         epsilon_low, epsilon_high: clipping range (TRL `epsilon`, `epsilon_high`; DAPO uses 0.2 / 0.28).

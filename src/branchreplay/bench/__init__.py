@@ -2,5 +2,5 @@
 
 `runner` (the methods on one model and workload), `scenarios` (the workloads), `baselines` (padded and prompt
 sharing), `flops` (the FLOP formula per method), `measure` (wall time and peak memory), `output` (merge, table,
-plot), `state` (the attention state a branch holds, measured on the engine).
+plot), `state` (the attention state a branch holds, read from the engine).
 """

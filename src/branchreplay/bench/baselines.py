@@ -2,18 +2,13 @@
 per-rollout computation of `reference.naive_backward`, to floating-point tolerance), and their memory estimates.
 
 padded_backward: TRL's padded batch (`check/padded.py`, where the `padded` reference of `train.method` lives).
-
 prompt_sharing_backward: prompt-only sharing, as Prefix Grouper (Liu et al. 2025, arXiv:2506.05433; PyPI
-    `prefix-grouper`, verl `use_prefix_grouper`): each group's shared prompt runs once; every suffix (everything after
-    the prompt) runs against the prompt's K/V repeated once per suffix; the gradients of the copies sum back into
-    the prompt's K/V through autograd. Two implementations of that one method:
-        impl="prefix-grouper": the package itself, its attention function registered with transformers
-            (`prefix_grouper.utils.register_transformers`) over an SDPA adapter of ours (see `_pg_sdpa`).
-        impl="equivalent": our own, with transformers' cache: the prompt with `use_cache=True`, then one batch of
-            right-padded suffixes against a DynamicCache holding the prompt's K/V expanded to G rows.
-
-A rollout's prompt: its positions before the first trained one (loss mask 1, `padded.prompt_length`), as TRL
-splits prompt and completion. Prompt-sharing groups rollouts with identical prompts.
+`prefix-grouper`, verl `use_prefix_grouper`): each group's shared prompt runs once, every suffix against the prompt's
+K/V repeated once per suffix, whose gradients sum back into the prompt's K/V through autograd; impl="prefix-grouper"
+runs the package itself (its attention function over our SDPA adapter, `_pg_sdpa`), impl="equivalent" our own with
+transformers' cache. A rollout's prompt: its positions before the first trained one (`padded.prompt_length`), as TRL
+splits prompt and completion; rollouts with identical prompts form a group.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -177,14 +172,15 @@ def _suffixes_prefix_grouper(model, prompt: torch.Tensor, suffixes: list[torch.T
 # memory models, to skip a run that would not fit
 
 PEAK_OVER_SAVED = 1.5
-"""Peak over saved activations: on the bench model (float32, CPU) the measured peak was 1.3-1.5 x the bytes autograd
-saved (transient buffers of the backward, logits, the mask)."""
+"""Peak over saved activations: the backward's transient buffers, the logits and the mask come on top of the bytes
+autograd saves; 1.5 covers the bench model's ratio (float32, CPU; docs/notes/engine-docstrings.md)."""
 
 
 def activation_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes autograd saves per token position for a Llama-style decoder trained with SDPA: per layer about
     12 x hidden + 2 x kv_dim + 4 x intermediate values (norm in/out, q/k/v, rotated q/k, attention out, residuals,
-    gate/up/act/product of the MLP). Matches the saved-tensor bytes measured on the bench model (97 KiB/token)."""
+    gate/up/act/product of the MLP). Checked against the bench model's saved-tensor bytes (figure:
+    docs/notes/engine-docstrings.md)."""
     H, mlp = config.hidden_size, config.intermediate_size
     kv = config.num_key_value_heads * head_dim(config)
     return (12 * H + 2 * kv + 4 * mlp) * config.num_hidden_layers * torch.finfo(dtype).bits // 8

@@ -1,27 +1,16 @@
 """FLOP counts of one forward + backward of each benchmarked method, from the positions it computes.
 
-The count is algorithmic (what the method asks for), not what a kernel happens to execute: matmul FLOPs only
-(norms, RoPE, softmax and the loss are left out), the backward counted as twice the forward, recomputation
-(activation checkpointing of the LM head or of a pack) not counted, and attention counted causally (a query at
-absolute position t attends t + 1 keys), whatever mask or kernel a method runs it with. For every method:
+Algorithmic counts: matmul FLOPs only (no norms, RoPE, softmax or loss), the backward twice the forward, no
+recomputation, attention causal (a query at absolute position t attends t + 1 keys) whatever the method's kernel:
 
     flops = 3 * (2 * N * positions                              dense layers (N: non-embedding matmul parameters)
                  + 4 * n_layers * d_attn * attention_keys       QK^T and AV, 2 * d_attn FLOPs per (query, key) each
                  + 2 * hidden * vocab * head_rows)              the LM head, on the rows it is computed on
 
-with attention_keys the sum over computed positions of their context length (t + 1), d_attn = heads * head_dim.
-What differs between methods is which positions (with which contexts) are computed and which rows get the head:
-
-    naive           every position of every rollout; head on every position (HF computes full logits)
-    padded          B x T_max positions, pads included (context t + 1 in the padded row); head on B x (C_max + 1)
-                    rows (TRL's logits_to_keep + 1)
-    prompt-sharing  the shared prompt once, then each rollout's suffix with its full context (prompt + own suffix);
-                    head on the rows predicting suffix tokens
-    branchreplay    each unique position of the tree once, with its context (its depth + 1); head on the positions
-                    some rollout trains
-
-Source: PaLM (Chowdhery et al. 2022), Appendix B: 6N + 12 * L * H * Q * T FLOPs per token for forward + backward,
-H * Q = d_attn and T the sequence length; here T is replaced by each query's own causal context.
+attention_keys: the sum over computed positions of their context length; d_attn = heads * head_dim; each method's
+positions: `naive_work`, `padded_work`, `prompt_sharing_work`, `tree_work`. Source: PaLM (Chowdhery et al. 2022),
+Appendix B: 6N + 12 * L * H * Q * T FLOPs per token, H * Q = d_attn, T here each query's own causal context.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

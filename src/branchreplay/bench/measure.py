@@ -41,7 +41,7 @@ def release_freed_memory() -> None:
 def measure(fn, device: torch.device, memory: bool = True) -> Measured:
     """Run fn() once; its wall time (seconds) and peak memory above the start (bytes). memory=False: time only, no
     sampling thread (peak_bytes 0). On the CPU the sampler wakes every millisecond and takes the GIL from the
-    method's Python: on 2 cores it slowed the engine's small packs by up to 10% against naive's few large calls."""
+    method's Python, which slows many small calls (the engine's packs) more than a few large ones (naive's)."""
     gc.collect()
     if not memory:
         if device.type == "cuda":

@@ -1,17 +1,16 @@
 """`branchreplay bench --loss ppo | dpo`: the other objectives' exact gradients, naive and over the tree, side by side
 in one process on the bench model (`runner.BENCH_MODEL`), with their FLOP ratios.
 
-    ppo  the scenarios' rollouts (as `bench --loss grpo`, the default), one update of PPO: the clipped policy loss
-         with per-token advantages on the policy and the clipped value loss on a critic (`value.ValueModel`, a copy
-         of the policy's decoder). naive: each rollout alone through both models; branchreplay: both over the tree.
-    dpo  `pairs` preference pairs, each a prompt of P tokens with a chosen and a rejected response of R tokens:
-         naive, each sequence alone (`check.reference.naive_sequence_backward`); padded, TRL's concatenated batch
-         (chosen rows then rejected rows, one [2 x pairs, P + R] forward and backward); branchreplay, each pair a
-         tree (the prompt once) through `engine.sequence.replay_sequence_backward`, whose first pass is a forward
-         without a graph: its FLOPs count 1/3 of a forward and backward (`flops.FORMULA`: backward = 2 x forward).
+    ppo  the scenarios' rollouts, one PPO update: the clipped policy loss with per-token advantages on the policy
+         and the clipped value loss on a critic (`value.ValueModel`); naive: each rollout alone through both
+         models; branchreplay: both over the tree.
+    dpo  `pairs` preference pairs (a prompt of P tokens, chosen and rejected responses of R tokens): naive, each
+         sequence alone; padded, TRL's concatenated [2 x pairs, P + R] batch; branchreplay, each pair a tree through
+         `engine.sequence.replay_sequence_backward` (its graph-free first pass counts 1/3 of a forward + backward).
 
-FLOPs by `flops.Work` (the critic's head rows are not counted: one output, against the policy's vocabulary).
-Times are one measured run after a warm-up of each method (`measure.measure`): compare ratios measured in one run.
+FLOPs by `flops.Work` (the critic's head rows not counted). Times: one timed run after a warm-up of each method
+(`measure.measure`): compare ratios within one run.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

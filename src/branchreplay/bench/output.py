@@ -8,13 +8,13 @@ from .scenarios import SCENARIOS
 
 def merge_results(results: list[dict]) -> dict:
     """One result from several `--json` outputs (e.g. runs of a sweep made one at a time): the rows concatenated,
-    the run-wide fields of the first. Raises ValueError when they were measured on a different model, dtype,
+    the run-wide fields of the first. Raises ValueError when they were taken on a different model, dtype,
     device or thread count, whose rows would not be comparable."""
     keys = ("model", "dtype", "device", "threads")
     for r in results[1:]:
         diff = [k for k in keys if r.get(k) != results[0].get(k)]
         if diff:
-            raise ValueError(f"cannot merge bench results measured with different {', '.join(diff)}: "
+            raise ValueError(f"cannot merge bench results run with different {', '.join(diff)}: "
                              f"{[r.get(k) for k in diff]} vs {[results[0].get(k) for k in diff]}")
     return {**results[0], "rows": [row for r in results for row in r["rows"]]}
 

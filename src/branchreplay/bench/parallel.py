@@ -5,12 +5,11 @@
                     prefix-grouper when installed), then one gradient all-reduce
     branchreplay    trees to ranks by `engine.sharding`, the gradient reduced once (`engine.distributed`)
 
-and the shard plan for more ranks. Wall time of a method = the slowest rank's, between two barriers. A naive rank
-whose projected time exceeds `max_seconds` stops after a sample of its rollouts (at least one) and is scaled by
-FLOPs (`flops.naive_work`), as `runner` does; a prompt-sharing rank whose estimated peak memory
-(`baselines.prompt_sharing_peak_bytes`) exceeds its share of the available memory runs the largest first k of its
-rollouts that fits, scaled by `flops.prompt_sharing_work`; such rows say estimated. Peak memory is not measured per
-rank.
+and the shard plan for more ranks. A method's wall time: the slowest rank's, between two barriers. A naive rank
+projected past `max_seconds`, and a prompt-sharing rank whose estimated peak exceeds its share of the memory, run a
+sample of their rollouts scaled by FLOPs (`flops`), as `runner` does; such rows say estimated. Peak memory is not
+recorded per rank.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

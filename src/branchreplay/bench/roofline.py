@@ -1,17 +1,16 @@
 """The decoding roofline: how many tokens per second a sampler could reach on this machine, and how far it is.
 
-One decoding step of B streams at context length L (prompt plus the tokens generated so far) multiplies every
-stream's hidden state by every weight matrix of the model and attends over L cached keys and values:
+One decoding step of B streams at context length L (prompt plus the tokens generated so far):
 
     FLOPs(B, L) = 2 * B * N_matmul + 4 * B * layers * heads * head_dim * L
     bytes(B, L) = N_matmul * w + 2 * B * layers * kv_heads * head_dim * L * a
 
 N_matmul: the parameters of the matrices (the LM head included, the input embedding's lookup not); w and a: the
-bytes per weight and per cached key/value element. A step takes at least max(FLOPs / peak FLOP rate, bytes /
-memory bandwidth) seconds (the roofline model, Williams, Waterman and Patterson, CACM 2009), so T new tokens from a
-prompt of P tokens take at least the sum of that over L = P .. P + T - 1, and B * T / that sum is the ceiling in
-tokens per second. The same formula holds on a GPU with its peak and bandwidth (gpt-fast's "memory-bandwidth bound"
-decoding is the bytes term). `peak_matmul_flops` and `memory_bandwidth` measure this machine's two peaks.
+bytes per weight and per cached key/value element. A step takes at least max(FLOPs / peak FLOP rate, bytes / memory
+bandwidth) seconds (the roofline model, Williams, Waterman and Patterson, CACM 2009), so T new tokens from a prompt
+of P tokens take at least the sum over L = P .. P + T - 1, a ceiling of B * T / that sum tokens per second (on a GPU
+too, with its peaks). `peak_matmul_flops` and `memory_bandwidth` measure this machine's two peaks.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

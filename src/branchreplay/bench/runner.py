@@ -1,39 +1,16 @@
 """`branchreplay bench`: four exact ways to compute the same GRPO gradient, side by side in one process, on the same
-model (tiny Llama, `BENCH_MODEL`) and the same rollouts.
+model (tiny Llama, `BENCH_MODEL`) and rollouts: naive (each rollout alone, `check.reference.naive_backward`: the
+reference), padded (TRL's padded batch, `check.padded.padded_backward`), prompt-sharing (Prefix Grouper,
+`baselines.prompt_sharing_backward`) and branchreplay (`engine.replay_backward`), on the scenarios of `Scenario`.
 
-Methods (all give the naive gradient, to floating-point tolerance; each row reports its error):
-    naive           each rollout alone, unpadded (`check.reference.naive_backward`): the reference.
-    padded          TRL's padded batch, one [B, T_max] forward/backward (`check.padded.padded_backward`).
-    prompt-sharing  the prompt once, each suffix against the prompt's K/V repeated per suffix (Prefix Grouper;
-                    `baselines.prompt_sharing_backward`, the PyPI package when installed, else our equivalent).
-    branchreplay    the execution stack over the prefix tree (`engine.replay_backward`).
-
-Scenarios (`Scenario`): shared-prompt (P + G x R), multi-turn (agent trajectories sharing earlier turns,
-`scenarios.agent_trajectories`), tree-sampled (responses from a branching schedule, `scenarios.tree_sampled`).
-
-Figures per (scenario configuration, method):
-    logical tokens: sum of rollout lengths; physical: positions the method runs through the decoder (padded
-        includes its pads); token_ratio = logical / physical.
-    flops: `flops.Work.flops` (formula in `flops.FORMULA`); flop_ratio = naive flops / the method's flops, the
-        speedup its FLOPs allow.
-    seconds: wall time of one forward + backward (the minimum over --repeats), after a warm-up of every method.
-        The repeats are interleaved: round k times every full-size method once before round k + 1 starts, so a
-        machine whose speed drifts during a configuration (a shared 2-core host drifts by 10-15%) moves every
-        method's best time alike, and the ratios hold. The first round also samples memory (a thread every
-        millisecond, `measure`); the later rounds time without it.
-    peak_bytes: peak memory above the start of the run (`measure`).
-    max_rel_grad_err: `check.reference.max_rel_grad_err` against naive.
-
-Estimates. A naive run whose projected time exceeds `max_seconds` stops after a sample of its first k rollouts
-(at least 2, or a quarter of the budget); its time is the sample's, scaled by FLOPs(all) / FLOPs(sample), and the
-row says `"estimated": true, "sample_rollouts": k`. The gradient reference is then naive on those k rollouts,
-and every method's error is computed on the same k rollouts (an extra, untimed run; `grad_err_rollouts: k`).
-Padded and prompt-sharing are run on a sample of their first k rollouts, the time scaled the same way and the peak
-by the memory model (`baselines.*_peak_bytes`), when the full batch is estimated to exceed `max_memory_bytes` or
-its time, projected from naive's seconds per FLOP, exceeds `max_seconds`; when not even one rollout fits, the row is
-`"skipped"` with the estimated peak.
-
-Peak memory and time: `measure.py`.
+Figures per (scenario configuration, method): logical and physical tokens and their ratio; flops (`flops.Work`) and
+flop_ratio (naive's / the method's); seconds, the best forward + backward of --repeats rounds after a warm-up,
+interleaved across the methods so that a machine's drift moves them alike; peak_bytes (`measure`); max_rel_grad_err
+against naive. Estimates: a naive run projected past `max_seconds` stops after a sample of its first k rollouts,
+its time scaled by FLOPs(all) / FLOPs(sample) and every method's error taken on those k rollouts; padded and
+prompt-sharing are sampled likewise when projected past `max_memory_bytes` or `max_seconds` (peak by
+`baselines.*_peak_bytes`), or "skipped" when no rollout fits. Such rows say `"estimated": true, "sample_rollouts": k`.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -185,10 +162,10 @@ class Bench:
         return None
 
     def warm_up(self) -> None:
-        """One call of every method on a small rollout set: the first call of a method is about 2x slower. Then
-        one branch replay of a 4096-position tree: the engine fits its memory model once per model and scale (a
-        tree of 4096 positions or more probes at scale 256, `planner.memory_model`), which a training run pays
-        once, not in every timed step."""
+        """One call of every method on a small rollout set: the first call of a method is slower (allocator,
+        kernels). Then one branch replay of a 4096-position tree: the engine fits its memory model once per model and
+        scale (a tree of 4096 positions or more probes at scale 256, `planner.memory_model`), which a training run
+        pays once, not in every timed step."""
         g = torch.Generator().manual_seed(self.o.seed + 1)
         rollouts = make_rollouts(shared_prompt(64, 2, 16, self.model.config.vocab_size, g), g)
         for method in self.methods:

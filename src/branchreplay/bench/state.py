@@ -1,7 +1,7 @@
 """The attention state a branch holds for its prefix: bounded by the window W in sliding-window layers, growing with
 the prefix length P in full-attention layers.
 
-Measured on the engine itself, not computed from a formula: while `replay_logprobs` runs one prompt of P tokens
+Read from the engine itself, not computed from a formula: while `replay_logprobs` runs one prompt of P tokens
 with a few short branches, every `PrefixCache` the engine builds records the bytes of the ancestors' `NodeState`s
 it is given (the K/V kept along the branch's path, which the execution stack holds until the branch's backward);
 the figure is the largest such total. The prompt runs as one node (chunk_tokens = P): with chunks of c < P tokens
@@ -44,7 +44,7 @@ def kept_state_bytes(model, prompt_tokens: int, branches: int = 2, branch_tokens
 
 
 def state_rows(prompt_lengths=(256, 1024, 4096), archs=("mistral", "llama"), dtype=torch.float32) -> list[dict]:
-    """One row per (arch, P): the measured bytes and what `state_bytes_per_token` predicts for them
+    """One row per (arch, P): the bytes the engine held and what `state_bytes_per_token` predicts for them
     (full-layer bytes per token * P + min(P, W - 1) positions of the sliding layers, which share one W here)."""
     rows = []
     for arch in archs:

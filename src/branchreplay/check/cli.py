@@ -153,7 +153,7 @@ def _summary(args, model, name: str, dtype, results, uncovered) -> dict:
         # layers), and at most, whatever the prefix length (sliding-window layers)
         "state_bytes_per_token": {"full_layers_per_token": full, "sliding_layers_max": sliding},
     }
-    if dtype != torch.float64:  # float32 / bfloat16: both sides measured from a float64 copy (verify.py)
+    if dtype != torch.float64:  # float32 / bfloat16: both sides compared with a float64 copy (verify.py)
         summary["max_rel_grad_err_vs_f64"] = max(r.max_rel_grad_err_vs_f64 for r in results)
         summary["naive_rel_grad_err_vs_f64"] = max(r.naive_rel_grad_err_vs_f64 for r in results)
     return summary

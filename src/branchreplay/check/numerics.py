@@ -1,22 +1,15 @@
-"""Numerics shared by the reference and the engine in exactness checks.
+"""Numerics shared by the reference and the engine in exactness checks: `keep_float64`.
 
-Hugging Face's RMSNorm (Llama, Qwen2, Qwen3, Mistral, ...) casts its input to float32 even in a float64 model:
-`hidden_states.to(torch.float32)`. Both the naive reference and the execution stack then round to float32 there,
-but at slightly different inputs (the sum of the same terms in another order), which turns 1e-16 differences into
-1e-7 ones. `keep_float64` makes those norms compute in float64, on both sides alike, so that a float64 check
-measures the engine and not that cast. The formula is unchanged: weight * x / sqrt(mean(x^2) + eps).
-
-Gemma's RMSNorm (Gemma, Gemma2, Gemma3; q/k norms included) computes x / sqrt(mean(x^2) + eps) * (1 + weight)
-with x and weight cast to float32: patched the same way, same formula, in float64. Gemma2 runs eager attention
-(transformers has no SDPA path with attention logit softcapping), whose softmax is taken in float32
-(`softmax(..., dtype=torch.float32)`); its `eager_attention_forward` (module function of the Gemma2 / Gemma3 model
-files: every such model of the process is affected while `keep_float64` is active, float64 inputs only) is
-replaced by the same computation
-with the softmax in the input's dtype: scores * scaling, softcap * tanh(scores / softcap), + additive mask,
-softmax, dropout, @ values.
-
-The mixture-of-experts routers of Mixtral and Qwen3-MoE take their softmax in float32 too: patched to the same
-formula in float64 (router logits, softmax, top-k, renormalised top-k weights where the model renormalises).
+Some modules of Hugging Face models compute in float32 even in a float64 model, where the naive reference and the
+execution stack round at slightly different inputs (the same terms summed in another order) and 1e-16 differences
+become 1e-7 ones. `keep_float64` makes them compute in float64, on both sides alike, with the same formulas, so that
+a float64 check measures the engine and not those casts:
+    RMSNorm (Llama, Qwen2, Qwen3, Mistral, ...): weight * x / sqrt(mean(x^2) + eps);
+    Gemma's RMSNorm (Gemma, Gemma2, Gemma3; q/k norms included): x / sqrt(mean(x^2) + eps) * (1 + weight);
+    Gemma2 / Gemma3's `eager_attention_forward` (softcapped eager attention; a module function, so every such model
+        of the process while active, float64 inputs only): its softmax in the input's dtype;
+    the mixture-of-experts routers of Mixtral and Qwen3-MoE: their softmax, top-k and renormalisation in float64.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

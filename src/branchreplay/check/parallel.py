@@ -3,16 +3,12 @@ the same step in one process, on a tiny random config or a user's model.
 
 grpo: the sharded engine step (`engine.distributed.replay_backward_sharded`) with the GRPO loss, on two steps: every
 non-random shape of `shapes.SHAPES` as its own tree (groups go to ranks whole) and the shared-prompt tree alone
-(split across the ranks), against `replay_backward` in one process.
-
-ppo, rloo, dpo: the trainer's own first update of that algorithm (`rl.run.update.first_update_gradient`: the
-algorithm's part, its passes gathered over the ranks, its engine calls on each rank's share of the trees, FSDP2 or
-DDP), on a synthetic batch (`algorithm_batch`: groups of shared prompts with random rewards, some truncated; for DPO,
-pairs whose responses share a prefix), against the same part in one process. The one-process computation is
-checked against the naive per-rollout one by `verify --loss` itself.
-
-Bound: float64 as `verify_model`'s (1e-6, 1e-4 for the families that compute in float32), float32 1e-4 (the tiny
-configs' engine-vs-naive bound).
+(split across the ranks). ppo, rloo, dpo: the trainer's own first update of that algorithm
+(`rl.run.update.first_update_gradient`, FSDP2 or DDP) on a synthetic batch (`algorithm_batch`). The one-process
+computation is checked against the naive per-rollout one by `verify --loss` itself. Bound: float64 as
+`verify_model`'s (1e-6, 1e-4 for the families that compute in float32), float32 1e-4 (the tiny configs'
+engine-vs-naive bound).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

@@ -106,7 +106,7 @@ def per_position(values: torch.Tensor, positions: torch.Tensor, T: int) -> torch
 
 
 GRADIENT_FLOOR = 1e-6
-"""The smallest scale a parameter's error is measured against, as a fraction of the largest reference gradient of
+"""The smallest scale a parameter's error is taken against, as a fraction of the largest reference gradient of
 any parameter (`max_rel_grad_err`)."""
 
 
@@ -117,7 +117,7 @@ def max_rel_grad_err(grads: list[torch.Tensor], reference: list[torch.Tensor]) -
 
     The floor is for gradients that are zero in exact arithmetic and rounding noise in both computations: the bias
     of a key projection (softmax cancels a constant added to all of a query's scores) has reference gradients of
-    1e-20 in a float64 OPT whose largest gradient is 0.1, and measured against that noise alone an exact engine
+    1e-20 in a float64 OPT whose largest gradient is 0.1, and judged against that noise alone an exact engine
     reads as 1.7 off. A parameter whose gradient is at least GRADIENT_FLOOR of the largest keeps its relative error
     (an engine wrong on it by 100% still reads 1)."""
     peaks = [r.abs().max() for r in reference]

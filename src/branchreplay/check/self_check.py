@@ -1,24 +1,15 @@
 """First use of a model family outside the registry: the engine against the naive reference on the user's own model.
 
-`train.unknown_family="self-check"` (the default of `train`) runs, before the first step, the naive
-reference (`reference.naive_backward`) and the engine (`engine.replay_backward`, the family as
-`families.generic_family` guesses it) on a small random tree of a few hundred tokens (a shared prompt with
-branches of branches, old and reference logprobs off-policy so that clipping and KL are exercised), both in the
-model's dtype (float64 models under `numerics.keep_float64` on both sides); a bfloat16 / float16 model is checked
-on a float32 copy of itself (freed afterwards), since two half-precision computations in different orders differ
-by 1e-2 (measured 1.3e-2 to 2.2e-2 on tiny GPT-NeoX), as much as a 5% error in the logits would make (6.5e-2),
-while in float32 they differ by 1e-6. It refuses the model with the measured error when the max relative
-gradient error exceeds the bound (`BOUNDS`), and otherwise lets training run and logs the error. The verdict is
-kept per model class, config and dtype (`verdict_key`); the trainer stores the verdicts in the run folder
-(`self_check.json`), so a resumed run does not check again. A library call of the engine with `force=True` runs the
-same check (`check_once`), its verdicts kept for the life of the process.
-
-The bounds sit well above the rounding of two orders of summation and below what a structural mistake gives (a
-logit scale off by 5% makes 5.4e-2; a wrong mask or a missing transform, errors of order 1): float64 1e-6 as
-`branchreplay verify`; float32 (and half precision, checked in float32) 1e-3; measured on tiny GPT-NeoX in
-`tests/test_self_check.py`: about 1e-14 and 1e-6.
-A family with recurrent or hybrid layers that the registry does not know is always refused: its state handling
-cannot be guessed.
+`train.unknown_family="self-check"` (the default of `train`) runs, before the first step, the naive reference
+(`reference.naive_backward`) and the engine (the family as `families.generic_family` guesses it) on a small random
+tree of a few hundred tokens (branches of branches; clipping and KL exercised), both in the model's dtype (float64
+under `numerics.keep_float64`); a bfloat16 / float16 model is checked on a float32 copy of itself, since two
+half-precision computations in different orders differ about as much as a 5% error in the logits would make. The
+model is refused, with its error, when the max relative gradient error exceeds `BOUNDS` (float64 1e-6, float32 1e-3:
+above the rounding of two orders of summation, below a structural mistake), else the error is logged. Verdicts are
+kept per model class, config and dtype (`verdict_key`; a run stores them in `self_check.json`); `check_once` is the
+check of a library call with `force=True`. An unknown family with recurrent or hybrid layers is always refused.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -84,7 +75,7 @@ def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> b
     Raises:
         UnsupportedModelError: "refuse"; recurrent or hybrid layers the registry does not know; attention the
             engine cannot carry (`families.generic_family`: ALiBi); or a self-check whose error exceeds the bound (the
-            message gives the measured error and the bound).
+            message gives the error and the bound).
     """
     if model.config.model_type in FAMILIES:
         return False

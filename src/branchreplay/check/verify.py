@@ -1,34 +1,16 @@
 """`branchreplay verify`: the execution stack against the naive per-rollout reference, on trees of every shape.
 
-For each shape in `shapes.SHAPES` (shared prompt, branches of branches, identical / prefix / empty completion,
-forest of prompts, multi-turn, short children beside long siblings, random), and for every length at which the model
-or the engine changes how it computes (`length_thresholds`: the engine's chunk, a sliding window, an attention chunk,
-a rotary encoding whose frequencies switch with the length), a tree whose rollouts straddle it: the same model runs
-the naive reference (each rollout alone, unpadded, full HF forward) and `replay_backward`, with the GRPO loss (KL and
-entropy terms on, old logprobs off-policy so the clipping is exercised), and the errors are compared with the bound
-for the dtype.
-
-The bound (README, docs/support.md):
-    float64: max relative gradient error against the naive float64 computation <= 1e-6 (1e-4 for the families
-        whose kernels transformers runs in float32, `Family.float32_kernels`), logprobs within 10x that bound in
-        nats;
-    float32, bfloat16: both the engine and the naive computation are compared with a float64 copy of the model
-        (`keep_float64`, the same rollouts and loss): the engine's error may be at most 2x the model's rounding
-        level in that dtype, the largest error of the naive computation over every tree of the check
-        (`judge_against_float64`). Gradients: max over
-        parameters of the per-parameter relative error; logprobs: their distance from float64 in nats, plus 1e-5
-        (they are stored in float32, whose rounding at |logp| ~ 10 is about 1e-6). A level, not the error on the
-        same tree: which order of the same sums rounds more varies tree by tree. On SmolLM2 in float32 the naive
-        computation's error ranged over 5.1e-5 to 1.1e-3 across the check's trees, its eager-attention variant had
-        3.2e-5 and the engine 5.1e-5 to 3.0e-4 on one 25-token rollout as its chunk size went 4096, 12, 8, 5 (chunk
-        8: 3.0e-4): all float32 rounding, exact in float64 to 1e-14. A real departure (a wrong mask, a lost dK or
-        dV, a dropped first-token transition) is orders of magnitude above it in float32. The factor was 1.5 until
-        the first GPU run (H200, 2026-12-04): qwen2's tiny config in float32 on CUDA, engine 1.23e-5 and 1.27e-5
-        from float64 against a level of 8.07e-6 and 7.78e-6 (split attention kernel on and off), 1.52x and 1.63x,
-        where the CPU gives 0.68x (one random tree; 0.74x with four): the order of CUDA's float32 sums. In bfloat16
-        the level is about 0.1 for dense models and of order 1 for mixture-of-experts ones (a routing flip is a
-        discrete jump), so there the check catches only departures above that: float64 (1e-6) and float32 are the
-        exactness checks.
+For each shape in `shapes.SHAPES`, and for every length at which the model or the engine changes how it computes
+(`length_thresholds`: the engine's chunk, a sliding window, an attention chunk, a length-dependent rotary), a tree
+whose rollouts straddle it runs the naive reference (each rollout alone, unpadded, full HF forward) and
+`replay_backward` on the same model, with the GRPO loss (KL, entropy and off-policy clipping exercised). The bound:
+    float64: max relative gradient error against naive float64 <= 1e-6 (1e-4 for `Family.float32_kernels`),
+        logprobs within 10x that bound in nats;
+    float32, bfloat16: the engine and naive both against a float64 copy (`keep_float64`): the engine's error at most
+        `VS_FLOAT64_FACTOR` x the model's rounding level, the naive computation's largest error over the check's trees
+        (`judge_against_float64`; gradients: max over parameters of the relative error; logprobs: nats, plus 1e-5).
+A level, not the same tree's error: which order of the same sums rounds more varies tree by tree.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -56,7 +38,7 @@ from .shapes import SHAPES, around_length, around_window, make_rollouts
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
 FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32
 VS_FLOAT64_FACTOR = 2.0  # float32 / bfloat16: the engine's error vs float64 <= this x the naive computation's
-# (1.5 until qwen2 in float32 on an H200 measured 1.52x and 1.63x, with and without the split kernel: docstring)
+# (CUDA orders its float32 sums differently from the CPU: docs/notes/engine-docstrings.md)
 ENGINE = dict(max_pack_tokens=64, chunk_tokens=24, **EVERY_SHARED_NODE)  # small, so that the trees cross packs
 # and chunks; every shared node kept, so that the small trees run as trees (engine/schedule.py)
 
@@ -347,7 +329,7 @@ def _pair(vocab: int, g: torch.Generator, shared: bool) -> list[Rollout]:
 @contextlib.contextmanager
 def float64_copy(model) -> Iterator[torch.nn.Module]:
     """A float64 copy of `model` under `keep_float64` while inside (the truth that float32 / bfloat16 errors are
-    measured from)."""
+    taken from)."""
     reference = copy.deepcopy(model).double()
     with keep_float64(reference):
         yield reference

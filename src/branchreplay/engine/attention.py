@@ -1,30 +1,15 @@
 """Attention of a pack against a cached prefix, split in two: the prefix keys without a mask, the pack's own keys with
 the tree mask, merged by their log-sum-exp (the merge of blockwise / ring attention: Milakov & Gimelshein 2018,
-"Online normalizer calculation for softmax"; Dao et al. 2022, FlashAttention, section 3.1).
-
-Every query of a pack sees all K keys of its prefix (its parent's: a pack may hold the children of several parents,
-one group of queries each, `cache.Prefix`), so that block needs no mask: the flash kernel runs it at full speed,
-and no [S, K + S] mask is built or kept for backward. Only the [S, S] block of the pack's own keys takes the tree
-mask; a pack of one node (a chunk of a long prompt) takes the causal flag instead, whose blocks the kernel skips.
+"Online normalizer calculation for softmax"; Dao et al. 2022, FlashAttention, section 3.1):
 
     out = (exp(lse_p) * out_p + exp(lse_s) * out_s) / exp(lse),   lse = logaddexp(lse_p, lse_s)
 
-The backward calls the kernel's backward on each block with the merged `out` and `lse`: it computes
-P = exp(scores - lse) and D = rowsum(dout * out) from them, so each block's dK, dV and dQ share are exactly those of
-one attention over all K + S keys.
-
-Used per model (`PrefixSplit.applies`): on the CPU in float32 or float64, on CUDA in float32 unless opted out with
-`CUDA_SPLIT` (the block kernels of each device: `kernels.py`; measured on one GPU: docs/gpu.md), not under autocast,
-with transformers' "sdpa" attention, every layer full attention (no sliding window, no recurrent or hybrid layer),
-no attention-logit softcap; and per pack when it has a prefix (P > 0).
-Everything else keeps the single masked SDPA call.
-
-Half precision keeps the masked call although the CPU kernel takes bfloat16: against a float64 copy, bfloat16
-gradients of the GRPO loss scatter by tens of percent, and the tree stays within 1.5x of naive bfloat16's error
-(docs/support.md) only while it runs the same kernel on the same inputs. Measured on tiny Llama (27 trees, a
-bfloat16 model, max ratio of the two errors): masked 1.16 (every tree passed); split in bfloat16 1.61 (2 failed);
-split with float32 kernels and merge 1.52 (1 failed): a more precise attention, but its rounding no longer
-follows naive's, and the ratio is a coin toss on the trees where clipped ratios flip.
+The backward runs the kernel's backward on each block with the merged `out` and `lse`, so each block's dK, dV and dQ
+share are exactly those of one attention over all K + S keys. Used (`PrefixSplit.applies`) on the CPU in float32 or
+float64 and on CUDA in float32 (unless `CUDA_SPLIT` opts out; kernels: `kernels.py`), not under autocast (half
+precision keeps the masked call, whose rounding follows naive's), with "sdpa" attention, full attention in every
+layer and no attention-logit softcap; per pack when it has a prefix. Everything else: the single masked SDPA call.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -45,8 +30,8 @@ _MARK = "_branchreplay_own_keys"  # attribute of a mask that covers only the pac
 _SPLIT_DTYPES = {("cpu", torch.float32), ("cpu", torch.float64), ("cuda", torch.float32)}  # (kernels.py)
 CUDA_SPLIT = "BRANCHREPLAY_CUDA_SPLIT_ATTENTION"
 """Environment variable: "0" opts CUDA out of split prefix attention (into the masked SDPA path, exact too). On by
-default since it was measured on an H200 (docs/gpu.md): the 32k-prompt headline step 3.08 s and 4.2 GB split against
-4.06 s and 7.9 GB masked, and faster on two of the bench grid's three rows."""
+default: on a GPU it ran the headline step faster and in less memory than the masked path (figures:
+docs/notes/engine-docstrings.md)."""
 
 
 def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, device) -> torch.Tensor:

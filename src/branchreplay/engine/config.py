@@ -8,8 +8,9 @@ from typing import Literal
 from ..fields import check, choice, help_of
 
 Replay = Literal["keep", "replay", "auto"]
-PACK_OVERHEAD_TOKENS = 48  # scripts/pack_overhead.py: 45-59 on the bench Llama (1-2 threads), 49 on SmolLM2
-PREFIX_POSITION_OVERHEAD = 0.1  # scripts/pack_overhead.py: +9% per child position (1 thread), +33 per pack (2)
+# Both calibrated by scripts/pack_overhead.py (its figures: docs/notes/engine-docstrings.md).
+PACK_OVERHEAD_TOKENS = 48  # a pack's fixed cost, in positions
+PREFIX_POSITION_OVERHEAD = 0.1  # a child position's extra cost under a root node, as a fraction of a position
 EVERY_SHARED_NODE = {"pack_overhead_tokens": 0, "prefix_position_overhead": 0}
 """EngineConfig fields under which every shared node runs once (engine/schedule.py merges none): verify, the
 self-check and the exactness tests run their small trees as trees with it."""
@@ -25,25 +26,22 @@ class EngineConfig:
         "most tokens of nodes run as one pack (one query sequence: siblings against one copy of their prefix K/V, "
         "or with split prefix attention children of several parents, each against its own), "
         ">= 1; a longer node runs alone. A pack costs pack^2 attention scores where its nodes need only the sum of "
-        "their lengths^2 / 2, so long nodes run alone; 256 was fastest on CPU for shared prompts of 1k-16k tokens "
-        "with 256-token responses (docs/benchmarks.md)"))
+        "their lengths^2 / 2, so long nodes run alone; the default is the fastest of the CPU bench's pack sizes"))
     max_batch_tokens: int = field(default=1024, metadata=help_of(
         "most tokens of one [B, L] batch, >= 1: childless nodes of one length run as the rows of one forward, as "
         "in a padded batch but without pads: at the root (the rollouts of the dense packed schedule) and, with "
-        "split prefix attention, below a prefix, where nodes with children batch too (engine/stack.py). On 2 CPU "
-        "threads (bench Llama) 2 rows of 320 "
-        "tokens ran 11% faster as one batch than one at a time, and 8 rows of 1088 tokens 4% slower as batches of "
-        "3 (medians, docs/benchmarks.md); 1 runs every node alone"))
+        "split prefix attention, below a prefix, where nodes with children batch too (engine/stack.py). Batching "
+        "pays for short rows and not for long ones; 1 runs every node alone"))
     pack_overhead_tokens: int = field(default=PACK_OVERHEAD_TOKENS, metadata=help_of(
         "what one pack's fixed cost is worth in token positions, >= 0: a shared node whose sharing saves fewer "
         "positions runs again inside each of its children instead of once (engine/schedule.py; when no shared node "
         "is worth it, each rollout runs alone: the dense packed schedule). 0 (with prefix_position_overhead 0) keeps "
-        "every shared node. Measured on this project's CPUs by scripts/pack_overhead.py"))
+        "every shared node. Calibrated by scripts/pack_overhead.py"))
     prefix_position_overhead: float = field(default=PREFIX_POSITION_OVERHEAD, metadata=help_of(
         "what a position attending to a cached prefix costs beyond one in a standalone rollout, as a fraction of a "
         "position, >= 0: a node at the root is shared only if its saving also pays this for each of its "
         "children's positions (split attention's second kernel and merge; engine/schedule.py). Charged only where "
-        "the model runs split prefix attention (CPU, float32/64, full-attention families); measured by "
+        "the model runs split prefix attention (CPU, float32/64, full-attention families); calibrated by "
         "scripts/pack_overhead.py"))
     chunk_tokens: int = field(default=4096, metadata=help_of(
         "a node longer than this runs as a chain of chunks of at most this many tokens, each against the K/V of "

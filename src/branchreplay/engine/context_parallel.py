@@ -1,34 +1,15 @@
 """Context parallelism for a shared prefix: a node longer than a rank's share (a long prompt, a shared system prompt or
 agent history) runs ONCE across the ranks instead of once on every rank that has one of its branches.
 
-The prefix [0, P) is cut into pieces, one per rank per round, and every rank runs its pieces through every layer
-at the same time. In each attention layer the ranks' keys and values of the round are all-gathered
-(`torch.distributed.nn.functional.all_gather`, whose backward is a reduce-scatter: an all-to-all and a sum on gloo),
-so a piece attends to every earlier position, and after the forward every rank holds the prefix's full K/V per layer:
-exactly the cached state its own branches need. In the backward (on every rank at once, after all their branches)
-the owner of a piece receives dK, dV summed over every rank's branches and over the later pieces' queries.
-
-Layout: zigzag, as ring-attention implementations balance causal attention (zhuzilin/ring-flash-attention; Llama 3's
-context parallelism, Dubey et al. 2024, section 3.3.2): the prefix is cut into 2W near-equal chunks, rank r owns
-chunks r and 2W - 1 - r. Every rank then runs P / W positions (+- 1) and the same number of attention keys: the
-cheap early chunk and the dear late one. The chunks run as two rounds (chunks 0..W-1, then W..2W-1), each one
-all-gather per layer, the second round against the first's gathered K/V; a rank's piece of a round is one
-contiguous query sequence, so the split prefix attention and the causal mask apply unchanged. A prefix of fewer
-than 2W positions runs as one round of W pieces; fewer than W is not context-parallel (`sharding.py` keeps such a
-tree whole or splits its branches).
-
-The last hidden state of the prefix, which predicts each child's first token, comes from the owner of the last
-piece (all-gathered too, so its gradient returns to that owner). The prefix carries no trained position (the
-sharding plan stops it at the first one), so its pieces have no loss of their own; their parameters' gradients come
-from the summed dK, dV and dh alone. Padding: the pieces of a round differ by at most one position; they are padded
-to the longest for the all-gather and the pad is cut off again (differentiably).
-
-Bytes moved per rank and step, each way (forward all-gather, backward all-to-all): about (W - 1) / W x P x 2 x
-n_layers x n_kv_heads x head_dim x element size. Only full-attention families (every layer attention, no sliding
-window, no length-dependent rotary): recurrent state would have to be handed on from piece to piece in rank order,
-serialising the ranks; those families keep the prefix recomputed per rank (`sharding.supports_context_parallel`).
-Every rank must run the same `ContextParallelTree`s in the same order, after its whole trees (`replay._replay`
-checks the order).
+Layout: zigzag (ring attention's causal balance; Llama 3's context parallelism, Dubey et al. 2024, section 3.3.2):
+the prefix [0, P) is cut into 2W near-equal chunks, rank r owns chunks r and 2W - 1 - r, run as two rounds (chunks
+0..W-1, then W..2W-1); fewer than 2W positions run as one round of W pieces, fewer than W are refused. In each
+attention layer a round's K/V are all-gathered (backward: a reduce-scatter), so after the forward every rank holds
+the prefix's full K/V, the state its own branches need, and dK, dV return to each piece's owner. The prefix carries
+no trained position. Bytes per rank and step, each way: about (W - 1) / W x P x 2 x n_layers x n_kv_heads x
+head_dim x element size. Full-attention families only (`sharding.supports_context_parallel`); every rank runs the
+same `ContextParallelTree`s in the same order, after its whole trees.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

@@ -1,40 +1,14 @@
 """Data parallelism for the execution stack on torch.distributed: FSDP2 (`fully_shard` per decoder layer) in one of two
-modes, or DDP semantics (replicated parameters).
+modes, or DDP semantics (replicated parameters, gradients all-reduced once per step in one flattened collective).
 
-FSDP2, "gather-once": every decoder layer is a `fully_shard` unit on a 1-D device mesh. Ranks run different trees,
-hence different numbers of pack forwards and backwards, so in this mode no collective depends on a pack: at the
-start of a step every layer is unsharded once (`unshard()`: one all-gather per layer per step, parameter bytes x
-(world - 1) / world), with `reshard_after_forward=False` and `set_reshard_after_backward(False)` it stays unsharded
-through every pack, its gradient sync is off (`set_requires_gradient_sync(False)`: unsharded gradients accumulate
-locally) for every backward but the step's last, which `replay_backward` runs inside `final_sync()` (its
-`final_backward`), once on every rank and through every layer: each layer then reduce-scatters the step's gradient
-once, in the same order on every rank; the layers are resharded when the step ends. So during a step a rank holds
-the full parameters and full gradients, and between steps (optimizer state included) only its shards: ZeRO-2's
-memory during the step, ZeRO-3's outside it.
-
-FSDP2, "resharded": FSDP2's own default, `reshard_after_forward=True`: each layer's parameters are all-gathered when
-a pack's forward or backward reaches the layer and freed after it, and each backward reduce-scatters the layer's
-gradient into this rank's shard at once (accumulated there over the step's packs). So a rank holds its shards, one
-or two layers' full parameters (the next one prefetched, `set_modules_to_forward_prefetch` and
-`set_modules_to_backward_prefetch`, so that on a GPU the gather overlaps the compute) and one layer's full gradient:
-ZeRO-3's memory during the step too. Every forward and backward is then a collective on every layer, so the ranks
-run their packs in lock-step (`lockstep.py`: a rank with fewer packs runs one-token dummies). It moves more bytes:
-per pack, the parameters twice (forward, backward) and the gradient once, against once per step. `fsdp_mode` picks
-between the two by memory (its docstring states the rule). Sampling and every forward outside the engine's step
-run inside `gathered()` in both modes (full parameters, no gradients).
-
-The parameters outside the layers (embeddings, final norm, LM head,
-which the engine calls directly, outside the decoder layers' forwards) are replicated and their gradients
-all-reduced once per step.
-
-DDP semantics: every parameter is replicated (broadcast from rank 0) and the gradients are all-reduced once per step
-(flattened, one collective). torch's DistributedDataParallel is not used: its reducer expects one backward per
-forward of the wrapped module, and the engine runs many backward passes against one forward of each pack.
-
-Reductions SUM over ranks on every backend: the loss weights are computed over the whole step (`losses.token_weights`
-with the step's counts), so the sum of the ranks' gradients is the single-process gradient. FSDP2 averages on nccl
-and sums on gloo (PyTorch issue 162338): `set_gradient_divide_factor(1.0)` and `set_force_sum_reduction_for_comms`
-make it a sum on both.
+FSDP2 "gather-once": every layer is unsharded once per step, stays unsharded through every pack, and reduce-scatters
+the step's gradient once, in the step's last backward (`final_sync`): ZeRO-2's memory during the step, ZeRO-3's
+outside it. FSDP2 "resharded" (FSDP2's default): each pack's forward and backward gather and free every layer and
+each backward reduce-scatters its gradient at once: ZeRO-3's memory throughout, more bytes moved, and the ranks run
+their packs in lock-step (`lockstep.py`). `fsdp_mode` picks by memory. The parameters outside the layers (embeddings,
+final norm, LM head) are replicated and all-reduced once per step. Every reduction is a SUM on every backend (the
+loss weights are computed over the whole step), so the ranks' summed gradient is the single-process gradient.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -363,7 +337,7 @@ def check_same_trees(trees: list, layout: str) -> None:
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
                             force: Force = False, layout: str = "auto", cost=None):
     """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
-    `CostModel`, default the one measured here; the same plan on every rank), the gradient reduced once: afterwards
+    `CostModel`, default `CostModel()`; the same plan on every rank), the gradient reduced once: afterwards
     every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
     this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
     same trees: `check_same_trees` raises ValueError, naming the ranks, where they differ. `force`: as

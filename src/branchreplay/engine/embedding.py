@@ -1,16 +1,14 @@
 """The input embedding's gradient, summed over a step's packs and applied once.
 
-PyTorch's embedding backward makes a dense [vocab, hidden] gradient (`nn.Embedding` without `sparse=True`): zeroed,
-filled at the pack's token ids, then added into `weight.grad`. Run once per pack, that costs a pass over the whole
-table for every pack, whatever its size: on SmolLM2 (49152 x 576) about 80 ms per pack on 2 CPU cores, a sixth of
-a small pack's forward and backward. Here each pack's forward hands the decoder a leaf copy of the embedding's
-output (a forward hook on the embedding module, removed after the forward); after the pack's backward the leaf holds
-d(loss)/d(embedding output) for the pack's tokens, which is kept; once the step's packs are done, one forward of the
-embedding over all the kept ids and one backward with the kept gradients add the same sum into `weight.grad`. The
-hook catches the embedding module's own output, so a model that transforms it afterwards (Gemma's scale, GPT-2's
-positions) still does so, and the final backward runs through the module itself (a scaled embedding's scale
-included). The kept gradients never outgrow one dense gradient: once they hold as many rows as the vocabulary, they
-are applied (`keep`).
+PyTorch's embedding backward makes a dense [vocab, hidden] gradient (`nn.Embedding` without `sparse=True`): run once
+per pack, a pass over the whole table for every pack, whatever its size. Here each pack's forward hands the decoder a
+leaf copy of the embedding's output (a forward hook on the embedding module, removed after the forward); after the
+pack's backward the leaf's gradient for the pack's tokens is kept, and once the step's packs are done, one forward of
+the embedding over all the kept ids and one backward with the kept gradients add the same sum into `weight.grad`.
+The hook catches the module's own output, so a model that transforms it afterwards (Gemma's scale, GPT-2's
+positions) still does so, and the final backward runs through the module itself. The kept gradients never outgrow
+one dense gradient: once they hold as many rows as the vocabulary, they are applied (`keep`).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

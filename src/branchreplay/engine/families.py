@@ -1,22 +1,15 @@
 """What a branch needs from its prefix, per model family and layer type.
 
-The execution stack hands each child the cached state of its ancestors. For the attention layers of the families
-below that state is the post-RoPE K/V of every ancestor position; a sliding-window layer keeps only the last
-window - 1 positions (all a later query can see), so its state is bounded by the window, not by the prefix
-length. A recurrent layer (SSM, linear attention, short conv: `recurrent.py`) hands its children its state after
-the node, constant in the prefix length. This module is the one place that knows, per family, which layers are
-which and how the model's forward takes a custom mask. A family not listed here is refused by name
-(`UnsupportedModelError`): running it through the engine could be silently wrong; `branchreplay verify --model PATH
---force` checks one against the naive reference.
-
-A family outside the registry is refused, or, with `train.unknown_family="self-check"` (a run's) or `force=True` (a
-library call's), checked against the naive reference on the user's own model before it runs (`check/self_check.py`;
-once per model class, config and dtype in a process); `force="unchecked"` skips that check (`branchreplay verify
---force`, which is that comparison, and a trainer whose own check passed). An unknown family with recurrent or
-hybrid layers is always refused, and so is one whose attention the engine cannot carry, whatever `force` says:
-ALiBi biases (MPT, Bloom, Falcon with `alibi=True`: built from the 2D padding mask of the whole sequence), or keys
-and values handed to the cache as other than [batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's
-(`cache._check_layout`).
+The execution stack hands each child the cached state of its ancestors: for an attention layer the post-RoPE K/V of
+every ancestor position (a sliding-window layer: only the last window - 1), for a recurrent layer its state after the
+node (`recurrent.py`). This module is the one place that knows, per family, which layers are which and how the
+model's forward takes a custom mask. A family outside the registry is refused by name (`UnsupportedModelError`), or,
+with `train.unknown_family="self-check"` or `force=True`, first checked against the naive reference on the user's own
+model (`check/self_check.py`; once per model class, config and dtype in a process); `force="unchecked"` skips that
+check. An unknown family with recurrent or hybrid layers is always refused, and so is one whose attention the engine
+cannot carry: ALiBi biases (MPT, Bloom, Falcon with `alibi=True`), or K/V handed to the cache as other than
+[batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's (`cache._check_layout`).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -120,7 +113,7 @@ def family_of(model, force: Force = False, router_loss: bool = False) -> Family:
         UnsupportedModelError: the family is not registered (and not `force`), the attention implementation cannot
             take a tree mask, the config asks for something the engine does not compute (the MoE router
             auxiliary loss, non-causal attention), an unregistered family's attention the engine cannot carry
-            (ALiBi), or, under `force=True`, its self-check failed (the message gives the measured error).
+            (ALiBi), or, under `force=True`, its self-check failed (the message gives the error).
         ValueError: `force` is not False, True or "unchecked".
     """
     check = self_checked(force)

@@ -5,24 +5,11 @@ the block's log-sum-exp and whose backward takes the MERGED output and log-sum-e
     backward(dout, q, k, v, mask, out, lse, causal, scale, saved) -> dq, dk, dv
 
 q [B, h, S, d]; k, v [B, h_kv, L, d], h a multiple of h_kv (grouped as transformers' `repeat_kv`); mask None or an
-additive [1, 1, S, L] bias; causal: top-left aligned (the pack's own square block); `saved`: what the forward
-hands its backward (nothing on the CPU).
-
-- CPU: `aten._scaled_dot_product_flash_attention_for_cpu` and its backward (grouped heads natively; float32,
-  float64, bfloat16).
-- CUDA: `aten._scaled_dot_product_efficient_attention` (memory-efficient / xformers kernel, Rabe & Staats 2021) with
-  `compute_log_sumexp=True`, and its backward, for both blocks: it takes float32 (the flash kernel takes only half
-  precision) and an additive bias. Its quirks, handled here as PyTorch's own SDPA dispatch handles them
-  (aten/src/ATen/native/transformers/):
-  - no grouped heads: for the unmasked prefix block the query heads of a KV head are folded into one longer query
-    sequence, so the prefix K/V are never copied; for the pack's own block K/V are expanded and their gradients
-    summed per group;
-  - a log-sum-exp padded to a multiple of 32 queries: sliced for the merge, re-padded for the backward;
-  - a bias whose row stride is a multiple of 16 elements: padded, then sliced.
-  Run on a GPU (an H200, docs/gpu.md): the tests marked `cuda` and `verify --device cuda` passed, and against the
-  masked path it was faster and took half the memory, so CUDA takes it by default (`attention.CUDA_SPLIT` opts out). The
-  wrapper's logic is tested on the CPU against the operators' meta kernels and an emulation of the kernel's
-  contract (tests/test_kernels.py); the kernel itself by `scripts/gpu_check.sh` and the tests marked `cuda`.
+additive [1, 1, S, L] bias; causal: top-left aligned; `saved`: what the forward hands its backward. CPU:
+`aten._scaled_dot_product_flash_attention_for_cpu` (float32, float64, bfloat16). CUDA:
+`aten._scaled_dot_product_efficient_attention` (Rabe & Staats 2021; float32 and an additive bias), its quirks
+(no grouped heads, log-sum-exp padded to 32 queries, bias rows padded to 16) handled as PyTorch's SDPA dispatch does.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

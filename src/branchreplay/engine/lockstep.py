@@ -1,24 +1,14 @@
 """Lock-step execution of the ranks' forwards and backwards, for FSDP2 with its parameters gathered per layer.
 
-With `reshard_after_forward=True` every decoder layer's forward all-gathers its parameters and frees them after,
-and its backward all-gathers them again and reduce-scatters its gradient: every forward and every backward of the
-decoder is a sequence of collectives, one or two per layer, that every rank must issue in the same order. The ranks'
-shares of a step differ (other trees, other numbers of packs), so they cannot simply run their packs.
-
-The engine's traversal is therefore a generator (`stack._Run.children`): before each decoder forward (a pack's,
-or one of the planner's memory probes, which a rank runs when it first meets a tree size) it yields FORWARD,
-before each backward BACKWARD, before a context-parallel round (`context_parallel.py`, whose layers all-gather K/V
-too) CP_FORWARD or CP_BACKWARD. `LockStep.run` is one tick per collective event: the ranks
-all-gather the kind of their next event (one int each), take the kind most of them wait for (FORWARD before
-BACKWARD on a tie), and the ranks whose next event is of that kind run it while the others run a dummy of the same
-kind: a forward of one token without a graph, or a backward of zero through a one-token graph made at the start
-(kept with `retain_graph`), both through every layer and so through the same collectives. Every tick moves at least
-one rank on, so the run ends; a context-parallel event runs only when every rank waits for it (every rank holds the
-same context-parallel parts), anything else is a bug and raises. The cost: each tick moves a layer's parameters
-(and a backward its gradient) whether the rank had work or not, and a tick's kind costs one small all-gather.
-
-`drain` runs the same generator alone (one process, or FSDP2 gathered once per step, where no layer talks to the
-other ranks during a pack).
+With `reshard_after_forward=True` every decoder forward and backward is a sequence of per-layer collectives that
+every rank must issue in the same order, but the ranks' shares of a step differ. The engine's traversal is a
+generator (`stack._Run.children`) that yields FORWARD before each decoder forward (a pack's or a memory probe's),
+BACKWARD before each backward, and CP_FORWARD / CP_BACKWARD before a context-parallel round. `LockStep.run` is one
+tick per event: the ranks all-gather the kind of their next event, take the kind most of them wait for (FORWARD on a
+tie), and the ranks without such an event run a dummy of that kind through every layer (a one-token forward without
+a graph, or a backward of zero through a one-token graph). A context-parallel event runs only when every rank waits
+for it; anything else raises. `drain` runs the generator alone (one process, or FSDP2 gathered once per step).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

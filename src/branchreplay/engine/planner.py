@@ -1,22 +1,16 @@
 """Memory planning for the execution stack: which packs keep their activations and which are replayed.
 
 A kept pack holds its autograd graph while its subtrees run; a replayed pack holds only the state it hands to its
-children (and recomputes its forward before its backward). The planner predicts the peak memory of a step from
-the tree's shape and a memory model of the network, and replays the internal packs with the largest activations
-until the prediction fits `memory_budget`. Leaf packs are never replayed: nothing runs while they hold their graph.
-
-Memory model (bytes), fitted per model from probe forwards that count the tensors autograd saves for backward
-(`torch.autograd.graph.saved_tensors_hooks`; parameters excluded):
+children and recomputes its forward before its backward. The planner predicts a step's peak memory from the tree's
+shape and a memory model fitted per model from probe forwards (the bytes autograd saves, parameters excluded), and
+replays the internal packs with the largest activations until it fits `memory_budget` (leaf packs never):
     activations(S query tokens, P prefix tokens) = a * S + b * (P + S) + mask entries * mask element bytes + c
-        (mask entries: S * (P + S); with split prefix attention, S * S for a pack of siblings, 0 for one node; a
-        batch of rows of one length, which has no mask, is charged as a pack: an upper bound;
-        c: bytes every pack saves whatever its size, e.g. under autocast its own half-precision copy of the
-        weights, 2 bytes per parameter of the matmuls)
+        (mask entries: S * (P + S); with split prefix attention S * S for a pack of siblings, 0 for one node;
+        c: bytes every pack saves whatever its size, e.g. under autocast its half-precision copy of the weights)
     node state (K/V handed to children)         = s * L per node of L tokens, twice (leaf and its gradient)
-plus fixed bytes: the parameters' gradients and the LM head's working chunk (and under autocast one half-precision
-copy of the matrices). Measured against `measure_peak_bytes` on tiny Llamas (tests/test_planner.py), the
-prediction is an upper bound within 1.6x; under bfloat16 autocast 1.02x (keep) and 1.55x (replay), where it
-was 0.70x before the per-pack constant c and the half-precision copy were modelled.
+plus fixed bytes: the parameters' gradients and the LM head's working chunk (under autocast one half-precision copy
+of the matrices). The prediction is an upper bound of `measure_peak_bytes` (tests/test_planner.py).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -183,7 +177,7 @@ def _fit(model, forward, s: int, split: bool):
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
     device = head.device.type
     if torch.is_autocast_enabled(device):  # one more half-precision copy of the matrices, outside any pack: the
-        # casts and weight gradients of the backward in flight (measured on tiny Llama: 0.92x the peak without it)
+        # casts and weight gradients of the backward in flight (without it the prediction fell below the peak)
         half = torch.finfo(torch.get_autocast_dtype(device)).bits // 8
         grads += half * sum(p.numel() for p in params if p.dim() >= 2)
     # logits, log-softmax and its exp (the entropy's), saved for backward, and a gradient in flight (a critic's: 1

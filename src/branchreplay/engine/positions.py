@@ -1,21 +1,15 @@
 """Position limits and rotary encodings whose frequencies depend on the length of the forward call.
 
 transformers' `dynamic_rope_update` (modeling_rope_utils.py, transformers 5.24) recomputes a rotary embedding's
-frequencies on every call from `seq_len = max(position_ids) + 1` of THAT call:
-    "longrope" (Phi-3): the long factors when seq_len > original_max_position_embeddings, else the short ones
-        (PhiMoE also switches its cos/sin scale, `long_mscale` / `short_mscale`, on the same test);
-    "dynamic" (dynamic NTK): base scaled for seq_len when seq_len > max_position_embeddings, else the original
-        frequencies; the module also caches the largest seq_len seen and keeps its frequencies until a call below
-        max_position_embeddings resets them, so its output depends on earlier calls.
-Every other rotary type ships fixed frequencies ("default", "linear", "yarn", "llama3", "proportional"), and the
-Llama-4 style attention scale (Ministral3, Mistral4) is a function of each absolute position: both are the same
-whatever the forward's length.
-
-The naive computation runs a rollout of T tokens in one call: seq_len = T. The execution stack runs the same
-positions in several calls (a prompt alone, then its branches), each of which would pick its own regime. So a
-rollout's REGIME is what its full forward uses (`regime`), the engine runs the rollouts of one regime together
-(`regimes`: one sub-forest each), and `held_at_length(model, T)` makes every call of the rotary embeddings see
-seq_len = T (one position T - 1 appended to the position ids, its cos / sin dropped) from a fresh dynamic state.
+frequencies on every call from `seq_len = max(position_ids) + 1` of THAT call: "longrope" (Phi-3; PhiMoE's cos/sin
+scale too) takes its long factors when seq_len > original_max_position_embeddings; "dynamic" (dynamic NTK) scales
+its base when seq_len > max_position_embeddings and keeps the largest seq_len seen until a call below resets it, so
+its output depends on earlier calls. Every other rotary type, and the Llama-4 style attention scale, is the same
+whatever the forward's length. The engine runs a rollout's positions in several calls, so a rollout's REGIME is
+what its full forward uses (`regime`), the rollouts of one regime run together (`regimes`), and
+`held_at_length(model, T)` makes every rotary call see seq_len = T (one position T - 1 appended to the position ids,
+its cos / sin dropped) from a fresh dynamic state.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

@@ -1,35 +1,14 @@
 """Recurrent layers (SSM, linear attention, short convolution): what a branch needs from its prefix, and the fixes
 that make transformers' own code exact under the execution stack.
 
-A recurrent layer's `NodeState` is its state AFTER the node's last token, constant in the prefix length:
-    (conv,)             LFM2 short convolution: conv [1, C, K], the last K inputs of the causal conv1d;
-    (conv, recurrent)   Mamba, Mamba2, Bamba, NemotronH, Jamba: recurrent = SSM state [1, D, N] (Mamba, Jamba) or
-                        [1, H, P, N] (Mamba2, Bamba, NemotronH; float32 whatever the model dtype, as the scan
-                        computes it);
-                        Qwen3-Next gated delta-net: recurrent [1, H_v, D_k, D_v] (float32, same reason);
-    (k, v, conv, recurrent)  FalconH1, whose every layer holds attention and a Mamba2 mixer side by side.
-A child starts from its PARENT's state only (attention K/V, by contrast, are concatenated over all ancestors).
-Recurrent layers cannot share one query sequence between siblings (each sibling's scan must start from the
-parent's state), so the engine runs every node of such a family as a pack of one (`Family.recurrent`).
-
-What transformers 5.24 does with a cached state, and what we change (only while the engine runs, only in our
-objects; installed files and the naive reference are untouched):
-- Every mixer takes a "single-token decode" path when it finds a cached conv state and seq_len == 1
-  (`causal_conv1d_update`), which writes the conv state IN PLACE, unless `cache.is_recording_past(layer)`.
-  `RecurrentLayer` records the past, so the mixers always take the "prefill against a cached state" path:
-  conv1d over [cached K inputs, new inputs], correct for any length >= 1.
-- `LinearAttentionLayer.update_conv_state` / `update_recurrent_state` `copy_` into the cached tensors; in place on
-  tensors that autograd saved, this is what breaks backward for Qwen3-Next ("modified by an inplace operation").
-  `RecurrentLayer` assigns the new states instead and never writes into the parent's tensors.
-- Mamba2, Bamba, FalconH1, NemotronH: with seq_len == 1 and a cached state the mixer runs
-  `mamba2_selective_state_update`, which updates the SSM state in place (and skips the dt limit the chunked path
-  applies). `mamba2_forward` (the mixer's own multi-token path, taken for every length) runs the chunked scan from
-  the cached state instead.
-- Mamba (v1), Jamba: `mamba_selective_scan` has no initial state; for a multi-token continuation after a cached
-  state it restarts the scan from ZERO (logits wrong by ~1e-2), and only a single-token step reads the state (in
-  place). `mamba_forward` runs transformers' sequential scan started from the cached state, for any length.
-The patched forwards are installed on the mixer instances by `EngineForwards` around the engine's decoder call,
-and fall back to the class's forward for any other cache.
+A recurrent layer's `NodeState` is its state AFTER the node's last token, constant in the prefix length: (conv,) for
+LFM2's short convolution (conv [1, C, K]); (conv, recurrent) for Mamba and Jamba (SSM state [1, D, N]), Mamba2,
+Bamba and NemotronH ([1, H, P, N]) and Qwen3-Next's gated delta-net ([1, H_v, D_k, D_v]), the last two float32
+whatever the model dtype; (k, v, conv, recurrent) for FalconH1. A child starts from its PARENT's state only, so such
+a family runs every node as a pack of one (`Family.recurrent`). transformers' mixers write cached states in place,
+and Mamba's multi-token scan ignores a cached state: `RecurrentLayer` records the past and assigns new states, and
+`EngineForwards` installs `mamba2_forward` / `mamba_forward` on the mixers while the engine runs.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """The mixture-of-experts router's load-balancing loss over a tree, exactly as over the naive rollouts.
 
-The loss (Switch Transformer, https://arxiv.org/abs/2101.03961, eqs. 4-6; transformers' `load_balancing_loss_func`,
-which TRL adds with `router_aux_loss_coef`) over the router logits of every MoE layer l and every counted position p
-of the batch, with E experts, top-k routing and N = (MoE layers) x (counted positions):
+The loss (Switch Transformer, https://arxiv.org/abs/2101.03961, eqs. 4-6; transformers' `load_balancing_loss_func`)
+over the router logits z_lp of every MoE layer l and counted position p, E experts, top-k, N = layers x positions:
 
     aux = E * sum_e f_e * P_e,   f_e = T_e / N,   P_e = S_e / N,
     T_e = sum_{l, p} [e in top_k(softmax(z_lp))],   S_e = sum_{l, p} softmax(z_lp)_e
 
-couples every position of the batch, so it is not a sum over the tree's nodes. A position the tree computes once
-for k rollouts (a shared prompt, a shared response start) stands for k positions of the padded batch: it enters T,
-S and N with weight k, which gives the padded batch's sums exactly. The top-k counts T carry no gradient (top-k is
-piecewise constant), so dL/dz_lp = (dL/daux) * k_p * (E / N^2) * sum_e T_e dsoftmax(z_lp)_e / dz_lp: a term linear
-in each position's router probabilities, once T and N are known. Hence two passes, as `sequence.py`'s:
-
-    pass 1  (the forward without a graph) `RouterLoss` sums k-weighted T, S and N over every pack; `aux` is the
-            loss's value as a float64 leaf the caller's loss reads;
-    pass 2  with dL/daux from the caller's loss, each pack adds sum_{l, p} k_p softmax(z_lp) . G, G = dL/daux *
-            E * T / N^2 (float64), to the outputs of its own backward (`stack._Run.pack`).
-
-The router modules are the ones transformers records as `router_logits` (the model's `_can_record_outputs`), so
-every family whose ForCausalLM computes this loss is found the same way.
+A position the tree computes once for k rollouts enters T, S and N with weight k. T carries no gradient, so the loss
+is linear in each position's router probabilities once T and N are known: pass 1 (the forward without a graph) sums
+k-weighted T, S and N (`RouterLoss`; `aux`, a float64 leaf the caller's loss reads); pass 2 adds to each pack's
+backward sum_{l, p} k_p softmax(z_lp) . G, G = dL/daux * E * T / N^2 (float64, `stack._Run.pack`).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

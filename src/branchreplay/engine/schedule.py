@@ -1,37 +1,14 @@
 """Which shared nodes the execution stack runs once, and which it runs again inside each child: `schedule`.
 
-Sharing a node saves positions: a node of L tokens shared by c children runs once instead of c times, (c - 1) x L
-positions fewer (each with its attention over the node's prefix). It also costs: the node is a forward and a
-backward of its own (a pack), and its children run as separate packs after it, where without it they would run in
-their parent's packs (with split prefix attention they may share packs with the children of the node's siblings,
-`stack._Run.packs_of`, so this overcharges there: not measured). A pack's fixed cost (the decoder's Python and
-per-layer kernel launches, mask and cache objects, the LM head's chunks, the leaves and the extra backward call)
-does not shrink with its size; on the CPU it is worth tens of positions (`EngineConfig.pack_overhead_tokens`,
-measured by scripts/pack_overhead.py). Trees built from sampled rollouts are full of nodes that share a few tokens
-by chance (two completions that both open with "The"), and a low-sharing tree (short prompt, long responses) saves
-little even at its root.
-
-`schedule(root, overhead)` merges every node whose sharing saves fewer position-equivalents than the pack it
-costs into its children: each child gets the node's tokens in front of its own (a rollout that ends at the node
-gets a copy of it as a child of its own), so those positions are computed once per child. Decided bottom-up, so a
-node that keeps its children shared is weighed with its own subtree. When every shared node merges, each rollout
-runs alone against nothing: the dense packed schedule (rollouts side by side in packs of `max_pack_tokens`, a
-block-diagonal mask), which the engine then takes. The result is still exact: a merged tree is a prefix tree
-whose siblings may share a first token, and the losses are sums over (rollout, position), split over the children
-(`losses.py`).
-
-The saving counted for a node of L tokens at start position s with c children: (c - 1) x (L + attention), where
-attention = (L x s + L (L + 1) / 2) x 2 n_layers d_attn / N_params converts its attention FLOPs to positions
-(the FLOP formula of `bench.flops`; N_params: the matmul parameters of the decoder).
-
-The cost counted: one pack, plus, for a node at the root (s = 0), `prefix_overhead` x the positions of its
-children. Its children attend to a cached prefix (split attention: a second kernel, the merge, their leaves), where
-merged they would run alone, as a plain causal forward; deeper nodes' children attend to a prefix either way.
-`scripts/pack_overhead.py` measures it on the bench Llama: a child position costs 9% more than a standalone one at
-1 thread, and a child pack 12 ms more (33 positions) at 2 threads (`EngineConfig.prefix_position_overhead`, 0.1;
-the engine charges it only where the model runs split prefix attention, `attention.PrefixSplit`).
-Without it a 64-token prompt shared by 8 responses of 1024 tokens (5% of the positions) ran 5% slower as a tree
-than as the dense packed schedule.
+A node of L tokens at start s shared by c children saves (c - 1) x (L + attention) positions, attention =
+(L x s + L (L + 1) / 2) x 2 n_layers d_attn / N_params its attention FLOPs in positions (the FLOP formula of
+`bench.flops`; N_params: the decoder's matmul parameters). It costs one pack (`EngineConfig.pack_overhead_tokens`,
+a pack's fixed cost in positions) plus, for a node at the root, `prefix_overhead` x its children's positions (split
+attention's second kernel and merge; charged only where the model runs it, `attention.PrefixSplit`). Every node
+whose saving is below its cost is merged into its children, bottom-up: each child gets the node's tokens in front
+of its own. When every shared node merges, the engine takes the dense packed schedule (each rollout alone, side by
+side in packs). Exact either way: the losses are sums over (rollout, position), split over the children.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,16 @@
 """Losses of whole sequences over the tree: any function of the rollouts' per-token logprobs and entropies (DPO and
 RLOO on summed logprobs; GSPO's sequence-level importance ratios), exactly, in two passes of the execution stack.
 
-A token-level loss is a sum over the nodes, so one pass computes it (`replay.replay_backward`). A loss that couples
-the tokens of a rollout is not: the derivative at a token depends on the whole rollout. By the chain rule, with
-logp[i, t] and H[i, t] the logprob and entropy at position t of rollout i,
+By the chain rule, with logp[i, t] and H[i, t] the logprob and entropy at position t of rollout i,
 dL/dtheta = sum_i sum_t (dL/dlogp[i, t]) dlogp[i, t]/dtheta + (dL/dH[i, t]) dH[i, t]/dtheta, so
 
-    pass 1  `replay_logprobs` (no graph): logp and H of every rollout;
-            g = dL/dlogp and h = dL/dH by autograd on the scalar function L of them (float64 leaves);
+    pass 1  `replay_logprobs` (no graph): logp and H of every rollout; g = dL/dlogp and h = dL/dH by autograd on
+            the scalar function L of them (float64 leaves);
     pass 2  `replay_backward` of the linear loss sum_i sum_t g[i, t] logp[i, t] + h[i, t] H[i, t]: its gradient
-            is dL/dtheta.
+            is dL/dtheta (pass 2 recomputes pass 1's values to the last bit on a given device and dtype).
 
-Pass 2 recomputes the values of pass 1 with the same weights, so the two agree to the last bit on a given device
-and dtype (pass 1's are kept in float64 for a float64 model, in float32 otherwise: `ReplayResult`). The cost
-over a token-level loss is one forward pass without a graph; a caller that already ran that pass (the old-policy
-logprobs of the first update) hands it in and skips it. A loss of the summed logprobs s_i = sum_t loss_mask[i, t]
-logp[i, t] (`replay_sequence_backward`) is the special case g[i, t] = (dL/ds_i) loss_mask[i, t], h = 0.
-
-The pieces are public for data parallelism (`rl.policy.Policy.function_backward`), where pass 1 runs on each rank's
-trees, its values are gathered to every rank, and pass 2 runs on each rank's trees again: `function_coefficients`
-(g and h from the values), `linear_trees` and `linear_loss` (pass 2's trees and loss).
+A loss of the summed logprobs s_i (`replay_sequence_backward`) is the case g[i, t] = (dL/ds_i) loss_mask[i, t], h = 0.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

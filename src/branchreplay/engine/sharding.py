@@ -3,24 +3,14 @@
     whole trees       every tree (prompt group) on one rank, balanced greedily by predicted cost
     split branches    as many trees as ranks: the costliest trees split into parts of consecutive rollouts in
                       depth-first order, each part recomputing the prefix it shares with the others
-    context-parallel  the costliest trees' shared prefix runs ONCE across all ranks (`context_parallel.py`: zigzag
-                      pieces, K/V all-gathered per layer), their branches split over the ranks below it, the other
-                      trees whole
+    context-parallel  the costliest eligible trees' shared prefix runs ONCE across all ranks (`context_parallel.py`),
+                      their branches split over the ranks below it, the other trees whole
 
-Cost of a tree: the forward FLOPs of its unique positions, 2 * N_params per position plus 4 * n_layers * d_attn per
-attention key (each computed position attends to its start + t + 1 keys), the planner's two terms (positions and
-keys) weighted as `bench.flops` weighs them. Greedy longest-processing-time assignment (largest first, to the
-least-loaded rank) is within 4/3 of the optimal makespan (Graham 1969).
-
-The layout: every candidate is priced on the `CostModel` (a rank's FLOPs at `flops_per_s`, its collective bytes at
-`bytes_per_s`, each collective call at `latency_s`), and the one with the smallest predicted step (the slowest
-rank's seconds) wins; on a tie the one that moves fewer bytes. Candidates: today's whole / split plan, and
-context parallelism for the k costliest eligible trees, k = 1 up to the number of trees larger than a rank's share
-(all eligible trees when there are fewer trees than ranks). A tree is eligible when its shared prefix (the root's
-one child, up to the first trained position) has at least one position per rank and the model's every layer is
-full attention with a length-independent rotary (`supports_context_parallel`); a recurrent or sliding-window family
-keeps the split layout, by name in the plan. The loss is a sum over (rollout, position) pairs with weights computed
-over the whole step, so every layout gives the same gradient once the ranks' gradients are summed.
+A tree's cost: the forward FLOPs of its unique positions, 2 * N_params per position plus 4 * n_layers * d_attn per
+attention key (`bench.flops`' terms); greedy longest-processing-time assignment is within 4/3 of the optimal makespan
+(Graham 1969). The layout with the smallest predicted step on the `CostModel` wins (on a tie, fewer bytes). Every
+layout gives the same gradient once the ranks' gradients are summed (loss weights are computed over the whole step).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -39,12 +29,11 @@ class CostModel:
     """Seconds of a rank's step: forward FLOPs / flops_per_s + collective bytes / bytes_per_s + calls x latency_s.
 
     flops_per_s: forward FLOPs (`tree_cost`) per second of one rank's forward and backward together; the default,
-        24e9, fits the headline step (P=32,000, G=64, R=768, bench tiny Llama) on one thread per rank of this CPU
-        (238 s for the split plan's 56,576 positions per rank, docs/benchmarks.md).
-    bytes_per_s: bytes per second one rank sends or receives in an all-gather; default 0.22e9, gloo on loopback
-        here (64 MiB per rank in 288 ms on 2 processes).
-    latency_s: seconds of one small collective call; default 5.5e-4, gloo on loopback here (256 floats).
-    On a GPU with NVLink all three are orders of magnitude larger or smaller: pass measured ones."""
+        24e9, is fitted to the headline step (P=32,000, G=64, R=768, bench tiny Llama) on one CPU thread per rank.
+    bytes_per_s: bytes per second one rank sends or receives in an all-gather; default 0.22e9, gloo on loopback.
+    latency_s: seconds of one small collective call; default 5.5e-4, gloo on loopback (256 floats).
+    On a GPU with NVLink all three are orders of magnitude larger or smaller: pass the GPU's own. The fits:
+    docs/notes/engine-docstrings.md."""
 
     flops_per_s: float = 24e9
     bytes_per_s: float = 0.22e9

@@ -1,29 +1,14 @@
 """The execution stack: exact forward and backward over a tree of rollouts, each unique position computed once.
 
-Depth first over the tree's packs. The children of a pack's nodes run as packs: their tokens are concatenated into one
-query sequence (up to `max_pack_tokens`) with a tree mask (each child sees its whole prefix and its own earlier
-positions) and absolute position ids; childless children of one length run as the rows of one [B, L] batch instead, at
-the root (the rollouts of the dense packed schedule, `schedule.py`) and, with split prefix attention, below a prefix.
-Where the model runs split prefix attention (`attention.py`: the prefix keys attended without a mask, the tree mask only
-over the pack's own keys, merged by log-sum-exp), a pack may hold the children of several nodes of the pack above, each
-attending to its own parent's prefix, and nodes of one length batch whether or not they have children: the nodes of one
-depth run in a few forwards, not one pack per parent (`packs_of`). Otherwise (the masked path, recurrent families, trees
-with images) a pack holds one node's children against ONE copy of the ancestors' K/V. After a pack's forward, the K/V
-and the last hidden state of each of its nodes are detached into leaf tensors; the node's children run against those
-leaves; once every descendant has run its backward, the leaves hold dL/dK, dL/dV and dL/dh summed over all descendants,
-and the pack's backward runs once with them (a family with recurrent layers, `recurrent.py`, runs every node as a pack
-of one, and hands its children the conv / SSM state after the node instead of per-position K/V):
-
-    torch.autograd.backward([pack_loss, K_n, V_n, h_last_n, ...], [1, dK_n, dV_n, dh_n, ...])
-
-which accumulates into `param.grad` exactly what `loss.backward()` on the per-rollout sum would (the sum of the
-same terms, in a different order: equal to floating-point tolerance).
-
-The first token of a child is predicted from the LAST hidden state of its parent; that term is in the child's loss
-and its gradient flows into the parent through dh. The LM head and log-softmax run only on positions that carry a
-loss, once per pack over the trained rows of all its nodes, in chunks under activation checkpointing, so no
-[positions x vocab] tensor larger than a chunk ever exists (and the head's [vocab x hidden] weight gradient is made
-once per chunk of a pack, not once per node).
+Depth first: the children of a pack's nodes run as packs (one query sequence of up to `max_pack_tokens` with a tree
+mask and absolute position ids, or the rows of one [B, L] batch) against their ancestors' K/V (split prefix
+attention: children of several nodes in one pack, `packs_of`; recurrent families: packs of one node, `recurrent.py`).
+After a pack's forward its nodes' K/V and last hidden state are detached into leaves; once every descendant has run
+its backward they hold dL/dK, dL/dV and dL/dh (a child's first token is predicted from its parent's last hidden
+state), and the pack's backward runs once, `torch.autograd.backward([pack_loss, K_n, V_n, h_n, ...], [1, dK_n, dV_n,
+dh_n, ...])`: into `param.grad`, what `loss.backward()` on the per-rollout sum gives (the same terms in another
+order). The LM head runs only on the trained rows, in checkpointed chunks (`head.py`).
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations
@@ -76,7 +61,7 @@ class _Run:
         self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
         self.max_pack_tokens, self.max_batch_tokens = engine.max_pack_tokens, engine.max_batch_tokens
         self.pack_overhead_tokens = engine.pack_overhead_tokens  # which shared nodes run once (schedule.py)
-        # measured on split prefix attention (schedule.py); where the model takes the masked path it is unmeasured
+        # calibrated on split prefix attention (schedule.py); not calibrated for the masked path, so not charged there
         self.prefix_position_overhead = engine.prefix_position_overhead if self.prefix_split.applies else 0.0
         self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
         self.chunk_tokens = engine.chunk_tokens

@@ -1,25 +1,15 @@
 """Vision-language prompts: the images of a tree's shared prompt enter its prompt node, run once per tree.
 
-A vision-language model (Gemma3ForConditionalGeneration) is a causal LM whose input embeddings at the image
-placeholder tokens are replaced by image features (the vision tower, then the projector: transformers'
-`get_image_features` and `masked_scatter`). Over a tree those placeholders sit in the prompt, the node every
-rollout shares, so the vision tower and the prompt run once per tree and every completion attends to them:
-
-- the engine runs the model's language model with its LM head (`language_model`: a causal-LM view sharing the
-  modules, so the gradients land in the model's own parameters);
-- a tree's `ImagePrompt` gives the absolute positions of the placeholders and a function computing their
-  features; `ImageRun` computes them once per replay of the tree, hands the packs a leaf copy (scattered into the
-  input embeddings of the pack that holds those positions, replayed or chunked alike), and after the tree's last
-  backward back-propagates the leaf's summed gradient through the vision tower once;
-- Gemma3 attends bidirectionally inside each image (transformers' `create_masks_for_vision_model`: full layers
-  OR(causal, same image block), sliding layers AND(window, OR(causal, same block))): `blocks` gives each
-  placeholder its image's block id, which the tree mask ORs in (`masks.tree_mask`);
-- Qwen2-VL's rotary positions follow the image grid (multimodal rotary, "mrope": three position ids per token,
-  transformers' `get_rope_index`): a token's ids depend only on the tokens before it, so the prompt's ids are
-  computed once, and every later position p has p + delta on each axis (transformers' `rope_deltas`); the engine
-  hands the decoder those [3, rows, S] position ids instead of the token index. A length-dependent rotary encoding
-  (dynamic NTK, longrope: `positions.py`) with grid positions is refused: its frequencies follow the largest
-  position id, which the image grid moves.
+A vision-language model (Gemma3ForConditionalGeneration, Qwen2-VL) replaces the input embeddings at its image
+placeholder tokens by image features (the vision tower, then the projector). The placeholders sit in the prompt every
+rollout shares: the engine runs the model's `language_model` with its LM head, and `ImageRun` computes a tree's
+features once per replay (`ImagePrompt`: the placeholders' positions and the feature function), scatters a leaf copy
+into the pack holding those positions, and after the tree's last backward back-propagates the leaf's summed gradient
+through the vision tower once. Gemma3 attends bidirectionally inside an image: `blocks` gives each placeholder its
+image's block id, ORed into the tree mask (`masks.tree_mask`). Qwen2-VL's multimodal rotary ("mrope"): the prompt's
+position ids are computed once and every later position p has p + delta on each axis (transformers' `rope_deltas`).
+A length-dependent rotary encoding (`positions.py`) with grid positions is refused.
+Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
 from __future__ import annotations

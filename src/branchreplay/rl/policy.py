@@ -3,22 +3,10 @@ algorithms call `logprobs`, `backward` and `function_backward` and never pass a 
 a family check around.
 
 `Policy` holds the model (a causal LM, or PPO's critic), the temperature its logprobs are taken at, the `engine`
-section, `method` (train.method: how the logprobs and gradients are computed), `force` (an unregistered family that
-passed its self-check), the micro-batch size, mixed precision, and, under torchrun, its `DataParallel` and the
-`Ranks`; once the run builds it, its AdamW and learning-rate schedule. The reference policy of the KL term and
-DPO, and PPO's critic, are Policies built from the policy (`sibling`).
-
-train.method, all three equal to floating-point tolerance, so that two runs of one config and seed that differ
-only in the method train the same model (scripts/compare_methods.py, docs/convergence.md):
-
-    branchreplay  the execution stack over the prefix tree (`engine.replay_backward`): each unique position once.
-    naive         each rollout alone, unpadded, through the unmodified Hugging Face forward
-                  (`check.reference.naive_backward`): the reference every exactness test compares with.
-    padded        TRL's padded batch: prompts left-padded, completions right-padded, one [B, T_max] forward and
-                  backward (`check.padded.padded_backward`).
-
-The two references run token-level losses of whole rollouts (GRPO, REINFORCE++, PPO's policy and, naive, its
-critic): `Config` refuses the rest.
+section, train.method, the micro-batch size, mixed precision and, under torchrun, its `DataParallel` and `Ranks`;
+once the run builds it, its AdamW and learning-rate schedule. The reference policy of the KL term and DPO, and PPO's
+critic, are Policies built from the policy (`sibling`). train.method picks how the logprobs and gradients are
+computed (`tree_backward`: branchreplay, naive or padded), all three equal to floating-point tolerance.
 """
 
 from __future__ import annotations
@@ -204,9 +192,20 @@ def clip_grad_norm(policies: list[Policy], max_norm: float) -> float:
 
 def tree_backward(model, trees: list, loss, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
                   force: Force = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
-    """Forward and backward of `loss` over `trees` by `method` (module docstring); gradients accumulate into
-    `param.grad`. Same arguments, result and errors as `engine.replay_backward` (`final_backward`, `lockstep`:
-    branchreplay only)."""
+    """Forward and backward of `loss` over `trees` by `method`; gradients accumulate into `param.grad`. Same
+    arguments, result and errors as `engine.replay_backward` (`final_backward`, `lockstep`: branchreplay only).
+
+    The methods (train.method), all three equal to floating-point tolerance, so that two runs of one config and seed
+    that differ only in the method train the same model (scripts/compare_methods.py, docs/convergence.md):
+
+        branchreplay  the execution stack over the prefix tree (`engine.replay_backward`): each unique position once.
+        naive         each rollout alone, unpadded, through the unmodified Hugging Face forward
+                      (`check.reference.naive_backward`): the reference every exactness test compares with.
+        padded        TRL's padded batch: prompts left-padded, completions right-padded, one [B, T_max] forward and
+                      backward (`check.padded.padded_backward`).
+
+    The two references run token-level losses of whole rollouts (GRPO, REINFORCE++, PPO's policy and, naive, its
+    critic): `Config` refuses the rest."""
     if method == "branchreplay":
         return replay_backward(model, trees, loss, temperature=temperature, engine=engine, force=force,
                                final_backward=final_backward, lockstep=lockstep)

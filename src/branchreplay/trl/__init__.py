@@ -6,14 +6,10 @@
 
 Everything but the loss's forward and backward is TRL's own: generation, reward functions, advantages, old and
 reference logprobs, the optimizer, logging, checkpoints. Each micro-batch TRL hands to `compute_loss` becomes one
-rollout tree per prompt (`rows.py`: its rows unpadded, the prompt once, completions sharing their common starts),
-and the execution stack puts into `param.grad` the gradient of TRL's loss (`base.py`: TRL's own `_compute_loss` on
-the tree's rows, in two passes; `grpo.py`: GRPO's token losses in one). `compute_loss` then returns the loss value
-as a leaf tensor, so transformers' `Trainer.training_step`, which calls `accelerator.backward` on it, adds nothing.
-
-The logged metrics are TRL's plus `tree/logical_tokens`, `tree/physical_tokens` and `tree/token_ratio` (rollout
-positions over computed ones). tests/test_trl_trainer.py and tests/test_trl_rloo.py compare the gradients with
-TRL's own classes on TRL's micro-batches, float32.
+rollout tree per prompt (`rows.py`), and the execution stack puts into `param.grad` the gradient of TRL's loss
+(`base.py`, `grpo.py`). The logged metrics are TRL's plus `tree/logical_tokens`, `tree/physical_tokens` and
+`tree/token_ratio` (rollout positions over computed ones). tests/test_trl_trainer.py and tests/test_trl_rloo.py
+compare the gradients with TRL's own classes on TRL's micro-batches, float32.
 """
 
 from packaging.version import Version

@@ -6,13 +6,8 @@ TRL's DPO batch holds each pair as two right-padded rows, all chosen rows then a
 `attention_mask`, `completion_mask` [2B, S]). Here the rows of one prompt make one tree: a pair's chosen and
 rejected share their prompt and any common start of their responses, and pairs of the same prompt share it too.
 With a vision-language model the prompt's images ride in its tree's prompt node (`engine.vision`; rows with equal
-text and other images are other trees), run once for both responses.
-The loss is a function of each row's summed completion logprobs (every loss type of TRL's, its f-divergences,
-`ld_alpha`, WPO's `use_weighting`, the `sft` term), so TRL's own `_compute_loss` runs on the tree's rows in two
-passes (`base.py`): pass 1 gives every row's per-token logprobs, entropies and the fused head's statistics TRL's
-metrics read (`engine.head.HEAD_STATS`), and TRL's loss sees them as its model's output. The reference model's
-logprobs also come from the tree (a forward without a graph), unless TRL precomputed them or the reference is the
-policy's adapters turned off (then TRL's own padded reference forward runs).
+text and other images are other trees), run once for both responses. TRL's own `_compute_loss` runs on the tree's
+rows in two passes (`base.py`; `TreeDPOTrainer` says what each pass gives).
 """
 
 from __future__ import annotations
@@ -37,6 +32,13 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
     """TRL 1.16's `DPOTrainer` with the padded forward and backward of each micro-batch replaced by the execution
     stack over one tree per prompt (module docstring): the same gradient (to floating-point tolerance), the prompt
     and each shared response start computed once.
+
+    The loss is a function of each row's summed completion logprobs (every loss type of TRL's, its f-divergences,
+    `ld_alpha`, WPO's `use_weighting`, the `sft` term), so TRL's own `_compute_loss` runs on the tree's rows in two
+    passes (`base.py`): pass 1 gives every row's per-token logprobs, entropies and the fused head's statistics TRL's
+    metrics read (`engine.head.HEAD_STATS`), and TRL's loss sees them as its model's output. The reference model's
+    logprobs also come from the tree (a forward without a graph), unless TRL precomputed them or the reference is
+    the policy's adapters turned off (then TRL's own padded reference forward runs).
 
     Args:
         *args, **kwargs: exactly `trl.DPOTrainer`'s (model, ref_model, args=DPOConfig, datasets, ...).

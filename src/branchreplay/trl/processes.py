@@ -3,19 +3,9 @@
 TRL's `training_step` runs one `accelerator.backward` per micro-batch through the wrapper accelerate built; the tree
 runs many backward passes (one per pack), and ranks run different trees, so no collective may depend on a pack.
 Each micro-batch therefore runs the tree on full parameters without the wrapper's hooks, and hands the micro-batch's
-gradient to the wrapper's own reduction once (`WrapperStep`):
-
-    one process, DDP   the tree on the unwrapped model. Outside the wrapper's forward DDP's reducer is not armed,
-                       so the gradient accumulates locally over the accumulation window's micro-batches, as under
-                       DDP's `no_sync`; at the window's last micro-batch (accelerate's `sync_gradients`)
-                       `average_gradients` takes its mean over the processes, as DDP's reducer does.
-    FSDP2              every unit gathered once for the micro-batch, gradient sync off; at the window's end one
-                       zero-loss token through the root arms FSDP2's own reduce-scatter (`fsdp2.py`).
-    DeepSpeed ZeRO     the tree on hook-free aliases of the parameters; the loss transformers backwards carries
-                       their gradient into DeepSpeed's own backward, reduction and step (`zero.py`).
-
-The optimizer step, gradient clipping and logged grad_norm then see the wrapper's reduced gradient. TRL's loss keeps
-its per-process normalisation (`num_items_in_batch` / num_processes for dapo and cispo, each process's own counts
+gradient to the wrapper's own reduction once (`WrapperStep`: one process or DDP, FSDP2, DeepSpeed ZeRO). The
+optimizer step, gradient clipping and logged grad_norm then see the wrapper's reduced gradient. TRL's loss keeps its
+per-process normalisation (`num_items_in_batch` / num_processes for dapo and cispo, each process's own counts
 otherwise), because the tree runs TRL's formula on each process's micro-batch. tests/test_trl_processes.py trains
 each drop-in beside TRL's class under the same launch of 2 processes.
 """
@@ -95,11 +85,16 @@ class WrapperStep:
     """One micro-batch of the tree under the launch's wrapper (`model`: what accelerate prepared, TRL's
     `compute_loss` argument): `running()` yields the module the tree runs on, `loss(value, scale)` is the tensor
     `compute_loss` returns, on which transformers' training step runs its one `accelerator.backward`:
-        one process, DDP   the unwrapped model; the gradient averaged at the window's end (`average_gradients`);
-                           the loss a leaf (its backward adds nothing);
-        FSDP2              `fsdp2.fsdp2_gathered`; the loss a leaf;
-        DeepSpeed ZeRO     the tree on hook-free aliases (`zero.py`); the loss carries their gradient into
-                           DeepSpeed's own backward.
+        one process, DDP   the unwrapped model. Outside the wrapper's forward DDP's reducer is not armed, so the
+                           gradient accumulates locally over the accumulation window's micro-batches, as under DDP's
+                           `no_sync`; at the window's last micro-batch (accelerate's `sync_gradients`)
+                           `average_gradients` takes its mean over the processes, as DDP's reducer does. The loss
+                           a leaf (its backward adds nothing);
+        FSDP2              `fsdp2.fsdp2_gathered`: every unit gathered once for the micro-batch, gradient sync off;
+                           at the window's end one zero-loss token through the root arms FSDP2's own
+                           reduce-scatter (`fsdp2.py`). The loss a leaf;
+        DeepSpeed ZeRO     the tree on hook-free aliases of the parameters (`zero.py`); the loss transformers
+                           backwards carries their gradient into DeepSpeed's own backward, reduction and step.
     `scale`: what the gradient of the returned loss is multiplied by before transformers' division by the
     accumulation steps undoes it (1 when it does not divide). `injection`: the trainer's `zero.GradientInjection`,
     kept across micro-batches (ZeRO-3)."""

@@ -6,17 +6,10 @@ Each rank's tree of that prompt then starts with the same prompt, which either
 
     recompute          every rank that holds rows of it computes it (forward and backward) in its own tree, or
     context-parallel   it runs once across all ranks as the engine's context-parallel prefix
-                       (`engine.context_parallel`: zigzag pieces, K/V all-gathered per layer, their gradients
-                       summed back to their owners), each rank's rows below it as its branches.
+                       (`engine.context_parallel`), each rank's rows below it as its branches.
 
-"auto" takes, per prompt, the faster on the engine's cost model (`engine.sharding.prefix_seconds`): what each rank
-holding rows of it computes for it alone (its positions after the longest start it shares with the rank's other
-prompts, which the prefix forest computes once anyway) against its pieces of the whole prompt, the bytes moved and
-the collective calls; across the ranks only when that is faster on every rank holding it. The gradient is the same
-either way: what the ranks' branches send back to the prompt's K/V is summed over the ranks in the backward, and the
-wrapper's reduction then averages the parameters' gradients as before. Every rank decides alike from the same
-gathered prompts, and runs the context-parallel prompts after its whole trees, in the same order (the engine's
-rule).
+"auto" takes, per prompt, the faster on the engine's cost model (`arranged`). The gradient is the same either way:
+what the ranks' branches send back to the prompt's K/V is summed over the ranks in the backward.
 """
 
 from __future__ import annotations
@@ -53,7 +46,16 @@ def arranged(trees: list, order: list[int], choice: str, config, element_bytes: 
     (an object all-gather): every rank calls it for every micro-batch. Unchanged on one process, under
     "recompute", and for trees that cannot run context-parallel (images, recurrent or sliding-window families, the
     MoE router loss, a prompt shorter than the number of ranks). `forest`: the engine runs the rank's trees as one
-    prefix forest (`EngineConfig.forest`), so a prompt's start shared with another tree costs the rank nothing."""
+    prefix forest (`EngineConfig.forest`), so a prompt's start shared with another tree costs the rank nothing.
+
+    "auto" takes, per prompt, the faster on the engine's cost model (`engine.sharding.prefix_seconds`): what each rank
+    holding rows of it computes for it alone (its positions after the longest start it shares with the rank's other
+    prompts, which the prefix forest computes once anyway) against its pieces of the whole prompt, the bytes moved
+    and the collective calls; across the ranks only when that is faster on every rank holding it. The gradient is the
+    same either way: what the ranks' branches send back to the prompt's K/V is summed over the ranks in the
+    backward, and the wrapper's reduction then averages the parameters' gradients as before. Every rank decides alike
+    from the same gathered prompts, and runs the context-parallel prompts after its whole trees, in the same order
+    (the engine's rule)."""
     if (choice == "recompute" or not dist.is_initialized() or dist.get_world_size() == 1 or router_loss
             or supports_context_parallel(config)):  # the same on every rank
         return trees, order

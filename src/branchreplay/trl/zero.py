@@ -2,18 +2,13 @@
 
 DeepSpeed reduces a gradient in hooks on the parameters (ZeRO-2 and ZeRO-3 partition it as it arrives, and refuse a
 parameter whose gradient arrives twice in one backward), and accelerate's `backward` runs `engine.backward` and, at
-the accumulation boundary, `engine.step`. The tree's many backward passes must not fire those hooks, so the tree
-runs on hook-free aliases of the parameters (`hook_free`: leaves that share their storage), and its gradient g of
-the micro-batch then reaches DeepSpeed through the one `accelerator.backward` of transformers' training step, on a
-loss whose value is TRL's and whose gradient is g:
-
-    ZeRO-1, ZeRO-2  sum over parameters of (p * g_p).sum(): the parameters are whole on every rank;
-    ZeRO-3          one zero-loss token through the engine's forward (each layer gathered by DeepSpeed's own
-                    hooks, as in any step), with a hook on each parameter that adds g_p to its gradient.
-
-So DeepSpeed's reduction, accumulation, partitioning and step are its own. During the tree's forward and backward a
-ZeRO-3 rank holds the whole model gathered (TRL's `unwrap_model_for_generation`, as TRL's generation does) and,
-under every stage, one full gradient (the aliases'), which DeepSpeed then partitions.
+the accumulation boundary, `engine.step`. The tree's many backward passes must not fire those hooks, so the tree runs
+on hook-free aliases of the parameters (`hook_free`), and its gradient g of the micro-batch then reaches DeepSpeed
+through the one `accelerator.backward` of transformers' training step, on a loss whose value is TRL's and whose
+gradient is g (`linear_surrogate` under ZeRO-1 and ZeRO-2, `GradientInjection` under ZeRO-3). So DeepSpeed's
+reduction, accumulation, partitioning and step are its own. During the tree's forward and backward a ZeRO-3 rank
+holds the whole model gathered (TRL's `unwrap_model_for_generation`) and, under every stage, one full gradient (the
+aliases'), which DeepSpeed then partitions.
 """
 
 from __future__ import annotations
@@ -76,12 +71,12 @@ def linear_surrogate(value: float, grads: dict[torch.nn.Parameter, torch.Tensor]
 
 
 class GradientInjection:
-    """ZeRO-3: the zero-loss token's backward through the engine carries the tree's gradient (module docstring).
-    `loss(...)` registers on each parameter a hook that adds g_p to its gradient and removes itself (g is the
-    gradient of the loss after transformers' division by the accumulation steps, which scales only the token's
-    zero loss);
-    `check()`, at the next micro-batch, raises RuntimeError naming a parameter whose hook did not run (the token
-    did not reach it: an MoE expert), rather than lose its gradient."""
+    """ZeRO-3: one zero-loss token through the engine's forward (each layer gathered by DeepSpeed's own hooks, as in
+    any step), whose backward carries the tree's gradient (module docstring). `loss(...)` registers on each
+    parameter a hook that adds g_p to its gradient and removes itself (g is the gradient of the loss after
+    transformers' division by the accumulation steps, which scales only the token's zero loss); `check()`, at the
+    next micro-batch, raises RuntimeError naming a parameter whose hook did not run (the token did not reach it: an
+    MoE expert), rather than lose its gradient."""
 
     def __init__(self):
         self.pending: dict[str, torch.utils.hooks.RemovableHandle] = {}

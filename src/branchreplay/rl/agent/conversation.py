@@ -7,11 +7,8 @@
 An assistant turn enters as the token ids the sampler drew, so the training logprobs are of the tokens that were
 sampled (decoding and re-tokenizing a conversation silently changes them: BPE merges differ). An environment turn
 (tool results, user feedback) enters as the ids the chat template renders for it after an assistant turn, up to and
-including the next generation prompt, computed as TRL 1.16's GRPOTrainer `_get_tool_suffix_ids` does: the
-template's rendering of a dummy conversation ending with an assistant turn, cut after its last end-of-turn token,
-against the same conversation with the new messages and the generation prompt. That is exact when the template is
-prefix-stable (it renders earlier messages the same whatever follows); `message_delta_ids` refuses a template that
-is not, by name. The loss mask is 1 on assistant tokens only.
+including the next generation prompt, computed as TRL 1.16's GRPOTrainer `_get_tool_suffix_ids` does
+(`message_delta_ids`), exact for a prefix-stable template. The loss mask is 1 on assistant tokens only.
 """
 
 from __future__ import annotations
@@ -35,6 +32,11 @@ def message_delta_ids(tokenizer, messages: list[dict], end_of_turn: int | None =
                       tools: list[dict] | None = None) -> list[int]:
     """The token ids the chat template puts after an assistant turn's end-of-turn token for `messages` (e.g. a
     tool result, a user reply), the next assistant generation prompt included.
+
+    Computed as TRL 1.16's GRPOTrainer `_get_tool_suffix_ids` does: the template's rendering of a dummy conversation
+    ending with an assistant turn, cut after its last end-of-turn token, against the same conversation with the new
+    messages and the generation prompt. That is exact when the template is prefix-stable (it renders earlier
+    messages the same whatever follows); a template that is not is refused by name.
 
     end_of_turn: the id that ends an assistant turn (default: the tokenizer's EOS); tools: the JSON schemas the
     conversation was started with, for a template that renders them (`models.chat_prompt_ids`). Raises

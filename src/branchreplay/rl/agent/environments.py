@@ -2,26 +2,11 @@
 and its reward. Small and explicit, after the `verifiers` package's MultiTurnEnv (`env_response`, `is_completed`,
 a rubric) and TRL 1.16's tool calling (plain Python functions with docstrings as tools, `<tool_call>` JSON calls).
 
-    env.reset(item)            -> the opening messages (system, user) for a dataset item
-    env.step(messages, item)   -> EnvResponse(messages, done, reward): after each assistant turn
-    env.final_reward(messages, item) -> float: once the trajectory is done
-    env.bind(tokenizer)        (optional) called once with the policy's tokenizer before any reset
-    env.template_tools         (optional) JSON schemas the chat template renders (transformers' `tools=`)
-    env.items(n, seed)         (optional) the environment's own dataset items; else the task's (`rl.agent`)
-    env.scores_accuracy        (optional) True when final_reward is a success score in [0, 1]: the held-out
-                               score is then called an accuracy, else the mean reward
-
-The calls of different items interleave (a step resets all its items before any step, as the vLLM path steps
-every item's turn together), so an environment keeps what it knows of an item in the messages and the item, not
-on itself.
-
-`ToolEnvironment` runs plain functions as tools. A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`
-in the assistant's text (the Hermes / Qwen format of transformers' tool-aware templates). A turn without a call
-ends the trajectory. Every failure becomes the tool's reply to the model, never an exception of the run: a tool
-that raises (its error text), a call that does not parse, an unknown tool, a tool that runs past `timeout_s`, an
-output longer than `max_output_chars` (cut, with a marker). `load_environment("package.module:Class")` builds a
-user environment. `calculator(reward_fn)` is the built-in tool task: the default task's arithmetic with a
-`calculate` tool; `GuessNumber` the built-in feedback task (higher / lower replies).
+`Environment` is what a multi-turn task implements (reset, step, final_reward and optional hooks).
+`ToolEnvironment` runs plain functions as tools, every failure becoming the tool's reply to the model, never an
+exception of the run. `load_environment("package.module:Class")` builds a user environment. `calculator(reward_fn)`
+is the built-in tool task: the default task's arithmetic with a `calculate` tool; `GuessNumber` the built-in
+feedback task (higher / lower replies).
 """
 
 from __future__ import annotations
@@ -58,7 +43,20 @@ class EnvResponse:
 
 
 class Environment(Protocol):
-    """What a multi-turn task implements (module docstring)."""
+    """What a multi-turn task implements:
+
+        env.reset(item)            -> the opening messages (system, user) for a dataset item
+        env.step(messages, item)   -> EnvResponse(messages, done, reward): after each assistant turn
+        env.final_reward(messages, item) -> float: once the trajectory is done
+        env.bind(tokenizer)        (optional) called once with the policy's tokenizer before any reset
+        env.template_tools         (optional) JSON schemas the chat template renders (transformers' `tools=`)
+        env.items(n, seed)         (optional) the environment's own dataset items; else the task's (`rl.agent`)
+        env.scores_accuracy        (optional) True when final_reward is a success score in [0, 1]: the held-out
+                                   score is then called an accuracy, else the mean reward
+
+    The calls of different items interleave (a step resets all its items before any step, as the vLLM path steps
+    every item's turn together), so an environment keeps what it knows of an item in the messages and the item, not
+    on itself."""
 
     def reset(self, item: dict) -> list[dict]: ...
 
@@ -70,6 +68,12 @@ class Environment(Protocol):
 class ToolEnvironment:
     """Tools as plain Python functions with docstrings (their JSON schemas, transformers' `get_json_schema`, are
     described in the system prompt, which every template renders); the final reward is `reward(messages, item)`.
+
+    A call is `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` in the assistant's text (the Hermes / Qwen
+    format of transformers' tool-aware templates). A turn without a call ends the trajectory. Every failure becomes
+    the tool's reply to the model, never an exception of the run: a tool that raises (its error text), a call that
+    does not parse, an unknown tool, a tool that runs past `timeout_s`, an output longer than `max_output_chars`
+    (cut, with a marker).
 
     Args:
         tools: functions with type hints and Google-style docstrings (transformers' tool convention).

@@ -6,12 +6,9 @@ evaluation. The sampling itself is `trajectories.sample_trajectories_turnwise`; 
                        guess_number   guess a number from 1 to 10 with higher / lower replies
                        pkg.mod:Class  a user environment (`environments.Environment`), built with environment_kwargs
 
-Items: an environment with an `items(n, seed)` method brings its own (task.size of them for training, task.eval_size
-held out, the held-out ones seeded with task.seed + tasks.EVAL_SEED_OFFSET); the others take the task's
-reasoning-gym splits (`tasks.load_task`). A trajectory's reward is `final_reward + turn_reward_weight x (sum or
-mean of its per-turn rewards)`, one scalar per trajectory, so every algorithm's advantage estimator applies as in
+A trajectory's reward is one scalar (`trajectory_reward`), so every algorithm's advantage estimator applies as in
 single-turn training (verl's multi-turn rollouts do the same with their turn scores); groups are the trajectories of
-one item, of any size.
+one item, of any size. `load_agent_task` says where the items come from.
 """
 
 from __future__ import annotations
@@ -35,7 +32,11 @@ from ..rollouts.turns import InProcessTurns
 
 def load_agent_task(config) -> tuple:
     """(environment, train items, held-out items) of a run `config` (`rl.config.Config`) whose agent.environment
-    is set. Raises ValueError for an environment that does not import or lacks a method (`load_environment`)."""
+    is set. Raises ValueError for an environment that does not import or lacks a method (`load_environment`).
+
+    Items: an environment with an `items(n, seed)` method brings its own (task.size of them for training,
+    task.eval_size held out, the held-out ones seeded with task.seed + tasks.EVAL_SEED_OFFSET); the others take the
+    task's reasoning-gym splits (`tasks.load_task`)."""
     a, task = config.agent, config.task
     hold_out = config.train.eval_steps >= 0  # with evaluation off, a task.dataset file holds no row out
     kwargs = dict(a.environment_kwargs or {})

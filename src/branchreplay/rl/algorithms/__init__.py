@@ -6,11 +6,10 @@
     ppo           GAE from a learned critic, clipped policy and value losses      (TRL 0.24 PPOTrainer)
     dpo           preference pairs, TRL's DPO losses and SimPO                    (TRL 1.16 DPOTrainer)
 
-`base.Algorithm` is the interface (what a part answers: `trained`, `prepare`, `backward`, `needs_reference`,
-`check`); `advantages` holds the estimators' math. Adding an algorithm is one module with a subclass and one line
-in `ALGORITHMS`; an algorithm of your own, outside the package, is `--algorithm package.module:Class`
-(docs/algorithms.md shows one). After verl's advantage estimators and policy losses registered by name, as a plain
-dict. Torch-free until `algorithm_class` imports a part, so that the config can check a name.
+`base.Algorithm` is the interface; `advantages` holds the estimators' math. Adding an algorithm is one module with a
+subclass and one line in `ALGORITHMS` (a plain dict by name, after verl's registered estimators and losses); one of
+your own, outside the package, is `--algorithm package.module:Class` (docs/algorithms.md shows one). Torch-free
+until `algorithm_class` imports a part, so that the config can check a name.
 """
 
 from __future__ import annotations

@@ -5,14 +5,9 @@
     A_i /= std(r of the whole batch) + 1e-4                scale_rewards="batch" (Hu et al. 2025, REINFORCE++)
                                                            scale_rewards="none": no division (Liu et al. 2025,
                                                            Dr. GRPO)
-std is torch.std (unbiased), as TRL. Departures: groups are found by prompt id, not by position in blocks of G, so
-rollouts may come in any order and groups may differ in size; a group whose rewards are all equal gets exactly 0
-(TRL gets r - mean(r), which can be a rounding residue, divided by 1e-4); a group or batch of one sample has std 0
-(torch.std gives NaN there).
-
-The other estimators' pieces (used by the parts rloo.py, reinforce_pp.py and ppo.py): `rloo_advantages`
-(leave-one-out), `normalize`, TRL's `masked_whiten`, `kl_per_token` (k1, k3), `token_rewards`, `discounted_returns`
-(REINFORCE++) and `gae` (PPO).
+std is torch.std (unbiased), as TRL; `group_advantages` lists the departures from TRL. The other estimators' pieces
+(used by the parts rloo.py, reinforce_pp.py and ppo.py): `rloo_advantages` (leave-one-out), `normalize`, TRL's
+`masked_whiten`, `kl_per_token` (k1, k3), `token_rewards`, `discounted_returns` (REINFORCE++) and `gae` (PPO).
 """
 
 from __future__ import annotations
@@ -24,6 +19,11 @@ EPS = 1e-4  # TRL's epsilon in the std denominator
 
 def group_advantages(rewards: torch.Tensor, group_ids: list, scale_rewards: str = "group") -> torch.Tensor:
     """Advantages of `rewards` [B] (float) whose group (prompt id) is group_ids[i]; returns [B] in rewards' dtype.
+
+    The module docstring's formula, with TRL's departures: groups are found by prompt id, not by position in blocks
+    of G, so rollouts may come in any order and groups may differ in size; a group whose rewards are all equal gets
+    exactly 0 (TRL gets r - mean(r), which can be a rounding residue, divided by 1e-4); a group or batch of one
+    sample has std 0 (torch.std gives NaN there).
 
     Raises ValueError for a length mismatch, an unknown scale_rewards, or a NaN/inf reward."""
     rewards = torch.as_tensor(rewards)

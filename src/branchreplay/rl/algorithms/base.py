@@ -1,20 +1,8 @@
-"""What an algorithm is to the training loop (`run/update.py`): a small part with five answers.
+"""What an algorithm is to the training loop (`run/update.py`): a small part with five answers (`Algorithm`).
 
 The loop samples and scores a step (or, for a part that brings its own batch, asks it: DPO's pairs), builds the
-trees, shares them out over the ranks (`Shards`), then asks the part:
-
-    trained(trees)           the trees that have a gradient this step
-    prepare(batch, shards)   its no-grad passes (old policy, reference, critic) and its advantages; metrics
-                             (it keeps the shards it trains: `self.shards`)
-    backward(k)              update k's engine calls, gradients into param.grad; (result, metrics)
-
-and it clips, steps the optimizers and logs. Class-level answers: `samples` (whether the loop samples its batch;
-a part that does not gives `batches(tokenizer)`, whose `batch(step)` the loop takes), `logs_group_advantages`
-(whether its advantages are the group advantages set while scoring, which the completions log then shows),
-`needs_reference(config)` (whether a frozen reference policy is kept), `check(config)` (what it refuses, by name,
-before the model loads). A part's constructor receives the `Policy` it trains and the reference `Policy` (or None);
-`critic` is a second trained Policy (PPO's), `num_updates` the optimizer updates per step.
-
+trees, shares them out over the ranks (`Shards`), then asks the part which trees it trains, for its no-grad passes
+and advantages (`prepare`) and for each update's gradients (`backward`); it clips, steps the optimizers and logs.
 The passes run on this rank's trees and their values are gathered to every rank (`Shards.everywhere`), so the
 estimators and the losses of whole sequences see every rollout of the step on every rank, as in one process.
 """
@@ -30,7 +18,20 @@ from ..rollouts.mismatch import sampler_mismatch
 
 
 class Algorithm:
-    """The interface and the shared passes (module docstring). Override what differs."""
+    """The interface and the shared passes. Override what differs. After sampling, scoring and sharing out the
+    trees, the loop asks:
+
+        trained(trees)           the trees that have a gradient this step
+        prepare(batch, shards)   its no-grad passes (old policy, reference, critic) and its advantages; metrics
+                                 (it keeps the shards it trains: `self.shards`)
+        backward(k)              update k's engine calls, gradients into param.grad; (result, metrics)
+
+    and it clips, steps the optimizers and logs. Class-level answers: `samples` (whether the loop samples its batch;
+    a part that does not gives `batches(tokenizer)`, whose `batch(step)` the loop takes), `logs_group_advantages`
+    (whether its advantages are the group advantages set while scoring, which the completions log then shows),
+    `needs_reference(config)` (whether a frozen reference policy is kept), `check(config)` (what it refuses, by
+    name, before the model loads). A part's constructor receives the `Policy` it trains and the reference `Policy`
+    (or None); `critic` is a second trained Policy (PPO's), `num_updates` the optimizer updates per step."""
 
     name: ClassVar[str] = ""
     samples: ClassVar[bool] = True

@@ -4,14 +4,9 @@ prefix trees.
 The critic (`value.ValueModel`) is a separate copy of the policy's decoder with a fresh scalar head, as TRL's
 separate value model: the value loss never moves the policy. It runs on the same trees, so every unique position
 gets one value, shared by the rollouts through it. Each step: the old-policy, reference and critic passes; the
-estimator (TRL's steps 3-6): missing_eos_penalty, the per-token KL penalty (k1 or k3) in the reward, optional
-reward whitening, GAE from the critic's values, returns = A + V, advantages whitened; loss weights the token mean
-(TRL's masked_mean over the batch). Then ppo.num_ppo_epochs updates of GRPO's clipped token loss (cliprange, no KL
+estimator (`ppo`: TRL's steps 3-6); then ppo.num_ppo_epochs updates of GRPO's clipped token loss (cliprange, no KL
 term, no entropy bonus: TRL's PPO has none) and `losses.ValueLoss` on the critic, one AdamW each with the same
 schedule and one gradient-norm clip over both (TRL's one optimizer over policy and critic).
-
-Departure: TRL places the score one position past the last token (a padding slot); an unpadded rollout has no such
-slot, so ours is at the last token.
 """
 
 from __future__ import annotations
@@ -94,12 +89,15 @@ class PPO(GRPO):
 
 
 def ppo(rollouts: list[Rollout], scores: torch.Tensor, ended: list[bool], values: list[torch.Tensor], cfg) -> dict:
-    """PPO's advantages, returns and token-mean weights (module docstring) on `rollouts` [B] (the step's, with
-    `old_logprobs`, and `ref_logprobs` when kl_coef > 0) from the task's `scores` [B], whether each completion
-    `ended` with EOS, the critic's `values` (per rollout [T], at the completion positions: `ReplayResult.values`)
-    and `cfg` (`config.PPOConfig`). Returns TRL's objective/* metrics: objective/kl and objective/non_score_reward
-    (per completion, summed over its tokens, mean over the step), objective/entropy (the sampled tokens' -logp
-    summed, mean), objective/scores and objective/rlhf_reward."""
+    """PPO's advantages, returns and token-mean weights on `rollouts` [B] (the step's, with `old_logprobs`, and
+    `ref_logprobs` when kl_coef > 0) from the task's `scores` [B], whether each completion `ended` with EOS, the
+    critic's `values` (per rollout [T], at the completion positions: `ReplayResult.values`) and `cfg`
+    (`config.PPOConfig`). TRL's steps 3-6: missing_eos_penalty, the per-token KL penalty (k1 or k3) in the reward,
+    optional reward whitening, GAE from the critic's values, returns = A + V, advantages whitened; loss weights the
+    token mean (TRL's masked_mean over the batch). Departure: TRL places the score one position past the last token
+    (a padding slot); an unpadded rollout has no such slot, so ours is at the last token. Returns TRL's objective/*
+    metrics: objective/kl and objective/non_score_reward (per completion, summed over its tokens, mean over the
+    step), objective/entropy (the sampled tokens' -logp summed, mean), objective/scores and objective/rlhf_reward."""
     scores = scores.double().clone()
     if cfg.missing_eos_penalty is not None:
         scores = scores - cfg.missing_eos_penalty * torch.tensor([not e for e in ended], dtype=torch.float64)

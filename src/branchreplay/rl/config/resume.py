@@ -3,15 +3,10 @@
 A run folder keeps every config the run used: `config.yaml` (the first, never rewritten) and, for each resume that
 changed something, `config-resumed-at-step-N.yaml` (N: the first step it trained). `--resume RUN_DIR` starts from
 the newest of them, then the command line's overrides apply, and only what does not change what the run trains on
-and towards may differ (`RESUMABLE`): how long it runs (train.steps: the learning-rate schedule is rebuilt over the
-new total and continues from the checkpoint's step, so the steps after the resume take the new schedule's rates
-for their step: a 2-step cosine run resumed to 4 steps trains steps 3 and 4 at the 4-step schedule's rates for
-steps 3 and 4), how often it saves and evaluates, how gradients are computed (train.method: equal to
-floating-point tolerance), the engine, the launch (parallel.*: another world size), where samples come from (the
-vLLM server) and the device. Any other change (the algorithm, the model, the objective, the sampling, the task,
-the seed) would make one run folder hold two runs: it is refused by name.
-
-A launch setting of the run does not bind its resume: `parallel.strategy` fsdp2 or ddp of a data-parallel run
+and towards may differ (`RESUMABLE`: how long it runs, how often it saves and evaluates, how gradients are
+computed, the engine, the launch, where samples come from and the device). Any other change (the algorithm, the
+model, the objective, the sampling, the task, the seed) would make one run folder hold two runs: it is refused by
+name. A launch setting of the run does not bind its resume: `parallel.strategy` fsdp2 or ddp of a data-parallel run
 becomes auto when the resume is not started by torchrun, so that it runs in one process with no extra flag.
 """
 
@@ -30,7 +25,12 @@ RESUMABLE = ("train.steps", "train.save_steps", "train.eval_steps", "train.keep_
              "train.max_failed_steps", "train.output_dir", "train.method", "train.unknown_family", "train.report_to",
              "task.reward_timeout_s", "engine.*",
              "parallel.*", "sampling.backend", "sampling.vllm_url", "sampling.vllm_timeout_s", "model.device")
-"""Fields a resume may change (`section.*`: every field of the section)."""
+"""Fields a resume may change (`section.*`: every field of the section): how long it runs (train.steps: the
+learning-rate schedule is rebuilt over the new total and continues from the checkpoint's step, so the steps after the
+resume take the new schedule's rates for their step: a 2-step cosine run resumed to 4 steps trains steps 3 and 4 at
+the 4-step schedule's rates for steps 3 and 4), how often it saves and evaluates, how gradients are computed
+(train.method: equal to floating-point tolerance), the engine, the launch (parallel.*: another world size), where
+samples come from (the vLLM server) and the device."""
 
 
 def latest_config(run_dir: str | Path) -> Path:

@@ -1,29 +1,14 @@
-"""Run configuration: one dataclass per concern, composed into `Config`.
+"""Run configuration: one dataclass per concern, composed into `Config` (its docstring lists the sections).
 
-    algorithm: grpo | ppo | rloo | reinforce_pp | dpo   (top level) what the advantages and the loss are
-    model:    ModelConfig      which causal LM, in which dtype, on which device
-    sampling: SamplingConfig   how completions are sampled
-    task:     TaskConfig       which reasoning-gym dataset or prompt file, split sizes, rewards
-    agent:    AgentConfig      a multi-turn environment and its limits; null = single-turn
-    grpo:     GRPOConfig       sampling counts, clip range and optimizer of every algorithm (TRL GRPOConfig names)
-    ppo:      PPOConfig        the critic, GAE and the value loss (algorithm: ppo; TRL PPOConfig names)
-    rloo:     RLOOConfig       RLOO's options (algorithm: rloo; TRL RLOOConfig names)
-    reinforce_pp: ReinforcePPConfig  REINFORCE++'s options (algorithm: reinforce_pp; verl's names)
-    dpo:      DPOConfig        the preference file and the DPO loss (algorithm: dpo; TRL DPOConfig names)
-    engine:   EngineConfig     (from engine/config.py) packing, chunking, replay; passed to every engine call
-    parallel: ParallelConfig   data parallelism over torchrun's processes (FSDP2 or DDP semantics)
-    train:    TrainConfig      steps, seed, run folder, checkpoint and eval cadence, how gradients are computed
 The sections are sections.py's classes (sampling.py, task.py and agent.py hold three of them); values.py parses and
-coerces values.
-
-Precedence: command line > YAML file > dataclass defaults (as torchtitan's config manager). A YAML file holds one
-mapping per section (and `algorithm: NAME`); the command line overrides one field with `--section.field value` or
-`--section.field=value`, and the algorithm with `--algorithm NAME`. Each algorithm starts from TRL's defaults for
-its trainer where they differ from GRPO's (`ALGORITHM_DEFAULTS`).
-Values are parsed to the field's declared type (bool: true/false/yes/no/1/0; a closed choice must be one of its
-Literal values; tuples, lists and dicts as YAML, e.g. `--sampling.branching "[[0,2],[8,2]]"`). Unknown sections and
-keys are errors that list the valid ones. `parse_args` is the one parser of `train` and `eval`; every field's help
-is its metadata (`fields.help_of`), printed by `help.py`.
+coerces values. Precedence: command line > YAML file > dataclass defaults (as torchtitan's config manager). A YAML
+file holds one mapping per section (and `algorithm: NAME`); the command line overrides one field with
+`--section.field value` or `--section.field=value`, and the algorithm with `--algorithm NAME`. Each algorithm starts
+from TRL's defaults for its trainer where they differ from GRPO's (`ALGORITHM_DEFAULTS`). Values are parsed to the
+field's declared type (bool: true/false/yes/no/1/0; a closed choice must be one of its Literal values; tuples, lists
+and dicts as YAML, e.g. `--sampling.branching "[[0,2],[8,2]]"`). Unknown sections and keys are errors that list the
+valid ones. `parse_args` is the one parser of `train` and `eval`; every field's help is its metadata
+(`fields.help_of`), printed by `help.py`.
 """
 
 from __future__ import annotations
@@ -67,7 +52,21 @@ class Config:
     """The whole run configuration. Raises ValueError when sections disagree (the message names both fields).
 
     An algorithm's TRL defaults (`ALGORITHM_DEFAULTS`) apply when a config is read (`from_dict`, `from_yaml`, the
-    command line); `Config(algorithm="rloo")` built in Python keeps the sections it is given."""
+    command line); `Config(algorithm="rloo")` built in Python keeps the sections it is given. The sections:
+
+        algorithm: grpo | ppo | rloo | reinforce_pp | dpo   (top level) what the advantages and the loss are
+        model:    ModelConfig      which causal LM, in which dtype, on which device
+        sampling: SamplingConfig   how completions are sampled
+        task:     TaskConfig       which reasoning-gym dataset or prompt file, split sizes, rewards
+        agent:    AgentConfig      a multi-turn environment and its limits; null = single-turn
+        grpo:     GRPOConfig       sampling counts, clip range and optimizer of every algorithm (TRL GRPOConfig names)
+        ppo:      PPOConfig        the critic, GAE and the value loss (algorithm: ppo; TRL PPOConfig names)
+        rloo:     RLOOConfig       RLOO's options (algorithm: rloo; TRL RLOOConfig names)
+        reinforce_pp: ReinforcePPConfig  REINFORCE++'s options (algorithm: reinforce_pp; verl's names)
+        dpo:      DPOConfig        the preference file and the DPO loss (algorithm: dpo; TRL DPOConfig names)
+        engine:   EngineConfig     (from engine/config.py) packing, chunking, replay; passed to every engine call
+        parallel: ParallelConfig   data parallelism over torchrun's processes (FSDP2 or DDP semantics)
+        train:    TrainConfig      steps, seed, run folder, checkpoint and eval cadence, how gradients are computed"""
 
     algorithm: str = "grpo"
     model: ModelConfig = field(default_factory=ModelConfig)

@@ -2,6 +2,7 @@
 
 Torch-free, so that the run config parses (and `--help` prints) before torch loads; `rl/rollouts/sampling.py`
 samples with it.
+Measurements behind its help texts: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations
@@ -52,8 +53,8 @@ class SamplingConfig:
         "window) in float32 / float64 without LoRA, the plain decoding step of rl/rollouts/llama_rows.py ("
         "MKL-packed projections, each group's prompt held once, generated keys in a store grown by doubling, "
         "only live streams decoded), else dynamic: on the CPU a finished stream's static row costs compute until the "
-        "streams fit half the rows (at 120-token prompts static took 0.93-1.16x dynamic's time), while after a "
-        "1,000-token shared start static was 1.5x faster in 7x less memory: set it for long prompts. The static "
+        "streams fit half the rows (at short prompts static takes about dynamic's time), while after a long shared "
+        "start static is faster in less memory: set it for long prompts. The static "
         "rows' generated slots start at 64 and double when full, so a large max_new_tokens costs nothing until "
         "replies grow that long. The same samples "
         "either way, up to the attention's floating-point order. Multi-turn turns decode the same way, every "
@@ -65,7 +66,7 @@ class SamplingConfig:
         "graph and replaying it (mixture-of-experts models and models sharded by FSDP2 always run it eagerly)"))
     pack_weights: bool = field(default=True, metadata=help_of(
         "the in-process (hf) sampler on the CPU in float32: run the linear layers from MKL-packed weights while "
-        "sampling (`rl/rollouts/packed_linears.py`; SmolLM2's decoding 10-15% faster), packed once per step, "
+        "sampling (`rl/rollouts/packed_linears.py`: a faster decoding step), packed once per step, "
         "about one more copy of the packed matrices' bytes resident meanwhile; false: nn.Linear as it is"))
     max_num_seqs: int | None = field(default=None, metadata=help_of(
         "vLLM's name, for the in-process (hf) sampler: the most sequences sampled together. A step's groups "

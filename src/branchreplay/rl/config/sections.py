@@ -303,7 +303,7 @@ class TrainConfig:
     unknown_family: UnknownFamily = field(default="self-check", metadata=help_of(
         "a model family outside the engine's registry (engine/families.py): 'self-check' it before the first step "
         "(check/self_check.py: the engine against the naive reference on a small random tree of the model itself, "
-        "refused with the measured error above the dtype's bound; the verdict is cached in the run folder) or "
+        "refused when its error is above the dtype's bound; the verdict is cached in the run folder) or "
         "'refuse' it. Recurrent or hybrid layers of an unknown family are always refused. A direct "
         "replay_backward call refuses an unknown family unless force=True"))
     report_to: str = field(default="tensorboard", metadata=help_of(

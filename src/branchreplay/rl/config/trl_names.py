@@ -2,22 +2,8 @@
 
 A TRL user's YAML is one flat mapping (`learning_rate: 1e-6`, `num_generations: 8`, `max_completion_length: 256`,
 `max_steps: 500`, ...). `from_trl_names` moves each known TRL name to the field that means the same here
-(`TRL_NAMES`; `branchreplay train --help` lists them), converting the values TRL spells differently:
-
-    per_device_train_batch_size x gradient_accumulation_steps   completions per step (TRL's generation batch, one
-                                                                process) -> grpo.prompts_per_step = that /
-                                                                num_generations, which must divide it (as TRL checks)
-    scale_rewards: true / false                                 "group" / "none" (TRL's booleans)
-    report_to: [tensorboard, wandb]                             "tensorboard,wandb" (a list as a comma list)
-    top_k: null                                                 0 (off)
-    lr_scheduler_type                                           cosine, linear, constant (constant_with_warmup too)
-    bf16: true                                                  model.dtype bfloat16 (mixed precision)
-    use_peft, lora_r, lora_alpha, lora_target_modules           TRL's ModelConfig: model.lora_* when use_peft is
-                                                                true (lora_r then defaults to TRL's 16; without
-                                                                use_peft they are an error), LoRA off when it is
-                                                                false; lora_dropout only 0
-
-TRL counts `max_steps`, `save_steps` and `eval_steps` in optimizer steps; ours count sampling rounds of
+(`TRL_NAMES`; `branchreplay train --help` lists them), converting the values TRL spells differently (listed in its
+docstring). TRL counts `max_steps`, `save_steps` and `eval_steps` in optimizer steps; ours count sampling rounds of
 grpo.num_iterations updates each, so they are divided by num_iterations. Command-line TRL names (`--learning_rate
 1e-6`) win over the file. Fields that change nothing computed here (logging, vLLM, hub: `NO_EFFECT`) are dropped
 with one warning; any other TRL field is an error, since ignoring it would change the run silently. A name that is
@@ -97,9 +83,26 @@ min_p, repetition_penalty, ...) would change the run, so it is an error, never s
 
 def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None = None,
                    default_generations: int = 8) -> dict:
-    """`data` ({section: {...}, and maybe flat TRL names}) with every TRL name moved into its section (module
-    docstring). `overrides`: TRL names from the command line, which win over the file's values;
+    """`data` ({section: {...}, and maybe flat TRL names}) with every TRL name moved into its section (`TRL_NAMES`,
+    module docstring). `overrides`: TRL names from the command line, which win over the file's values;
     `default_generations`: grpo.num_generations when neither gives it (the algorithm's default).
+
+    The values TRL spells differently are converted:
+
+        per_device_train_batch_size x gradient_accumulation_steps   completions per step (TRL's generation batch,
+                                                                    one process) -> grpo.prompts_per_step = that /
+                                                                    num_generations, which must divide it (as TRL
+                                                                    checks)
+        scale_rewards: true / false                                 "group" / "none" (TRL's booleans)
+        report_to: [tensorboard, wandb]                             "tensorboard,wandb" (a list as a comma list)
+        top_k: null                                                 0 (off)
+        lr_scheduler_type                                           cosine, linear, constant (constant_with_warmup
+                                                                    too)
+        bf16: true                                                  model.dtype bfloat16 (mixed precision)
+        use_peft, lora_r, lora_alpha, lora_target_modules           TRL's ModelConfig: model.lora_* when use_peft
+                                                                    is true (lora_r then defaults to TRL's 16;
+                                                                    without use_peft they are an error), LoRA off
+                                                                    when it is false; lora_dropout only 0
 
     Raises ValueError: a TRL name and its section's field both in the file with different values, a TRL field we do
     not support (naming it), a value TRL allows but we do not, a batch size that num_generations does not divide, a
@@ -157,7 +160,7 @@ def from_trl_names(data: dict, sections: dict[str, type], overrides: dict | None
 
 
 def _peft(named: dict, model: dict) -> None:
-    """TRL's ModelConfig LoRA names into model.lora_* (module docstring); a value the model section also sets
+    """TRL's ModelConfig LoRA names into model.lora_* (`from_trl_names`); a value the model section also sets
     differently is an error, as for every other TRL name."""
     dropout = named.get("lora_dropout", 0)
     if not _same(dropout, 0):

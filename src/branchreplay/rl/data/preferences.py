@@ -3,20 +3,10 @@ tokenizes them, and the prefix trees they make.
 
 A row is plain (three strings) or conversational (three lists of {"role", "content"} messages: the prompt's turns,
 and the chosen and rejected assistant turns), TRL's two preference formats. The file is JSONL, JSON or Parquet,
-read offline with Hugging Face `datasets`.
-
-    plain           EOS appended to chosen and rejected unless they end with it; prompt, prompt + chosen and
-                    prompt + rejected tokenized as whole strings, the responses starting where the ids diverge
-                    from the prompt's (tokens that merge across the boundary: TRL trims the prompt there too)
-    conversational  prompt ids = the chat template of the prompt with the generation prompt (`models.
-                    chat_prompt_ids`, as the sampler renders prompts); chosen ids = the
-                    template of prompt + chosen, minus those prompt ids (so chosen and rejected continue the SAME
-                    prompt ids; a template that renders the prompt differently inside the whole conversation is
-                    refused by row)
-
-Sequences longer than `max_length` keep their start (TRL's truncation_mode="keep_start"). Over a tree, the prompt is
-one node and chosen and rejected are branches that share a node where their responses share a prefix; pairs with
-the same prompt share one tree (`pair_trees`).
+read offline with Hugging Face `datasets`; `load_preferences` says how each format is tokenized. Sequences longer
+than `max_length` keep their start (TRL's truncation_mode="keep_start"). Over a tree, the prompt is one node and
+chosen and rejected are branches that share a node where their responses share a prefix; pairs with the same
+prompt share one tree (`pair_trees`).
 """
 
 from __future__ import annotations
@@ -46,6 +36,17 @@ class PreferencePair:
 
 def load_preferences(path: str | Path, tokenizer, max_length: int | None = None) -> tuple[list[PreferencePair], int]:
     """The pairs of a preference file and how many rows were skipped (chosen equal to rejected, with a warning).
+
+    Tokenized as TRL 1.16's DPOTrainer tokenizes them:
+
+        plain           EOS appended to chosen and rejected unless they end with it; prompt, prompt + chosen and
+                        prompt + rejected tokenized as whole strings, the responses starting where the ids diverge
+                        from the prompt's (tokens that merge across the boundary: TRL trims the prompt there too)
+        conversational  prompt ids = the chat template of the prompt with the generation prompt
+                        (`models.chat_prompt_ids`, as the sampler renders prompts); chosen ids = the template of
+                        prompt + chosen, minus those prompt ids (so chosen and rejected continue the SAME prompt ids;
+                        a template that renders the prompt differently inside the whole conversation is refused by
+                        row)
 
     Also skipped, with a warning: rows whose prompt alone fills max_length tokens (TRL drops them too).
     Raises:

@@ -2,18 +2,12 @@
 
 A task is a procedurally generated reasoning-gym dataset (offline, deterministic given a seed). Each item is a dict
 with ``question`` (str), ``answer`` (str, the gold answer) and ``metadata`` (dict); ``dataset.score_answer(answer,
-item)`` grades an extracted answer in [0, 1] (see `branchreplay.rl.data.rewards`).
-
-Or ``task.dataset``: the user's own prompts in a local JSONL / JSON / Parquet file (TRL's prompt-only format), read
-offline with Hugging Face ``datasets`` (`load_prompt_file`). A row's ``task.prompt_column`` is a plain prompt (str)
-or a conversation (a list of {"role", "content"} messages); it becomes the item's ``question``, its
-``task.answer_column`` the item's ``answer``, and every other column is kept and reaches the reward functions by
-name, as TRL's ``GRPOTrainer`` passes dataset columns. `prompt_messages` turns any item into the chat messages the
-policy is prompted with.
-
-The default task and its configuration were chosen by measuring SmolLM2-135M-Instruct's base accuracy
-(``scripts/measure_base_accuracy.py``, results in ``docs/default_task.md``): the base model must be neither always
-wrong (no reward signal) nor always right (nothing to learn).
+item)`` grades an extracted answer in [0, 1] (see `branchreplay.rl.data.rewards`). Or ``task.dataset``: the user's
+own prompts in a local JSONL / JSON / Parquet file (TRL's prompt-only format, `load_prompt_file`), every column of
+which reaches the reward functions by name, as TRL's ``GRPOTrainer`` passes dataset columns. `prompt_messages` turns
+any item into the chat messages the policy is prompted with. The default task is one on which SmolLM2-135M-Instruct
+is neither always wrong (no reward signal) nor always right (nothing to learn): ``docs/default_task.md``.
+Design notes and measurements: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations
@@ -33,9 +27,9 @@ FEW_SHOT: list[tuple[str, str]] = [
     ("What is 7 - 9?", "7 - 9 = -2. <answer>-2</answer>"),
     ("How many legs do 3 birds have?", "A bird has 2 legs, so 3 birds have 3 * 2 = 6 legs. <answer>6</answer>"),
 ]
-"""(question, reply) demonstrations put before every question as earlier chat turns. Measured on
-SmolLM2-135M-Instruct (docs/default_task.md), the instruction alone never made it write ``<answer>`` tags; these two
-turns do. They are part of the prompt, which every rollout of a group shares, so they cost one prefix forward."""
+"""(question, reply) demonstrations put before every question as earlier chat turns. The instruction alone does not
+make SmolLM2-135M-Instruct write ``<answer>`` tags (docs/default_task.md); these two turns do. They are part of the
+prompt, which every rollout of a group shares, so they cost one prefix forward."""
 
 _SHOWN_TASKS = 30  # how many known task names an "unknown task" error lists
 
@@ -69,7 +63,9 @@ def load_task(cfg: TaskConfig, hold_out: bool = True) -> tuple[ProceduralDataset
 def load_prompt_file(cfg: TaskConfig, hold_out: bool = True) -> tuple[list[dict], list[dict]]:
     """(train items, held-out items) of cfg.dataset (and cfg.eval_dataset; without one, the last
     `cfg.held_out_size(rows)` rows are held out, none when `hold_out` is False). Each item: every column of its row,
-    `question` = the prompt column, `answer` = the answer column.
+    `question` = the prompt column, `answer` = the answer column. The file is read offline with Hugging Face
+    ``datasets``; a row's ``task.prompt_column`` is a plain prompt (str) or a conversation (a list of {"role",
+    "content"} messages), and every other column is kept and reaches the reward functions by name.
 
     Raises FileNotFoundError (no such file), ValueError: an unknown format, a missing column (naming the columns
     found; the answer column is required only when set away from its default, or by a reward that needs it), a

@@ -1,30 +1,13 @@
 """Rollouts drawn ahead (grpo.max_staleness = k >= 1): the batches of the next steps are sampled in a process of
 their own while the trainer trains this step.
 
-    step t (the weights are version t - 1: the sampling rounds trained before it)
-        take batch t            drawn by version t - 1 - k (by a later one in the first k steps of a run or resume)
-        ask for batch t + k     drawn by version t - 1, whose weights are copied into a shared slot
-        train on batch t        while the sampler process draws the batches asked for
-
-Every group of a batch carries the version that drew it (`Batch.versions`), so its staleness (the versions between
-it and the weights that train it) is at most k by construction. A batch beyond the bound all the same is dropped,
-counted (sample/dropped_stale_total, groups) and drawn again by the trainer's own `Sampler` with its current
-weights, never trained. The process draws a batch exactly as the synchronous loop would with those weights
-(`Sampler.batch`: group k of step s from a generator seeded by (train.seed, s, k)); its logprobs travel with the
-batch, the behaviour logprobs the update's ratio takes (`algorithms.base.Algorithm.passes`).
-
-The process is forked from the trainer before the trainer shards or changes its model, so it holds its own copy of
-the model, the task, the reward functions and the environment; only the requests and the batches are pickled. It
-runs one CPU thread (GNU OpenMP cannot start threads in a child forked after its parent ran its own) and cannot
-use CUDA (a forked child cannot), so it samples in-process only for a model on the CPU; with sampling.backend vllm
-it drives the server instead, pushing each version's weights before it asks. The weights travel through k slots of
-shared memory allocated before the fork: the request for step s uses slot s % k, written after the batch that used
-it last was taken. Under torchrun rank 0 owns the process and every rank receives the batch.
-
-Faults: the process dying fails the step with `SamplerFailed` naming it (the run keeps its checkpoint). Ctrl-C
-reaches the trainer alone (the process ignores SIGINT) and the trainer closes it; a killed trainer leaves the
-process to find its pipe closed and exit. A resume asks again for the batches that were in flight, drawn by the
-checkpoint's weights: nothing is lost and nothing trains twice.
+Step t trains on a batch drawn by weights at most k versions older than its own (`Ahead`: the schedule, the bound,
+a resume); every group carries the version that drew it (`Batch.versions`), and the batch's logprobs are the
+behaviour logprobs the update's ratio takes. The process (`SamplerProcess`, started by `start_sampler` on rank 0) is
+forked before the trainer shards or changes its model; it samples a model on the CPU in-process or drives the vLLM
+server, and reads each version's weights from shared memory. Its death fails the step with `SamplerFailed`;
+`check_ahead` refuses what it cannot serve (DPO, no fork, an accelerator without vLLM). User guide:
+docs/rollouts_ahead.md.
 """
 
 from __future__ import annotations
@@ -70,7 +53,19 @@ def check_ahead(config, samples: bool, device: torch.device) -> None:
 
 class SamplerProcess:
     """The forked process that draws batches with `sampler` (a `Sampler` over its own copy of the model, in one
-    process: no ranks) from the weights in `slots` (per slot, the model's state dict in shared memory)."""
+    process: no ranks) from the weights in `slots` (per slot, the model's state dict in shared memory).
+
+    The process is forked from the trainer before the trainer shards or changes its model, so it holds its own copy
+    of the model, the task, the reward functions and the environment; only the requests and the batches are
+    pickled. It runs one CPU thread (GNU OpenMP cannot start threads in a child forked after its parent ran its own)
+    and cannot use CUDA (a forked child cannot), so it samples in-process only for a model on the CPU; with
+    sampling.backend vllm it drives the server instead, pushing each version's weights before it asks. The weights
+    travel through k slots of shared memory allocated before the fork: the request for step s uses slot s % k,
+    written after the batch that used it last was taken.
+
+    Faults: the process dying fails the step with `SamplerFailed` naming it (the run keeps its checkpoint). Ctrl-C
+    reaches the trainer alone (the process ignores SIGINT) and the trainer closes it; a killed trainer leaves the
+    process to find its pipe closed and exit."""
 
     def __init__(self, sampler, slots: list[dict]):
         self.slots = slots
@@ -181,10 +176,24 @@ def start_sampler(config, policy, sampler_of, ranks) -> SamplerProcess | None:
 
 
 class Ahead:
-    """The batches of a run with grpo.max_staleness = k >= 1 (module docstring): `batch(step)` as `Sampler`'s.
+    """The batches of a run with grpo.max_staleness = k >= 1: `batch(step)` as `Sampler`'s.
     `process`: the `SamplerProcess` on rank 0 (None on the others); `local`: the trainer's own `Sampler`, which
     draws a batch again when one is beyond the bound; `policy`: the trained `Policy` whose weights are sent;
-    `last`: the run's last step (train.steps), beyond which nothing is asked for."""
+    `last`: the run's last step (train.steps), beyond which nothing is asked for.
+
+        step t (the weights are version t - 1: the sampling rounds trained before it)
+            take batch t            drawn by version t - 1 - k (by a later one in the first k steps of a run or resume)
+            ask for batch t + k     drawn by version t - 1, whose weights are copied into a shared slot
+            train on batch t        while the sampler process draws the batches asked for
+
+    Every group of a batch carries the version that drew it (`Batch.versions`), so its staleness (the versions
+    between it and the weights that train it) is at most k by construction. A batch beyond the bound all the same
+    is dropped, counted (sample/dropped_stale_total, groups) and drawn again by the trainer's own `Sampler` with its
+    current weights, never trained. The process draws a batch exactly as the synchronous loop would with those
+    weights (`Sampler.batch`: group k of step s from a generator seeded by (train.seed, s, k)); its logprobs travel
+    with the batch, the behaviour logprobs the update's ratio takes (`algorithms.base.Algorithm.passes`). Under
+    torchrun rank 0 owns the process and every rank receives the batch. A resume asks again for the batches that
+    were in flight, drawn by the checkpoint's weights: nothing is lost and nothing trains twice."""
 
     def __init__(self, process: SamplerProcess | None, local, policy, bound: int, last: int, ranks=None,
                  status=lambda text: None):

@@ -1,27 +1,14 @@
 """The decoding rows of `sampling.sample_groups` for Llama-architecture models on the CPU, the step written out in
 plain torch as gpt-fast writes its Transformer (sampling.cache_implementation=auto there).
 
-transformers' forward adds work around a decoding step's matmuls and attention: three projections and two MLP
-matrices called apart, a DynamicCache that concatenates every layer's keys at every step (or a StaticCache read
-in full under a mask), masks and position ids built per call, and Python per module. Here a step is one
-function: per layer its seven matmuls from MKL-packed weights (`packed_linears`'s, and the attention
-projections it leaves unpacked packed here: they cost resident memory of their own bytes only; fusing q / k / v
-and gate / up into one matmul each saved nothing measurable once packed), the layer's own RMSNorm, rotary
-embedding, `apply_rotary_pos_emb`, activation and LM head modules for the rest (so each elementwise result is
-transformers'), and attention as `engine.attention.grouped_prefix_attention`: each group's prompt held once, as
-the prefill left it, every group's rows folded into one query sequence against it, and each row's own generated
-keys in a preallocated store (slots doubled when full, never re-read beyond the depth written), the two merged
-by their log-sum-exp. Every row is a live stream: a drop or fork gathers the used slots of the rows kept, as
-transformers' `reorder_cache` does, so no step decodes a finished stream.
-
-It applies (`llama_rows_apply`) to the families whose decoder layer is exactly Llama's, with the one variation read from
-the layer itself (Qwen3's q / k RMSNorm over the head dim): llama, qwen2, qwen3 and mistral, without sliding-window
-layers, on the CPU in float32 or float64, outside autocast, with every projection a plain nn.Linear holding a plain
-tensor (a LoRA wrapper, an FSDP2 DTensor, or a forward hook or an instance forward on any module: the model's own
-forward, which those rely on, decodes instead). The samples equal the dynamic cache's up to the matmuls' floating-point
-order (float64 test: the same ids). Not compiled: `torch.compile` of transformers' static step made it slower on this
-CPU, and of this one (inductor, dynamic shapes) had not finished its first step after 11 minutes on 2 cores, for ops it
-could fuse that take about 8% of a step (docs/benchmarks.md).
+A step is one function: per layer its seven matmuls from MKL-packed weights (`packed_linears`), the layer's own
+RMSNorm, rotary embedding, activation and LM head modules for the rest (so each elementwise result is
+transformers'), and attention as `engine.attention.grouped_prefix_attention` (each group's prompt held once, each
+row's generated keys in a preallocated store, the two merged by their log-sum-exp). Every row is a live stream: a
+drop or fork gathers the rows kept, so no step decodes a finished stream. It applies where `llama_rows_apply` says
+(llama, qwen2, qwen3, mistral; CPU, float32 or float64). The samples equal the dynamic cache's up to the matmuls'
+floating-point order (float64 test: the same ids).
+Design notes and measurements: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations
@@ -45,7 +32,11 @@ FIRST_SLOTS = 64
 
 
 def llama_rows_apply(model) -> bool:
-    """Whether `LlamaRows` can decode `model` exactly (the module docstring's conditions)."""
+    """Whether `LlamaRows` can decode `model` exactly: the families whose decoder layer is exactly Llama's
+    (`FAMILIES`), with the one variation read from the layer itself (Qwen3's q / k RMSNorm over the head dim),
+    without sliding-window layers, on the CPU in float32 or float64, outside autocast, with every projection a plain
+    nn.Linear holding a plain tensor (a LoRA wrapper, an FSDP2 DTensor, or a forward hook or an instance forward on
+    any module: the model's own forward, which those rely on, decodes instead)."""
     config = model.config
     if config.model_type not in FAMILIES or model.device.type != "cpu" or model.dtype not in (torch.float32,
                                                                                               torch.float64):

@@ -1,25 +1,14 @@
 """The policy's linear layers with MKL-packed weights while the in-process sampler runs (CPU, float32).
 
-A decoding step multiplies a few dozen rows by every weight matrix. On the CPU, MKL's sgemm then spends much of its
-time packing W into its internal blocked layout, again at every call; `cblas_sgemm_pack` does it once
-(`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU weight freezing uses). MKL computes
-from the packed copy only for the number of rows it was packed for (`_mkl_linear` with any other number runs the
-unpacked sgemm on the original weight, as fast as nn.Linear: measured, 3072x576 at 31 rows 634 us against 411 at
-the packed 32), so a block packs for the decoding step's most rows (`rows`) and a product of fewer rows, but more
-than half as many, is padded with zero rows to that number (a decoding step of that size is bound by reading the
-weights, so the padding costs next to nothing); fewer, or more (a prefill), run nn.Linear. On SmolLM2's shapes at 32
-rows (2 threads) the LM head takes 7.7 instead of 10.4 ms and an MLP matrix 0.19 instead of 0.27-0.34 ms. The packed
-buffer's size is W's plus about 10 MB of blocking per matrix, of which only W's bytes become resident (measured: 30
-packed 960x576 matrices, 348 MB allocated, 68 MB resident); a matrix is packed only where that stays within
-MAX_PACKED_RATIO of its own elements: SmolLM2's LM head (2.1x) and MLP (3.9x), not its attention projections (8.7x and
-21x; the plain Llama decoding step, `llama_rows`, packs those for itself); on larger models most matrices (1.2-1.8x),
-not the key / value projections of grouped-query attention where they are narrow (Qwen2.5-1.5B: 6.7x).
-`sampling.pack_weights: false` turns it off.
+MKL's sgemm packs W into its blocked layout at every call; `cblas_sgemm_pack` does it once
+(`torch.ops.mkl._mkl_reorder_linear_weight` / `_mkl_linear`, what inductor's CPU weight freezing uses). A packed copy
+serves only the number of rows it was packed for, so a block packs for the decoding step's most rows (`rows`), pads a
+product of more than half as many with zero rows, and runs nn.Linear for fewer or more (a prefill). A matrix is
+packed only where MKL's buffer stays within MAX_PACKED_RATIO of its own elements; `sampling.pack_weights: false`
+turns it off. Packing is not a global patch: `packed_linears(model)` sets an instance `forward` on each packed
+nn.Linear for the duration of a `with` block and removes it on leaving.
 
-Packing is not a global patch: `packed_linears(model)` sets an instance `forward` on each packed nn.Linear for the
-duration of a `with` block and removes it on leaving. A forward runs nn.Linear's own (with the module's current
-weight and bias) when grad is enabled, under CPU autocast, on another dtype or device, with an input of the wrong
-width, or when the weight was replaced or changed in place since it was packed (its version counter moved).
+Design notes and measurements: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations
@@ -87,7 +76,7 @@ def linear(x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: to
 @functools.lru_cache(maxsize=256)
 def _packed_elements(out_features: int, in_features: int, rows: int) -> int:
     """The elements of MKL's packed buffer for a [out, in] float32 weight and `rows` rows (a function of the shape
-    only: measured once per shape on a zero matrix, so a weight it rejects is never packed)."""
+    only: computed once per shape on a zero matrix, so a weight it rejects is never packed)."""
     return pack(torch.zeros(out_features, in_features), rows).numel()
 
 
@@ -126,7 +115,10 @@ def packed_linears(model: nn.Module, enabled: bool = True, rows: int = 32):
     more than rows / 2 of them (`linear`). Nothing changes with enabled=False, without MKL or under CPU autocast.
     Nested in another block on the same model it packs nothing (the outer block's packing stands). Results equal
     nn.Linear's up to the floating-point order of the matmul (float32: about 1e-6 relative; MKL's own small-batch
-    kernels differ from it by as much). While it lasts, `block(model)` gives its rows and its memo."""
+    kernels differ from it by as much). While it lasts, `block(model)` gives its rows and its memo. A packed forward
+    runs nn.Linear's own (with the module's current weight and bias) when grad is enabled, under CPU autocast, on
+    another dtype or device, with an input of the wrong width, or when the weight was replaced or changed in place
+    since it was packed (its version counter moved)."""
     modules, opened = [], False
     try:
         nested = model in _OPEN or any(hasattr(m.__dict__.get("forward"), "packed_weight") for m in model.modules())

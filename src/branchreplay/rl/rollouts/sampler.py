@@ -3,13 +3,13 @@ the step in one decoding loop, or by the vLLM server; multi-turn through the env
 functions or the environment, and grouped with their advantages (`batch.group_rollouts`).
 
 Each group (item) k of step s draws from its own torch.Generator seeded by (train.seed, s, k), so its samples do not
-depend on the other groups, the world size or a resume (since issue 11; earlier versions drew every group of a step
-from one generator seeded by (train.seed, s)). Under torchrun rank r samples and scores the groups k with
+depend on the other groups, the world size or a resume. Under torchrun rank r samples and scores the groups k with
 k % world == r (multi-turn: the items), and every rank then holds the whole batch (token ids, logprobs, rewards:
 small), so advantages and loss weights are normalised over the whole step. With the vLLM backend rank 0 alone talks
 to the server: it sends every group of the step at once (one server batches them all and its prefix cache serves
 every rank's groups; one weight upload per update, where a server per rank would take one each) and scores them,
 and every rank receives the batch.
+History: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations

@@ -3,15 +3,12 @@ their prompts share once: `sample_groups`).
 
 The prompt is run once with batch size 1; its KV cache is then copied to the live streams (one cache row per
 stream) and every stream decodes token by token against it with explicit position ids. A branching schedule
-forks streams at given generated depths, so samples share response prefixes as well as the prompt.
-
-Finished streams (EOS sampled) are dropped from the cache at once, so every row of the cache always has the same
-length (prompt + generated depth): no padding and no attention mask are ever needed, and a pad id equal to the EOS
-id (SmolLM2) cannot confuse anything.
-
-Cache rows are copied, forked and dropped with `Cache.reorder_cache(index)` (an `index_select` along the batch
-dimension), the beam-search path that every transformers cache layer implements, linear-attention/SSM layers
-included; `batch_select_indices` / `batch_repeat_interleave` exist only on KV layers.
+forks streams at given generated depths, so samples share response prefixes as well as the prompt. Finished
+streams (EOS sampled) are dropped from the cache at once, so every row of the cache always has the same length
+(prompt + generated depth): no padding and no attention mask are ever needed, and a pad id equal to the EOS id
+(SmolLM2) cannot confuse anything. Cache rows are copied, forked and dropped with `Cache.reorder_cache(index)`
+(an `index_select` along the batch dimension), the beam-search path that every transformers cache layer
+implements, linear-attention/SSM layers included (`batch_select_indices` exists only on KV layers).
 """
 
 import contextlib
@@ -442,12 +439,11 @@ def _draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torc
     The draw is the inverse transform: one uniform u per row from `generator` (float64), and the first token whose
     cumulative probability (summed in float64) exceeds u times the row's total, so a filtered token (probability 0)
     is never drawn; a row whose probabilities are not finite (NaN or inf logits) raises RuntimeError, as
-    `torch.multinomial` did. That drew V exponentials per row instead (the Gumbel-max form), which on the CPU cost
-    10 ms per 8 rows of a 49k vocabulary: a third of a decoding step of the demo's batch. The cumulative sum is
-    taken in two levels, over blocks of DRAW_BLOCK ids and then inside the block u falls in, so no [rows, V]
-    float64 tensor is made (that cumsum and its copy cost 1.6 ms per 8 rows in a decoding loop, page faults of
-    fresh 3 MB buffers mostly); where the rounding of the two levels differs at the block's end, the block's last
-    id of positive probability is drawn."""
+    `torch.multinomial` did. That drew V exponentials per row instead (the Gumbel-max form), a large share of a
+    decoding step on the CPU. The cumulative sum is taken in two levels, over blocks of DRAW_BLOCK ids and then
+    inside the block u falls in, so no [rows, V] float64 tensor is made (on the CPU, that cumsum and its copy cost
+    a decoding loop their fresh buffers' page faults); where the rounding of the two levels differs at the block's
+    end, the block's last id of positive probability is drawn. Figures: docs/notes/rl-docstrings.md."""
     scaled = logits / config.temperature
     probs = _filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
     rows, vocab = probs.shape

@@ -1,34 +1,14 @@
 """The decoding rows of `sampling.sample_groups` in a preallocated KV cache (sampling.cache_implementation=static),
 as gpt-fast and vLLM decode: every step is the same forward over a fixed number of rows, so on CUDA it is captured
-once as a CUDA graph and replayed (the step's several hundred kernels launched as one; sampling.enforce_eager=True
-runs it eagerly instead).
+once as a CUDA graph and replayed (sampling.enforce_eager=True runs it eagerly instead).
 
 The cache is transformers' `StaticCache` (one [rows, kv_heads, slots, head_dim] tensor per layer and for keys and
-values, written in place at one slot per step). Where split prefix attention applies (`engine.attention.
-PrefixSplit`: SDPA, full attention, float32 / float64 on the CPU, float32 on CUDA) each group's prompt is held once,
-as the prefill left it, and the cache holds only the generated slots: a step runs `grouped_prefix_attention`, each
-group's rows folded into one query sequence against their prompt (no mask, no copy per row: the prompt's keys are
-read once per group and step, as the training engine reads a shared prefix), their own generated keys under an
-additive mask, the two merged by their log-sum-exp. Elsewhere every row holds its prompt: the prompts' caches
-left-aligned to the longest P, as the dynamic path stacks them, generated token t at slot P + t, under a boolean
-mask of the row's prompt slots and the generated slots written so far. Either way a row sees exactly the keys the
-dynamic path gives it (masked slots get weight 0).
-
-The generated slots come in buckets too: a cache starts with FIRST_SLOTS of them (at most max_new_tokens) and
-doubles them, keeping those written, when the streams reach the last (each doubling a new shape: on CUDA captured
-again), so a step reads at most twice the slots its streams have written, however large max_new_tokens is.
-
-A stream is not a row: `slots[i]` is the row of live stream i among `capacity` rows, a power of two (the shape's
-bucket). A finished stream's row stops being read but goes on decoding junk, which is what keeps the step's shape,
-until the live streams fill half the rows or fewer; then, and at a fork (whose children copy their parent's row:
-generated keys and values, or the prompt's too where every row holds it, mask, first position), the live rows are
-gathered into a new cache of the bucket that holds them. So at most twice the live rows decode, a row's cache takes
-up to twice the dynamic one's memory (where it holds the prompt), and on CUDA the step is
-captured again after each gather (a few times per call: once after the first fork, once per halving, once per
-doubling of the slots).
-The tokens are still drawn on the host's schedule (per group, from its own generator, for its live streams only),
-so the sampled ids and logprobs are the dynamic path's (float64 test), at the cost of reading the drawn tokens back
-once per generated position.
+values). Where split prefix attention applies (`engine.attention.PrefixSplit`) each group's prompt is held once and
+read through `grouped_prefix_attention`; elsewhere every row holds its prompt under a boolean mask. Either way a row
+sees exactly the keys the dynamic path gives it. Rows and generated slots come in power-of-two buckets (`StaticRows`).
+The tokens are drawn outside the graph as the dynamic path draws them (per group, from its own generator, for its
+live streams only), so the sampled ids and logprobs are the dynamic path's (float64 test).
+Design notes: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations
@@ -73,7 +53,10 @@ class StaticRows:
     copies none of the prompt); the caller decodes inside an `engine.attention.PrefixSplit` that applies. The
     generated slots: FIRST_SLOTS, doubled when full, at most max_new_tokens. `graphs`: capture the step as a CUDA
     graph (on CUDA; `graphs_apply`). The capacity is a power of two, the smallest that holds the live streams when
-    they outgrow it or fill at most half of it (then the rows are gathered into a new cache)."""
+    they outgrow it or fill at most half of it (then the rows are gathered into a new cache). A finished stream's
+    row stops being read but goes on decoding junk (which keeps the step's shape) until that gather; a fork's
+    children copy their parent's row. So at most twice the live rows decode over at most twice the slots written;
+    on CUDA each new shape (a gather, a doubling of the slots) is captured again."""
 
     def __init__(self, model, start: torch.Tensor, max_new_tokens: int, graphs: bool, stacked: DynamicCache = None,
                  visible: torch.Tensor = None, prompts: list[DynamicCache] = None):

@@ -5,25 +5,10 @@ For one dataset item, the environment's opening messages start the conversation.
 inside the turn, `sampling.turn_schedule`) from the conversation so far; each reply that called for an answer gets
 the environment's messages (`environments.Environment.step`), and its conversation goes on to turn t + 1. So with
 turn_branching (2, 4), 2 first replies are each continued 4 ways after their tool result: up to 8 trajectories,
-which share the prompt, and in fours their first turn. The ids are built by `conversation.
-Conversation` (assistant turns as sampled, environment turns as the template's delta), so shared turns are the same
-ids and `tree.RolloutTree` shares their nodes.
-
-Sampling goes turn by turn across a step's items (`sample_trajectories_turnwise`): at each turn every trajectory
-still going asks for its replies at once, from the vLLM server (its prefix cache holds the shared turns) or in this
-process (`turns.InProcessTurns`: each conversation's cache kept from its parent's turn, its new tokens prefilled
-after it, the step's openings as one radix trie so that the start they share runs once, and every reply of the turn
-in one decoding loop); the shared history is never run again.
-
-A trajectory ends when the environment says done (or answers with no message), its reply was cut at
-sampling.max_new_tokens (no end-of-turn: `truncated`), its reply ended on an EOS id other than the template's end of
-turn (the tokenizer's EOS: `end_of_sequence`, e.g. Qwen's <|endoftext|>), it reached `max_turns` replies, or its
-next reply could pass `max_context_tokens` (the environment's answer that would not fit is dropped, so the
-trajectory ends with its last reply). A tool message longer than
-`max_tool_output_tokens` is cut to that many tokens with a marker before it enters the conversation. An item whose
-`reset`, `step` or `final_reward` raises, or whose opening messages leave no room for a reply, raises `ItemError`
-(the trainer skips it). `tool_calls` and `tool_errors` count the calls whose results entered the conversation.
-With a template that renders tools itself, the environment's `template_tools` (JSON schemas) go to the template.
+which share the prompt, and in fours their first turn. The ids are built by `conversation.Conversation` (assistant
+turns as sampled, environment turns as the template's delta), so shared turns are the same ids and
+`tree.RolloutTree` shares their nodes. Sampling goes turn by turn across a step's items
+(`sample_trajectories_turnwise`), so the shared history is never run again; `Limits` says when a trajectory ends.
 """
 
 from __future__ import annotations
@@ -43,14 +28,16 @@ from .turns import InProcessTurns
 
 
 class ItemError(ValueError):
-    """A dataset item that cannot start a trajectory: the environment's reset raised, or the opening messages
-    leave no room for a reply under the context limit. The message names the item."""
+    """A dataset item that cannot start or go on: the environment's `reset`, `step` or `final_reward` raised, or the
+    opening messages leave no room for a reply under the context limit (the trainer skips the item). The message
+    names the item."""
 
 
 @dataclass
 class Trajectory:
     """One multi-turn rollout: its conversation (ids, loss mask, messages), the sampler's logprob of each ids
-    position (0.0 outside assistant turns), per-turn rewards, the final reward, and counts for the metrics."""
+    position (0.0 outside assistant turns), per-turn rewards, the final reward, and counts for the metrics
+    (`tool_calls` and `tool_errors` count the calls whose results entered the conversation)."""
 
     conversation: Conversation
     logprobs: list[float]
@@ -65,8 +52,15 @@ class Trajectory:
 
 @dataclass
 class Limits:
-    """When a trajectory stops growing (module docstring): assistant replies (>= 1), total tokens (None = no
-    limit), and the tokens one tool message may add (None = no cut)."""
+    """When a trajectory stops growing: assistant replies (>= 1), total tokens (None = no limit), and the tokens one
+    tool message may add (None = no cut).
+
+    A trajectory ends when the environment says done (or answers with no message), its reply was cut at
+    sampling.max_new_tokens (no end-of-turn: `truncated`), its reply ended on an EOS id other than the template's end
+    of turn (the tokenizer's EOS: `end_of_sequence`, e.g. Qwen's <|endoftext|>), it reached `max_turns` replies, or
+    its next reply could pass `max_context_tokens` (the environment's answer that would not fit is dropped, so the
+    trajectory ends with its last reply). A tool message longer than `max_tool_output_tokens` is cut to that many
+    tokens with a marker before it enters the conversation."""
 
     max_turns: int = 4
     max_context_tokens: int | None = None
@@ -105,8 +99,9 @@ def sample_trajectories_turnwise(sample_turn, tokenizer, env: Environment, items
     its replies in ONE call `sample_turn([(conversation ids, {generated depth: fan-out}), ...], [(item index, branch
     path), ...])` -> per request, its `Sample`s (`turns.InProcessTurns`, or `vllm_sampling.sample_trees`: all in
     flight together; the server's prefix cache holds the shared turns, so a turn costs its new tokens). A request's
-    branch path is its parent's plus the index of its reply among the parent's. Trajectories end by the limits of
-    the module docstring; each item's are listed in the lexicographic order of their branch paths.
+    branch path is its parent's plus the index of its reply among the parent's. Trajectories end by `limits`; each
+    item's are listed in the lexicographic order of their branch paths. With a template that renders tools itself,
+    the environment's `template_tools` (JSON schemas) go to the template.
 
     Returns ({item index: its trajectories} for the items that did not fail, the failed items' ItemError
     messages); the sampler's errors (VLLMError) propagate."""

@@ -2,23 +2,10 @@
 
 vLLM pins its own torch and transformers, so it runs in its own virtual environment (`make vllm`: `.venv-vllm`) and
 process, as vLLM's OpenAI-compatible server with its development endpoints on (VLLM_SERVER_DEV_MODE=1). The trainer
-talks to it over HTTP (standard library only):
-
-    GET  /v1/models                          the served model (its folder) and max_model_len: checked at connect
-    POST /tokenize                           a probe text's ids, compared with the trainer's tokenizer at connect
-    POST /v1/completions                     prompt token ids, n samples, return_token_ids, logprobs=0: each
-                                             sample's token ids and the sampled tokens' logprobs, after
-                                             temperature (the server runs with --logprobs-mode processed_logprobs);
-                                             a branching schedule is a request per fork (`vllm_sampling.py`)
-    POST /collective_rpc reload_weights      after each optimizer update: the policy's weights, written as one
-                                             safetensors file in a folder the server can read (overwritten in
-                                             place each update: `weights_file.py`), loaded in place
-    POST /reset_prefix_cache                 then: cached prefixes were computed with the old weights
-    POST /v1/load_lora_adapter               LoRA (model.lora_r > 0): the adapter alone, under a new name each
-                                             update, the previous one unloaded (`sync_adapter`)
-
-Prefix caching is on, so a group's G requests prefill their shared prompt once. A server that is not there, dies or
-stops answering raises `VLLMError` (after `timeout_s`), never hangs the run; the trainer then checkpoints and stops.
+talks to it over HTTP, standard library only (`VLLMClient` lists the endpoints it calls). Prefix caching is on, so a
+group's G requests prefill their shared prompt once. A server that is not there, dies or stops answering raises
+`VLLMError` (after `timeout_s`), never hangs the run; the trainer then checkpoints and stops.
+Measurements: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations
@@ -55,7 +42,7 @@ def serve_command(model_dir: str, host: str = "127.0.0.1", port: int = 8000, pyt
                   max_model_len: int | None = None, dtype: str = "float32", kv_cache_gib: float = 4.0,
                   lora_rank: int | None = None) -> list[str]:
     """The command line of a vLLM server for `model_dir` (a Hugging Face folder): prefix caching on, logprobs after
-    temperature, in `dtype` (float32 on CPUs without bf16 units: bf16 was 3x slower there), with `kv_cache_gib` GiB
+    temperature, in `dtype` (float32 on CPUs without bf16 units, where bf16 runs slower), with `kv_cache_gib` GiB
     of KV cache (on CPU vLLM otherwise reserves 92% of the machine's memory, which the trainer needs too);
     `lora_rank`: LoRA adapters of rank up to it, loaded at run time (a run with model.lora_r syncs its adapter)."""
     command = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host", host,
@@ -84,7 +71,20 @@ class VLLMClient:
     """A connection to one vLLM server. Create it with `connect`.
 
     url: e.g. "http://127.0.0.1:8000". model: the served model's name (its folder). timeout_s: how long one request
-    may take before the server counts as not answering (seconds).
+    may take before the server counts as not answering (seconds). The endpoints it calls:
+
+        GET  /v1/models                          the served model (its folder) and max_model_len: checked at connect
+        POST /tokenize                           a probe text's ids, compared with the trainer's tokenizer at connect
+        POST /v1/completions                     prompt token ids, n samples, return_token_ids, logprobs=0: each
+                                                 sample's token ids and the sampled tokens' logprobs, after
+                                                 temperature (the server runs with --logprobs-mode processed_logprobs);
+                                                 a branching schedule is a request per fork (`vllm_sampling.py`)
+        POST /collective_rpc reload_weights      after each optimizer update: the policy's weights, written as one
+                                                 safetensors file in a folder the server can read (overwritten in
+                                                 place each update: `weights_file.py`), loaded in place
+        POST /reset_prefix_cache                 then: cached prefixes were computed with the old weights
+        POST /v1/load_lora_adapter               LoRA (model.lora_r > 0): the adapter alone, under a new name each
+                                                 update, the previous one unloaded (`sync_adapter`)
     """
 
     url: str

@@ -1,12 +1,12 @@
 """The safetensors file a vLLM weight sync writes, kept for the run and overwritten in place.
 
-A new file per sync (540 MB for SmolLM2 in float32) had the kernel hand out fresh pages every time: on this machine
-(a VM that returns freed memory to its host) that took 2-3 s of a 3-5 s sync, where writing the same file's pages
-again took 0.3 s. So the first sync writes the file and the next ones overwrite its tensors in place (same names,
+A new file per sync has the kernel hand out fresh pages every time, most of a sync's time on a machine that returns
+freed memory (a VM). So the first sync writes the file and the next ones overwrite its tensors in place (same names,
 dtypes and shapes; anything else, or a file that is gone, writes a new one). It lives in /dev/shm where there is
 room (memory, not disk: one copy of the weights held for the run), unless TMPDIR is set (a folder the server reads,
 e.g. shared with its machine), in a folder named after the host and the process, removed at exit; the folder of a
 process of this host that no longer runs (killed before it could remove it) is removed when the next one is made.
+Design notes and measurements: docs/notes/rl-docstrings.md.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ def scratch_folder(state: dict) -> str | None:
 
 def unshared(state: dict) -> dict:
     """`state` on the CPU with each tensor that shares storage with an earlier one (a tied LM head) copied: a
-    safetensors file holds no shared storage. Only those are copied (a full copy took 0.2-1.4 s for SmolLM2)."""
+    safetensors file holds no shared storage. Only those are copied (copying every tensor would slow each sync)."""
     seen, out = set(), {}
     for name, value in state.items():
         value = value.detach().cpu()

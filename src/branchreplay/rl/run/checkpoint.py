@@ -1,38 +1,14 @@
 """Atomic training checkpoints in a run folder, written by every rank of a data-parallel run together.
 
-    RUN_DIR/checkpoints/step-000010/model.safetensors   the consolidated weights (shared tensors, e.g. tied
-                                                        embeddings, once), gathered to rank 0 and written there
-    RUN_DIR/checkpoints/step-000010/config.json         the model's config (and generation_config.json, the
-                                                        tokenizer's files): the folder loads with
-                                                        `AutoModelForCausalLM.from_pretrained` (the export)
-    RUN_DIR/checkpoints/step-000010/adapter_model.safetensors, adapter_config.json
-                                                        instead, for a LoRA run (model.lora_r): the adapter only,
-                                                        as peft's `save_pretrained` writes it
-    RUN_DIR/checkpoints/step-000010/optimizer/          the optimizer state, sharded: `torch.distributed.checkpoint`
-                                                        (DCP), each rank writing its own shards (FSDP2), a
-                                                        replicated tensor (DDP) once, by one of the ranks; keyed by
-                                                        parameter name, so any world size loads it (DCP reshards)
-    RUN_DIR/checkpoints/step-000010/trainer_state.pt    step, scheduler, python/numpy/torch RNG states, counters
-    RUN_DIR/checkpoints/step-000010/critic/             PPO's value model: model.safetensors, config.json,
-                                                        optimizer/ and trainer_state.pt (its scheduler), as above
-    RUN_DIR/checkpoints/step-000010/checksums.json      every other file of the folder: its size in bytes and its
-                                                        SHA-256, written last
-    RUN_DIR/checkpoints/latest                          text: the name of the newest complete checkpoint
+    RUN_DIR/checkpoints/step-000010/   model.safetensors and config.json (a Hugging Face model folder), or the LoRA
+                                       adapter's files; optimizer/ (DCP shards, loaded on any world size);
+                                       trainer_state.pt (step, scheduler, RNG states, counters); critic/ (PPO's
+                                       value model, as above); checksums.json (every other file's size and SHA-256)
+    RUN_DIR/checkpoints/latest         text: the name of the newest complete checkpoint
 
-A checkpoint is written into a hidden temporary folder next to its target (rank 0 creates it and every rank writes
-into it: ranks on several nodes need a shared filesystem), every file fsynced; after a barrier rank 0 renames it
-into place (rename is atomic on POSIX), and only then is `latest` replaced (written to a temporary file, fsynced,
-os.replace). A crash at any point, or a rank that dies during the save, leaves either the previous checkpoint or
-the new one, never a half-written one; leftover temporary folders are ignored by `latest_checkpoint` and removed by
-the next save. Checkpoints written before the optimizer state moved to DCP (a full state dict inside
-trainer_state.pt) still load.
-
-A checkpoint damaged after it was written (a file cut short by a copy, a disk that lost blocks) is told by its
-checksums.json: a file of another size counts as missing wherever checkpoints are listed, and a resume, an export
-or an evaluation also compares every file's SHA-256 before reading it (`faults`). A resume then takes the newest
-intact checkpoint, with a warning naming the damaged one and its file (`incomplete_latest`); loading a damaged
-folder by its path raises ValueError naming the file. Checkpoints written before checksums.json are checked for
-their files' presence only.
+A crash or a rank that dies during a save leaves the previous checkpoint or the new one, never a half-written one
+(`save_checkpoint` lists every file and how it is written); a checkpoint damaged after it was written is told by
+its checksums.json (`faults`), and a resume then takes the newest intact one.
 """
 
 from __future__ import annotations
@@ -74,9 +50,29 @@ def checkpoints_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
+# The files of a checkpoint (save_checkpoint writes them):
+# RUN_DIR/checkpoints/step-000010/model.safetensors   the consolidated weights (shared tensors, e.g. tied
+#                                                     embeddings, once), gathered to rank 0 and written there
+# RUN_DIR/checkpoints/step-000010/config.json         the model's config (and generation_config.json, the
+#                                                     tokenizer's files): the folder loads with
+#                                                     `AutoModelForCausalLM.from_pretrained` (the export)
+# RUN_DIR/checkpoints/step-000010/adapter_model.safetensors, adapter_config.json
+#                                                     instead, for a LoRA run (model.lora_r): the adapter only,
+#                                                     as peft's `save_pretrained` writes it
+# RUN_DIR/checkpoints/step-000010/optimizer/          the optimizer state, sharded: `torch.distributed.checkpoint`
+#                                                     (DCP), each rank writing its own shards (FSDP2), a
+#                                                     replicated tensor (DDP) once, by one of the ranks; keyed by
+#                                                     parameter name, so any world size loads it (DCP reshards)
+# RUN_DIR/checkpoints/step-000010/trainer_state.pt    step, scheduler, python/numpy/torch RNG states, counters
+# RUN_DIR/checkpoints/step-000010/critic/             PPO's value model: model.safetensors, config.json,
+#                                                     optimizer/ and trainer_state.pt (its scheduler), as above
+# RUN_DIR/checkpoints/step-000010/checksums.json      every other file of the folder: its size in bytes and its
+#                                                     SHA-256, written last
+# RUN_DIR/checkpoints/latest                          text: the name of the newest complete checkpoint
 def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler, keep: int = 2,
                     extra: dict | None = None, tokenizer=None, critic: tuple | None = None) -> Path:
-    """Write the checkpoint of `step` atomically, point `latest` at it, delete all but the `keep` newest.
+    """Write the checkpoint of `step` atomically (its files: the comment above), point `latest` at it, delete all
+    but the `keep` newest.
 
     A collective in a data-parallel run: every rank calls it (the weights are gathered to rank 0, the optimizer
     shards written by their ranks). `extra`: small picklable trainer counters, returned by `load_checkpoint`;
@@ -84,7 +80,14 @@ def save_checkpoint(run_dir: str | Path, step: int, model, optimizer, scheduler,
     `critic`: (value model, its optimizer, its scheduler), written into critic/ of the same checkpoint.
     Returns the checkpoint folder. Raises OSError on a write failure (the previous checkpoint stays valid); in a
     data-parallel run every rank raises (the others a RuntimeError naming the rank), except for a failure inside
-    DCP's own collectives, which the others see at the collective timeout (parallel.timeout_s)."""
+    DCP's own collectives, which the others see at the collective timeout (parallel.timeout_s).
+
+    A checkpoint is written into a hidden temporary folder next to its target (rank 0 creates it and every rank
+    writes into it: ranks on several nodes need a shared filesystem), every file fsynced; after a barrier rank 0
+    renames it into place (rename is atomic on POSIX), and only then is `latest` replaced (written to a temporary
+    file, fsynced, os.replace). A crash at any point, or a rank that dies during the save, leaves either the
+    previous checkpoint or the new one, never a half-written one; leftover temporary folders are ignored by
+    `latest_checkpoint` and removed by the next save."""
     distributed = dist.is_initialized()
     rank = dist.get_rank() if distributed else 0
     root = checkpoints_dir(run_dir)
@@ -278,7 +281,8 @@ def load_checkpoint(checkpoint: str | Path, model, optimizer, scheduler, critic:
     of a data-parallel run calls it); returns (step, extra). `critic`: (value model, optimizer, scheduler) restored
     from critic/. Raises FileNotFoundError when `critic` is given and the checkpoint has none (a run started
     with another algorithm), ValueError when a file fails its checksums.json entry (`load_weights`; `verify` False:
-    the caller compared them, as `latest_checkpoint(verify=True)` does)."""
+    the caller compared them, as `latest_checkpoint(verify=True)` does). Checkpoints written before the optimizer
+    state moved to DCP (a full state dict inside trainer_state.pt) still load."""
     path = Path(checkpoint)
     if critic is not None:
         if not (path / CRITIC / WEIGHTS).is_file():
@@ -336,7 +340,14 @@ def _is_complete(path: Path) -> bool:
 def faults(path: Path, verify: bool = False) -> list[str]:
     """What keeps a checkpoint folder from being loaded, one phrase each ([] when none): "lacks model.safetensors"
     for a file it needs, "model.safetensors has 100 of 2,113,928 bytes" for a file whose size differs from
-    checksums.json, and with `verify` "trainer_state.pt fails its SHA-256 checksum" (reads every file)."""
+    checksums.json, and with `verify` "trainer_state.pt fails its SHA-256 checksum" (reads every file).
+
+    A checkpoint damaged after it was written (a file cut short by a copy, a disk that lost blocks) is told by its
+    checksums.json: a file of another size counts as missing wherever checkpoints are listed, and a resume, an export
+    or an evaluation also compares every file's SHA-256 before reading it. A resume then takes the newest intact
+    checkpoint, with a warning naming the damaged one and its file (`incomplete_latest`); loading a damaged folder
+    by its path raises ValueError naming the file. Checkpoints written before checksums.json are checked for their
+    files' presence only."""
     if not path.is_dir():
         return ["lacks the folder"]
     out = [f"lacks {m}" for m in missing(path)]

@@ -1,5 +1,6 @@
 """Held-out evaluation: greedy answers to the task's held-out split, scored by the task's reward; for a multi-turn
-task, greedy trajectories scored by its environment (`agent.task.evaluate_agent`)."""
+task, greedy trajectories scored by its environment (`agent.task.evaluate_agent`).
+Measurements: docs/notes/rl-docstrings.md."""
 
 from __future__ import annotations
 
@@ -76,8 +77,8 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
 def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
                        batch_size: int = EVAL_BATCH, progress=None, pack_weights: bool = True) -> list[list[int]]:
     """Greedy completions (ending with their EOS if any) of `prompts`, `batch_size` at a time, left-padded with an
-    EOS id under an attention mask (HF generate; on SmolLM2 this gave the same tokens as decoding each prompt alone,
-    2.4x faster on 2 CPU cores). progress(done, total) is called before the first batch and after each.
+    EOS id under an attention mask (HF generate; on SmolLM2 this gives the same tokens as decoding each prompt alone,
+    in less time). progress(done, total) is called before the first batch and after each.
     pack_weights: the linear layers from MKL-packed weights on the CPU in float32 (`packed_linears`)."""
     pad, out = min(eos), []
     with packed_linears(model, pack_weights, rows=batch_size):

@@ -80,9 +80,9 @@ def _respect_umask(folder: Path) -> None:
 RELOAD_TOLERANCE = 3e-4
 """The reloaded folder's logits may differ from the checkpoint's by this fraction of the logits' scale (their
 largest |value|). The merged model and the checkpoint's LoRA model are two float32 computations of the same
-function, which round apart by what a 30-layer float32 forward rounds (SmolLM2 with adapters on q_proj and v_proj
-after the demo's 8 steps: 1.3e-3 on logits of 33, 4e-5 of the scale; 0 in float64); adapters on a tied LM head,
-whose merge moves the embedding too, miss by several percent (tests/test_lora.py)."""
+function, which round apart by what a deep float32 forward rounds (tenfold margin over SmolLM2's after LoRA
+training); adapters on a tied LM head, whose merge moves the embedding too, miss by far more (tests/test_lora.py).
+Figures: docs/notes/rl-docstrings.md."""
 
 
 def reload_tolerance(expected: torch.Tensor) -> float:

@@ -5,20 +5,8 @@ scores the groups k with k % world_size == r, each group with its own generator 
 a group's samples do not depend on the world size; the groups are gathered, so every rank holds the whole batch and
 computes the same advantages and loss weights (normalised over the whole step); the trees then go to ranks by
 predicted cost (`engine.sharding`) and the gradient is reduced once (`engine.distributed`). Losses, loss statistics
-and stop requests are reduced across ranks; rank 0 alone writes the run folder.
-
-A rank that dies (killed, out of memory) makes the others' next collective fail: gloo at once (the peer's socket
-closes), nccl at the collective timeout (`parallel.timeout_s`). Which rank it was, the error does not say (gloo names
-an address). So every rank keeps a `Heartbeat` in torch.distributed's rendezvous store, a counter bumped twice a
-second from a daemon thread, and after a failed collective `Heartbeat.dead_ranks` names the ranks whose counter
-stood still.
-
-A rank that is alive but never arrives (a reward function that hangs) keeps beating; its collective partners fail
-at the collective timeout (`parallel.timeout_s`). So every rank also writes its phase there (what the run loop
-shows in its progress bar: "step 3: scoring 8 completions"), and marks it waiting while it is inside one of the
-trainer's collectives (`Ranks.gather`, `sum`, `any`); `Heartbeat.stuck_ranks` names the ranks that were not
-waiting, and what they were doing since when. A rank that raises writes its error as its phase before it leaves,
-so that the others name it whichever way its exit reaches them.
+and stop requests are reduced across ranks; rank 0 alone writes the run folder. A rank that dies or hangs is named
+by the others through the rendezvous store (`Heartbeat`), since a failed collective does not say which rank it was.
 """
 
 from __future__ import annotations
@@ -112,6 +100,16 @@ class Heartbeat:
     """This rank's liveness counter in the rendezvous store (TCPStore at MASTER_ADDR:MASTER_PORT, torchrun's agent
     or rank 0), bumped every `period_s` seconds by a daemon thread until `stop()` (at the latest at exit: a thread
     left inside the store's C++ client while the process exits makes it abort).
+
+    A rank that dies (killed, out of memory) makes the others' next collective fail: gloo at once (the peer's socket
+    closes), nccl at the collective timeout (`parallel.timeout_s`). Which rank it was, the error does not say (gloo
+    names an address); `dead_ranks` names the ranks whose counter stood still. A rank that is alive but never
+    arrives (a reward function that hangs) keeps beating; its collective partners fail at the collective timeout.
+    So every rank also writes its phase there (`phase`: what the run loop shows in its progress bar, "step 3:
+    scoring 8 completions"), and marks it waiting while it is inside one of the trainer's collectives
+    (`Ranks.gather`, `sum`, `any`); `stuck_ranks` names the ranks that were not waiting, and what they were doing
+    since when. A rank that raises writes its error as its phase before it leaves, so that the others name it
+    whichever way its exit reaches them.
 
     `dead_ranks()` reads every rank's counter, waits `wait_s` seconds (several periods), reads again, and returns
     the other ranks whose counter did not move and that did not say they were `leaving()` (a survivor that found

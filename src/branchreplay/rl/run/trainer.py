@@ -2,18 +2,13 @@
 prefix trees.
 
 One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`):
-  1. the step's batch: `train.seed`-seeded prompts, sampled and scored (`rollouts.sampler.Sampler`: every group of
-     a step in one decoding loop, or the vLLM server, or multi-turn trajectories through an environment), their
-     rollouts with group advantages and loss weights over the whole step; an algorithm that brings its own batch
-     (DPO's preference pairs) gives it instead;
+  1. the step's batch: `train.seed`-seeded prompts, sampled and scored (`rollouts.sampler.Sampler`), their rollouts
+     with group advantages and loss weights over the whole step, or the batch an algorithm brings (DPO's pairs);
   2. the updates (`update.run_updates`): the algorithm's part (`algorithms/`) chooses the trees that train, runs its
-     passes (old policy, reference, critic) and advantages, then each update's engine calls; the loop clips, steps
-     AdamW and the learning-rate schedule, and logs;
-  3. evaluation, the metrics log and atomic checkpoints on schedule.
-Under torchrun every rank runs the same loop (`parallel.py`): each samples its share of the groups and gets the
-whole batch, each trains its share of the trees (`rl.shards`), gradients are reduced once per update
-(`engine.distributed`). The model stays in eval mode: dropout would break the equality with the per-rollout
-computation. Evaluation decodes greedily with HF `generate`, left-padded in batches.
+     passes and advantages, then each update's engine calls; the loop clips, steps AdamW and the schedule, and logs;
+  3. evaluation (`evaluation.py`: greedy, in batches), the metrics log and atomic checkpoints on schedule.
+Under torchrun every rank runs the same loop (`parallel.py`). The model stays in eval mode: dropout would break the
+equality with the per-rollout computation.
 """
 
 from __future__ import annotations
@@ -78,7 +73,7 @@ class Trainer:
         self.policy = Policy(model.eval(), config.sampling.temperature if part.samples else 1.0, config.engine,
                              config.train.method, micro_batch=g.micro_batch_prompts, dtype=config.model.dtype,
                              ranks=self.ranks)
-        vllm = self.connect_vllm() if config.sampling.backend == "vllm" else None
+        vllm = connect_vllm(config, self.tokenizer, self.ranks) if config.sampling.backend == "vllm" else None
         if self.env is not None:
             bind(self.env, self.tokenizer)
         if self.ranks is not None:
@@ -111,22 +106,6 @@ class Trainer:
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
         self.during = "the start"  # what the run is doing: a step, or the checkpoint of a step
         self.score = score_name(config, self.env)  # what the held-out score is: "accuracy" or "mean reward"
-
-    def connect_vllm(self) -> VLLMClient | None:
-        """The vLLM server's client on rank 0 (it alone talks to the server); None on the others. Raises VLLMError
-        on every rank when it cannot connect."""
-        s, client, error = self.config.sampling, None, None
-        if self.rank == 0:
-            try:
-                client = VLLMClient.connect(s.vllm_url, model_folder(self.config.model.spec), self.tokenizer,
-                                            s.vllm_timeout_s)
-            except VLLMError as e:
-                if self.ranks is None:
-                    raise
-                error = e
-        if self.ranks is not None:
-            raise_together(error, "connecting to the vLLM server", kinds=(VLLMError,))
-        return client
 
     @property
     def model(self):
@@ -361,6 +340,22 @@ class Trainer:
         with self.policy.gathered(), self.policy.autocast():
             return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.rewards, progress=progress,
                             ranks=self.ranks, env=self.env)
+
+
+def connect_vllm(config: Config, tokenizer, ranks) -> VLLMClient | None:
+    """The vLLM server's client on rank 0 (it alone talks to the server); None on the others. Raises VLLMError
+    on every rank when it cannot connect."""
+    s, client, error = config.sampling, None, None
+    if ranks is None or ranks.rank == 0:
+        try:
+            client = VLLMClient.connect(s.vllm_url, model_folder(config.model.spec), tokenizer, s.vllm_timeout_s)
+        except VLLMError as e:
+            if ranks is None:
+                raise
+            error = e
+    if ranks is not None:
+        raise_together(error, "connecting to the vLLM server", kinds=(VLLMError,))
+    return client
 
 
 def load_data(config: Config, env, train_data, eval_data, reward_fn) -> tuple:
