@@ -387,3 +387,13 @@ def test_rollouts_drawn_ahead_by_the_server_use_the_weights_of_one_step_before(s
     rows = _metrics(_trainer(config).fit())
     assert [r["sample/staleness_max"] for r in rows] == [0, 1, 1] and server.syncs == 2
     assert rows[0]["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(OFFSET), rel=1e-5)
+
+
+def test_a_server_that_dies_under_rollouts_ahead_ends_the_run_with_a_checkpoint(stand_in, tmp_path):
+    """The sampler process's request fails (HTTP 500 on step 2's first group, drawn while step 1 trains): the run
+    ends at step 2 with the vLLM sampler named and step 1's checkpoint kept."""
+    config = _config(tmp_path, stand_in(fail_on=3).url, vllm_timeout_s=2.0)
+    config.grpo.max_staleness, config.train.steps = 1, 3
+    with pytest.raises(TrainingFailed, match=r"step 2: the vLLM sampler failed.*--resume"):
+        _trainer(config).fit()
+    assert (tmp_path / "run" / "checkpoints" / "step-000001").is_dir()
