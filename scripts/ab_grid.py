@@ -1,15 +1,32 @@
 """A/B timing of replay_backward (default EngineConfig) on the `make bench` grid and the low-sharing tree-schedule
-rows. Imports branchreplay from PYTHONPATH; one JSON line per configuration: min / median of N calls after 2
-warm-up calls."""
-import json, sys, time
+rows. Imports branchreplay from PYTHONPATH, so one process per version: point PYTHONPATH at each checkout's src in
+turn (alternate the order, e.g. new, old, old, new). One JSON line per configuration: min / median of N calls after
+2 warm-up calls.
+
+    PYTHONPATH=/tmp/before/src .venv/bin/python scripts/ab_grid.py before 2 10
+    PYTHONPATH=src .venv/bin/python scripts/ab_grid.py after 2 10
+    PYTHONPATH=src .venv/bin/python scripts/ab_grid.py after 1 10 1     # only the multi-turn row
+
+Arguments: label, torch threads, timed calls, and optionally a comma list of the configurations' indices below.
+"""
+
+import json
+import sys
+import time
+
 import torch
+
 import branchreplay
 from branchreplay.bench.runner import BENCH_MODEL, trees_of
 from branchreplay.bench.scenarios import Scenario
 from branchreplay.check.shapes import make_rollouts
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss
-from branchreplay.models import tiny_model
+
+try:
+    from branchreplay.tiny_models import tiny_model
+except ImportError:  # checkouts before the tiny models got a module of their own
+    from branchreplay.models import tiny_model
 
 label, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 torch.set_num_threads(threads)
@@ -25,11 +42,15 @@ for sc in [scenarios[i] for i in only]:
     g = torch.Generator().manual_seed(0)
     trees = trees_of(make_rollouts(sc.sequences(model.config.vocab_size, g), g))
     for _ in range(2):
-        replay_backward(model, trees, loss); model.zero_grad(set_to_none=True)
+        replay_backward(model, trees, loss)
+        model.zero_grad(set_to_none=True)
     times = []
     for _ in range(n):
-        t = time.perf_counter(); replay_backward(model, trees, loss); times.append(time.perf_counter() - t)
+        t = time.perf_counter()
+        replay_backward(model, trees, loss)
+        times.append(time.perf_counter() - t)
         model.zero_grad(set_to_none=True)
     times.sort()
-    print(json.dumps({"version": label, "threads": threads, "config": f"{sc.name} {sc.label()}",
-                      "min": round(times[0], 4), "median": round(times[len(times) // 2], 4)}), flush=True)
+    print(json.dumps({"version": label, "src": str(branchreplay.__file__), "threads": threads,
+                      "config": f"{sc.name} {sc.label()}", "min": round(times[0], 4),
+                      "median": round(times[len(times) // 2], 4)}), flush=True)
