@@ -19,7 +19,7 @@ import torch
 import branchreplay
 from branchreplay.bench.runner import BENCH_MODEL, trees_of
 from branchreplay.bench.scenarios import Scenario
-from branchreplay.check.shapes import make_rollouts
+from branchreplay.reference.shapes import make_rollouts
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from branchreplay.check.numerics import keep_float64
+from branchreplay.reference.float64 import keep_float64
 from branchreplay.models import load_policy
 from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config, apply_overrides
@@ -41,13 +41,13 @@ PANELS = [("reward", "reward (mean over the step's rollouts)"), ("eval/accuracy"
 
 
 def make_trainer(config: Config, tiny: bool, stack: contextlib.ExitStack) -> Trainer:
-    """The run's Trainer. tiny: the stand-ins of tests/test_trainer.py (tiny Llama of vocab 256, byte tokenizer,
-    toy arithmetic task). In float64 the model computes its RMSNorms in float64 too (`check.numerics.keep_float64`;
+    """The run's Trainer. tiny: the stand-ins of tests/test_rl_run_trainer.py (tiny Llama of vocab 256, byte tokenizer,
+    toy arithmetic task). In float64 the model computes its RMSNorms in float64 too (`reference.float64.keep_float64`;
     transformers' run in float32), before the Trainer copies it into the reference model."""
     dtype = config.model.dtype
     if tiny:
         sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from test_trainer import DATA, ByteTokenizer, byte_reward
+        from test_rl_run_trainer import DATA, ByteTokenizer, byte_reward
 
         model, tokenizer = tiny_model("llama", dtype=getattr(torch, dtype), seed=0), ByteTokenizer()
         data = dict(train_data=DATA, eval_data=DATA[:8], reward_fn=byte_reward)

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from branchreplay.bench.runner import BENCH_MODEL, MODEL_LABEL
-from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine.distributed import free_port
 from branchreplay.engine.sharding import shard
 from branchreplay.tiny_models import tiny_model
@@ -37,7 +37,7 @@ def _tree(P: int, G: int, R: int) -> RolloutTree:
 def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
-    from branchreplay.check.reference import max_rel_grad_err
+    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine.distributed import DataParallel, end_spawned_rank, replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 

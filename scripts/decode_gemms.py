@@ -14,9 +14,9 @@ bandwidth of a sum over the weights; then, per kernel, ms per step, GB/s of weig
 roofline's time for one step of the demo's batch (the larger of its FLOP and byte terms, `DecodeShape`) and twice
 that, the whole step's budget at 50% of the roofline. Last, the sampler itself (`sample_groups`, cache
 implementation auto: the plain Llama step) on the demo's batch (its first --prompts training prompts x G, no EOS,
---new-tokens each), its time per generated position split into the step's products (`llama_rows._Linear`), its
+--new-tokens each), its time per generated position split into the step's products (`decode.rows.llama._Linear`), its
 attention (`grouped_prefix_attention`), the rest of the step (norms, rotary, residuals, cache writes, Python), the
-draw (`sampling._draw`) and what runs outside the steps (the prefill, the packing, the streams' bookkeeping): each
+draw (`decode.draw.draw`) and what runs outside the steps (the prefill, the packing, the streams' bookkeeping): each
 timed by a wrapper around its calls (about a microsecond each), the median of --repeats calls.
 
     .venv/bin/python scripts/decode_gemms.py --repeats 5
@@ -36,9 +36,11 @@ import torch.nn.functional as F
 from branchreplay.bench.roofline import DecodeShape, Roofline, memory_bandwidth, peak_matmul_flops
 from branchreplay.models import load_policy
 from branchreplay.rl.config import Config
-from branchreplay.rl.config.sampling import SamplingConfig
+from branchreplay.decode.config import SamplingConfig
 from branchreplay.rl.data.tasks import load_task, prompt_token_ids
-from branchreplay.rl.rollouts import llama_rows, packed_linears, sampling
+from branchreplay.decode import loop as sampling
+from branchreplay.decode import packed_linears
+from branchreplay.decode.rows import llama as llama_rows
 
 
 def step_matrices(model) -> list[torch.Tensor]:
@@ -86,7 +88,7 @@ def sampler_split(model, batch: list[list[int]], G: int, new_tokens: int, repeat
                mock.patch.object(llama_rows, "grouped_prefix_attention",
                                  timed("attention", llama_rows.grouped_prefix_attention)),
                mock.patch.object(llama_rows.LlamaRows, "decode", timed("step", llama_rows.LlamaRows.decode)),
-               mock.patch.object(sampling, "_draw", timed("draw", sampling._draw))]
+               mock.patch.object(sampling, "draw", timed("draw", sampling.draw))]
     settings = SamplingConfig(temperature=1.0, max_new_tokens=new_tokens, cache_implementation="auto")
     calls = []
     for run in range(repeats + 1):

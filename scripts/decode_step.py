@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache, StaticCache
 
 from branchreplay.models import load_policy
-from branchreplay.rl.rollouts.packed_linears import packed_linears
+from branchreplay.decode.packed_linears import packed_linears
 
 
 @torch.no_grad()

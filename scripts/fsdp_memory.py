@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 
 from branchreplay.bench.fsdp_memory import HeldBytes
 from branchreplay.bench.runner import BENCH_MODEL
-from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine.distributed import free_port, param_bytes
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
@@ -41,7 +41,7 @@ def _trees() -> list[RolloutTree]:
 def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
-    from branchreplay.check.reference import max_rel_grad_err
+    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine.distributed import DataParallel, end_spawned_rank, replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 

@@ -80,7 +80,7 @@ EOF
 torch.cuda.get_device_name())" || exit 2
 
 if stage cuda; then
-timeout 90 "$PYTHON" -m pytest -q -m cuda tests/test_kernels.py tests/test_sampling.py -p no:cacheprovider \
+timeout 90 "$PYTHON" -m pytest -q -m cuda tests/test_engine_kernels.py tests/test_decode_loop.py -p no:cacheprovider \
     > "$OUT/cuda_tests.log" 2>&1
 echo "cuda tests: exit $?" >> "$OUT/stages.txt"
 summarize

@@ -2,7 +2,7 @@
 prompt.
 
 For each of the first --prompts questions of the train split (TaskConfig's default task), the policy samples --g
-completions at temperature 1 (the trainer's sampler, `rl.rollouts.sampling.sample_group`, one seed per prompt); the
+completions at temperature 1 (the trainer's sampler, `decode.loop.sample_group`, one seed per prompt); the
 task's verifier scores them (`rl.data.rewards.make_reward`). A prompt with at least one completion scoring the maximum
 and one scoring less gives one row, TRL's conversational preference format:
 
@@ -30,7 +30,8 @@ import torch
 
 from branchreplay.models import chat_prompt_ids, load_policy
 from branchreplay.rl.data.rewards import make_reward, score
-from branchreplay.rl.rollouts.sampling import SamplingConfig, eos_token_ids, sample_group
+from branchreplay.decode.config import SamplingConfig
+from branchreplay.decode.loop import eos_token_ids, sample_group
 from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 
 

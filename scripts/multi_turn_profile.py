@@ -7,7 +7,7 @@ For each row and method: the best wall time of three calls, and one call under t
 products (aten::mm: the linear layers and the LM head), the attention kernels (the CPU flash-attention forward and
 backward) and the rest (elementwise ops, copies, autograd, Python-side op overhead), scaled to sum to the wall time,
 and each as naive / branchreplay.
-Then the row's FLOP ratio (`bench.flops`) and what branchreplay would reach of it if each part ran at naive's own
+Then the row's FLOP ratio (`reference.work`) and what branchreplay would reach of it if each part ran at naive's own
 speed per unit of work (matmuls per matmul FLOP, attention per attention FLOP, the rest per position): naive's parts
 scaled by branchreplay's share of each, the "equal-rate bound" of its of-limit column. With --ops, the op tables of
 the multi-turn row as well (self CPU time).
@@ -21,11 +21,11 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from branchreplay.bench import flops as F
+from branchreplay.reference import work as F
 from branchreplay.bench.runner import BENCH_MODEL, trees_of
 from branchreplay.bench.scenarios import agent_trajectories, tree_sampled
-from branchreplay.check.reference import naive_backward
-from branchreplay.check.shapes import make_rollouts
+from branchreplay.reference.naive import naive_backward
+from branchreplay.reference.shapes import make_rollouts
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss
 from branchreplay.tiny_models import tiny_model

@@ -20,7 +20,7 @@ from branchreplay.models import load_policy
 from branchreplay.rl.agent.conversation import Conversation
 from branchreplay.rl.agent.task import bind, load_agent_task
 from branchreplay.rl.config.run import Config
-from branchreplay.rl.rollouts.sampling import prefill, prefill_branches
+from branchreplay.decode.forward import prefill, prefill_branches
 from transformers import DynamicCache
 
 

@@ -5,7 +5,7 @@
                (sampling.cache_implementation=static, the default on CUDA: its step a CUDA graph; also timed with
                enforce_eager there), each prompt held once or (where split prefix attention does not apply) in
                every row, and in the dynamic one, and with cache_implementation=auto (the default: on the CPU the
-               plain Llama step of `llama_rows.LlamaRows` where it applies),
+               plain Llama step of `decode.rows.llama.LlamaRows` where it applies),
   - TRL:       `model.generate` on the left-padded batch of prompts x G rows, as TRL's GRPOTrainer without vLLM.
 
 Same prompts (the default task's first --prompts training questions, chat-templated, after --system-tokens tokens
@@ -35,10 +35,10 @@ from branchreplay.bench.measure import measure
 from branchreplay.engine.attention import PrefixSplit
 from branchreplay.models import load_policy
 from branchreplay.rl.config import Config
-from branchreplay.rl.config.sampling import SamplingConfig
+from branchreplay.decode.config import SamplingConfig
 from branchreplay.rl.data.tasks import load_task, prompt_token_ids
 from branchreplay.rl.rollouts import sampling as sampling_module
-from branchreplay.rl.rollouts.sampling import sample_group, sample_groups
+from branchreplay.decode.loop import sample_group, sample_groups
 
 
 def main() -> None:

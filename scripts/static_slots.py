@@ -19,8 +19,8 @@ import torch
 
 from branchreplay.bench.measure import measure
 from branchreplay.tiny_models import tiny_model
-from branchreplay.rl.config.sampling import SamplingConfig
-from branchreplay.rl.rollouts.sampling import sample_groups
+from branchreplay.decode.config import SamplingConfig
+from branchreplay.decode.loop import sample_groups
 
 SMOLLM2_SHAPE = dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                      num_key_value_heads=3, max_position_embeddings=8192)

@@ -14,7 +14,7 @@ import time
 import torch
 
 from branchreplay.bench.runner import Bench, BenchOptions, trees_of
-from branchreplay.check.shapes import make_rollouts, shared_prompt
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward
 from branchreplay.engine.config import EVERY_SHARED_NODE
 

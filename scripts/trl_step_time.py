@@ -36,7 +36,7 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from branchreplay.bench.measure import measure
-from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.models import default_model_dir
 from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 from branchreplay.trl import TreeDPOTrainer, TreeGRPOTrainer, TreeRLOOTrainer

@@ -99,7 +99,7 @@ def stand_in_model(name: str, root: Path, tokenizer) -> str | None:
 
         save_tiny_vision_model(root / name, default_model_dir(), dtype=torch.bfloat16)
         return None
-    if cls_name == "Qwen2VLForConditionalGeneration":  # the engine runs it (tests/test_vision.py)
+    if cls_name == "Qwen2VLForConditionalGeneration":  # the engine runs it (tests/test_engine_vision.py)
         return f"{cls_name}: its processor's video processor needs torchvision, which is not installed here"
     if "ConditionalGeneration" in cls_name:  # its processor (image tokens, vision config) has no stand-in here
         return f"{cls_name}: a vision-language model, whose processor has no stand-in here"

@@ -1,6 +1,6 @@
 """Shared test fixtures and helpers: the gradients of a model, and tiny random models under float64 numerics.
 
-Every exactness test compares the engine with the naive reference (`branchreplay.check.reference`) on the same
+Every exactness test compares the engine with the naive reference (`branchreplay.reference.naive`) on the same
 model; float64 models run under `keep_float64` (HF's RMSNorm and a few softmaxes cast to float32 otherwise, on both
 sides alike), held for the test and restored after it.
 """
@@ -11,7 +11,7 @@ import weakref
 import pytest
 import torch
 
-from branchreplay.check.numerics import keep_float64
+from branchreplay.reference.float64 import keep_float64
 from branchreplay.tiny_models import tiny_model
 
 

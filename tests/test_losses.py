@@ -3,8 +3,8 @@ engine and on the naive reference, and equal to token means computed here from t
 
 import torch
 
-from branchreplay.check.reference import naive_backward
-from branchreplay.check.shapes import SHAPES, make_rollouts
+from branchreplay.reference.naive import naive_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.engine import replay_backward, replay_logprobs
 from branchreplay.losses import GRPOLoss, LossStats
 from branchreplay.tiny_models import tiny_model

@@ -9,14 +9,14 @@ metrics.
 import pytest
 import torch
 
-from branchreplay.check.reference import max_rel_grad_err, naive_backward
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from conftest import grads
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeDPOTrainer  # noqa: E402
 from branchreplay.trl.dpo import pair_rollouts  # noqa: E402
-from test_trl_trainer import _logged, folder, moe_folder, two_step_logs  # noqa: E402, F401 (fixtures)
+from test_trl_grpo import _logged, folder, moe_folder, two_step_logs  # noqa: E402, F401 (fixtures)
 
 PAIRS = {  # prompt, chosen, rejected (the word tokenizer's ids; "2" ends)
     "prompt": ["1 3 4 5 6", "5 6", "7 8 9", "5 6"],

@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.engine.distributed import free_port
 from branchreplay.tiny_models import tiny_model
 
 pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from conftest import float32_close  # noqa: E402
-from test_trl_trainer import folder  # noqa: E402, F401 (fixture)
+from test_trl_grpo import folder  # noqa: E402, F401 (fixture)
 
 RANKS = Path(__file__).with_name("trl_ranks.py")
 SIDES = ["trl", "tree", "unreduced"]

@@ -1,6 +1,6 @@
 """The RLOO drop-in (`branchreplay.trl.TreeRLOOTrainer`) against TRL 1.16's own `RLOOTrainer`.
 
-As for GRPO (tests/test_trl_trainer.py): TRL's padded forward and backward of the same micro-batch (left-padded
+As for GRPO (tests/test_trl_grpo.py): TRL's padded forward and backward of the same micro-batch (left-padded
 prompts of three lengths, completions cut to different lengths, old logprobs moved off-policy so that ratios clip),
 float32, tiny random Llama; then both trainers run 2 steps from one seed and must log the same metrics.
 """
@@ -8,13 +8,13 @@ float32, tiny random Llama; then both trainers run 2 steps from one seed and mus
 import pytest
 import torch
 
-from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.reference.naive import max_rel_grad_err
 from conftest import grads
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeRLOOTrainer  # noqa: E402
-from test_trl_trainer import (PROMPTS, G, C, _logged, cut_batch, folder, length_reward,  # noqa: E402, F401
+from test_trl_grpo import (PROMPTS, G, C, _logged, cut_batch, folder, length_reward,  # noqa: E402, F401
                               moe_folder, two_step_logs)
 
 
@@ -89,7 +89,7 @@ def test_tree_gradient_equals_rloo_trainer_on_the_same_batch(folder, tmp_path, c
 
 
 def test_moe_router_aux_loss_over_the_tree_equals_rloo_trainer(moe_folder, tmp_path):  # noqa: F811
-    """TRL's router load-balancing loss of an MoE model (test_trl_trainer.py's GRPO case): equal over the tree."""
+    """TRL's router load-balancing loss of an MoE model (test_trl_grpo.py's GRPO case): equal over the tree."""
     trainer = _trainer(TreeRLOOTrainer, moe_folder, tmp_path, router_aux_loss_coef=0.5)
     theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
     assert trainer._metrics["train"]["aux_loss"][-1] > 0

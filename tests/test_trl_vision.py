@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 import torch
 
-from branchreplay.check.reference import max_rel_grad_err
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.tiny_models import save_tiny_vision_model, tiny_vision_model
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeGRPOTrainer  # noqa: E402
 from branchreplay.trl import rows  # noqa: E402
-from test_trl_trainer import _trl_and_tree_grads  # noqa: E402
+from test_trl_grpo import _trl_and_tree_grads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -145,7 +145,7 @@ def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
     """Qwen2-VL's TRL batch over the tree (`rows.prompt_trees`: each row's pixel rows and grids, one tree per
     prompt and images, rotary positions on the image grid) against the padded forward TRL runs on that batch
     (the model with attention_mask, pixel_values, image_grid_thw, mm_token_type_ids), float64 logprobs."""
-    from branchreplay.check.numerics import keep_float64
+    from branchreplay.reference.float64 import keep_float64
     from branchreplay.engine import replay_logprobs
     from branchreplay.tiny_models import tiny_qwen2_vl_model
 

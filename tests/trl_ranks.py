@@ -176,12 +176,12 @@ def killed_after_first_step(trainer) -> None:
 
 def against_naive(stack: contextlib.ExitStack, folder: str) -> list:
     """A list that receives, on GRPO's first micro-batch, the naive per-rollout gradient of the same loss
-    (`check.reference.naive_backward`: each rollout alone through the folder's model in float64, the trainer's
+    (`reference.naive.naive_backward`: each rollout alone through the folder's model in float64, the trainer's
     weights before its first update) beside the tree's (`trl.grpo.replay_backward`)."""
     from transformers import AutoModelForCausalLM
 
-    from branchreplay.check.numerics import keep_float64
-    from branchreplay.check.reference import naive_backward
+    from branchreplay.reference.float64 import keep_float64
+    from branchreplay.reference.naive import naive_backward
     from branchreplay.trl import grpo
 
     naive, replay_backward = [], grpo.replay_backward
@@ -212,7 +212,7 @@ def run_side(trainer: str, side: str, folder: str, out: str, config: dict, die: 
         if side == "float64":  # TRL's model_init_kwargs take no float64: the model is handed in
             from transformers import AutoModelForCausalLM
 
-            from branchreplay.check.numerics import keep_float64
+            from branchreplay.reference.float64 import keep_float64
 
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float64)
             stack.enter_context(keep_float64(model))  # HF's RMSNorm otherwise rounds to float32

@@ -4,8 +4,7 @@
     out = replay_backward(model, tree, GRPOLoss())     # each unique position computed once; grads as the naive sum
 """
 
-import importlib
-import sys
+from .lazy import lazy_exports
 
 _EXPORTS = {
     "EngineConfig": ".engine.config",
@@ -17,31 +16,42 @@ _EXPORTS = {
     "RolloutTree": ".tree",
     "TreeStats": ".tree",
     "UnsupportedModelError": ".engine.families",
-    "naive_backward": ".check.reference",
-    "replay_backward": ".engine.replay",
-    "replay_logprobs": ".engine.replay",
+    "naive_backward": ".reference.naive",
     "token_weights": ".losses",
 }
-__all__ = sorted(_EXPORTS)
+__all__ = sorted([*_EXPORTS, "replay_backward", "replay_logprobs"])
 
 
-def lazy_exports(package: str, exports: dict[str, str]):
-    """A module `__getattr__` (PEP 562) for `package`: each public name of `exports` ({name: relative module}) is
-    imported from its module on first use and kept, so that importing the package (and parsing a run config)
-    does not load torch."""
-    def __getattr__(name: str):
-        if name not in exports:  # a submodule, as `import package.name` would have bound it
-            try:
-                value = importlib.import_module(f".{name}", package)
-            except ModuleNotFoundError:
-                raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
-            setattr(sys.modules[package], name, value)
-            return value
-        value = getattr(importlib.import_module(exports[name], package), name)
-        setattr(sys.modules[package], name, value)
-        return value
+def replay_backward(model, trees, loss, *, force: bool = False, **options):
+    """`engine.replay_backward` (its arguments, result and errors), where `force=True` first checks a family
+    outside the registry against the naive reference on `model` itself (`engine.self_check.check_once`: once per
+    model class, config and dtype in the process) and then runs the engine on it trusted.
 
-    return __getattr__
+    Raises:
+        UnsupportedModelError: as the engine's, and an unregistered family whose self-check fails.
+        ValueError: `force=True` on a critic or under data parallelism (`check_once` says what to run instead).
+    """
+    from .engine.replay import replay_backward as run
+
+    _check_forced(model, force)
+    return run(model, trees, loss, force=force, **options)
+
+
+def replay_logprobs(model, trees, *, force: bool = False, **options):
+    """`engine.replay_logprobs`, with `force` as `replay_backward`'s."""
+    from .engine.replay import replay_logprobs as run
+
+    _check_forced(model, force)
+    return run(model, trees, force=force, **options)
+
+
+def _check_forced(model, force: bool) -> None:
+    from .engine.families import FAMILIES
+    from .engine.self_check import check_once
+    from .engine.vision import language_model
+
+    if force and language_model(model).config.model_type not in FAMILIES:  # the family the engine will run
+        check_once(model)
 
 
 __getattr__ = lazy_exports(__name__, _EXPORTS)

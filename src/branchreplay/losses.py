@@ -143,8 +143,8 @@ class GRPOLoss:
     `entropy_tokens` trained (rollout, position) pairs, as TRL's bonus for every loss_type, or, when
     `entropy_tokens` is None, sum_i sum_t weights[i, t] * entropy[t] (verl's entropy aggregated like its loss).
 
-    Departures from TRL's GRPOTrainer (tests/test_trl.py feeds the same batch to both): the normalisation is carried
-    by per-token weights computed up front, so a batch split into micro-batches gives the same gradient (TRL's
+    Departures from TRL's GRPOTrainer (tests/test_losses_trl.py feeds the same batch to both): the normalisation is
+    carried by per-token weights computed up front, so a batch split into micro-batches gives the same gradient (TRL's
     entropy mean is per micro-batch: equal with one); sequence-level importance sampling (GSPO) is `gspo_loss`, a
     function of each rollout's logprobs that runs in two passes (`engine.sequence.replay_function_backward`);
     top_entropy_quantile is the trainer's (it zeroes the advantages of low-entropy tokens); the loss type vespo is

@@ -159,7 +159,7 @@ class TreeStats:
 @dataclass
 class ReplayResult:
     """Output of a forward (and backward) over rollouts: the engine's `replay_backward` / `replay_logprobs` and the
-    naive reference `check.reference.naive_backward`. One entry per rollout of each tree, in order.
+    naive reference `reference.naive.naive_backward`. One entry per rollout of each tree, in order.
 
     logprobs: per rollout, [T] detached logprobs at trainable positions (loss_mask 1), 0 elsewhere; float64 for a
         float64 model, else float32.

@@ -8,7 +8,7 @@ in one process on the bench model (`runner.BENCH_MODEL`), with their FLOP ratios
          sequence alone; padded, TRL's concatenated [2 x pairs, P + R] batch; branchreplay, each pair a tree through
          `engine.sequence.replay_sequence_backward` (its graph-free first pass counts 1/3 of a forward + backward).
 
-FLOPs by `flops.Work` (the critic's head rows not counted). Times: one timed run after a warm-up of each method
+FLOPs by `reference.work.Work` (the critic's head rows not counted). Times: one timed run after a warm-up of each method
 (`measure.measure`): compare ratios within one run.
 Design notes and measurements: docs/notes/engine-docstrings.md.
 """
@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from ..check.reference import max_rel_grad_err, naive_backward, naive_sequence_backward
-from ..check.shapes import make_rollouts
+from ..reference.naive import max_rel_grad_err, naive_backward, naive_sequence_backward
+from ..reference.shapes import make_rollouts
 from ..engine import replay_backward
 from ..engine.sequence import replay_sequence_backward
 from ..losses import GRPOLoss, ValueLoss, dpo_loss, token_weights
 from ..tiny_models import tiny_model
 from ..tree import Rollout, RolloutTree, forests
 from ..value import ValueModel
-from . import flops as F
+from ..reference import work as F
 from .measure import measure
 from .scenarios import Scenario
 

@@ -1,7 +1,7 @@
 """`branchreplay bench --nproc N`: one step of a scenario data-parallel on N local processes (gloo), side by side:
 
     naive           rank r runs rollouts r, r + N, ... each alone, then one gradient all-reduce
-    prompt-sharing  rank r runs the same rollouts with their prompt once per rank (`baselines.prompt_sharing_backward`,
+    prompt-sharing  rank r runs the same rollouts with their prompt once per rank (`reference.prompt_sharing`,
                     prefix-grouper when installed), then one gradient all-reduce
     branchreplay    trees to ranks by `engine.sharding`, the gradient reduced once (`engine.distributed`)
 
@@ -24,8 +24,8 @@ import torch
 from ..engine.distributed import free_port
 from ..engine.sharding import shard
 from ..tree import RolloutTree
-from . import flops as F
-from .baselines import PROMPT_SHARING_LABELS, prefix_grouper_version
+from ..reference import work as F
+from ..reference.prompt_sharing import PROMPT_SHARING_LABELS, prefix_grouper_version
 from .runner import BENCH_MODEL, MODEL_LABEL
 from .scenarios import Scenario
 
@@ -108,20 +108,21 @@ def _model(seed: int):
 
 
 def _rollouts(scenario: Scenario, vocab: int, seed: int):
-    from ..check.shapes import make_rollouts
+    from ..reference.shapes import make_rollouts
 
     g = torch.Generator().manual_seed(seed)
     return make_rollouts(scenario.sequences(vocab, g), g)
 
 
 def _prompt_sharing(model, mine, loss, shape, world: int) -> dict:
-    """This rank's rollouts with their prompt once (`baselines.prompt_sharing_backward`), then the gradient
+    """This rank's rollouts with their prompt once (`reference.prompt_sharing`), then the gradient
     all-reduce: {"seconds", "estimated", "rollouts_run"}. The first k rollouts whose estimated peak fits this
     rank's share of the available memory run (at least one); the time is scaled by FLOPs to all of them."""
     import torch.distributed as dist
 
     from ..engine.planner import available_memory_bytes
-    from .baselines import prompt_sharing_backward, prompt_sharing_peak_bytes
+    from ..reference.memory import prompt_sharing_peak_bytes
+    from ..reference.prompt_sharing import prompt_sharing_backward
 
     budget = 0.6 * (available_memory_bytes(model.device) or 2**62) / world
     k = len(mine)
@@ -146,7 +147,7 @@ def _prompt_sharing_impl() -> str:
 def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
     import torch.distributed as dist
 
-    from ..check.reference import naive_backward
+    from ..reference.naive import naive_backward
     from ..engine.distributed import DataParallel, end_spawned_rank, replay_backward_sharded
     from ..losses import GRPOLoss
 

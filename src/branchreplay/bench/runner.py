@@ -1,15 +1,15 @@
 """`branchreplay bench`: four exact ways to compute the same GRPO gradient, side by side in one process, on the same
-model (tiny Llama, `BENCH_MODEL`) and rollouts: naive (each rollout alone, `check.reference.naive_backward`: the
-reference), padded (TRL's padded batch, `check.padded.padded_backward`), prompt-sharing (Prefix Grouper,
-`baselines.prompt_sharing_backward`) and branchreplay (`engine.replay_backward`), on the scenarios of `Scenario`.
+model (tiny Llama, `BENCH_MODEL`) and rollouts: naive (each rollout alone: the reference), padded (TRL's padded
+batch) and prompt-sharing (Prefix Grouper), looked up in `reference.methods.METHODS`, and branchreplay
+(`engine.replay_backward`), on the scenarios of `Scenario`.
 
-Figures per (scenario configuration, method): logical and physical tokens and their ratio; flops (`flops.Work`) and
+Figures per (scenario configuration, method): logical and physical tokens and their ratio; flops (`reference.work`) and
 flop_ratio (naive's / the method's); seconds, the best forward + backward of --repeats rounds after a warm-up,
 interleaved across the methods so that a machine's drift moves them alike; peak_bytes (`measure`); max_rel_grad_err
 against naive. Estimates: a naive run projected past `max_seconds` stops after a sample of its first k rollouts,
 its time scaled by FLOPs(all) / FLOPs(sample) and every method's error taken on those k rollouts; padded and
 prompt-sharing are sampled likewise when projected past `max_memory_bytes` or `max_seconds` (peak by
-`baselines.*_peak_bytes`), or "skipped" when no rollout fits. Such rows say `"estimated": true, "sample_rollouts": k`.
+`reference.memory`), or "skipped" when no rollout fits. Such rows say `"estimated": true, "sample_rollouts": k`.
 Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
@@ -20,24 +20,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..check.reference import max_rel_grad_err, naive_backward
-from ..check.shapes import make_rollouts, shared_prompt
+from ..reference.naive import max_rel_grad_err, naive_backward
+from ..reference.shapes import make_rollouts, shared_prompt
 from ..engine import replay_backward
 from ..engine.planner import available_memory_bytes
 from ..losses import GRPOLoss
 from ..models import load_model
 from ..tiny_models import tiny_model
 from ..tree import Rollout, RolloutTree, forests
-from . import flops as F
-from ..check.padded import padded_backward
-from .baselines import (
-    PROMPT_SHARING_LABELS,
-    padded_peak_bytes,
-    prefix_grouper_version,
-    prompt_groups,
-    prompt_sharing_backward,
-    prompt_sharing_peak_bytes,
-)
+from ..reference import work as F
+from ..reference.methods import METHODS as REFERENCES
+from ..reference.prompt_sharing import PROMPT_SHARING_LABELS, prefix_grouper_version, prompt_groups
 from .measure import measure, tree_build_seconds
 from .scenarios import Scenario, recorded_items
 
@@ -133,33 +126,23 @@ class Bench:
     def call(self, method: str, rollouts: list[Rollout]):
         """Zero the gradients, then one forward + backward of `method` on `rollouts`; returns its result."""
         self.model.zero_grad(set_to_none=True)
-        if method == "naive":
-            return naive_backward(self.model, rollouts, self.loss)
-        if method == "padded":
-            return padded_backward(self.model, rollouts, self.loss)
-        if method == "prompt-sharing":
-            return prompt_sharing_backward(self.model, rollouts, self.loss, impl=self.ps_impl)
-        return replay_backward(self.model, trees_of(rollouts), self.loss)
+        if method == "branchreplay":
+            return replay_backward(self.model, trees_of(rollouts), self.loss)
+        options = {"impl": self.ps_impl} if method == "prompt-sharing" else {}
+        return REFERENCES[method].backward(self.model, rollouts, self.loss, **options)
 
     def grads(self) -> list[torch.Tensor]:
         return [p.grad.detach().clone() if p.grad is not None else torch.zeros_like(p)
                 for p in self.model.parameters()]
 
     def work(self, method: str, rollouts: list[Rollout]) -> F.Work:
-        if method == "naive":
-            return F.naive_work(rollouts)
-        if method == "padded":
-            return F.padded_work(rollouts)
-        if method == "prompt-sharing":
-            return F.prompt_sharing_work(rollouts)
-        return sum((F.tree_work(t) for t in trees_of(rollouts)), F.NOTHING)
+        if method == "branchreplay":
+            return sum((F.tree_work(t) for t in trees_of(rollouts)), F.NOTHING)
+        return REFERENCES[method].work(rollouts)
 
     def peak_model(self, method: str, rollouts: list[Rollout]) -> int | None:
-        if method == "padded":
-            return padded_peak_bytes(rollouts, self.model.config, self.o.dtype)
-        if method == "prompt-sharing":
-            return prompt_sharing_peak_bytes(rollouts, self.model.config, self.o.dtype)
-        return None
+        peak_bytes = REFERENCES[method].peak_bytes if method in REFERENCES else None
+        return None if peak_bytes is None else peak_bytes(rollouts, self.model.config, self.o.dtype)
 
     def warm_up(self) -> None:
         """One call of every method on a small rollout set: the first call of a method is slower (allocator,
@@ -338,7 +321,7 @@ class Bench:
 
 def trees_of(rollouts: list[Rollout]) -> list[RolloutTree]:
     """The trees the engine runs, as for a trainer's step: one per group (by `Rollout.group` when every rollout has
-    one, recorded trajectories: their item; else per distinct prompt, `baselines.prompt_groups`), then the groups
+    one, recorded trajectories: their item; else per distinct prompt, `prompt_sharing.prompt_groups`), then the groups
     that share a start as one forest (`tree.forests`: items that open with the same messages share them)."""
     if all(r.group is not None for r in rollouts):
         groups: dict = {}

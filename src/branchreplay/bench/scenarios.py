@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from ..check.shapes import Sequence, prompt_completion, random_ids, shared_prompt
+from ..reference.shapes import Sequence, prompt_completion, random_ids, shared_prompt
 
 SCENARIOS = ("shared-prompt", "multi-turn", "tree-sampled")
 DEFAULT_PROMPT_TOKENS = {"shared-prompt": 2048, "multi-turn": 512, "tree-sampled": 1024}

@@ -1,4 +1,4 @@
-"""Checks against the independent reference: the naive per-rollout computation (`reference`), `branchreplay
-verify` (`verify`), the first-use check of an unregistered family (`self_check`), the scoped float64 numerics of
-exactness checks (`numerics`), and the synthetic tree shapes they run on (`shapes`).
+"""Checks above the engine and the training side: `branchreplay verify` (`verify`, `cli`, and `parallel` for N local
+processes), and the first-use self-check of a family outside the registry (`self_check`). The references they compare
+with are `branchreplay.reference`.
 """

@@ -77,7 +77,7 @@ def _refused(args) -> str:
     if args.nproc > 1 and args.device != "cpu":
         return f"--nproc runs gloo processes on the CPU; drop --device {args.device}"
     if args.shapes is not None:
-        from .shapes import SHAPES
+        from ..reference.shapes import SHAPES
 
         if args.loss == "dpo" or args.nproc > 1:
             return "--shapes picks the trees of the one-process check of grpo, ppo or rloo: drop --shapes"

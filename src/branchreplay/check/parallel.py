@@ -21,12 +21,12 @@ import tempfile
 
 import torch
 
-from ..engine.families import FAMILIES, UNCHECKED
+from ..engine.families import FAMILIES
 from ..losses import GRPOLoss
 from ..tree import RolloutTree
-from .numerics import keep_float64
-from .reference import max_rel_grad_err
-from .shapes import SHAPES, make_rollouts, random_ids
+from ..reference.float64 import keep_float64
+from ..reference.naive import max_rel_grad_err
+from ..reference.shapes import SHAPES, make_rollouts, random_ids
 from .verify import FLOAT32_KERNELS_TOLERANCE, FLOAT64_TOLERANCE
 
 ALGORITHM_SETTINGS = {
@@ -70,7 +70,6 @@ def _worker(rank, world, port, spec, dtype, strategy, seed, force, out, loss):
     torch.set_num_threads(1)
     single, _ = load_model(spec, dtype=dtype)
     model, _ = load_model(spec, dtype=dtype)
-    force = UNCHECKED if force else False  # this check is the comparison a self-check would make (`verify_model`)
     numerics = (lambda m: keep_float64(m)) if dtype == torch.float64 else (lambda m: contextlib.nullcontext())
     with numerics(single), numerics(model):
         if loss == "grpo":

@@ -24,16 +24,16 @@ import torch
 
 from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine.config import EVERY_SHARED_NODE
-from ..engine.families import FAMILIES, UNCHECKED, layer_windows
+from ..engine.families import FAMILIES, layer_windows
 from ..engine.positions import rope_thresholds
 from ..engine.sequence import replay_sequence_backward, sequence_sums
 from ..losses import DPO_LOSS_TYPES, GRPOLoss, ValueLoss, dpo_loss, rloo_loss
 from ..models import autocast, max_positions
 from ..tree import Rollout, RolloutTree
 from ..value import ValueModel
-from .numerics import keep_float64
-from .reference import max_rel_grad_err, naive_backward, naive_sequence_backward
-from .shapes import SHAPES, around_length, around_window, make_rollouts
+from ..reference.float64 import keep_float64
+from ..reference.naive import max_rel_grad_err, naive_backward, naive_sequence_backward
+from ..reference.shapes import SHAPES, around_length, around_window, make_rollouts
 
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
 FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32
@@ -112,7 +112,7 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
     tree, the critic's named "<shape>/critic", its "logprob err" that of the values), "rloo" (`losses.rloo_loss`,
     RLOO's sequence-level ratio, through `engine.sequence`; "logprob err" that of the summed logprobs).
     `force` runs a family that is not in the registry (the engine then guesses it: `families.generic_family`),
-    without the engine's own self-check: this comparison is that check, on more trees (force="unchecked").
+    without the engine's own self-check: this comparison is that check, on more trees.
     Returns (one result per tree, {threshold name: why it has no tree} for thresholds past the model's positions).
     Raises: UnsupportedModelError for a family the engine does not know (unless `force`); ValueError for
     `mixed_precision` on a model whose parameters are not float32, an unknown `loss` or an unknown shape."""
@@ -120,7 +120,6 @@ def verify_model(model, seed: int = 0, random_trees: int = 3, temperature: float
         raise ValueError(f"verify loss={loss!r} is not valid; accepted values: grpo, ppo, rloo (dpo: verify_dpo)")
     if shapes is not None and (not shapes or set(shapes) - set(SHAPES)):
         raise ValueError(f"verify shapes {list(shapes)}: name one or more of {', '.join(SHAPES)}")
-    force = UNCHECKED if force else False
     float64 = next(model.parameters()).dtype == torch.float64
     if mixed_precision is not None and next(model.parameters()).dtype != torch.float32:
         raise ValueError(f"mixed precision runs float32 parameters under autocast; the model is "
@@ -239,7 +238,6 @@ def verify_dpo(model, seed: int = 0, pairs: int = 3, force: bool = False) -> lis
     The bound is `verify_model`'s for the model's dtype; "logprob err" is the largest error of a summed logprob.
     Raises UnsupportedModelError for a family the engine does not know (unless `force`: run unchecked, as
     `verify_model`)."""
-    force = UNCHECKED if force else False
     float64 = next(model.parameters()).dtype == torch.float64
     vocab = model.config.vocab_size
     with keep_float64(model) if float64 else float64_copy(model) as numerics:

@@ -13,7 +13,7 @@ masks), `head` (LM-head logprobs in checkpointed chunks), `embedding` (the input
 and `distributed` (data parallelism), `context_parallel` (a shared prefix once across the ranks).
 """
 
-from .. import lazy_exports
+from ..lazy import lazy_exports
 
 _EXPORTS = {
     "EngineConfig": ".config",

@@ -138,7 +138,7 @@ def groups_mask(bias: torch.Tensor) -> torch.Tensor:
 
 def grouped_prefix_attention(q, k, v, bias, scale, spans, prompt_keys, prompt_values) -> torch.Tensor:
     """One decoding step of the rows of several groups, each group's prompt held once (the sampler's static rows,
-    `rl/rollouts/static_rows.py`): q [C, h, 1, d]; k, v [C, h_kv, L, d] the rows' own generated keys under `bias`
+    `decode/rows/static.py`): q [C, h, 1, d]; k, v [C, h_kv, L, d] the rows' own generated keys under `bias`
     [C, 1, 1, L]; rows spans[g] = (a, b) belong to group g, whose prompt keys / values are prompt_keys[g],
     prompt_values[g] [1, h_kv, P_g, d], seen by every query of the group without a mask (its rows folded into one
     query sequence, as `_SplitAttention` runs a batch below one prefix). Rows in no span see no prompt. The blocks

@@ -24,7 +24,6 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from ..models import is_mixture_of_experts
-from .families import Force
 from .head import check_head
 from .lockstep import collective_device
 
@@ -281,10 +280,11 @@ def raise_together(error: BaseException | None, what: str, kinds: tuple[type, ..
 def shutdown() -> None:
     """End data parallelism on a rank whose work succeeded: a barrier, then `destroy_process_group`. Without the
     barrier a rank that finishes first tears down its gloo connections while another still talks to it, and gloo
-    aborts one of them ("terminate called without an active exception", SIGABRT: seen in tests/test_distributed.py
-    twice). After an error, do not call it: a barrier or a destroy while another rank sits in a collective blocks
-    (torchtitan destroys the group only after a successful run, for that reason); the collective timeout then
-    stops the others. A no-op without a process group. A spawned rank ends with `end_spawned_rank` instead."""
+    aborts one of them ("terminate called without an active exception", SIGABRT: seen twice in
+    tests/test_engine_distributed.py). After an error, do not call it: a barrier or a destroy while another rank
+    sits in a collective blocks (torchtitan destroys the group only after a successful run, for that reason); the
+    collective timeout then stops the others. A no-op without a process group. A spawned rank ends with
+    `end_spawned_rank` instead."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -295,7 +295,7 @@ def end_spawned_rank() -> NoReturn:
     `shutdown`, flush stdout and stderr, then `os._exit(0)`, skipping the interpreter's teardown. There, now and
     then, a gloo worker thread still drops the last reference to a collective's tensor, takes the GIL during
     finalization, is ended by Python with `pthread_exit`, and the C++ runtime aborts the rank ("terminate called
-    without an active exception", SIGABRT: seen in tests/test_distributed.py and `verify --nproc 2` under load;
+    without an active exception", SIGABRT: seen in tests/test_engine_distributed.py and `verify --nproc 2` under load;
     pytorch/pytorch#179291 describes it), which spawn reports as that rank's failure after its work succeeded.
     The `atexit` handlers run first, as at a normal exit (the weight-sync files in /dev/shm are removed there).
     For the check, bench and test workers only: a torchrun process ends through `shutdown` and the CLI."""
@@ -335,14 +335,14 @@ def check_same_trees(trees: list, layout: str) -> None:
 
 
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
-                            force: Force = False, layout: str = "auto", cost=None):
+                            force: bool = False, layout: str = "auto", cost=None):
     """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
     `CostModel`, default `CostModel()`; the same plan on every rank), the gradient reduced once: afterwards
     every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
     this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
     same trees: `check_same_trees` raises ValueError, naming the ranks, where they differ. `force`: as
-    `replay_backward`'s; True refuses an unregistered family here (`check.self_check.check_once`: its check needs
-    the whole model), so check it before sharding and pass "unchecked".
+    `replay_backward`'s (trusted: check an unregistered family before sharding, `self_check.ensure_supported`, since
+    the check needs the whole model).
     """
     from .config import EngineConfig
     from .sharding import CostModel, shard

@@ -4,11 +4,11 @@ The execution stack hands each child the cached state of its ancestors: for an a
 every ancestor position (a sliding-window layer: only the last window - 1), for a recurrent layer its state after the
 node (`recurrent.py`). This module is the one place that knows, per family, which layers are which and how the
 model's forward takes a custom mask. A family outside the registry is refused by name (`UnsupportedModelError`), or,
-with `train.unknown_family="self-check"` or `force=True`, first checked against the naive reference on the user's own
-model (`check/self_check.py`; once per model class, config and dtype in a process); `force="unchecked"` skips that
-check. An unknown family with recurrent or hybrid layers is always refused, and so is one whose attention the engine
-cannot carry: ALiBi biases (MPT, Bloom, Falcon with `alibi=True`), or K/V handed to the cache as other than
-[batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's (`cache._check_layout`).
+with `train.unknown_family="self-check"` or the package's `force=True`, first checked against the naive reference on
+the user's own model (`self_check.py`; once per model class, config and dtype in a process); the engine's own
+`force=True` runs it trusted. An unknown family with recurrent or hybrid layers is always refused, and so is one
+whose attention the engine cannot carry: ALiBi biases (MPT, Bloom, Falcon with `alibi=True`), or K/V handed to the
+cache as other than [batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's (`cache._check_layout`).
 Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import inspect
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
@@ -39,7 +38,7 @@ class Family:
         node runs as a pack of one (a sibling's scan cannot share the query sequence), so no tree mask is built.
     float32_kernels: transformers computes part of the forward in float32 whatever the model dtype (SSM scans,
         gated delta rule, float32 logits or residual): the engine equals the naive reference to float32 precision
-        only (with those casts made float64 the tests measure ~1e-14; `tests/test_families_recurrent.py`).
+        only (with those casts made float64 the tests measure ~1e-14; `tests/test_engine_families_recurrent.py`).
     uniform_window: the config has no `layer_types` and `config.sliding_window`, when set, applies to every layer
         (Mistral, Mixtral, Qwen3-MoE with use_sliding_window).
     continues_cache: transformers' forward continues a KV / recurrent cache with several new tokens at once. False
@@ -96,16 +95,10 @@ FAMILIES: dict[str, Family] = {
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
-UNCHECKED = "unchecked"
-Force = bool | Literal["unchecked"]
-"""How the engine treats a family outside the registry: False refuses it; True runs it as `generic_family` guesses,
-after `check.self_check` passed on the model (once per model class, config and dtype in the process); "unchecked"
-runs it without that check (the caller checked: `branchreplay verify --force`, the trainer's own self-check)."""
-
-
-def family_of(model, force: Force = False, router_loss: bool = False) -> Family:
+def family_of(model, force: bool = False, router_loss: bool = False) -> Family:
     """The registry entry for `model`; with `force`, a family not in the registry gets `generic_family(model)`
-    instead of a refusal, after its self-check passed (`force=True`) or without one (`force="unchecked"`).
+    instead of a refusal, trusted: the caller checked it (the package's `replay_backward(force=True)` runs
+    `self_check.check_once` first; the trainer its `train.unknown_family` check).
     `router_loss`: the caller computes the MoE router load-balancing loss (`router.RouterLoss`), so a config with
     `output_router_logits` is not refused.
 
@@ -113,10 +106,8 @@ def family_of(model, force: Force = False, router_loss: bool = False) -> Family:
         UnsupportedModelError: the family is not registered (and not `force`), the attention implementation cannot
             take a tree mask, the config asks for something the engine does not compute (the MoE router
             auxiliary loss, non-causal attention), an unregistered family's attention the engine cannot carry
-            (ALiBi), or, under `force=True`, its self-check failed (the message gives the error).
-        ValueError: `force` is not False, True or "unchecked".
+            (ALiBi).
     """
-    check = self_checked(force)
     config = model.config
     model_type = config.model_type
     if model_type not in FAMILIES and not force:
@@ -141,32 +132,14 @@ def family_of(model, force: Force = False, router_loss: bool = False) -> Family:
         raise UnsupportedModelError(f"{model_type}: bidirectional attention; the engine runs causal LMs only")
     if model_type in FAMILIES:
         return FAMILIES[model_type]
-    family = generic_family(model)
-    if check:
-        from ..check.self_check import check_once  # check/ runs the engine: imported here, when first needed
-
-        check_once(model)
-    return family
-
-
-def self_checked(force: Force) -> bool:
-    """Whether `force` asks for the self-check: True (or any other true value that is not a string: 1,
-    numpy.True_), not "unchecked" or False.
-
-    Raises:
-        ValueError: a string other than "unchecked".
-    """
-    if isinstance(force, str) and force != UNCHECKED:
-        raise ValueError(f"force={force!r}: accepted values are False, True (run an unregistered family after its "
-                         f"self-check) and {UNCHECKED!r} (without it)")
-    return not isinstance(force, str) and bool(force)
+    return generic_family(model)
 
 
 def generic_family(model) -> Family:
     """A `Family` guessed for an unregistered model, used only under `force`: a decoder whose forward mentions a
     mask mapping takes one (as Qwen2 / Gemma do), else one 4D mask; `config.sliding_window` applies to every layer
     unless `config.layer_types` says which layers slide. A wrong guess shows up as an error in `branchreplay verify`
-    (and in the self-check that `force=True` runs).
+    (and in the self-check that runs before).
 
     Raises:
         UnsupportedModelError: the decoder adds ALiBi biases (`_uses_alibi`).

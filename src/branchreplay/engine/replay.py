@@ -17,7 +17,7 @@ from ..models import base_of
 from ..tree import ReplayResult, RolloutTree, TreeStats, forests
 from .config import EngineConfig
 from .context_parallel import ContextParallelTree
-from .families import Force, check_no_dropout
+from .families import check_no_dropout
 from .lockstep import LockStep, drain
 from .positions import held_at_length, regimes
 from .router import RouterLoss
@@ -32,7 +32,7 @@ def replay_backward(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
-    force: Force = False,
+    force: bool = False,
     final_backward: contextlib.AbstractContextManager | None = None,
     lockstep: bool = False,
     router: RouterLoss | None = None,
@@ -52,9 +52,9 @@ def replay_backward(
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
         engine: packing, chunking and replay options (`EngineConfig`).
-        force: run a family that is not in the registry, as `families.generic_family` guesses it: True after its
-            self-check (`check.self_check`, run here once per model class, config and dtype in the process), or
-            "unchecked" for a caller that checked it (`branchreplay verify --force`, the trainer).
+        force: run a family that is not in the registry, as `families.generic_family` guesses it, trusted: the
+            caller checked it (the package's `branchreplay.replay_backward(force=True)` runs the self-check first;
+            `branchreplay verify --force` and the trainer check it themselves).
         final_backward: a context entered around the call's LAST backward pass (the root pack of the last tree),
             which always runs, through every layer (with a zero loss if nothing else flows there). Data parallelism
             uses it to reduce gradients once per step instead of once per pack (`engine/distributed.py`).
@@ -84,7 +84,7 @@ def replay_logprobs(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
-    force: Force = False,
+    force: bool = False,
     lockstep: bool = False,
     head_stats: tuple[str, ...] = (),
     router: RouterLoss | None = None,
@@ -96,7 +96,7 @@ def replay_logprobs(
     return _replay(model, trees, None, temperature, engine, force, None, lockstep, head_stats, router)
 
 
-def _replay(model, trees, loss, temperature, engine: EngineConfig, force: Force = False, final_backward=None,
+def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool = False, final_backward=None,
             lockstep: bool = False, head_stats: tuple[str, ...] = (), router: RouterLoss | None = None
             ) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)

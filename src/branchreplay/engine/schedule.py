@@ -2,7 +2,7 @@
 
 A node of L tokens at start s shared by c children saves (c - 1) x (L + attention) positions, attention =
 (L x s + L (L + 1) / 2) x 2 n_layers d_attn / N_params its attention FLOPs in positions (the FLOP formula of
-`bench.flops`; N_params: the decoder's matmul parameters). It costs one pack (`EngineConfig.pack_overhead_tokens`,
+`reference.work`; N_params: the decoder's matmul parameters). It costs one pack (`EngineConfig.pack_overhead_tokens`,
 a pack's fixed cost in positions) plus, for a node at the root, `prefix_overhead` x its children's positions (split
 attention's second kernel and merge; charged only where the model runs it, `attention.PrefixSplit`). Every node
 whose saving is below its cost is merged into its children, bottom-up: each child gets the node's tokens in front

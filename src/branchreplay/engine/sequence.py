@@ -23,7 +23,6 @@ from ..losses import LossInputs
 from ..tree import ReplayResult, Rollout, RolloutTree
 from .config import EngineConfig
 from .context_parallel import ContextParallelTree
-from .families import Force
 from .router import RouterLoss
 from .replay import replay_backward, replay_logprobs
 
@@ -36,7 +35,7 @@ must not depend on them there) of the N rollouts of all the trees, in order -> s
 
 
 def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss: TokenFunctionLoss, *,
-                             temperature: float = 1.0, engine: EngineConfig = EngineConfig(), force: Force = False,
+                             temperature: float = 1.0, engine: EngineConfig = EngineConfig(), force: bool = False,
                              first: ReplayResult | None = None, final_backward=None,
                              router: RouterLoss | None = None) -> tuple[float, ReplayResult, ReplayResult]:
     """Gradients of `loss`(logprobs, entropies) into `param.grad`, as its `.backward()` on the naive per-rollout
@@ -65,7 +64,7 @@ def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss
 
 def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss: SequenceLoss, *,
                              temperature: float = 1.0, engine: EngineConfig = EngineConfig(),
-                             force: Force = False, sums: torch.Tensor | None = None,
+                             force: bool = False, sums: torch.Tensor | None = None,
                              final_backward=None) -> tuple[float, torch.Tensor, ReplayResult]:
     """Gradients of `loss`(s) into `param.grad`, where s [N] are the rollouts' summed logprobs over their
     loss_mask, as `loss(s).backward()` on the naive per-rollout sums would give them (module docstring).

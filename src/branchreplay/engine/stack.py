@@ -27,7 +27,7 @@ from .config import EngineConfig
 from .context_parallel import ContextParallelTree, run_prefix
 from .lockstep import BACKWARD, FORWARD
 from .embedding import DeferredEmbeddingGrad
-from .families import Force, check_no_dropout, family_of, layer_windows
+from .families import check_no_dropout, family_of, layer_windows
 from .head import check_float32_head, check_head, decoder_and_head, head_statistics, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .packs import batched_packs, chunked, is_batch, packs, spans
@@ -42,7 +42,7 @@ from .vision import ImageRun
 class _Run:
     """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
 
-    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: Force = False,
+    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: bool = False,
                  head_stats: tuple[str, ...] = (), router: RouterLoss | None = None):
         self.family = family_of(model, force=force, router_loss=router is not None or loss is None)  # no training
         self.router = router  # the MoE router loss: each token's rollout count at each decoder call (router.py)

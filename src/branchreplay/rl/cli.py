@@ -114,8 +114,8 @@ def _export(args) -> int:
 
 def _vllm_serve(args) -> int:
     """vllm-serve: a vLLM server for a model spec, run from the vLLM venv (`make vllm`) until it is stopped."""
-    from .rollouts.server_process import run_process_group
-    from .rollouts.vllm_client import serve_command, serve_environment
+    from .rollouts.vllm.server_process import run_process_group
+    from .rollouts.vllm.client import serve_command, serve_environment
 
     python = Path(args.venv) / "bin" / "python"
     if not python.is_file():

@@ -19,13 +19,11 @@ import torch
 from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
                           get_linear_schedule_with_warmup)
 
-from ..check.padded import padded_backward
-from ..check.reference import naive_backward
+from ..reference.methods import METHODS
 from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine import sequence
 from ..engine.context_parallel import ContextParallelTree
 from ..engine.distributed import DataParallel, clip_grad_norm_
-from ..engine.families import Force
 from ..engine.lockstep import collective_device
 from ..models import autocast, tied_names
 from ..tree import ReplayResult, Rollout, RolloutTree, TreeStats
@@ -41,7 +39,7 @@ class Policy:
     model: a Hugging Face causal LM (a peft model for LoRA), or a critic (`value.ValueModel`).
     temperature: logprobs are of softmax(logits / temperature), the sampler's (1.0 for DPO and a critic).
     engine: the run's `EngineConfig`. method: "branchreplay", "naive" or "padded". force: run an unregistered family
-    (`engine.families.Force`; the trainer's "unchecked" after its own self-check). micro_batch: trees per engine call in
+    (trusted: the trainer checked it, `run/family.py`). micro_batch: trees per engine call in
     `backward` (0 = all at once). dtype: the run's
     model.dtype ("bfloat16": the forwards under autocast). dp: its `DataParallel` under torchrun, else None. ranks:
     the run's `rl.run.parallel.Ranks`, else None. scope: a context every forward runs in (LoRA's reference: the
@@ -52,7 +50,7 @@ class Policy:
     temperature: float = 1.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     method: str = "branchreplay"
-    force: Force = False
+    force: bool = False
     micro_batch: int = 0
     dtype: str = "float32"
     dp: DataParallel | None = None
@@ -191,7 +189,7 @@ def clip_grad_norm(policies: list[Policy], max_norm: float) -> float:
 
 
 def tree_backward(model, trees: list, loss, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
-                  force: Force = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
+                  force: bool = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
     """Forward and backward of `loss` over `trees` by `method`; gradients accumulate into `param.grad`. Same
     arguments, result and errors as `engine.replay_backward` (`final_backward`, `lockstep`: branchreplay only).
 
@@ -200,9 +198,9 @@ def tree_backward(model, trees: list, loss, *, temperature: float, engine: Engin
 
         branchreplay  the execution stack over the prefix tree (`engine.replay_backward`): each unique position once.
         naive         each rollout alone, unpadded, through the unmodified Hugging Face forward
-                      (`check.reference.naive_backward`): the reference every exactness test compares with.
+                      (`reference.naive`): the reference every exactness test compares with.
         padded        TRL's padded batch: prompts left-padded, completions right-padded, one [B, T_max] forward and
-                      backward (`check.padded.padded_backward`).
+                      backward (`reference.padded`). Both are looked up in `reference.methods.METHODS`.
 
     The two references run token-level losses of whole rollouts (GRPO, REINFORCE++, PPO's policy and, naive, its
     critic): `Config` refuses the rest."""
@@ -210,22 +208,21 @@ def tree_backward(model, trees: list, loss, *, temperature: float, engine: Engin
         return replay_backward(model, trees, loss, temperature=temperature, engine=engine, force=force,
                                final_backward=final_backward, lockstep=lockstep)
     _no_lockstep(lockstep, method)
-    return _reference(model, trees, loss, temperature, method)
+    return _reference(trees, lambda rollouts: METHODS[method].backward(model, rollouts, loss, temperature=temperature))
 
 
 def tree_logprobs(model, trees: list, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
-                  force: Force = False, lockstep: bool = False) -> ReplayResult:
+                  force: bool = False, lockstep: bool = False) -> ReplayResult:
     """Per-rollout logprobs and entropies (a critic's values) without a graph, by `method`; as
     `engine.replay_logprobs`."""
     if method == "branchreplay":
         return replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force, lockstep=lockstep)
     _no_lockstep(lockstep, method)
-    with torch.no_grad():
-        return _reference(model, trees, None, temperature, method)
+    return _reference(trees, lambda rollouts: METHODS[method].logprobs(model, rollouts, temperature=temperature))
 
 
 def accumulate(model, trees: list, loss, micro_batch_prompts: int, temperature: float,
-               engine: EngineConfig = EngineConfig(), force: Force = False, final_backward=None,
+               engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None,
                lockstep: bool = False, method: str = "branchreplay") -> ReplayResult:
     """`tree_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once); gradients
     accumulate in param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last micro-batch's
@@ -261,14 +258,11 @@ def _no_lockstep(lockstep: bool, method: str) -> None:
                          "engine's): use parallel.fsdp_mode gather-once, or train.method branchreplay")
 
 
-def _reference(model, trees: list, loss, temperature: float, method: str) -> ReplayResult:
+def _reference(trees: list, run) -> ReplayResult:
+    """`run` (a `reference.methods` method) on the trees' rollouts, with the trees' sizes as its stats."""
     if not trees:
         return ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))
-    rollouts = [r for t in trees for r in t.rollouts]
     stats = sum((t.stats for t in trees[1:]), trees[0].stats)
-    if method == "naive":
-        result = naive_backward(model, rollouts, loss, temperature=temperature)
-    else:  # the pads are masked out of every attention: any id in the vocabulary serves
-        result = padded_backward(model, rollouts, loss, temperature=temperature)
+    result = run([r for t in trees for r in t.rollouts])
     result.stats = stats  # the tree's sizes (what branchreplay would have run), as every method logs them
     return result

@@ -8,7 +8,7 @@ Everything but the loss's forward and backward is TRL's own: generation, reward 
 reference logprobs, the optimizer, logging, checkpoints. Each micro-batch TRL hands to `compute_loss` becomes one
 rollout tree per prompt (`rows.py`), and the execution stack puts into `param.grad` the gradient of TRL's loss
 (`base.py`, `grpo.py`). The logged metrics are TRL's plus `tree/logical_tokens`, `tree/physical_tokens` and
-`tree/token_ratio` (rollout positions over computed ones). tests/test_trl_trainer.py and tests/test_trl_rloo.py
+`tree/token_ratio` (rollout positions over computed ones). tests/test_trl_grpo.py and tests/test_trl_rloo.py
 compare the gradients with TRL's own classes on TRL's micro-batches, float32.
 """
 

@@ -21,9 +21,9 @@ import warnings
 
 import torch
 
-from ..check.self_check import PROCESS_VERDICTS, ensure_supported
+from ..engine.self_check import PROCESS_VERDICTS, ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError
-from ..engine.families import UNCHECKED, family_of
+from ..engine.families import family_of
 from ..engine.router import RouterLoss
 from ..engine.sequence import replay_function_backward
 from ..engine.vision import is_vision_language, language_model
@@ -202,14 +202,14 @@ class TreeTrainerMixin:
 
 def check_family(model, unknown_family: str, trainer: str, router_loss: bool = False):
     """The engine's `force` for `model` (a PeftModel's base model is checked): False for a registered family,
-    "unchecked" for an unregistered one that passed its self-check; raises `UnsupportedModelError` naming the
-    trainer, the family and the reason otherwise (`check.self_check.ensure_supported`). `router_loss`: the trainer
+    True for an unregistered one that passed its self-check; raises `UnsupportedModelError` naming the
+    trainer, the family and the reason otherwise (`engine.self_check.ensure_supported`). `router_loss`: the trainer
     computes the MoE router loss over the trees (`engine.families.family_of`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     log = logging.getLogger("branchreplay").info
     try:
         base = language_model(base)  # a vision-language model's LM; an unsupported one is refused here
-        force = UNCHECKED if ensure_supported(base, unknown_family, PROCESS_VERDICTS, log=log) else False
+        force = ensure_supported(base, unknown_family, PROCESS_VERDICTS, log=log)
         family_of(base, force=force, router_loss=router_loss)  # what every family needs: a tree mask, ...
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{trainer}: {e}") from None

@@ -5,7 +5,7 @@
     trainer.train()
 
 GRPO's token-level losses run in one pass (`losses.GRPOLoss` with `losses.token_weights`: TRL 1.16's
-`_compute_loss`, tests/test_trl.py); the settings whose loss couples a row's tokens or reads the logprobs and
+`_compute_loss`, tests/test_losses_trl.py); the settings whose loss couples a row's tokens or reads the logprobs and
 entropies before the loss run TRL's own loss in two (`base.py`).
 """
 

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 
 from ...tree import ReplayResult, Rollout, RolloutTree
-from ..rollouts.mismatch import sampler_mismatch
+from .mismatch import sampler_mismatch
 
 
 class Algorithm:

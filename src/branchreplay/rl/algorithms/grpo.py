@@ -16,7 +16,7 @@ import torch
 
 from ...losses import GRPOLoss, LossStats, gspo_loss
 from .base import Algorithm, completion_tokens, trains
-from ..rollouts.mismatch import sampler_mismatch
+from .mismatch import sampler_mismatch
 
 
 class GRPO(Algorithm):

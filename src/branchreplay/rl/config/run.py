@@ -24,7 +24,7 @@ from ...engine.config import EngineConfig
 from ...fields import nearest
 from ..algorithms import check_algorithm
 from .agent import AgentConfig
-from .sampling import SamplingConfig, turn_factor
+from ...decode.config import SamplingConfig, turn_factor
 from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelConfig, PPOConfig,
                        ReinforcePPConfig, RLOOConfig, TrainConfig)
 from .task import TaskConfig

@@ -22,7 +22,7 @@ from ...engine.config import EngineConfig
 from ...fields import check, choice, help_of
 from ...loss_types import DPOLossType, LossType
 from .agent import AgentConfig
-from .sampling import SamplingConfig
+from ...decode.config import SamplingConfig
 from .task import TaskConfig
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]
@@ -302,7 +302,7 @@ class TrainConfig:
         "(scripts/compare_methods.py; rl/policy.py)"))
     unknown_family: UnknownFamily = field(default="self-check", metadata=help_of(
         "a model family outside the engine's registry (engine/families.py): 'self-check' it before the first step "
-        "(check/self_check.py: the engine against the naive reference on a small random tree of the model itself, "
+        "(engine/self_check.py: the engine against the naive reference on a small random tree of the model itself, "
         "refused when its error is above the dtype's bound; the verdict is cached in the run folder) or "
         "'refuse' it. Recurrent or hybrid layers of an unknown family are always refused. A direct "
         "replay_backward call refuses an unknown family unless force=True"))

@@ -1,3 +1,3 @@
-"""A step's rollouts: in-process sampling with one prefill per group (sampling.py), the vLLM client
-(vllm_client.py), multi-turn trajectories (trajectories.py), the step's sampled and scored batch (sampler.py,
-batch.py), and the vLLM sampler's logprobs against the trainer's (mismatch.py)."""
+"""A step's rollouts: the step's sampled and scored batch (`sampler`, `batch`), multi-turn trajectories
+(`trajectories`), the sampler one step ahead in its own process (`ahead`), and the vLLM client and server (`vllm/`).
+In-process generation itself is `branchreplay.decode`."""

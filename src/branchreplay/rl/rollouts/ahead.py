@@ -25,7 +25,7 @@ import torch
 from ..data.rewards import RewardFunctionError
 from .batch import Batch
 from .trajectories import ItemError
-from .vllm_client import VLLMError
+from .vllm.client import VLLMError
 
 RAISED = {e.__name__: e for e in (RewardFunctionError, ItemError, VLLMError)}  # a step's own errors, re-raised
 

@@ -24,12 +24,12 @@ from ..data.order import mix, prompt_indices
 from ..data.rewards import RewardFunctionError, score_columns
 from ..data.tasks import prompt_token_ids
 from .batch import Batch, group_rollouts
-from .packed_linears import packed_linears
-from .sampling import branching_schedule, eos_token_ids, sample_groups
+from ...decode.packed_linears import packed_linears
+from ...decode.loop import branching_schedule, eos_token_ids, sample_groups
 from .trajectories import ItemError, Limits, sample_trajectories_turnwise
-from .turns import InProcessTurns
-from .vllm_client import VLLMError
-from .vllm_sampling import sample_trees
+from ...decode.turns import InProcessTurns
+from .vllm.client import VLLMError
+from .vllm.sampling import sample_trees
 
 
 class Sampler:

@@ -23,8 +23,8 @@ import torch
 from ..agent.conversation import Conversation, TemplateNotPrefixStableError
 from ..agent.environments import TRUNCATED, Environment
 from ..data.cells import check_messages
-from ..config.sampling import SamplingConfig, turn_schedule
-from .turns import InProcessTurns
+from ...decode.config import SamplingConfig, turn_schedule
+from ...decode.turns import InProcessTurns
 
 
 class ItemError(ValueError):
@@ -97,7 +97,7 @@ def sample_trajectories_turnwise(sample_turn, tokenizer, env: Environment, items
                                  ) -> tuple[dict[int, list[Trajectory]], list[str]]:
     """Every item's trajectories turn by turn across the items: at each turn, every trajectory still going asks for
     its replies in ONE call `sample_turn([(conversation ids, {generated depth: fan-out}), ...], [(item index, branch
-    path), ...])` -> per request, its `Sample`s (`turns.InProcessTurns`, or `vllm_sampling.sample_trees`: all in
+    path), ...])` -> per request, its `Sample`s (`decode.turns.InProcessTurns`, or `vllm.sampling.sample_trees`: all in
     flight together; the server's prefix cache holds the shared turns, so a turn costs its new tokens). A request's
     branch path is its parent's plus the index of its reply among the parent's. Trajectories end by `limits`; each
     item's are listed in the lexicographic order of their branch paths. With a template that renders tools itself,

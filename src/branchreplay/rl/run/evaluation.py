@@ -1,5 +1,5 @@
 """Held-out evaluation: greedy answers to the task's held-out split, scored by the task's reward; for a multi-turn
-task, greedy trajectories scored by its environment (`agent.task.evaluate_agent`).
+task, greedy trajectories scored by its environment (`evaluate_agent`).
 Measurements: docs/notes/rl-docstrings.md."""
 
 from __future__ import annotations
@@ -13,13 +13,16 @@ from rich.table import Table
 
 from ...engine.distributed import raise_together
 from ...models import apply_lora, autocast, load_policy
-from ..agent.task import bind, evaluate_agent, load_agent_task
+from ..agent.task import bind, context_limit, load_agent_task, trajectory_metrics, trajectory_reward
 from .checkpoint import load_weights
 from .log import held_out_progress, run_console
 from ..config import Config
 from ..data.rewards import RewardFunctionError, make_rewards, score
-from ..rollouts.packed_linears import packed_linears
-from ..rollouts.sampling import Sample, eos_token_ids
+from ...decode.config import SamplingConfig
+from ...decode.loop import Sample, eos_token_ids
+from ...decode.packed_linears import packed_linears
+from ...decode.turns import InProcessTurns
+from ..rollouts.trajectories import Limits, sample_trajectories_turnwise
 from ..config.task import reward_specs
 from ..data.tasks import load_task, prompt_token_ids
 
@@ -38,7 +41,7 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
     eval/accuracy when the task's scores are one (`score_name`: in [0, 1] for the task's verifier, partial credit
     included), else as eval/reward (custom or weighted rewards keep their range), eval/frac_correct (fraction
     scoring 1), eval/mean_length (tokens), time/eval_s.
-    env: a multi-turn environment (with `data` its held-out items): `agent.task.evaluate_agent`'s metrics instead."""
+    env: a multi-turn environment (with `data` its held-out items): `evaluate_agent`'s metrics instead."""
     if env is not None:
         return evaluate_agent(model, tokenizer, config, env, data, eos_token_ids(model, tokenizer), progress,
                               EVAL_BATCH)
@@ -74,6 +77,44 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
 
 
 @torch.no_grad()
+@torch.no_grad()
+def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None, batch_size: int = 16) -> dict:
+    """Greedy multi-turn held-out evaluation: one trajectory per item (top-1 token at every step), up to
+    agent.max_turns replies of sampling.max_new_tokens, in the run's sampling.cache_implementation. Returns
+    eval/accuracy (mean final reward: the task's success), eval/frac_correct (final reward 1), eval/reward (the
+    combined reward trained on), eval/turns_mean, eval/tool_calls_mean, eval/mean_length (assistant tokens) and
+    time/eval_s. Items that raise ItemError are skipped with a warning (eval/skipped counts them). The items run
+    `batch_size` at a time (progress(done, total) after each batch), each turn of a batch's items in one decoding
+    loop, the start their openings share prefilled once per batch (`decode.turns.InProcessTurns`)."""
+    t0, a, s = time.perf_counter(), config.agent, config.sampling
+    greedy = SamplingConfig(temperature=1.0, top_k=1, max_new_tokens=s.max_new_tokens,
+                            cache_implementation=s.cache_implementation, enforce_eager=s.enforce_eager,
+                            pack_weights=s.pack_weights)
+    limits = Limits(a.max_turns, context_limit(a, model), a.max_tool_output_tokens)
+    done, skipped = [], 0
+    with packed_linears(model, s.pack_weights, rows=batch_size):  # a turn's most replies: one per item
+        for first in range(0, len(items), batch_size):
+            if progress is not None:
+                progress(first, len(items))
+            turns = InProcessTurns(model, greedy, eos, lambda k, path: None)
+            batch = [items[k] for k in range(first, min(first + batch_size, len(items)))]  # a dataset: no slices
+            drawn, errors = sample_trajectories_turnwise(turns, tokenizer, env, batch, (1,), greedy, limits)
+            for why in errors:
+                warnings.warn(f"a held-out item was skipped: {why}", RuntimeWarning, stacklevel=2)
+            done += [t for k in sorted(drawn) for t in drawn[k]]
+            skipped += len(errors)
+    if progress is not None:
+        progress(len(items), len(items))
+    n, counts = max(len(done), 1), trajectory_metrics([done])
+    return {"eval/accuracy": sum(t.reward for t in done) / n,
+            "eval/frac_correct": sum(t.reward == 1 for t in done) / n,
+            "eval/reward": sum(trajectory_reward(t, a) for t in done) / n,
+            "eval/turns_mean": counts["turns/mean"],
+            "eval/tool_calls_mean": counts["tool_calls/mean"],
+            "eval/mean_length": sum(sum(t.conversation.loss_mask) for t in done) / n,
+            "eval/skipped": skipped, "time/eval_s": time.perf_counter() - t0}
+
+
 def greedy_completions(model, prompts: list[list[int]], max_new_tokens: int, eos: set[int],
                        batch_size: int = EVAL_BATCH, progress=None, pack_weights: bool = True) -> list[list[int]]:
     """Greedy completions (ending with their EOS if any) of `prompts`, `batch_size` at a time, left-padded with an
@@ -113,7 +154,7 @@ def score_name(config: Config, env=None) -> str:
 
 def score_key(config: Config, env=None) -> str:
     """The metric of the held-out score: "eval/accuracy" when it is one (`score_name`) or an environment scores the
-    run (`agent.task.evaluate_agent`'s metrics), else "eval/reward" (the mean of the user's own rewards)."""
+    run (`evaluate_agent`'s metrics), else "eval/reward" (the mean of the user's own rewards)."""
     return "eval/accuracy" if env is not None or score_name(config) == "accuracy" else "eval/reward"
 
 

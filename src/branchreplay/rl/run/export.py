@@ -81,7 +81,8 @@ RELOAD_TOLERANCE = 3e-4
 """The reloaded folder's logits may differ from the checkpoint's by this fraction of the logits' scale (their
 largest |value|). The merged model and the checkpoint's LoRA model are two float32 computations of the same
 function, which round apart by what a deep float32 forward rounds (tenfold margin over SmolLM2's after LoRA
-training); adapters on a tied LM head, whose merge moves the embedding too, miss by far more (tests/test_lora.py).
+training); adapters on a tied LM head, whose merge moves the embedding too, miss by far more
+(tests/test_models_lora.py).
 Figures: docs/notes/rl-docstrings.md."""
 
 

@@ -1,12 +1,12 @@
 """A run's check of a model family outside the engine's registry, its verdicts kept in the run folder
-(`check/self_check.py` runs the check: the engine against the naive reference on a small tree of the model)."""
+(`engine/self_check.py` runs the check: the engine against the naive reference on a small tree of the model)."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
-from ...check.self_check import ensure_supported
+from ...engine.self_check import ensure_supported
 from ...engine import UnsupportedModelError
 from .checkpoint import write_atomic
 
@@ -14,7 +14,7 @@ SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered fami
 
 
 def check_family(model, unknown_family: str, run_dir: Path, ranks=None, log=print) -> bool:
-    """`check.self_check.ensure_supported` on `model` with train.unknown_family `unknown_family`, its verdicts kept
+    """`engine.self_check.ensure_supported` on `model` with train.unknown_family `unknown_family`, its verdicts kept
     in run_dir/self_check.json (written atomically, by rank 0): True when the family is unregistered and passed
     (the engine then runs it forced). Under torchrun (`ranks`) rank 0 checks, before sharding, and gathers its
     verdict to every rank. Raises UnsupportedModelError on every rank for a refused family."""

@@ -23,7 +23,6 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
 from ...engine.distributed import fsdp_mode, raise_together, shutdown
-from ...engine.families import UNCHECKED, Force
 from ...models import apply_lora, load_policy, model_folder
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
@@ -37,7 +36,7 @@ from ..policy import Policy
 from ..rollouts.ahead import Ahead, SamplerFailed, check_ahead, start_sampler
 from ..rollouts.sampler import Sampler
 from ..rollouts.trajectories import ItemError
-from ..rollouts.vllm_client import VLLMClient, VLLMError
+from ..rollouts.vllm.client import VLLMClient, VLLMError
 from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, score_name
 from .family import check_family
@@ -290,11 +289,10 @@ class Trainer:
         """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
         return self.ranks.any(bool(stop)) if self.ranks else bool(stop)
 
-    def check_family(self, run_dir: Path) -> Force:
-        """The run's check of an unregistered family (`family.check_family`): "unchecked" (the engine runs it forced,
+    def check_family(self, run_dir: Path) -> bool:
+        """The run's check of an unregistered family (`family.check_family`): True (the engine runs it forced,
         checked here) or False (a registered family)."""
-        checked = check_family(self.model, self.config.train.unknown_family, run_dir, self.ranks, self.console.print)
-        return UNCHECKED if checked else False
+        return check_family(self.model, self.config.train.unknown_family, run_dir, self.ranks, self.console.print)
 
     def save(self, run_dir: Path) -> Path:
         """The checkpoint of the current step, written atomically by every rank together (`save_checkpoint`).

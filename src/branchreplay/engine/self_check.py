@@ -1,0 +1,183 @@
+"""First use of a model family outside the registry: the engine against the naive reference on the user's own model.
+
+`train.unknown_family="self-check"` (the default of `train`) runs, before the first step, the naive reference
+(`reference.naive_backward`) and the engine (the family as `families.generic_family` guesses it) on a small random
+tree of a few hundred tokens (branches of branches; clipping and KL exercised), both in the model's dtype (float64
+under `reference.float64.keep_float64`); a bfloat16 / float16 model is checked on a float32 copy of itself, since two
+half-precision computations in different orders differ about as much as a 5% error in the logits would make. The
+model is refused, with its error, when the max relative gradient error exceeds `BOUNDS` (float64 1e-6, float32 1e-3:
+above the rounding of two orders of summation, below a structural mistake), else the error is logged. Verdicts are
+kept per model class, config and dtype (`verdict_key`; a run stores them in `self_check.json`); `check_once` is the
+check of a call of the package's `replay_backward` / `replay_logprobs` with `force=True`, before it runs the engine
+trusted (the engine's own `force=True` runs the guessed family unchecked). An unknown family with recurrent or
+hybrid layers is always refused.
+Design notes and measurements: docs/notes/engine-docstrings.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import hashlib
+import logging
+
+import torch
+
+from ..losses import GRPOLoss
+from ..reference.float64 import keep_float64
+from ..reference.naive import max_rel_grad_err, naive_backward
+from ..reference.shapes import branches_of_branches, make_rollouts, shared_prompt
+from ..tree import RolloutTree
+from ..value import is_value_model
+from .config import EVERY_SHARED_NODE, EngineConfig
+from .families import FAMILIES, UnsupportedModelError, family_of
+from .replay import replay_backward, replay_logprobs
+
+BOUNDS = {torch.float64: 1e-6, torch.float32: 1e-3}
+"""Max relative gradient error of the engine against the naive reference, by the dtype the check runs in."""
+CHECKED_IN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
+"""Half-precision models are checked on a float32 copy (module docstring)."""
+RECURRENT_CONFIG_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache",
+                         "linear_num_value_heads", "d_state", "time_step_rank")
+"""Config fields of recurrent layers (SSM state, short convolutions, linear attention) in transformers' configs."""
+PROCESS_VERDICTS: dict[str, dict] = {}
+"""The verdicts of `check_once` (the package's calls with `force=True`), by `verdict_key`, for the process's life."""
+
+
+def check_once(model) -> None:
+    """The self-check of an unregistered family for a call of the package's `replay_backward` / `replay_logprobs`
+    with `force=True`: `ensure_supported(model, "self-check", PROCESS_VERDICTS)`, so each model class, config and
+    dtype is checked once per process; the passed verdict goes to the "branchreplay" logger (INFO).
+
+    Raises:
+        UnsupportedModelError: as `ensure_supported` (recurrent layers, or an error above the bound).
+        ValueError: `model` is a critic (`value.ValueModel`): check its policy, then call the engine trusted; or the
+            process is one rank of several (torchrun): the check needs the whole model, run it before sharding
+            (`ensure_supported`, as the trainer does), then call the engine trusted.
+    """
+    if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
+        raise ValueError("force=True under data parallelism: the self-check of an unregistered family needs the whole "
+                         "model; run engine.self_check.ensure_supported(model, 'self-check', {}) before sharding it, "
+                         "then call branchreplay.engine.replay_backward with force=True (trusted)")
+    if is_value_model(model):
+        raise ValueError("force=True checks a causal LM against the naive reference; for a critic, check its "
+                         "policy (engine.self_check.check_once(policy)), then call branchreplay.engine's functions "
+                         "with force=True (trusted)")
+    ensure_supported(model, "self-check", PROCESS_VERDICTS, log=logging.getLogger("branchreplay").info)
+
+
+def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> bool:
+    """Whether the engine must run `model` as an unregistered family (`force=True` in its calls, the check being
+    done here).
+
+    A registered family: False. An unregistered one, per `unknown_family` (the run's train.unknown_family):
+    "refuse" raises; "self-check" takes the verdict of `verdicts` ({`verdict_key`: {model_class, dtype,
+    max_rel_grad_err, bound, passed}}, the run folder's cache) or runs `self_check` and adds its verdict there,
+    logs it, and returns True when it passed.
+
+    Raises:
+        UnsupportedModelError: "refuse"; recurrent or hybrid layers the registry does not know; attention the
+            engine cannot carry (`families.generic_family`: ALiBi); or a self-check whose error exceeds the bound (the
+            message gives the error and the bound).
+    """
+    if model.config.model_type in FAMILIES:
+        return False
+    if unknown_family == "refuse":
+        family_of(model)  # raises the refusal that names the family and `branchreplay verify --force`
+    _refuse_recurrent(model)
+    family_of(model, force=True)  # what the engine cannot carry (ALiBi) is refused by name
+    dtype = next(model.parameters()).dtype
+    key = verdict_key(model)
+    if key not in verdicts:
+        error, bound = self_check(model), BOUNDS[CHECKED_IN.get(dtype, dtype)]
+        verdicts[key] = {"model_class": type(model).__name__, "dtype": str(dtype).replace("torch.", ""),
+                         "checked_in": str(CHECKED_IN.get(dtype, dtype)).replace("torch.", ""),
+                         "max_rel_grad_err": error, "bound": bound, "passed": error <= bound}
+    verdict = verdicts[key]
+    name = f"{model.config.model_type} ({verdict['model_class']}, {verdict['dtype']})"
+    if not verdict["passed"]:
+        raise UnsupportedModelError(
+            f"{name} is not in the engine's registry and failed its self-check: max relative gradient error "
+            f"{verdict['max_rel_grad_err']:.2e} against the naive per-rollout computation, above the bound "
+            f"{verdict['bound']:.0e}. Do not train it with branchreplay; `branchreplay verify --model PATH --force` "
+            "shows which tree shapes fail")
+    log(f"{name}: not in the engine's registry; self-check passed (max relative gradient error "
+        f"{verdict['max_rel_grad_err']:.2e} against the naive reference, bound {verdict['bound']:.0e})")
+    return True
+
+
+def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
+    """Max relative gradient error (over parameters) of the engine against the naive reference on a small random
+    tree (~220 tokens: a 64-token prompt with 4 completions, and branches of branches), GRPO loss with KL and
+    entropy, off-policy old logprobs; both in the model's dtype (half precision: on a float32 copy), float64
+    under `keep_float64`. Every parameter is compared (a frozen one too: `requires_grad` is set for the check),
+    with autocast off and autograd on whatever the caller's context (`replay_logprobs` runs under no_grad, a user's
+    call may run under autocast or inference_mode); each parameter's `grad` and `requires_grad` are left as they
+    were found."""
+    dtype = next(model.parameters()).dtype
+    if dtype in CHECKED_IN:
+        return self_check(copy.deepcopy(model).to(CHECKED_IN[dtype]), seed, temperature)
+    params = list(model.parameters())
+    kept = [(p.grad, p.requires_grad) for p in params]
+    device = params[0].device.type
+    try:
+        with torch.inference_mode(False), torch.enable_grad(), torch.autocast(device, enabled=False):
+            for p in params:
+                p.grad = None
+                p.requires_grad_(True)
+            return _measure(model, dtype, seed, temperature)
+    finally:
+        for p, (grad, requires_grad) in zip(params, kept):
+            p.grad = grad
+            p.requires_grad_(requires_grad)
+
+
+def _measure(model, dtype, seed: int, temperature: float) -> float:
+    """`self_check`'s comparison, in the context it set up."""
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(seed)
+    rollouts = make_rollouts(shared_prompt(64, 4, 24, vocab, g) + branches_of_branches(vocab, g), g)
+    loss = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
+    engine = EngineConfig(max_pack_tokens=64, chunk_tokens=24, replay="keep", **EVERY_SHARED_NODE)  # crosses
+    # packs and chunks, every shared node kept (a small tree would otherwise run packed: engine/schedule.py)
+    numerics = keep_float64(model) if dtype == torch.float64 else contextlib.nullcontext()
+    with numerics:
+        tree = RolloutTree(rollouts)
+        current = replay_logprobs(model, tree, temperature=temperature, engine=engine, force=True).logprobs
+        for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
+            noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
+            r.old_logprobs = (lp.double() + noise) * r.loss_mask
+            r.ref_logprobs = (lp.double() - noise) * r.loss_mask
+        naive = _grads(model, lambda: naive_backward(model, rollouts, loss, temperature=temperature))
+        ours = _grads(model, lambda: replay_backward(model, tree, loss, temperature=temperature, engine=engine,
+                                                     force=True))
+    return max_rel_grad_err(ours, naive)
+
+
+def verdict_key(model) -> str:
+    """sha256 of the model class, its config (every field, as JSON) and its parameter dtype."""
+    text = f"{type(model).__module__}.{type(model).__qualname__}|{model.config.to_json_string(use_diff=False)}|" \
+           f"{next(model.parameters()).dtype}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def _refuse_recurrent(model) -> None:
+    config = model.config
+    layer_types = set(getattr(config, "layer_types", None) or ())
+    unknown_layers = layer_types - {"full_attention", "sliding_attention"}
+    recurrent_keys = [k for k in RECURRENT_CONFIG_KEYS if getattr(config, k, None) is not None]
+    convs = any(isinstance(m, torch.nn.Conv1d) for m in model.modules())
+    if unknown_layers or recurrent_keys or convs:
+        what = sorted(unknown_layers) or recurrent_keys or ["Conv1d modules"]
+        raise UnsupportedModelError(
+            f"{config.model_type}: not in the engine's registry and has recurrent or hybrid layers ({', '.join(what)}):"
+            " an unknown family's recurrent state cannot be guessed, so it is refused even with "
+            "train.unknown_family='self-check'; registering it needs its state in engine/recurrent.py")
+
+
+def _grads(model, run) -> list[torch.Tensor]:
+    model.zero_grad(set_to_none=True)
+    run()
+    out = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in model.parameters()]
+    model.zero_grad(set_to_none=True)
+    return out

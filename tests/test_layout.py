@@ -1,0 +1,119 @@
+"""The package's floors, drawn from its imports (every `import` and `from ... import`, at module level or inside a
+function): no import circle, and no import that runs up the floors. Bottom to top: the vocabulary at the root
+(tree, losses, models, ...), `reference` (the other ways to compute the gradient), `engine`, `decode` (in-process
+generation), `rl`, `trl`, `check` (verify and its parallel run, above what they check), `bench`; the package's face
+(`__init__`, `cli`, `__main__`) above them all. docs/architecture.md draws the same map."""
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+
+import branchreplay
+
+FLOORS = ["", "reference", "engine", "decode", "rl", "trl", "check", "bench"]
+FACE = {"branchreplay", "branchreplay.cli", "branchreplay.__main__"}
+
+
+def modules(root: Path, package: str) -> dict[str, Path]:
+    """{dotted module name: file} of every module under `root` (the folder of `package`)."""
+    out = {}
+    for path in root.rglob("*.py"):
+        parts = [package, *path.relative_to(root).with_suffix("").parts]
+        out[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path
+    return out
+
+
+def imports(root: Path, package: str) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}; `from x import name` counts as x.name where that is a module."""
+    known = modules(root, package)
+    edges = {}
+    for name, path in known.items():
+        here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]) if node.level else node.module
+                base = base.rstrip(".")
+                targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
+            elif isinstance(node, ast.Import):
+                targets |= {a.name for a in node.names}
+        edges[name] = {t for t in targets if t in known and t != name}
+    return edges
+
+
+def floor(module: str) -> int:
+    if module in FACE:
+        return len(FLOORS)
+    parts = module.split(".")
+    return FLOORS.index(parts[1]) if len(parts) > 2 or parts[1] in FLOORS else 0
+
+
+def upward(edges: dict[str, set[str]]) -> list[tuple[str, str]]:
+    return sorted((a, b) for a, targets in edges.items() for b in targets if floor(b) > floor(a))
+
+
+def circles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles: strongly connected components of more than one module (Tarjan)."""
+    index, low, stack, on, found = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in edges[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+                on.discard(component[-1])
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in edges:
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_circle_and_none_up_the_floors():
+    edges = imports(Path(branchreplay.__file__).parent, "branchreplay")
+    assert set(FLOORS[1:]) <= {m.split(".")[1] for m in edges if m.count(".") >= 1}  # every floor exists
+    assert circles(edges) == []
+    assert upward(edges) == []
+
+
+def test_the_check_sees_a_planted_circle_and_an_upward_import(tmp_path):
+    """Control: a package whose engine imports rl, and two modules importing each other, fails both checks."""
+    root = tmp_path / "branchreplay"
+    for folder in ("engine", "rl"):
+        (root / folder).mkdir(parents=True)
+        (root / folder / "__init__.py").write_text("")
+    (root / "__init__.py").write_text("")
+    (root / "engine" / "stack.py").write_text("from ..rl import policy\n")
+    (root / "rl" / "policy.py").write_text("def f():\n    from ..engine.stack import run\n")
+    edges = imports(root, "branchreplay")
+    assert upward(edges) == [("branchreplay.engine.stack", "branchreplay.rl.policy")]
+    assert circles(edges) == [["branchreplay.engine.stack", "branchreplay.rl.policy"]]
+
+
+@pytest.mark.parametrize("folder", FLOORS[1:])
+def test_each_floor_is_a_folder_of_the_package(folder):
+    assert (Path(branchreplay.__file__).parent / folder / "__init__.py").is_file()
+
+
+def test_the_architecture_page_maps_every_module():
+    """docs/architecture.md's module map names every folder and module of the package (a word of the map)."""
+    page = Path(__file__).parents[1] / "docs" / "architecture.md"
+    text = page.read_text().split("## Module map", 1)[1].split("```")[1]
+    words = set(re.findall(r"\w+", text))
+    root = Path(branchreplay.__file__).parent
+    names = {p.stem for p in root.rglob("*.py") if p.stem not in ("__init__", "__main__")}
+    names |= {p.name for p in root.rglob("*") if p.is_dir() and (p / "__init__.py").is_file()}
+    assert sorted(names - words) == []
