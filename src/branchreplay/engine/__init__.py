@@ -4,13 +4,14 @@
     replay_logprobs(model, trees)                                # old-policy or reference logprobs, no graph
     sequence.replay_sequence_backward(model, trees, loss_of_sums)  # a loss of summed logprobs (DPO), two passes
 
-Modules: `replay` (one call: its checks, forests and rotary regimes), `stack` (the traversal of a tree), `packs`
-(siblings grouped into forwards, chunks of long nodes), `schedule` (which shared nodes run once), `masks` (tree
-masks), `head` (LM-head logprobs in checkpointed chunks), `embedding` (the input embedding's gradient in one pass),
-`planner` (memory model and replay plan), `attention` (split prefix attention), `families` (the registry), `cache`
-(the prefix cache), `recurrent` (SSM / conv state), `positions` (length-dependent rotary encodings), `config`
-(`EngineConfig`), `sequence` (losses of whole sequences), `kernels` (split attention's block kernels), `sharding`
-and `distributed` (data parallelism), `context_parallel` (a shared prefix once across the ranks).
+Modules: `replay` (one call: its checks, forests and rotary regimes; a rank's share), `stack` (the traversal of a tree),
+`model_view` (the model as the engine reads it), `packs` (siblings grouped into forwards, chunks of long nodes),
+`schedule` (which shared nodes run once), `masks` (tree masks), `head` (LM-head logprobs in checkpointed chunks),
+`embedding` (the input embedding's gradient in one pass), `planner` (memory model and replay plan), `attention` (split
+prefix attention), `families` (the registry), `cache` (the prefix cache), `recurrent` (SSM / conv state), `positions`
+(length-dependent rotary encodings), `config` (`EngineConfig`), `sequence` (losses of whole sequences), `kernels` (split
+attention's block kernels), `sharding` and `distributed` (data parallelism), `context_parallel` (a shared prefix once
+across the ranks).
 """
 
 from .. import lazy_exports
