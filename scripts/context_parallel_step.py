@@ -38,7 +38,8 @@ def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
     from branchreplay.reference.naive import max_rel_grad_err
-    from branchreplay.engine.distributed import DataParallel, end_spawned_rank, replay_backward_sharded
+    from branchreplay.engine.distributed import DataParallel, end_spawned_rank
+    from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -56,7 +56,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_logprobs
-    from branchreplay.engine.distributed import DataParallel, replay_backward_sharded, end_spawned_rank
+    from branchreplay.engine.distributed import DataParallel, end_spawned_rank
+    from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

@@ -48,7 +48,8 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_backward
-    from branchreplay.engine.distributed import DataParallel, replay_backward_sharded
+    from branchreplay.engine.distributed import DataParallel
+    from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -365,7 +366,8 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from branchreplay.bench.fsdp_memory import HeldBytes
-    from branchreplay.engine.distributed import DataParallel, fsdp_mode, replay_backward_sharded
+    from branchreplay.engine.distributed import DataParallel, fsdp_mode
+    from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

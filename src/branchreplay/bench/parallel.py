@@ -148,7 +148,8 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
     import torch.distributed as dist
 
     from ..reference.naive import naive_backward
-    from ..engine.distributed import DataParallel, end_spawned_rank, replay_backward_sharded
+    from ..engine.distributed import DataParallel, end_spawned_rank
+    from ..engine.replay import replay_backward_sharded
     from ..losses import GRPOLoss
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

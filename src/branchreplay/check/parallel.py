@@ -1,7 +1,7 @@
 """`branchreplay verify --nproc N --loss grpo|ppo|rloo|dpo`: the data-parallel step on N local gloo processes against
 the same step in one process, on a tiny random config or a user's model.
 
-grpo: the sharded engine step (`engine.distributed.replay_backward_sharded`) with the GRPO loss, on two steps: every
+grpo: the sharded engine step (`engine.replay.replay_backward_sharded`) with the GRPO loss, on two steps: every
 non-random shape of `shapes.SHAPES` as its own tree (groups go to ranks whole) and the shared-prompt tree alone
 (split across the ranks). ppo, rloo, dpo: the trainer's own first update of that algorithm
 (`rl.run.update.first_update_gradient`, FSDP2 or DDP) on a synthetic batch (`algorithm_batch`). The one-process
@@ -87,7 +87,8 @@ def _worker(rank, world, port, spec, dtype, strategy, seed, force, out, loss):
 def _grpo_step(single, model, strategy: str, seed: int, force: bool) -> dict:
     """The sharded engine step with the GRPO loss on two steps of trees (module docstring)."""
     from ..engine import replay_backward, replay_logprobs
-    from ..engine.distributed import DataParallel, replay_backward_sharded
+    from ..engine.distributed import DataParallel
+    from ..engine.replay import replay_backward_sharded
 
     g = torch.Generator().manual_seed(seed)
     vocab = model.config.vocab_size

@@ -4,13 +4,12 @@
     replay_logprobs(model, trees)                                # old-policy or reference logprobs, no graph
     sequence.replay_sequence_backward(model, trees, loss_of_sums)  # a loss of summed logprobs (DPO), two passes
 
-Modules: `replay` (one call: its checks, forests and rotary regimes), `stack` (the traversal of a tree), `packs`
-(siblings grouped into forwards, chunks of long nodes), `schedule` (which shared nodes run once), `masks` (tree
-masks), `head` (LM-head logprobs in checkpointed chunks), `embedding` (the input embedding's gradient in one pass),
-`planner` (memory model and replay plan), `attention` (split prefix attention), `families` (the registry), `cache`
-(the prefix cache), `recurrent` (SSM / conv state), `positions` (length-dependent rotary encodings), `config`
-(`EngineConfig`), `sequence` (losses of whole sequences), `kernels` (split attention's block kernels), `sharding`
-and `distributed` (data parallelism), `context_parallel` (a shared prefix once across the ranks).
+Modules: `replay` (one call: checks, forests, rotary regimes; a rank's share), `stack` (a tree's traversal),
+`model_view` (the model as the engine reads it), `packs`, `schedule`, `masks`, `head` (LM-head logprobs), `embedding`,
+`planner` (memory model, replay plan), `attention` and `kernels` (split prefix attention), `families` (the registry),
+`self_check` (an unregistered family against the naive reference), `cache`, `recurrent`, `positions`, `vision`,
+`router`, `config` (`EngineConfig`), `sequence` (losses of whole sequences), and data parallelism: `sharding`,
+`distributed`, `context_parallel`, `lockstep`. docs/architecture.md says what each holds.
 """
 
 from ..lazy import lazy_exports

@@ -122,10 +122,10 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
     defer = run.deferred is not None and not (final is not None and k == 0)  # as `stack._Run.pack`
     capture = run.deferred.capture if defer else contextlib.nullcontext
     split = run.prefix_split.applies and a > 0  # as the engine's packs: the earlier keys unmasked
-    cache = GatheredCache(ancestors, run.num_layers, pieces, part.rank, run.kinds, run.windows, split)
+    cache = GatheredCache(ancestors, run.view.num_layers, pieces, part.rank, run.view.kinds, run.view.windows, split)
     yield CP_FORWARD
     with capture() as embedded:
-        hidden, cache = run.forward([Node(part.prefix[a:b].to(run.device), a, [])], [ancestors], cache=cache)
+        hidden, cache = run.forward([Node(part.prefix[a:b].to(run.view.device), a, [])], [ancestors], cache=cache)
     state = cache.round_state()
     last = k == len(part.rounds) - 1
     h = _gather(hidden[-1:], [1] * len(pieces))[pieces[-1][2]][0] if last else None
@@ -143,7 +143,7 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
         if out.requires_grad:  # so that every rank runs the same reduce-scatters in the same order
             outputs.append(out)
             grads.append(leaf.grad if leaf.grad is not None else torch.zeros_like(leaf))
-    if (final is not None and k == 0) or run.lockstep:  # through every layer all the same (`stack._Run.pack`)
+    if (final is not None and k == 0) or run.lockstep:  # through every layer all the same (`stack._Run.pack_backward`)
         outputs.append(hidden.sum() * 0)
         grads.append(torch.ones((), dtype=hidden.dtype, device=hidden.device))
     yield CP_BACKWARD
@@ -151,10 +151,10 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
         if run.deferred is not None:  # the earlier packs' embedding gradients, in the same backward
             more_outputs, more_grads = run.deferred.outputs()
             outputs, grads = outputs + more_outputs, grads + more_grads
-        with final, torch.autocast(run.device.type, enabled=False):
+        with final, torch.autocast(run.view.device.type, enabled=False):
             torch.autograd.backward(outputs, grads)
     elif outputs:
-        with torch.autocast(run.device.type, enabled=False):
+        with torch.autocast(run.view.device.type, enabled=False):
             torch.autograd.backward(outputs, grads)
     if defer:
         run.deferred.keep(embedded)

@@ -332,27 +332,3 @@ def check_same_trees(trees: list, layout: str) -> None:
     if others:
         raise ValueError(f"replay_backward_sharded: the trees of rank {', '.join(map(str, others))} differ from rank "
                          f"0's: every rank must pass the same trees (the plan gives each rank its share of them)")
-
-
-def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
-                            force: bool = False, layout: str = "auto", cost=None):
-    """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
-    `CostModel`, default `CostModel()`; the same plan on every rank), the gradient reduced once: afterwards
-    every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
-    this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
-    same trees: `check_same_trees` raises ValueError, naming the ranks, where they differ. `force`: as
-    `replay_backward`'s (trusted: check an unregistered family before sharding, `self_check.ensure_supported`, since
-    the check needs the whole model).
-    """
-    from .config import EngineConfig
-    from .sharding import CostModel, shard
-    from .replay import replay_backward
-
-    plan = shard(list(trees), dp.world_size, dp.model.config, layout=layout, cost=cost or CostModel())
-    check_same_trees(list(trees), plan.layout)
-    with dp.accumulate():
-        result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
-                                 engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync(),
-                                 lockstep=dp.lockstep)
-    dp.reduce_replicated()
-    return result, plan

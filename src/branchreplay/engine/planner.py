@@ -23,8 +23,8 @@ import torch
 
 from ..models import max_positions
 from ..tree import Node
-from .head import decoder_and_head
 from .lockstep import FORWARD
+from .model_view import ModelView
 
 
 @dataclass(frozen=True)
@@ -120,10 +120,10 @@ def default_budget(device: torch.device) -> int:
 _fitted: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> {(compute dtype, s, split): MemoryModel}
 
 
-def memory_model(model, forward, tokens: int, split: bool):
-    """The `MemoryModel` of `model` for a tree of `tokens` physical positions, fitted once per model, compute dtype
-    (the parameters', or an active autocast's), scale s and attention path (split or masked), from the bytes that
-    three probe forwards save for backward.
+def memory_model(view: ModelView, forward, tokens: int, split: bool):
+    """The `MemoryModel` of the model of `view` (`model_view.ModelView`) for a tree of `tokens` physical positions,
+    fitted once per model, compute dtype (the parameters', or an active autocast's), scale s and attention path
+    (split or masked), from the bytes that three probe forwards save for backward.
     s = 256 for trees of 4096 positions or more (the sizes whose kernels real steps use: SDPA picks its path by
     size), else s = 16 (cheap, and a small tree's memory is small whatever the fit). The probes never pass the
     model's position limit (GPT-2's learned table): s is at most max_position_embeddings // 7, and a model with
@@ -133,25 +133,24 @@ def memory_model(model, forward, tokens: int, split: bool):
     prefix attention (`attention.PrefixSplit`). A generator that yields FORWARD before each probe forward (the
     probes are decoder forwards like the packs', so under lock-step the other ranks run dummies: `lockstep.py`)
     and returns the `MemoryModel`."""
-    head = decoder_and_head(model)[1].weight
+    model = view.model
     scale = 256 if tokens >= 4096 else 16
     limit = max_positions(model.config)
     if limit is not None:
         scale = min(scale, limit // 7)  # the largest probe runs s tokens against 6s: 7s positions
-    device = head.device.type
-    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else head.dtype
+    device = view.device.type
+    compute = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else view.dtype
     fitted = _fitted.setdefault(model, {})
     if (compute, scale, split) not in fitted:
-        fitted[compute, scale, split] = yield from _fit(model, forward, scale, split)
+        fitted[compute, scale, split] = yield from _fit(view, forward, scale, split)
     return fitted[compute, scale, split]
 
 
-def _fit(model, forward, s: int, split: bool):
+def _fit(view: ModelView, forward, s: int, split: bool):
     """Fit a, b and s of `MemoryModel` from the saved bytes of three probes of scale `s` (none for s = 0); a
     generator of the probes' FORWARD events, as `memory_model`."""
-    head = decoder_and_head(model)[1].weight
-    vocab, dtype = model.config.vocab_size, head.dtype
-    params = list(model.parameters())
+    vocab, dtype = view.model.config.vocab_size, view.dtype
+    params = list(view.model.parameters())
     g = torch.Generator().manual_seed(0)
 
     def probe(S, P):
@@ -175,14 +174,14 @@ def _fit(model, forward, s: int, split: bool):
         state_per_token = sum(t.numel() * t.element_size() for layer in state for t in layer) / (2 * s)
     elem = torch.finfo(dtype).bits // 8
     grads = sum(p.numel() * p.element_size() for p in params if p.requires_grad and p.grad is None)
-    device = head.device.type
+    device = view.device.type
     if torch.is_autocast_enabled(device):  # one more half-precision copy of the matrices, outside any pack: the
         # casts and weight gradients of the backward in flight (without it the prediction fell below the peak)
         half = torch.finfo(torch.get_autocast_dtype(device)).bits // 8
         grads += half * sum(p.numel() for p in params if p.dim() >= 2)
     # logits, log-softmax and its exp (the entropy's), saved for backward, and a gradient in flight (a critic's: 1
     # value); a leaf pack holds them from its forward to its backward (head.token_logprobs, backward_next)
-    head_per_row = 4 * head.shape[0] * max(elem, 4)
+    head_per_row = 4 * view.head.weight.shape[0] * max(elem, 4)
     memory = MemoryModel(per_token, per_key, state_per_token, head_per_row, grads, elem, split=split)
     if s > 0:  # what the first probe saved beyond its size-proportional terms: the per-pack constant c
         memory = dataclasses.replace(memory, per_pack=max(b1 - memory.activations(s, 2 * s, False), 0.0))

@@ -1,9 +1,10 @@
 """One engine call: `replay_backward` and `replay_logprobs` over a list of trees, as the callers see them.
 
-The call checks the trees against the model, runs the trees of the call that share a start as one forest
-(`tree.forests`, `EngineConfig.forest`), runs each tree through the execution stack (`stack.py`) as one sub-forest
-per regime of a length-dependent rotary encoding (`positions.py`), in lock-step with the other ranks when asked
-(`lockstep.py`), and returns every rollout's results in the order given.
+The call resolves the model's view once (`stack.model_view`), checks the trees against the model, runs the trees of
+the call that share a start as one forest (`tree.forests`, `EngineConfig.forest`), runs each tree through the
+execution stack (`stack.py`) as one sub-forest per regime of a length-dependent rotary encoding (`positions.py`), in
+lock-step with the other ranks when asked (`lockstep.py`), and returns every rollout's results in the order given.
+`replay_backward_sharded` runs a data-parallel rank's share of the trees (`distributed.py`, `sharding.py`).
 """
 
 from __future__ import annotations
@@ -13,14 +14,17 @@ import contextlib
 import torch
 
 from ..losses import LossFn
-from ..models import base_of
+from ..models import base_of, max_positions
 from ..tree import ReplayResult, RolloutTree, TreeStats, forests
 from .config import EngineConfig
 from .context_parallel import ContextParallelTree
+from .distributed import DataParallel, check_same_trees
 from .families import check_no_dropout
 from .lockstep import LockStep, drain
+from .model_view import ModelView
 from .positions import held_at_length, regimes
 from .router import RouterLoss
+from .sharding import CostModel, shard
 from .stack import _Run
 from .vision import language_model
 
@@ -77,6 +81,26 @@ def replay_backward(
     return _replay(model, trees, loss, temperature, engine, force, final_backward, lockstep, router=router)
 
 
+def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
+                            force: bool = False, layout: str = "auto", cost=None):
+    """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
+    `CostModel`, default `CostModel()`; the same plan on every rank), the gradient reduced once: afterwards
+    every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
+    this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
+    same trees: `distributed.check_same_trees` raises ValueError, naming the ranks, where they differ. `force`: as
+    `replay_backward`'s (trusted: check an unregistered family before sharding, `self_check.ensure_supported`, since
+    the check needs the whole model).
+    """
+    plan = shard(list(trees), dp.world_size, dp.model.config, layout=layout, cost=cost or CostModel())
+    check_same_trees(list(trees), plan.layout)
+    with dp.accumulate():
+        result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
+                                 engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync(),
+                                 lockstep=dp.lockstep)
+    dp.reduce_replicated()
+    return result, plan
+
+
 @torch.no_grad()
 def replay_logprobs(
     model,
@@ -105,11 +129,12 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
     vision_language, model = model, language_model(model)  # a vision-language model's LM (vision.py)
     run = _Run(model, temperature, engine, loss, force, tuple(head_stats), router)
-    _check_context_parallel(trees, run.rotaries)
+    view = run.view  # the model, resolved once for the call (`stack.model_view`)
+    _check_context_parallel(trees, view.rotaries)
     if router is not None and (lockstep or any(isinstance(t, ContextParallelTree) for t in trees)):
         raise ValueError("the MoE router loss runs on one process: not with lockstep or context parallelism")
     for tree in trees:
-        run.check(tree)
+        _check_rollouts(tree, view)
         images = getattr(tree, "images", None)
         if images is not None and images.model is not None and images.model is not vision_language:
             raise ValueError("a tree's images were made for another model (ImagePrompt.of(model, ...)): their "
@@ -117,7 +142,7 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
                              "model the tree runs on")
         if images is not None and (lockstep or final_backward is not None or router is not None):
             raise ValueError("trees with images run on one process, without the MoE router loss")
-        if images is not None and images.rope_positions is not None and run.rotaries:
+        if images is not None and images.rope_positions is not None and view.rotaries:
             raise ValueError("a length-dependent rotary encoding (dynamic NTK, longrope) with rotary positions on "
                              "the image grid is not run over trees: its frequencies follow the largest position id, "
                              "which the images move; use the model's default rotary (rope_type='default')")
@@ -128,15 +153,15 @@ def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool =
         trees = forests(trees)
     attached = router.attached() if router is not None else contextlib.nullcontext()
     with run.prefix_split, attached:  # split prefix attention until the last tree is done (attention.py)
-        events = _trees(run, model, trees, final_backward)
+        events = _trees(run, trees, final_backward)
         results = LockStep(run.dummy_forward, loss is not None).run(events) if lockstep else drain(events)
     if run.deferred is not None:  # what the packs left of the input embedding's gradient (embedding.py)
-        with torch.autocast(run.device.type, enabled=False):
+        with torch.autocast(view.device.type, enabled=False):
             run.deferred.apply()
     return ReplayResult.merge(results)
 
 
-def _trees(run: _Run, model, trees: list, final_backward):
+def _trees(run: _Run, trees: list, final_backward):
     """The trees one after another, as the generator of their collective events (`lockstep.py`); returns their
     results."""
     results = [ReplayResult([], [], 0.0, TreeStats(0, 0, 0, 0, 0))] if not trees else []
@@ -148,17 +173,37 @@ def _trees(run: _Run, model, trees: list, final_backward):
             continue
         # rollouts whose full forwards pick other rotary frequencies run as separate sub-forests (positions.py)
         parts, order = [], []
-        groups = regimes(run.rotaries, [len(r) for r in tree.rollouts])
+        groups = regimes(run.view.rotaries, [len(r) for r in tree.rollouts])
         for k, (length, members) in enumerate(groups):
             sub = tree if len(members) == len(tree.rollouts) else \
                 RolloutTree([tree.rollouts[i] for i in members], images=tree.images)
             last = t == len(trees) - 1 and k == len(groups) - 1
             run.final_backward = final_backward if last and train else None
-            with held_at_length(model, length, run.rotaries):
+            with held_at_length(run.view.model, length, run.view.rotaries):
                 parts.append((yield from run.run_tree(sub)))
             order += members
         results.append(_in_order(ReplayResult.merge(parts), order))
     return results
+
+
+def _check_rollouts(tree: RolloutTree, view: ModelView) -> None:
+    """Raises ValueError for a rollout of `tree` that the model cannot run (a token id outside its vocabulary, more
+    tokens than its maximum positions), or for old/ref logprobs that some rollouts carry and others not."""
+    max_pos = max_positions(view.model.config)
+    for i, r in enumerate(tree.rollouts):
+        ids = r.token_ids
+        if ids.min() < 0 or ids.max() >= view.vocab_size:
+            bad = ids[(ids < 0) | (ids >= view.vocab_size)][0].item()
+            raise ValueError(f"rollout {i} holds token id {bad}, outside the vocabulary [0, {view.vocab_size})")
+        if max_pos is not None and len(r) > max_pos:
+            raise ValueError(
+                f"rollout {i} has {len(r)} tokens, more than the model's max_position_embeddings ({max_pos}); "
+                "shorten the prompt or the completion (SamplingConfig.max_new_tokens)"
+            )
+    for name in ("old_logprobs", "ref_logprobs"):
+        given = {getattr(r, name) is not None for r in tree.rollouts}
+        if len(given) > 1:
+            raise ValueError(f"some rollouts carry {name} and others do not: give it for all or none")
 
 
 def _check_context_parallel(trees: list, rotaries) -> None:

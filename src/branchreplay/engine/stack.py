@@ -14,11 +14,11 @@ Design notes and measurements: docs/notes/engine-docstrings.md.
 from __future__ import annotations
 
 import contextlib
+from typing import NamedTuple
 
 import torch
 
 from ..losses import loss_inputs
-from ..models import max_positions
 from ..tree import Node, ReplayResult, RolloutTree
 from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
@@ -30,6 +30,7 @@ from .embedding import DeferredEmbeddingGrad
 from .families import check_no_dropout, family_of, layer_windows
 from .head import check_float32_head, check_head, decoder_and_head, head_statistics, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
+from .model_view import ModelView
 from .packs import batched_packs, chunked, is_batch, packs, spans
 from .planner import default_budget, memory_model, plan
 from .schedule import attention_per_key, schedule
@@ -39,88 +40,99 @@ from .router import RouterLoss, routed, taken
 from .vision import ImageRun
 
 
+def model_view(model, force: bool = False, router_loss: bool = False) -> ModelView:
+    """The engine's `ModelView` of `model`, resolved once per engine call. `force`, `router_loss`: as
+    `families.family_of`'s, whose errors it raises."""
+    family = family_of(model, force=force, router_loss=router_loss)
+    decoder, head, transform = decoder_and_head(model)  # transform: head.py
+    critic = is_value_model(model)  # a value model: values at the trained positions (value.py)
+    return ModelView(model, family, decoder, head, transform, windows=layer_windows(model.config),
+                     kinds=layer_kinds(model.config),  # attention / recurrent / hybrid, per layer
+                     critic=critic, vocab_size=model.config.vocab_size if critic else head.weight.shape[0],
+                     dtype=head.weight.dtype, device=head.weight.device,
+                     rotaries=length_dependent_rotaries(model))  # longrope / dynamic: held at each rollout's length
+
+
+def _check_model(model) -> None:
+    """The checks of `model` every engine call makes beyond its family's: no active dropout
+    (`families.check_no_dropout`), the LM head's logits equal to the model's own (`head.check_head`), and no
+    activation checkpointing in training. Raises ValueError, or HeadMismatchError (check_head)."""
+    check_no_dropout(model)
+    check_head(model)
+    checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older name:
+    if checkpointing is None:
+        checkpointing = getattr(model, "is_gradient_checkpointing", False)
+    if model.training and checkpointing:
+        raise ValueError("the model has activation (gradient) checkpointing on; call "
+                         "model.activation_checkpointing_disable() or model.eval(): transformers' checkpointed "
+                         "layers drop the prefix cache, and the engine recomputes packs itself "
+                         "(EngineConfig.replay)")
+
+
+class _PackForward(NamedTuple):
+    """One forward of a pack: hidden [S, H] (final-normed), the `PrefixCache` that gives each node's state, the
+    pack's loss (None without one), the router loss's terms of its decoder call, and the embedding outputs that
+    `DeferredEmbeddingGrad.capture` made (None when not deferred)."""
+
+    hidden: torch.Tensor
+    cache: PrefixCache
+    loss: torch.Tensor | None
+    router_terms: list[torch.Tensor]
+    embedded: list | None
+
+
 class _Run:
-    """State of one replay over a tree: the model's pieces, the options, and the per-rollout outputs."""
+    """State of one engine call over its trees: the model's view, the engine's options, and the tree's results."""
 
     def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: bool = False,
                  head_stats: tuple[str, ...] = (), router: RouterLoss | None = None):
-        self.family = family_of(model, force=force, router_loss=router is not None or loss is None)  # no training
+        self.view = view = model_view(model, force, router_loss=router is not None or loss is None)  # no training
+        self.engine, self.temperature, self.loss = engine, temperature, loss
         self.router = router  # the MoE router loss: each token's rollout count at each decoder call (router.py)
-        self.config = model.config
-        self.decoder, self.head, self.transform = decoder_and_head(model)  # transform: head.py
-        self.windows = layer_windows(model.config)
-        self.num_layers = model.config.num_hidden_layers
-        self.kinds = layer_kinds(model.config)  # attention / recurrent / hybrid, per layer
+        self.head_stats = head_stats  # `replay_logprobs(head_stats=...)`
         self.engine_forwards = EngineForwards(model)  # exact mixer forwards for cached SSM states (recurrent.py)
-        self.prefix_split = PrefixSplit(model, self.windows, self.kinds)
-        self.dtype = self.head.weight.dtype
-        self.device = self.head.weight.device
-        self.critic = is_value_model(model)  # a value model: values at the trained positions (value.py)
-        self.vocab_size = model.config.vocab_size if self.critic else self.head.weight.shape[0]
-        self.temperature = temperature
-        self.rotaries = length_dependent_rotaries(model)  # longrope / dynamic: held at each rollout's length
-        self.max_pack_tokens, self.max_batch_tokens = engine.max_pack_tokens, engine.max_batch_tokens
-        self.pack_overhead_tokens = engine.pack_overhead_tokens  # which shared nodes run once (schedule.py)
+        self.prefix_split = PrefixSplit(model, view.windows, view.kinds)
         # calibrated on split prefix attention (schedule.py); not calibrated for the masked path, so not charged there
         self.prefix_position_overhead = engine.prefix_position_overhead if self.prefix_split.applies else 0.0
-        self.attention_per_key = attention_per_key(model.config, _matmul_params(self.decoder))
-        self.chunk_tokens = engine.chunk_tokens
-        self.head_chunk_tokens, self.head_float32 = engine.head_chunk_tokens, engine.head_float32
-        if self.head_float32:
-            check_float32_head(self.head)
-        self.replay, self.memory_budget = engine.replay, engine.memory_budget
+        self.attention_per_key = attention_per_key(model.config, _matmul_params(view.decoder))
+        if engine.head_float32:
+            check_float32_head(view.head)
         self.replay_set: set[int] = set()
         self.final_backward = None  # a context around the last backward of the last tree (`replay_backward`)
-        self.head_stats = head_stats  # `replay_logprobs(head_stats=...)`
         self.lockstep = False  # every forward and backward in step with the other ranks (`lockstep.py`)
         self.images: ImageRun | None = None  # the tree's image features while it runs (vision.py)
         self.across_parents = False  # packs may hold children of different parents (`packs_of`), per tree
-        embedding = self.decoder.get_input_embeddings()
+        embedding = view.decoder.get_input_embeddings()
         self.deferred = DeferredEmbeddingGrad(embedding) if loss is not None and embedding.weight.requires_grad \
             else None
-        self.model = model
-        self.loss = loss
-        check_no_dropout(model)
-        check_head(model)
-        checkpointing = getattr(model, "is_activation_checkpointing", None)  # transformers >= 5.x; older name:
-        if checkpointing is None:
-            checkpointing = getattr(model, "is_gradient_checkpointing", False)
-        if model.training and checkpointing:
-            raise ValueError("the model has activation (gradient) checkpointing on; call "
-                             "model.activation_checkpointing_disable() or model.eval(): transformers' checkpointed "
-                             "layers drop the prefix cache, and the engine recomputes packs itself "
-                             "(EngineConfig.replay)")
+        _check_model(model)
 
     def run_tree(self, tree: RolloutTree | ContextParallelTree):
         """One tree through the execution stack: per-rollout logprobs and entropy, the loss, the planner's predicted
         peak bytes (None without a loss) and the number of replayed packs. A `ContextParallelTree` runs its prefix
         across the ranks first (`context_parallel.run_prefix`), then its branches against the prefix's state. A
         generator of the tree's collective events (`lockstep.py`) that returns the result."""
+        view, engine = self.view, self.engine
         part = tree if isinstance(tree, ContextParallelTree) else None
         self.across_parents = self.prefix_split.applies and getattr(tree, "images", None) is None
-        scheduled = schedule(part.below() if part else tree.root, self.pack_overhead_tokens, self.attention_per_key,
+        scheduled = schedule(part.below() if part else tree.root, engine.pack_overhead_tokens, self.attention_per_key,
                              self.prefix_position_overhead)
-        root = chunked(scheduled.root, self.chunk_tokens)
+        root = chunked(scheduled.root, engine.chunk_tokens)
         peak, replayed = None, 0
         if self.loss is not None:
-            budget = None if self.replay != "auto" else self.memory_budget or default_budget(self.device)
-            memory = yield from memory_model(self.model, self.forward, tree.stats.physical_tokens,
-                                             self.prefix_split.applies)
+            budget = None if engine.replay != "auto" else engine.memory_budget or default_budget(view.device)
+            memory = yield from memory_model(view, self.forward, tree.stats.physical_tokens, self.prefix_split.applies)
             taken(self.router)  # the memory probes' forwards: zero-weight terms, not the tree's
-            step_plan = plan(root, memory, self.packs_of, budget, replay_all=self.replay == "replay",
-                             head_chunk_tokens=self.head_chunk_tokens)
+            step_plan = plan(root, memory, self.packs_of, budget, replay_all=engine.replay == "replay",
+                             head_chunk_tokens=engine.head_chunk_tokens)
             self.replay_set = step_plan.replay
             peak, replayed = step_plan.predicted_peak_bytes, len(step_plan.replay)
         self.tree = tree
         images = getattr(tree, "images", None)
-        self.images = None if images is None else ImageRun(images, self.loss is not None, self.dtype, self.device)
+        self.images = None if images is None else ImageRun(images, self.loss is not None, view.dtype, view.device)
         if self.images is not None:
             self.images.check_chunks([n.start for n in _chain(root)])
-        kept = torch.float64 if self.dtype == torch.float64 else torch.float32  # ReplayResult's dtype
-        self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]  # a critic's values
-        self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
-        self.stat_values = {name: [torch.zeros(len(r)) for r in tree.rollouts] for name in self.head_stats}
-        self.loss_value = 0.0
+        self.results = _Results(tree, view.dtype, view.critic, self.head_stats)
         if part is None:
             yield from self.children(root, ancestors=[], parent_h=None)
         else:
@@ -129,29 +141,7 @@ class _Run:
         if self.images is not None:  # the features' gradient, summed over the packs, through the vision tower
             self.images.backward()
             self.images = None
-        kept, merged = scheduled.kept, scheduled.merged
-        if self.critic:
-            return ReplayResult([], [], self.loss_value, tree.stats, peak, replayed, values=self.logprobs,
-                                shared_nodes_kept=kept, shared_nodes_merged=merged)
-        return ReplayResult(self.logprobs, self.entropy, self.loss_value, tree.stats, peak, replayed,
-                            shared_nodes_kept=kept, shared_nodes_merged=merged, head_stats=self.stat_values)
-
-    def check(self, tree: RolloutTree) -> None:
-        max_pos = max_positions(self.config)
-        for i, r in enumerate(tree.rollouts):
-            ids = r.token_ids
-            if ids.min() < 0 or ids.max() >= self.vocab_size:
-                bad = ids[(ids < 0) | (ids >= self.vocab_size)][0].item()
-                raise ValueError(f"rollout {i} holds token id {bad}, outside the vocabulary [0, {self.vocab_size})")
-            if max_pos is not None and len(r) > max_pos:
-                raise ValueError(
-                    f"rollout {i} has {len(r)} tokens, more than the model's max_position_embeddings ({max_pos}); "
-                    "shorten the prompt or the completion (SamplingConfig.max_new_tokens)"
-                )
-        for name in ("old_logprobs", "ref_logprobs"):
-            given = {getattr(r, name) is not None for r in tree.rollouts}
-            if len(given) > 1:
-                raise ValueError(f"some rollouts carry {name} and others do not: give it for all or none")
+        return self.results.replay_result(peak, replayed, scheduled.kept, scheduled.merged)
 
     # -- traversal ------------------------------------------------------------------------------------------------
 
@@ -179,19 +169,20 @@ class _Run:
         (`packs.batched_packs`: equal lengths as the rows of a batch, with or without children of their own; split
         attention serves each its own parent's prefix, `cache.Prefix`): a tree's nodes of one depth run in a few
         forwards, not one per parent. Otherwise each parent's children run apart, as batches only at the root."""
-        if self.family.recurrent:
+        pack_tokens, batch_tokens = self.engine.max_pack_tokens, self.engine.max_batch_tokens
+        if self.view.family.recurrent:
             return [[node] for parent in parents for node in parent.children]
         if self.across_parents:
-            return batched_packs([c for parent in parents for c in parent.children], self.max_pack_tokens,
-                                 self.max_batch_tokens, with_children=True)
+            return batched_packs([c for parent in parents for c in parent.children], pack_tokens, batch_tokens,
+                                 with_children=True)
         return [pack for parent in parents
-                for pack in (batched_packs(parent.children, self.max_pack_tokens, self.max_batch_tokens)
+                for pack in (batched_packs(parent.children, pack_tokens, batch_tokens)
                              if parent.end == 0 or self.prefix_split.applies
-                             else packs(parent.children, self.max_pack_tokens))]
+                             else packs(parent.children, pack_tokens))]
 
     def pack(self, nodes: list[Node], ancestors: list[list[NodeState]], parent_hs: list, final: bool = False):
         """Forward of `nodes` (each against its own `ancestors` and its parent's last hidden state `parent_hs`),
-        their subtrees, then their one backward.
+        their subtrees, then their one backward (`pack_backward`).
 
         A generator that yields FORWARD before each decoder forward and BACKWARD before the backward when the
         backward runs through every layer (lock-step or final). Kept: the pack's autograd graph lives while its
@@ -201,51 +192,46 @@ class _Run:
         train = self.loss is not None
         replay = train and id(nodes[0]) in self.replay_set
         defer = self.deferred is not None and not final  # the embedding's gradient later, in one pass (embedding.py)
-        capture = self.deferred.capture if defer else contextlib.nullcontext
         yield FORWARD
-        with torch.no_grad() if replay else contextlib.nullcontext(), capture() as embedded:
-            hidden, cache = self.forward(nodes, ancestors)  # hidden [S, H]
-        router_terms = taken(self.router)  # none from a replayed pack's no-grad forward (pass 2)
-        pack_loss = None if replay else self.pack_loss(nodes, hidden, parent_hs)
-        parents, chains, hs = [], [], []  # the nodes with children, their descendants' ancestors and parent state
-        leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children
-        for (node, a, b), chain in zip(spans(nodes), ancestors):
-            if not node.children:
-                continue
-            state, h = cache.node_state(a, b), hidden[b - 1]
-            if train:
-                state, h = [tuple(_leaf(t) for t in layer) for layer in state], _leaf(h)
-                leaves.append(((a, b), state, h))
-            parents.append(node)
-            chains.append(chain + [state])
-            hs.append(h)
+        fwd = self.pack_forward(nodes, ancestors, parent_hs, defer, graph=not replay)
+        parents, chains, hs, leaves = _hand_down(nodes, ancestors, fwd, train)
         if parents:
             yield from self.subtrees(parents, chains, hs)
         if not train:
             return
         if replay:
             yield FORWARD
-            with capture() as embedded:
-                hidden, cache = self.forward(nodes, ancestors)
-            router_terms = taken(self.router)
-            pack_loss = self.pack_loss(nodes, hidden, parent_hs)
-        outputs, grads = [], []
-        for (a, b), state_leaves, h_leaf in leaves:
-            pairs = [(out, leaf) for layer, leaf_layer in zip(cache.node_state(a, b), state_leaves)
-                     for out, leaf in zip(layer, leaf_layer)]
-            pairs.append((hidden[b - 1], h_leaf))
-            for out, leaf in pairs:  # a state no trainable parameter reaches (frozen layers under LoRA) has none
-                if leaf.grad is not None and out.requires_grad:
-                    outputs.append(out)
-                    grads.append(leaf.grad)
+            fwd = self.pack_forward(nodes, ancestors, parent_hs, defer)
+        yield from self.pack_backward(fwd, leaves, final)
+        if defer:
+            self.deferred.keep(fwd.embedded)
+
+    def pack_forward(self, nodes: list[Node], ancestors: list[list[NodeState]], parent_hs: list, defer: bool,
+                     graph: bool = True) -> _PackForward:
+        """One forward of the pack and its loss (`pack_loss`); `defer`: its embedding outputs captured for the
+        deferred embedding gradient. graph=False: a replayed pack's first forward, without a graph and without a
+        loss (its replay computes both)."""
+        capture = self.deferred.capture if defer else contextlib.nullcontext
+        with torch.no_grad() if not graph else contextlib.nullcontext(), capture() as embedded:
+            hidden, cache = self.forward(nodes, ancestors)  # hidden [S, H]
+        router_terms = taken(self.router)  # none from a replayed pack's no-grad forward (pass 2)
+        pack_loss = self.pack_loss(nodes, hidden, parent_hs) if graph else None
+        return _PackForward(hidden, cache, pack_loss, router_terms, embedded)
+
+    def pack_backward(self, fwd: _PackForward, leaves: list, final: bool):
+        """The pack's one backward: its loss, its router terms and the gradients its subtrees left on `leaves`
+        (`_hand_down`) through the graph of `fwd`; through every layer when `final` (inside `final_backward`, with the
+        deferred embedding gradients) or in lock-step. A generator: BACKWARD before such a backward."""
+        hidden, pack_loss, router_terms = fwd.hidden, fwd.loss, fwd.router_terms
+        outputs, grads = _carried(leaves, fwd.cache, hidden)
         if pack_loss is not None:
-            self.loss_value += pack_loss.item()
+            self.results.loss += pack_loss.item()
             outputs.append(pack_loss)
             grads.append(torch.ones_like(pack_loss))
         outputs += router_terms
         grads += [torch.ones_like(t) for t in router_terms]
         # backward outside an active autocast (its ops take the forward's dtypes; PyTorch's AMP notes advise so)
-        no_autocast = torch.autocast(self.device.type, enabled=False)
+        no_autocast = torch.autocast(self.view.device.type, enabled=False)
         if final or self.lockstep:  # through every layer (and its collectives), even with nothing to carry back
             outputs.append(hidden.sum() * 0)
             grads.append(torch.ones((), dtype=hidden.dtype, device=hidden.device))
@@ -259,8 +245,6 @@ class _Run:
         elif outputs:
             with no_autocast:
                 torch.autograd.backward(outputs, grads)
-        if defer:
-            self.deferred.keep(embedded)
 
     def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_hs: list) -> torch.Tensor | None:
         """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode);
@@ -278,68 +262,17 @@ class _Run:
         only under split prefix attention, `packs_of`). Returns hidden [S, H] (final-normed) and the cache, which
         gives each node's state. `cache`: a pack of one node against that cache instead of a `PrefixCache` of the
         ancestors (a context-parallel round's, `context_parallel.GatheredCache`)."""
-        lengths, starts = [len(n) for n in nodes], [n.start for n in nodes]  # starts differ below different parents
-        P = starts[0]  # > 0 for every node below the root
+        view, P = self.view, nodes[0].start  # P > 0 for every node below the root
         split = self.prefix_split.applies and P > 0  # prefix keys unmasked, the tree mask only over the pack's own
-        images = self.images if self.images and any(self.images.covers(n.start, n.end) for n in nodes) else None
+        covered = self.images is not None and any(self.images.covers(n.start, n.end) for n in nodes)
         if cache is None:
-            cache = self.prefix_cache(nodes, ancestors, split)
-        if is_batch(nodes, P, split, self.across_parents) and images is None:  # rows of one [B, L] forward
-            tokens = torch.stack([n.tokens for n in nodes]).to(self.device)  # [B, L]
-            local = torch.arange(lengths[0], device=self.device)
-            positions = self.position_ids(P + local, len(nodes)) if len(set(starts)) == 1 else \
-                torch.tensor(starts, device=self.device)[:, None] + local  # [B, L] (no images: `run_tree`)
-            mask = own_keys_mask(None, lengths[0], self.dtype, self.device) if split else None
-            with self.engine_forwards, routed(self.router, nodes, self.device):
-                out = self.decoder(input_ids=tokens, position_ids=positions, attention_mask=mask, cache=cache,
-                                   use_cache=True)
-            return out.last_hidden_state.reshape(tokens.numel(), -1), cache  # rows in the order of `packs.spans`
-        tokens = torch.cat([n.tokens for n in nodes]).to(self.device)[None]  # [1, S]
-        local = torch.cat([torch.arange(L, device=self.device) for L in lengths])  # position within its node
-        segment = torch.repeat_interleave(torch.arange(len(nodes), device=self.device),  # output_size: no device sync
-                                          torch.tensor(lengths, device=self.device), output_size=sum(lengths))
-        positions = P + local if len(set(starts)) == 1 else local + torch.tensor(starts, device=self.device)[segment]
-        blocks = images.blocks(positions) if images else None  # image blocks, bidirectional inside (vision.py)
-        if split:
-            own = own_keys_tree_mask(local, segment, self.dtype, blocks) if len(nodes) > 1 or blocks is not None \
-                else None
-            mask = own_keys_mask(own, tokens.shape[1], self.dtype, self.device)
-        elif takes_tree_mask(len(nodes), P, self.family.recurrent) or blocks is not None:
-            mask = tree_mask(P, local, segment, self.windows, self.dtype, self.family.mask_mapping, blocks)
-        else:
-            mask = None
-        inputs = {"input_ids": tokens} if images is None else \
-            {"inputs_embeds": images.embeds(self.decoder.get_input_embeddings(), tokens[0], positions)[None]}
-        with self.engine_forwards, routed(self.router, nodes, self.device):
-            out = self.decoder(**inputs, position_ids=self.position_ids(positions), attention_mask=mask, cache=cache,
-                               use_cache=True)
-        return out.last_hidden_state[0], cache
-
-    def prefix_cache(self, nodes: list[Node], ancestors: list[list[NodeState]], split: bool) -> PrefixCache:
-        """The `PrefixCache` of a pack: one prefix for all its nodes, or under split attention one per run of nodes
-        below the same parent (their positions in the pack's rows, one after the other)."""
-        runs = []  # [a, b, ancestors] per run of nodes with the same ancestors
-        for (_, a, b), chain in zip(spans(nodes), ancestors):
-            if runs and _same(runs[-1][2], chain):
-                runs[-1][1] = b
-            else:
-                runs.append([a, b, chain])
-        if len(runs) == 1:
-            return PrefixCache(ancestors[0], self.num_layers, self.kinds, windows=self.windows,
-                               prefix_length=nodes[0].start, split=split)
-        if not split:
-            raise RuntimeError("a pack below several parents reached the masked attention path (engine bug: "
-                               "`packs_of` forms such packs only under split prefix attention)")
-        return PrefixCache([], self.num_layers, self.kinds, windows=self.windows, prefix_length=nodes[0].start,
-                           split=True, groups=[tuple(run) for run in runs])
-
-    def position_ids(self, positions: torch.Tensor, rows: int = 1) -> torch.Tensor:
-        """The decoder's position ids for `rows` rows at absolute `positions` [S]: [rows, S], the index, or
-        [3, rows, S] where the tree's images set the rotary positions (Qwen2-VL's mrope: vision.py)."""
-        grid = self.images.rope_positions(positions) if self.images is not None else None
-        if grid is None:
-            return positions.expand(rows, -1)
-        return grid[:, None].expand(3, rows, -1)
+            cache = _prefix_cache(view, nodes, ancestors, split)
+        batch = is_batch(nodes, P, split, self.across_parents) and not covered  # rows of one [B, L] forward
+        inputs = _batch_inputs(view, nodes, split, self.images) if batch else \
+            _sequence_inputs(view, nodes, split, self.images, covered)
+        with self.engine_forwards, routed(self.router, nodes, view.device):
+            hidden = view.decoder(**inputs, cache=cache, use_cache=True).last_hidden_state  # [B, L, H] or [1, S, H]
+        return hidden.reshape(-1, hidden.shape[-1]) if batch else hidden[0], cache  # rows in `packs.spans` order
 
     def dummy_forward(self) -> torch.Tensor:
         """A forward of one token (id 0, position 0) through every decoder layer, the lock-step's dummy
@@ -361,43 +294,177 @@ class _Run:
             predictors = torch.cat([hidden[:1], hidden[:-1]])
         else:
             predictors = torch.cat([parent_h[None], hidden[:-1]])
-        return node, positions, predictors[positions.to(self.device)]
+        return node, positions, predictors[positions.to(self.view.device)]
 
     def node_losses(self, pieces: list, backward_next: bool = False) -> torch.Tensor | None:
         """The logprobs (a critic's values) of every piece (`trained_rows`) of a pack, recorded per rollout, and the
         sum of the nodes' losses (None in forward-only mode). The LM head runs once over the rows of all the pieces,
         in chunks: one [vocab, hidden] weight gradient per chunk of the pack, not one per node. backward_next: the
         pack has no children, so its backward runs next (`head.token_logprobs`)."""
+        view, engine = self.view, self.engine
         rows = torch.cat([r for _, _, r in pieces])
         sizes = [len(p) for _, p, _ in pieces]
-        if self.critic:
-            values = token_values(self.head, rows).split(sizes)
+        if view.critic:
+            values = token_values(view.head, rows).split(sizes)
             logprobs, entropy = values, [None] * len(pieces)
         else:
             targets = torch.cat([node.tokens[p] for node, p, _ in pieces])
-            logprobs, entropy = token_logprobs(self.head, self.transform, rows, targets, self.temperature,
-                                               self.head_chunk_tokens, backward_next, self.head_float32)
+            logprobs, entropy = token_logprobs(view.head, view.transform, rows, targets, self.temperature,
+                                               engine.head_chunk_tokens, backward_next, engine.head_float32)
             logprobs, entropy = logprobs.split(sizes), entropy.split(sizes)
         stats = {}
-        if self.head_stats and not self.critic:
-            stats = head_statistics(self.head, self.transform, rows, targets, self.temperature, self.head_stats,
-                                    self.head_chunk_tokens, self.head_float32)
+        if self.head_stats and not view.critic:
+            stats = head_statistics(view.head, view.transform, rows, targets, self.temperature, self.head_stats,
+                                    engine.head_chunk_tokens, engine.head_float32)
             stats = {name: values.cpu().split(sizes) for name, values in stats.items()}
         losses = []
         for k, ((node, positions, _), lp, ent) in enumerate(zip(pieces, logprobs, entropy)):
             at = node.start + positions
-            for i in node.rollouts:
-                self.logprobs[i][at] = lp.detach().cpu().to(self.logprobs[i].dtype)
-                if ent is not None:
-                    self.entropy[i][at] = ent.detach().cpu().to(self.entropy[i].dtype)
-                for name, values in stats.items():
-                    self.stat_values[name][i][at] = values[k]
+            self.results.record(node, at, lp, ent, {name: values[k] for name, values in stats.items()})
             if self.loss is not None:
                 rollouts = [self.tree.rollouts[i] for i in node.rollouts]
-                inputs = loss_inputs(rollouts, at, None, None, values=lp) if self.critic else \
+                inputs = loss_inputs(rollouts, at, None, None, values=lp) if view.critic else \
                     loss_inputs(rollouts, at, lp, ent)
                 losses.append(self.loss(inputs))
         return torch.stack(losses).sum() if losses else None
+
+
+class _Results:
+    """A tree's results while its packs run: per rollout, logprobs (a critic's values), entropy and head statistics
+    [T] at the trained positions and 0 elsewhere; the loss summed over the packs."""
+
+    def __init__(self, tree: RolloutTree, dtype: torch.dtype, critic: bool, head_stats: tuple[str, ...]):
+        self.stats, self.critic = tree.stats, critic
+        kept = torch.float64 if dtype == torch.float64 else torch.float32  # ReplayResult's dtype
+        self.logprobs = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]  # a critic's values
+        self.entropy = [torch.zeros(len(r), dtype=kept) for r in tree.rollouts]
+        self.head_stats = {name: [torch.zeros(len(r)) for r in tree.rollouts] for name in head_stats}
+        self.loss = 0.0
+
+    def record(self, node: Node, at: torch.Tensor, logprobs: torch.Tensor, entropy: torch.Tensor | None,
+               stats: dict[str, torch.Tensor]) -> None:
+        """The node's logprobs [L'] (a critic's values), entropy [L'] (None for a critic) and head statistics
+        ({name: [L']}) at absolute positions `at` [L'], into each of its rollouts."""
+        for i in node.rollouts:
+            self.logprobs[i][at] = logprobs.detach().cpu().to(self.logprobs[i].dtype)
+            if entropy is not None:
+                self.entropy[i][at] = entropy.detach().cpu().to(self.entropy[i].dtype)
+            for name, values in stats.items():
+                self.head_stats[name][i][at] = values
+
+    def replay_result(self, peak: float | None, replayed: int, kept: int, merged: int) -> ReplayResult:
+        """The tree's `ReplayResult` (a critic's: `values`, no logprobs or entropy), with the planner's predicted
+        `peak` bytes, the number of `replayed` packs and the schedule's `kept` and `merged` shared nodes."""
+        if self.critic:
+            return ReplayResult([], [], self.loss, self.stats, peak, replayed, values=self.logprobs,
+                                shared_nodes_kept=kept, shared_nodes_merged=merged)
+        return ReplayResult(self.logprobs, self.entropy, self.loss, self.stats, peak, replayed,
+                            shared_nodes_kept=kept, shared_nodes_merged=merged, head_stats=self.head_stats)
+
+
+def _hand_down(nodes: list[Node], ancestors: list[list[NodeState]], fwd: _PackForward, train: bool
+               ) -> tuple[list[Node], list[list[NodeState]], list[torch.Tensor], list]:
+    """What a pack's forward `fwd` hands the children of its nodes: the nodes with children, their children's
+    ancestors (the node's own plus its state) and the node's last hidden state [H], and (span, state leaves, last
+    hidden leaf) of each such node. In training the state and hidden state handed down are those detached leaves,
+    whose gradients the subtrees fill (`_carried`); otherwise no leaves."""
+    parents, chains, hs = [], [], []  # the nodes with children, their descendants' ancestors and parent state
+    leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children
+    for (node, a, b), chain in zip(spans(nodes), ancestors):
+        if not node.children:
+            continue
+        state, h = fwd.cache.node_state(a, b), fwd.hidden[b - 1]
+        if train:
+            state, h = [tuple(_leaf(t) for t in layer) for layer in state], _leaf(h)
+            leaves.append(((a, b), state, h))
+        parents.append(node)
+        chains.append(chain + [state])
+        hs.append(h)
+    return parents, chains, hs, leaves
+
+
+def _carried(leaves: list, cache: PrefixCache, hidden: torch.Tensor) -> tuple[list, list]:
+    """(outputs, gradients) for a pack's backward from the gradients its subtrees left on `leaves` ((span, state
+    leaves, last hidden leaf) per node with children): each node's state in `cache` and last hidden state in
+    `hidden` [S, H] against its leaf's gradient."""
+    outputs, grads = [], []
+    for (a, b), state_leaves, h_leaf in leaves:
+        pairs = [(out, leaf) for layer, leaf_layer in zip(cache.node_state(a, b), state_leaves)
+                 for out, leaf in zip(layer, leaf_layer)]
+        pairs.append((hidden[b - 1], h_leaf))
+        for out, leaf in pairs:  # a state no trainable parameter reaches (frozen layers under LoRA) has none
+            if leaf.grad is not None and out.requires_grad:
+                outputs.append(out)
+                grads.append(leaf.grad)
+    return outputs, grads
+
+
+def _prefix_cache(view: ModelView, nodes: list[Node], ancestors: list[list[NodeState]], split: bool) -> PrefixCache:
+    """The `PrefixCache` of a pack: one prefix for all its nodes, or under split attention one per run of nodes
+    below the same parent (their positions in the pack's rows, one after the other)."""
+    runs = []  # [a, b, ancestors] per run of nodes with the same ancestors
+    for (_, a, b), chain in zip(spans(nodes), ancestors):
+        if runs and _same(runs[-1][2], chain):
+            runs[-1][1] = b
+        else:
+            runs.append([a, b, chain])
+    if len(runs) == 1:
+        return PrefixCache(ancestors[0], view.num_layers, view.kinds, windows=view.windows,
+                           prefix_length=nodes[0].start, split=split)
+    if not split:
+        raise RuntimeError("a pack below several parents reached the masked attention path (engine bug: "
+                           "`packs_of` forms such packs only under split prefix attention)")
+    return PrefixCache([], view.num_layers, view.kinds, windows=view.windows, prefix_length=nodes[0].start,
+                       split=True, groups=[tuple(run) for run in runs])
+
+
+def _batch_inputs(view: ModelView, nodes: list[Node], split: bool, images: ImageRun | None) -> dict:
+    """The decoder's inputs for a pack that runs as the rows of one [B, L] forward (`packs.is_batch`): input_ids
+    [B, L], position ids (`_position_ids` of the tree's `images`) and, under split prefix attention, the mask over
+    each row's own keys."""
+    length, starts = len(nodes[0]), [n.start for n in nodes]  # starts differ below different parents
+    tokens = torch.stack([n.tokens for n in nodes]).to(view.device)  # [B, L]
+    local = torch.arange(length, device=view.device)
+    positions = _position_ids(images, starts[0] + local, len(nodes)) if len(set(starts)) == 1 else \
+        torch.tensor(starts, device=view.device)[:, None] + local  # [B, L] (no images: `run_tree`)
+    mask = own_keys_mask(None, length, view.dtype, view.device) if split else None
+    return {"input_ids": tokens, "position_ids": positions, "attention_mask": mask}
+
+
+def _sequence_inputs(view: ModelView, nodes: list[Node], split: bool, images: ImageRun | None, covered: bool
+                     ) -> dict:
+    """The decoder's inputs for a pack that runs as one query sequence [1, S] of its nodes' tokens: the input ids
+    (input embeddings with the features of the tree's `images` where the pack `covered` a placeholder), position ids
+    (`_position_ids`) and the tree mask (under split prefix attention over the pack's own keys), None where the
+    causal mask is the tree's."""
+    lengths, starts = [len(n) for n in nodes], [n.start for n in nodes]  # starts differ below different parents
+    P = starts[0]
+    tokens = torch.cat([n.tokens for n in nodes]).to(view.device)[None]  # [1, S]
+    local = torch.cat([torch.arange(L, device=view.device) for L in lengths])  # position within its node
+    segment = torch.repeat_interleave(torch.arange(len(nodes), device=view.device),  # output_size: no device sync
+                                      torch.tensor(lengths, device=view.device), output_size=sum(lengths))
+    positions = P + local if len(set(starts)) == 1 else local + torch.tensor(starts, device=view.device)[segment]
+    blocks = images.blocks(positions) if covered else None  # image blocks, bidirectional inside (vision.py)
+    if split:
+        own = own_keys_tree_mask(local, segment, view.dtype, blocks) if len(nodes) > 1 or blocks is not None \
+            else None
+        mask = own_keys_mask(own, tokens.shape[1], view.dtype, view.device)
+    elif takes_tree_mask(len(nodes), P, view.family.recurrent) or blocks is not None:
+        mask = tree_mask(P, local, segment, view.windows, view.dtype, view.family.mask_mapping, blocks)
+    else:
+        mask = None
+    inputs = {"input_ids": tokens} if not covered else \
+        {"inputs_embeds": images.embeds(view.decoder.get_input_embeddings(), tokens[0], positions)[None]}
+    return {**inputs, "position_ids": _position_ids(images, positions), "attention_mask": mask}
+
+
+def _position_ids(images: ImageRun | None, positions: torch.Tensor, rows: int = 1) -> torch.Tensor:
+    """The decoder's position ids for `rows` rows at absolute `positions` [S]: [rows, S], the index, or
+    [3, rows, S] where the tree's `images` set the rotary positions (Qwen2-VL's mrope: vision.py)."""
+    grid = images.rope_positions(positions) if images is not None else None
+    if grid is None:
+        return positions.expand(rows, -1)
+    return grid[:, None].expand(3, rows, -1)
 
 
 def _matmul_params(decoder) -> int:
