@@ -77,7 +77,7 @@ def length_reward(completions, **kwargs):
 
 
 def _train_args(folder, run, steps=2):
-    return ["train", "--model.spec", str(folder), "--task.reward", "test_lora:length_reward",
+    return ["train", "--model.spec", str(folder), "--task.reward", "test_models_lora:length_reward",
             "--model.lora_r", "4", "--model.lora_target_modules", "q_proj,v_proj",
             "--grpo.num_generations", "4", "--grpo.prompts_per_step", "2", "--grpo.beta", "0.1",
             "--grpo.learning_rate", "0.05", "--sampling.max_new_tokens", "4", "--task.eval_size", "2",

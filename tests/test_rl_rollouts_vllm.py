@@ -359,7 +359,7 @@ def test_real_vllm_server_matches_the_trainer_before_and_after_a_sync(tmp_path, 
     average) at step 1 and, after the first weight (or adapter) sync, at step 2 (a stale tied LM head showed 1.5e-3
     here): single-turn, with a branching schedule, multi-turn with the calculator, and LoRA."""
     data = {"sampling": {"backend": "vllm", "vllm_url": os.environ["BRANCHREPLAY_VLLM_URL"], "max_new_tokens": 24},
-            "task": {"reward": "test_lora:length_reward"},  # spread in every group: all train
+            "task": {"reward": "test_models_lora:length_reward"},  # spread in every group: all train
             "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-4},
             "train": {"steps": 2, "output_dir": str(tmp_path / "run"), "eval_steps": -1}}
     for section, values in REAL[case].items():

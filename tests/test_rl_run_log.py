@@ -151,7 +151,7 @@ def test_what_the_held_out_score_is_called():
     assert score_name(config) == "accuracy" and score_name(config, GuessNumber()) == "accuracy"
     assert score_name(config, calculator(byte_reward)) == "accuracy"
     assert score_name(config, object()) == "mean reward"
-    custom = Config.from_dict({"task": {"reward": "task,test_lora:length_reward", "reward_weights": [1.0, 0.5]}})
+    custom = Config.from_dict({"task": {"reward": "task,test_models_lora:length_reward", "reward_weights": [1.0, 0.5]}})
     assert score_name(custom) == "mean reward"
 
 
