@@ -1,5 +1,5 @@
 """One GRPO step of a shared-prompt tree in one process, then on N gloo processes with the prompt split over the ranks
-(context-parallel, `engine/context_parallel.py`) and with today's split by branches (each rank recomputes the
+(context-parallel, `engine/parallel/context_parallel.py`) and with today's split by branches (each rank recomputes the
 prompt), side by side in one run; and the plans for 8 ranks. Prints one JSON object (docs/benchmarks.md).
 
     .venv/bin/python scripts/context_parallel_step.py --prompt-tokens 32000 --generations 64 --response-tokens 768
@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 
 from branchreplay.bench.runner import BENCH_MODEL, MODEL_LABEL
 from branchreplay.reference.shapes import make_rollouts, shared_prompt
-from branchreplay.engine.distributed import free_port
-from branchreplay.engine.sharding import shard
+from branchreplay.engine.parallel.distributed import free_port
+from branchreplay.engine.parallel.sharding import shard
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -38,7 +38,7 @@ def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
     from branchreplay.reference.naive import max_rel_grad_err
-    from branchreplay.engine.distributed import DataParallel, end_spawned_rank
+    from branchreplay.engine.parallel.distributed import DataParallel, end_spawned_rank
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
@@ -60,7 +60,7 @@ def _worker(rank, world, port, args, tmp):
                                                                                                    expected)}
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # after its results are written (engine.distributed)
+    end_spawned_rank()  # after its results are written (engine.parallel.distributed)
 
 
 def _plan(plan) -> dict:

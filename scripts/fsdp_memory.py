@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from branchreplay.bench.fsdp_memory import HeldBytes
 from branchreplay.bench.runner import BENCH_MODEL
 from branchreplay.reference.shapes import make_rollouts, shared_prompt
-from branchreplay.engine.distributed import free_port, param_bytes
+from branchreplay.engine.parallel.distributed import free_port, param_bytes
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -42,7 +42,7 @@ def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
     from branchreplay.reference.naive import max_rel_grad_err
-    from branchreplay.engine.distributed import DataParallel, end_spawned_rank
+    from branchreplay.engine.parallel.distributed import DataParallel, end_spawned_rank
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
@@ -67,7 +67,7 @@ def _worker(rank, world, port, args, tmp):
                         "physical_tokens": plan.physical_tokens[rank]}
     with open(os.path.join(tmp, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # after its results are written (engine.distributed)
+    end_spawned_rank()  # after its results are written (engine.parallel.distributed)
 
 
 def main() -> None:

@@ -114,7 +114,7 @@ summarize
 fi
 
 if stage torchrun; then
-# Data parallelism on CUDA (engine/distributed.py, never run on a GPU before): 2 steps of the demo on SmolLM2's
+# Data parallelism on CUDA (engine/parallel/distributed.py, never run on a GPU before): 2 steps of the demo on SmolLM2's
 # shape, rank 0's metrics (dist/fsdp_mode, step seconds) kept as the last lines of its metrics.jsonl.
 GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")
 for nproc in 1 2; do

@@ -40,7 +40,7 @@ from trl_ranks import on_cpu_processes  # noqa: E402 (the CPU shim for FSDP2 and
 from trl_step_time import length_reward, train_dataset  # noqa: E402
 
 from branchreplay.bench.measure import release_freed_memory, rss_bytes  # noqa: E402
-from branchreplay.engine.distributed import end_spawned_rank  # noqa: E402
+from branchreplay.engine.parallel.distributed import end_spawned_rank  # noqa: E402
 from branchreplay.models import default_model_dir  # noqa: E402
 from branchreplay.trl import TreeDPOTrainer, TreeGRPOTrainer, TreeRLOOTrainer  # noqa: E402
 

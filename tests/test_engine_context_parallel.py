@@ -1,5 +1,5 @@
-"""Context parallelism for a shared prefix (`engine/context_parallel.py`) and the sharding plan that chooses it
-(`engine/sharding.py`).
+"""Context parallelism for a shared prefix (`engine/parallel/context_parallel.py`) and the sharding plan that chooses it
+(`engine/parallel/sharding.py`).
 
 The proof: on 2 and on 3 gloo processes, each rank runs its zigzag pieces of the prompt (K/V all-gathered per
 layer) and its share of the branches; the ranks' gradients summed equal the naive reference (each rollout alone,
@@ -19,8 +19,8 @@ import torch
 import torch.multiprocessing as mp
 
 from branchreplay.reference.shapes import branches_of_branches, make_rollouts, shared_prompt
-from branchreplay.engine.distributed import free_port
-from branchreplay.engine.sharding import CostModel, shard, shared_prefix_length
+from branchreplay.engine.parallel.distributed import free_port
+from branchreplay.engine.parallel.sharding import CostModel, shard, shared_prefix_length
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -52,11 +52,11 @@ def _naive(model, trees, loss):
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    import branchreplay.engine.context_parallel as cp
+    import branchreplay.engine.parallel.context_parallel as cp
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_logprobs
-    from branchreplay.engine.distributed import DataParallel, end_spawned_rank
+    from branchreplay.engine.parallel.distributed import DataParallel, end_spawned_rank
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
@@ -119,7 +119,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                                                      "layout": plan.layout}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
@@ -128,8 +128,8 @@ def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
     gradient's error against `single`'s naive one, the layout and each rank's number of whole trees."""
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.reference.naive import max_rel_grad_err
-    from branchreplay.engine.context_parallel import ContextParallelTree
-    from branchreplay.engine.distributed import DataParallel
+    from branchreplay.engine.parallel.context_parallel import ContextParallelTree
+    from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.rl.policy import accumulate
 
     trees = _trees("forest", single.config.vocab_size)
@@ -239,7 +239,7 @@ def test_families_that_carry_state_or_windows_keep_the_split_by_name(arch, reaso
 
 
 def test_a_trained_prefix_position_is_refused_by_name():
-    from branchreplay.engine.context_parallel import ContextParallelTree, zigzag_rounds
+    from branchreplay.engine.parallel.context_parallel import ContextParallelTree, zigzag_rounds
 
     g = torch.Generator().manual_seed(0)
     tree = RolloutTree(make_rollouts(shared_prompt(8, 2, 3, 256, g), g))
@@ -261,14 +261,14 @@ def _train_config(tmp_path, run: str, layout: str = "auto"):
 def _train_worker(rank: int, world: int, port: int, tmp: str) -> None:
     from pathlib import Path
 
-    from branchreplay.engine.distributed import end_spawned_rank
+    from branchreplay.engine.parallel.distributed import end_spawned_rank
     from test_rl_run_trainer import make_trainer
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     make_trainer(_train_config(Path(tmp), "two", "context-parallel"), dtype=torch.float64).fit()
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tmp_path):

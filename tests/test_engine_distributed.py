@@ -1,6 +1,7 @@
-"""Data parallelism on 2 CPU processes with gloo (`engine/distributed.py`, `engine/sharding.py`): under FSDP2 and DDP
-semantics the reduced gradient of a step equals the single-process gradient of the same trees, for whole groups,
-uneven groups, one group split over both ranks, and a recurrent family; parameters after 3 AdamW steps too."""
+"""Data parallelism on 2 CPU processes with gloo (`engine/parallel/distributed.py`, `engine/parallel/sharding.py`):
+under FSDP2 and DDP semantics the reduced gradient of a step equals the single-process gradient of the same trees, for
+whole groups, uneven groups, one group split over both ranks, and a recurrent family; parameters after 3 AdamW steps
+too."""
 
 import datetime
 import json
@@ -12,8 +13,8 @@ import torch.multiprocessing as mp
 
 from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig
-from branchreplay.engine.distributed import end_spawned_rank, free_port
-from branchreplay.engine.sharding import shard
+from branchreplay.engine.parallel.distributed import end_spawned_rank, free_port
+from branchreplay.engine.parallel.sharding import shard
 from branchreplay.models import autocast
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
@@ -48,7 +49,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_backward
-    from branchreplay.engine.distributed import DataParallel
+    from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
@@ -109,7 +110,7 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         reports["other-trees-on-rank-1"] = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(reports, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 
@@ -183,7 +184,7 @@ def _train_worker(rank: int, world: int, port: int, tmp: str, steps: int, strate
     metrics = trainer.evaluate()  # sharded: each rank decodes half of the held-out items
     if rank == 0:
         (Path(tmp) / f"{run}-eval.json").write_text(json.dumps(metrics))
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def _records(run_dir) -> list[dict]:
@@ -239,7 +240,7 @@ def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
     except ValueError as e:  # on every rank alike: both may close the group
         with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
             f.write(str(e))
-    end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
+    end_spawned_rank()  # after its results are written, the expected error caught (engine.parallel.distributed)
 
 
 def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
@@ -297,7 +298,7 @@ def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
     model = GPTNeoXForCausalLM(cfg)
     model.generation_config.eos_token_id = EOS
     make_trainer(_train_config(Path(tmp), 1, "fsdp2", "neox"), model=model).fit()
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
@@ -314,7 +315,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
 
     from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_backward
-    from branchreplay.engine.distributed import DataParallel
+    from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.engine.head import check_head
     from branchreplay.losses import GRPOLoss
     from branchreplay.rl.policy import accumulate, idle_tree
@@ -342,7 +343,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
         errs[strategy] = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(errs, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 @pytest.fixture(scope="module")
@@ -366,7 +367,7 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     from branchreplay.bench.fsdp_memory import HeldBytes
-    from branchreplay.engine.distributed import DataParallel, fsdp_mode
+    from branchreplay.engine.parallel.distributed import DataParallel, fsdp_mode
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
@@ -387,7 +388,7 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
     report["layer_bytes"], report["model_bytes"] = layers[0], sum(p.numel() * 4 for p in single.parameters())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_resharded_fsdp2_holds_a_layer_at_a_time_and_gather_once_the_whole_model(tmp_path):
@@ -411,7 +412,7 @@ def test_fsdp2_of_experts_needs_unused_parameter_reduction(monkeypatch):
     import torch.distributed as dist
     from torch.distributed.fsdp import FSDPModule
 
-    from branchreplay.engine.distributed import DataParallel
+    from branchreplay.engine.parallel.distributed import DataParallel
 
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")

@@ -207,7 +207,7 @@ def test_a_lora_model_reads_its_base_model(keep64):
 
 def test_trees_with_images_are_not_sharded_across_ranks(case):
     """Data parallelism rebuilds trees per rank: with images it refuses them rather than drop them."""
-    from branchreplay.engine.sharding import shard
+    from branchreplay.engine.parallel.sharding import shard
 
     with pytest.raises(ValueError, match="run on one process"):
         shard([case.tree()], 2, case.model.config.get_text_config())

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from branchreplay.engine.distributed import end_spawned_rank, free_port
+from branchreplay.engine.parallel.distributed import end_spawned_rank, free_port
 
 GRADIENT_CASES = [("grpo", None), ("grpo-gspo", {"grpo": {"importance_sampling_level": "sequence", "beta": 0.05,
                                                          "num_iterations": 2}}),
@@ -151,7 +151,7 @@ def _worker(rank: int, world: int, port: int, tmp: str, url: str, failing_url: s
             errors[f"{name}/{shape}"] = report["max_rel_grad_err"]
             errors[f"{name}/{shape}/layout"] = report["layout"]
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(errors))
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def _records(run_dir: Path) -> list[dict]:

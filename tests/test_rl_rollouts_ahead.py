@@ -278,7 +278,7 @@ def test_bad_settings_get_one_line_naming_the_field(tmp_path):
 
 
 def _two_rank_worker(rank: int, world: int, port: int, tmp: str, strategy: str) -> None:
-    from branchreplay.engine.distributed import end_spawned_rank
+    from branchreplay.engine.parallel.distributed import end_spawned_rank
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
@@ -295,7 +295,7 @@ def _two_rank_worker(rank: int, world: int, port: int, tmp: str, strategy: str) 
 def test_two_ranks_receive_rank_0s_batches_and_train_as_one_process(tmp_path, strategy):
     import torch.multiprocessing as mp
 
-    from branchreplay.engine.distributed import free_port
+    from branchreplay.engine.parallel.distributed import free_port
 
     single = make_trainer(make_config(tmp_path, grpo={"prompts_per_step": 3, "max_staleness": 1},
                                       train={"output_dir": str(tmp_path / "single")}), dtype=torch.float64).fit()

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from branchreplay.engine.distributed import end_spawned_rank, free_port
+from branchreplay.engine.parallel.distributed import end_spawned_rank, free_port
 from test_engine_distributed import _records, _train_config
 
 
@@ -157,7 +157,7 @@ def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
     trainer = make_trainer(_train_config(Path(tmp), 1), reward_fn=reward)
     _record_outcome(Path(tmp) / f"rank{rank}.txt", trainer.evaluate)
-    end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
+    end_spawned_rank()  # after its results are written, the expected error caught (engine.parallel.distributed)
 
 
 def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
@@ -192,7 +192,7 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str, error: str) -
     trainer = make_trainer(_train_config(Path(tmp), 1))
     checkpoint._write_rank0 = fails  # rank 0's files fail, after every rank wrote its optimizer shards
     _record_outcome(Path(tmp) / f"rank{rank}.txt", lambda: trainer.save(Path(tmp) / "run"))
-    end_spawned_rank()  # after its results are written, the expected error caught (engine.distributed)
+    end_spawned_rank()  # after its results are written, the expected error caught (engine.parallel.distributed)
 
 
 @pytest.mark.parametrize("error", WRITE_ERRORS)
@@ -309,7 +309,7 @@ def _blocked_worker(rank: int, world: int, port: int, tmp: str) -> None:
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while in the collective
             dist.barrier()
             console.print(f"barrier returned, stop={stop}")
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_ctrl_c_is_answered_at_once_while_a_collective_waits(tmp_path):

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from branchreplay.reference.naive import max_rel_grad_err
-from branchreplay.engine.distributed import free_port
+from branchreplay.engine.parallel.distributed import free_port
 from branchreplay.tiny_models import tiny_model
 
 pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")

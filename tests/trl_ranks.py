@@ -241,7 +241,7 @@ def run_side(trainer: str, side: str, folder: str, out: str, config: dict, die: 
 
 
 def main(folder: str, out: str, jobs: list[dict]) -> None:
-    from branchreplay.engine.distributed import end_spawned_rank
+    from branchreplay.engine.parallel.distributed import end_spawned_rank
 
     if any("deepspeed" in job.get("config", {}) for job in jobs):  # what accelerate's state does with accelerators
         import deepspeed

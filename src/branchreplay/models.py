@@ -281,7 +281,7 @@ def autocast(dtype: str, device_type: str):
     Mixed precision as Hugging Face Trainer's `bf16=True` (TRL's default) runs it on a float32 model, and as
     torchtitan runs it without FSDP (`maybe_enable_amp`): float32 master weights, gradients and AdamW state;
     matmuls and attention in bfloat16. The engine then takes the masked attention path (`attention.PrefixSplit`).
-    Under FSDP2 too (engine/distributed.py): one mechanism on every strategy, so a data-parallel bfloat16 run
+    Under FSDP2 too (engine/parallel/distributed.py): one mechanism on every strategy, so a data-parallel bfloat16 run
     computes what the single-process run computes.
 
     `cache_enabled=False`: autocast's cache of cast weights would share one cast node among every pack's graph,

@@ -1,4 +1,5 @@
-"""The parameter and gradient bytes a rank holds during an FSDP2 step, in its two modes (`engine/distributed.py`).
+"""The parameter and gradient bytes a rank holds during an FSDP2 step, in its two modes
+(`engine/parallel/distributed.py`).
 
 CPU has no allocator statistics to read, so `HeldBytes` counts tensors: this rank's parameter shards, the full
 (unsharded) parameters FSDP2 holds at the moment (a freed one has a storage of 0 bytes), the sharded, unsharded
@@ -27,7 +28,7 @@ def _storages(tensors) -> int:
 
 class HeldBytes:
     """Peak parameter + gradient bytes held by this rank (module docstring). `dp`: an
-    `engine.distributed.DataParallel` with strategy "fsdp2"; `peak` (bytes) since construction or `reset`.
+    `engine.parallel.distributed.DataParallel` with strategy "fsdp2"; `peak` (bytes) since construction or `reset`.
     Use as a context manager: the hooks are removed on exit."""
 
     def __init__(self, dp):

@@ -3,7 +3,8 @@
     naive           rank r runs rollouts r, r + N, ... each alone, then one gradient all-reduce
     prompt-sharing  rank r runs the same rollouts with their prompt once per rank (`reference.prompt_sharing`,
                     prefix-grouper when installed), then one gradient all-reduce
-    branchreplay    trees to ranks by `engine.sharding`, the gradient reduced once (`engine.distributed`)
+    branchreplay    trees to ranks by `engine.parallel.sharding`, the gradient reduced once
+                    (`engine.parallel.distributed`)
 
 and the shard plan for more ranks. A method's wall time: the slowest rank's, between two barriers. A naive rank
 projected past `max_seconds`, and a prompt-sharing rank whose estimated peak exceeds its share of the memory, run a
@@ -21,8 +22,8 @@ import time
 
 import torch
 
-from ..engine.distributed import free_port
-from ..engine.sharding import shard
+from ..engine.parallel.distributed import free_port
+from ..engine.parallel.sharding import shard
 from ..tree import RolloutTree
 from ..reference import work as F
 from ..reference.prompt_sharing import PROMPT_SHARING_LABELS, prefix_grouper_version
@@ -148,7 +149,7 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
     import torch.distributed as dist
 
     from ..reference.naive import naive_backward
-    from ..engine.distributed import DataParallel, end_spawned_rank
+    from ..engine.parallel.distributed import DataParallel, end_spawned_rank
     from ..engine.replay import replay_backward_sharded
     from ..losses import GRPOLoss
 
@@ -189,4 +190,4 @@ def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
                               "rollouts_run": sum(len(t.rollouts) for t in plan.parts[rank])}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)

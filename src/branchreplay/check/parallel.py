@@ -46,7 +46,7 @@ def verify_data_parallel(spec: str, dtype: torch.dtype, nproc: int, strategy: st
     "recomputed_positions"}."""
     import torch.multiprocessing as mp
 
-    from ..engine.distributed import free_port
+    from ..engine.parallel.distributed import free_port
 
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,7 +62,7 @@ def verify_data_parallel(spec: str, dtype: torch.dtype, nproc: int, strategy: st
 def _worker(rank, world, port, spec, dtype, strategy, seed, force, out, loss):
     import torch.distributed as dist
 
-    from ..engine.distributed import end_spawned_rank
+    from ..engine.parallel.distributed import end_spawned_rank
     from ..models import load_model
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -81,13 +81,13 @@ def _worker(rank, world, port, spec, dtype, strategy, seed, force, out, loss):
                            else FLOAT64_TOLERANCE) if dtype == torch.float64 else 1e-4
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.distributed)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def _grpo_step(single, model, strategy: str, seed: int, force: bool) -> dict:
     """The sharded engine step with the GRPO loss on two steps of trees (module docstring)."""
     from ..engine import replay_backward, replay_logprobs
-    from ..engine.distributed import DataParallel
+    from ..engine.parallel.distributed import DataParallel
     from ..engine.replay import replay_backward_sharded
 
     g = torch.Generator().manual_seed(seed)
@@ -124,7 +124,7 @@ def algorithm_gradients(single, model, algorithm: str, strategy: str, seed: int 
     data-parallel (`strategy` "fsdp2" in FSDP2 `mode`, or "ddp"; trees shared out by parallel.layout `layout`)
     against `single`, a copy of it in one process; `settings`: config sections instead of `ALGORITHM_SETTINGS`'.
     Returns {"max_rel_grad_err", "trees", "imbalance", "recomputed_positions", "layout"}."""
-    from ..engine.sharding import shard
+    from ..engine.parallel.sharding import shard
     from ..rl.run.parallel import Ranks
     from ..rl.run.update import first_update_gradient
 

@@ -8,8 +8,8 @@ Modules: `replay` (one call: checks, forests, rotary regimes; a rank's share), `
 `model_view` (the model as the engine reads it), `packs`, `schedule`, `masks`, `head` (LM-head logprobs), `embedding`,
 `planner` (memory model, replay plan), `attention` and `kernels` (split prefix attention), `families` (the registry),
 `self_check` (an unregistered family against the naive reference), `cache`, `recurrent`, `positions`, `vision`,
-`router`, `config` (`EngineConfig`), `sequence` (losses of whole sequences), and data parallelism: `sharding`,
-`distributed`, `context_parallel`, `lockstep`. docs/architecture.md says what each holds.
+`router`, `config` (`EngineConfig`), `sequence` (losses of whole sequences), and `parallel/` (data parallelism).
+docs/architecture.md says what each holds.
 """
 
 from ..lazy import lazy_exports

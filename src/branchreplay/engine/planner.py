@@ -23,7 +23,7 @@ import torch
 
 from ..models import max_positions
 from ..tree import Node
-from .lockstep import FORWARD
+from .parallel.lockstep import FORWARD
 from .model_view import ModelView
 
 

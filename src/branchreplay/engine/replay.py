@@ -17,14 +17,14 @@ from ..losses import LossFn
 from ..models import base_of, max_positions
 from ..tree import ReplayResult, RolloutTree, TreeStats, forests
 from .config import EngineConfig
-from .context_parallel import ContextParallelTree
-from .distributed import DataParallel, check_same_trees
+from .parallel.context_parallel import ContextParallelTree
+from .parallel.distributed import DataParallel, check_same_trees
 from .families import check_no_dropout
-from .lockstep import LockStep, drain
+from .parallel.lockstep import LockStep, drain
 from .model_view import ModelView
 from .positions import held_at_length, regimes
 from .router import RouterLoss
-from .sharding import CostModel, shard
+from .parallel.sharding import CostModel, shard
 from .stack import _Run
 from .vision import language_model
 
@@ -61,7 +61,7 @@ def replay_backward(
             `branchreplay verify --force` and the trainer check it themselves).
         final_backward: a context entered around the call's LAST backward pass (the root pack of the last tree),
             which always runs, through every layer (with a zero loss if nothing else flows there). Data parallelism
-            uses it to reduce gradients once per step instead of once per pack (`engine/distributed.py`).
+            uses it to reduce gradients once per step instead of once per pack (`engine/parallel/distributed.py`).
         lockstep: run every decoder forward and backward in step with the other ranks of the default process group
             (`lockstep.LockStep`: FSDP2 with its parameters gathered per layer); every backward then runs through
             every layer. Every rank must make the same number of calls with it.
@@ -213,7 +213,7 @@ def _check_context_parallel(trees: list, rotaries) -> None:
     parts = [isinstance(t, ContextParallelTree) for t in trees]
     if True in parts and not all(parts[parts.index(True):]):
         raise ValueError("context-parallel parts (ContextParallelTree) must come after every whole tree "
-                         "(engine/sharding.py orders a rank's trees so)")
+                         "(engine/parallel/sharding.py orders a rank's trees so)")
     if any(parts) and rotaries:
         raise ValueError("context parallelism does not run a length-dependent rotary encoding (longrope, dynamic "
                          "NTK): run the tree whole or split by its branches")

@@ -22,7 +22,7 @@ import torch
 from ..losses import LossInputs
 from ..tree import ReplayResult, Rollout, RolloutTree
 from .config import EngineConfig
-from .context_parallel import ContextParallelTree
+from .parallel.context_parallel import ContextParallelTree
 from .router import RouterLoss
 from .replay import replay_backward, replay_logprobs
 

@@ -24,8 +24,8 @@ from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
 from .config import EngineConfig
-from .context_parallel import ContextParallelTree, run_prefix
-from .lockstep import BACKWARD, FORWARD
+from .parallel.context_parallel import ContextParallelTree, run_prefix
+from .parallel.lockstep import BACKWARD, FORWARD
 from .embedding import DeferredEmbeddingGrad
 from .families import check_no_dropout, family_of, layer_windows
 from .head import check_float32_head, check_head, decoder_and_head, head_statistics, token_logprobs, token_values

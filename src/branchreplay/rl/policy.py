@@ -22,9 +22,9 @@ from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule
 from ..reference.methods import METHODS
 from ..engine import EngineConfig, replay_backward, replay_logprobs
 from ..engine import sequence
-from ..engine.context_parallel import ContextParallelTree
-from ..engine.distributed import DataParallel, clip_grad_norm_
-from ..engine.lockstep import collective_device
+from ..engine.parallel.context_parallel import ContextParallelTree
+from ..engine.parallel.distributed import DataParallel, clip_grad_norm_
+from ..engine.parallel.lockstep import collective_device
 from ..models import autocast, tied_names
 from ..tree import ReplayResult, Rollout, RolloutTree, TreeStats
 
@@ -67,8 +67,8 @@ class Policy:
                        dp=None, scope=scope, optimizer=None, scheduler=None)
 
     def distribute(self, strategy: str, mode: str | None, broadcast: bool = True) -> None:
-        """Make the model data-parallel over the ranks (`engine.distributed.DataParallel`): "fsdp2" in FSDP2 `mode`
-        ("gather-once" or "resharded"), or "ddp". Every rank calls it with the same model configuration."""
+        """Make the model data-parallel over the ranks (`engine.parallel.distributed.DataParallel`): "fsdp2" in FSDP2
+        `mode` ("gather-once" or "resharded"), or "ddp". Every rank calls it with the same model configuration."""
         self.dp = DataParallel(self.model, strategy, device=self.model.device.type, broadcast=broadcast,
                                mode=mode or "gather-once")
 
@@ -126,7 +126,7 @@ class Policy:
 
     @property
     def lockstep(self) -> bool:
-        """FSDP2 resharded: every engine call runs in lock-step with the other ranks (`engine/lockstep.py`)."""
+        """FSDP2 resharded: every engine call runs in lock-step with the other ranks (`engine/parallel/lockstep.py`)."""
         return self.dp is not None and self.dp.lockstep
 
     def logprobs(self, trees: list) -> ReplayResult:
@@ -182,7 +182,7 @@ class Policy:
 def clip_grad_norm(policies: list[Policy], max_norm: float) -> float:
     """Clip the gradients of every parameter of `policies` together to a total L2 norm of `max_norm` (TRL's one
     optimizer over policy and critic); returns the norm before clipping. One process: torch's `clip_grad_norm_`;
-    data-parallel: over the whole models (`engine.distributed.clip_grad_norm_`)."""
+    data-parallel: over the whole models (`engine.parallel.distributed.clip_grad_norm_`)."""
     if all(p.dp is None for p in policies):
         return torch.nn.utils.clip_grad_norm_([q for p in policies for q in p.params], max_norm).item()
     return clip_grad_norm_([p.dp for p in policies], max_norm)

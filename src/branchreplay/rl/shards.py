@@ -2,8 +2,8 @@
 every rank.
 
 In one process a rank's part is the whole step: `local` is the trees themselves. Under torchrun the trees go to the
-ranks by predicted cost (`engine.sharding.shard`: whole trees, split branches or a context-parallel prefix), each
-rank runs the passes of its parts only, and `everywhere` gathers what the passes computed per rollout (logprobs,
+ranks by predicted cost (`engine.parallel.sharding.shard`: whole trees, split branches or a context-parallel prefix),
+each rank runs the passes of its parts only, and `everywhere` gathers what the passes computed per rollout (logprobs,
 entropies, values: small, per token) so that every rank holds them for every rollout of the step. The estimators
 (RLOO's leave-one-out baseline, REINFORCE++'s and PPO's whitening over the step, the entropy quantile) and the
 losses of whole sequences (RLOO, GSPO, DPO) then compute on every rank what one process computes, whatever the
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..engine.sharding import ShardPlan, shard
+from ..engine.parallel.sharding import ShardPlan, shard
 from ..tree import Rollout, RolloutTree
 
 
@@ -43,7 +43,7 @@ class Shards:
     @classmethod
     def of(cls, trees: list[RolloutTree], ranks, model_config, layout: str = "auto") -> Shards:
         """The step's `trees` over `ranks` (None: one process, every tree local); `layout` as
-        `engine.sharding.shard`. Every rank must call it with the same trees."""
+        `engine.parallel.sharding.shard`. Every rank must call it with the same trees."""
         if ranks is None or not trees:
             return cls(list(trees), list(trees), list(range(len(trees))), None, ranks, model_config, layout)
         plan = shard(list(trees), ranks.world_size, model_config, allow_empty=True, layout=layout)

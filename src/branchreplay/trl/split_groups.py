@@ -6,7 +6,7 @@ Each rank's tree of that prompt then starts with the same prompt, which either
 
     recompute          every rank that holds rows of it computes it (forward and backward) in its own tree, or
     context-parallel   it runs once across all ranks as the engine's context-parallel prefix
-                       (`engine.context_parallel`), each rank's rows below it as its branches.
+                       (`engine.parallel.context_parallel`), each rank's rows below it as its branches.
 
 "auto" takes, per prompt, the faster on the engine's cost model (`arranged`). The gradient is the same either way:
 what the ranks' branches send back to the prompt's K/V is summed over the ranks in the backward.
@@ -17,8 +17,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..engine.context_parallel import ContextParallelTree, zigzag_rounds
-from ..engine.sharding import prefix_seconds, shared_prefix_length, supports_context_parallel
+from ..engine.parallel.context_parallel import ContextParallelTree, zigzag_rounds
+from ..engine.parallel.sharding import prefix_seconds, shared_prefix_length, supports_context_parallel
 
 CHOICES = ("auto", "recompute", "context-parallel")
 
@@ -48,14 +48,14 @@ def arranged(trees: list, order: list[int], choice: str, config, element_bytes: 
     MoE router loss, a prompt shorter than the number of ranks). `forest`: the engine runs the rank's trees as one
     prefix forest (`EngineConfig.forest`), so a prompt's start shared with another tree costs the rank nothing.
 
-    "auto" takes, per prompt, the faster on the engine's cost model (`engine.sharding.prefix_seconds`): what each rank
-    holding rows of it computes for it alone (its positions after the longest start it shares with the rank's other
-    prompts, which the prefix forest computes once anyway) against its pieces of the whole prompt, the bytes moved
+    "auto" takes, per prompt, the faster on the engine's cost model (`engine.parallel.sharding.prefix_seconds`): what
+    each rank holding rows of it computes for it alone (its positions after the longest start it shares with the rank's
+    other prompts, which the prefix forest computes once anyway) against its pieces of the whole prompt, the bytes moved
     and the collective calls; across the ranks only when that is faster on every rank holding it. The gradient is the
-    same either way: what the ranks' branches send back to the prompt's K/V is summed over the ranks in the
-    backward, and the wrapper's reduction then averages the parameters' gradients as before. Every rank decides alike
-    from the same gathered prompts, and runs the context-parallel prompts after its whole trees, in the same order
-    (the engine's rule)."""
+    same either way: what the ranks' branches send back to the prompt's K/V is summed over the ranks in the backward,
+    and the wrapper's reduction then averages the parameters' gradients as before. Every rank decides alike from the
+    same gathered prompts, and runs the context-parallel prompts after its whole trees, in the same order (the engine's
+    rule)."""
     if (choice == "recompute" or not dist.is_initialized() or dist.get_world_size() == 1 or router_loss
             or supports_context_parallel(config)):  # the same on every rank
         return trees, order
@@ -92,7 +92,7 @@ def arranged(trees: list, order: list[int], choice: str, config, element_bytes: 
 
 def faster_across(P: int, world: int, config, element_bytes: int, own: int | None = None) -> bool:
     """Whether the cost model predicts a prompt of P positions faster once across `world` ranks than its last `own`
-    positions (default all) computed on a rank (`engine.sharding.prefix_seconds`)."""
+    positions (default all) computed on a rank (`engine.parallel.sharding.prefix_seconds`)."""
     whole, across = prefix_seconds(P, world, config, element_bytes=element_bytes, own=own)
     return across < whole
 

@@ -29,8 +29,8 @@ DType = Literal["float32", "bfloat16", "float16", "float64"]
 ScaleRewards = Literal["group", "batch", "none"]
 LRScheduler = Literal["cosine", "linear", "constant"]
 ParallelStrategy = Literal["auto", "fsdp2", "ddp"]
-ParallelLayout = Literal["auto", "whole-or-split", "context-parallel"]  # engine.sharding.LAYOUTS
-FsdpMode = Literal["auto", "gather-once", "resharded"]  # engine.distributed.FsdpMode
+ParallelLayout = Literal["auto", "whole-or-split", "context-parallel"]  # engine.parallel.sharding.LAYOUTS
+FsdpMode = Literal["auto", "gather-once", "resharded"]  # engine.parallel.distributed.FsdpMode
 ImportanceSamplingLevel = Literal["token", "sequence"]
 KLEstimator = Literal["k1", "k3"]
 Method = Literal["branchreplay", "naive", "padded"]
@@ -333,21 +333,21 @@ class TrainConfig:
 
 @dataclass
 class ParallelConfig:
-    """Data parallelism over the processes torchrun starts (engine/distributed.py, engine/sharding.py)."""
+    """Data parallelism over the processes torchrun starts (engine/parallel/: distributed.py, sharding.py)."""
 
     strategy: ParallelStrategy = field(default="auto", metadata=help_of(
         "'fsdp2' (fully_shard per decoder layer, the rest replicated), 'ddp' (every parameter replicated), or "
         "'auto': fsdp2 when started by torchrun with more than one process, else one process. Gradients are reduced "
         "once per optimizer update; groups go to ranks by predicted cost. fsdp2 / ddp need torchrun's environment"))
     layout: ParallelLayout = field(default="auto", metadata=help_of(
-        "how a step's trees go to the ranks (engine/sharding.py): 'auto' (the cost model's choice: whole trees, "
-        "trees split by their branches, or a long shared prompt computed once across the ranks with its K/V "
+        "how a step's trees go to the ranks (engine/parallel/sharding.py): 'auto' (the cost model's choice: whole "
+        "trees, trees split by their branches, or a long shared prompt computed once across the ranks with its K/V "
         "all-gathered per layer, 'context-parallel'), or one of 'whole-or-split' and 'context-parallel' forced "
         "(context-parallel where a tree's prompt has a position per rank and the family is full attention, the "
         "other trees whole). Every layout gives the same gradient"))
     fsdp_mode: FsdpMode = field(default="auto", metadata=help_of(
-        "FSDP2 during the step (engine/distributed.py): 'gather-once' (every layer all-gathered once per step, full "
-        "parameters and gradients held through it, the gradient reduce-scattered once: fewest bytes moved), "
+        "FSDP2 during the step (engine/parallel/distributed.py): 'gather-once' (every layer all-gathered once per "
+        "step, full parameters and gradients held through it, the gradient reduce-scattered once: fewest bytes moved), "
         "'resharded' (each layer gathered when a pack runs it and freed after, its gradient reduce-scattered per "
         "backward, the ranks' packs in lock-step: one layer's full parameters at a time), or 'auto': gather-once "
         "when 2 x the parameter bytes take at most a quarter of a rank's memory (its GPU's, or the machine's over "

@@ -18,7 +18,7 @@ import warnings
 
 import torch
 
-from ...engine.distributed import raise_together
+from ...engine.parallel.distributed import raise_together
 from ..agent.task import context_limit, trajectory_metrics, trajectory_reward, turn_branching
 from ..data.order import mix, prompt_indices
 from ..data.rewards import RewardFunctionError, score_columns

@@ -34,7 +34,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
-from ...engine.distributed import raise_together
+from ...engine.parallel.distributed import raise_together
 from ...models import tied_names
 
 _NAME = re.compile(r"^step-(\d+)$")

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from ...engine.distributed import raise_together
+from ...engine.parallel.distributed import raise_together
 from ...models import apply_lora, autocast, load_policy
 from ..agent.task import bind, context_limit, load_agent_task, trajectory_metrics, trajectory_reward
 from .checkpoint import load_weights

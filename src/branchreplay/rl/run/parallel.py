@@ -3,10 +3,11 @@
 A step under torchrun: every rank computes the step's prompt indices (the same on all ranks); rank r samples and
 scores the groups k with k % world_size == r, each group with its own generator seeded by (train.seed, step, k), so
 a group's samples do not depend on the world size; the groups are gathered, so every rank holds the whole batch and
-computes the same advantages and loss weights (normalised over the whole step); the trees then go to ranks by
-predicted cost (`engine.sharding`) and the gradient is reduced once (`engine.distributed`). Losses, loss statistics
-and stop requests are reduced across ranks; rank 0 alone writes the run folder. A rank that dies or hangs is named
-by the others through the rendezvous store (`Heartbeat`), since a failed collective does not say which rank it was.
+computes the same advantages and loss weights (normalised over the whole step); the trees then go to ranks by predicted
+cost (`engine.parallel.sharding`) and the gradient is reduced once (`engine.parallel.distributed`). Losses, loss
+statistics and stop requests are reduced across ranks; rank 0 alone writes the run folder. A rank that dies or hangs is
+named by the others through the rendezvous store (`Heartbeat`), since a failed collective does not say which rank it
+was.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ import torch
 import torch.distributed as dist
 import yaml
 
-from ...engine.distributed import init
+from ...engine.parallel.distributed import init
 
 
 @dataclass(frozen=True)

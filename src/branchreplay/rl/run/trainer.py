@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ...engine.distributed import fsdp_mode, raise_together, shutdown
+from ...engine.parallel.distributed import fsdp_mode, raise_together, shutdown
 from ...models import apply_lora, load_policy, model_folder
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class

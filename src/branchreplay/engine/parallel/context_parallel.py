@@ -23,8 +23,8 @@ import torch.nn.functional as F
 
 from transformers.cache_utils import Cache
 
-from ..tree import Node, RolloutTree, TreeStats
-from .cache import _PrefixLayer
+from ...tree import Node, RolloutTree, TreeStats
+from ..cache import _PrefixLayer
 from .lockstep import CP_BACKWARD, CP_FORWARD
 
 Piece = tuple[int, int, int]

@@ -23,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ..models import is_mixture_of_experts
-from .head import check_head
+from ...models import is_mixture_of_experts
+from ..head import check_head
 from .lockstep import collective_device
 
 Strategy = Literal["fsdp2", "ddp"]
@@ -91,7 +91,7 @@ class DataParallel:
                  mode: str = "gather-once"):
         if not dist.is_initialized():
             raise RuntimeError("DataParallel needs torch.distributed initialised: start with torchrun (it sets RANK, "
-                               "WORLD_SIZE, MASTER_ADDR) and call branchreplay.engine.distributed.init()")
+                               "WORLD_SIZE, MASTER_ADDR) and call branchreplay.engine.parallel.distributed.init()")
         if mode not in ("gather-once", "resharded"):
             raise ValueError(f"FSDP2 mode {mode!r}: expected 'gather-once' or 'resharded' (fsdp_mode resolves 'auto')")
         self.model, self.strategy = model, strategy

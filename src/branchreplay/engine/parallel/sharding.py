@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ..models import head_dim
-from ..tree import Node, RolloutTree
+from ...models import head_dim
+from ...tree import Node, RolloutTree
 from .context_parallel import ContextParallelTree, zigzag_rounds
 
 LAYOUTS = ("auto", "whole-or-split", "context-parallel")
@@ -234,8 +234,8 @@ def supports_context_parallel(config) -> str:
     """"" when a model of `config` can run a context-parallel prefix, else the reason (for the plan's `why`): every
     layer full attention (no recurrent, hybrid or sliding-window layer) and a rotary encoding whose frequencies do
     not follow the sequence's length (longrope, dynamic NTK)."""
-    from .families import layer_windows
-    from .recurrent import layer_kinds
+    from ..families import layer_windows
+    from ..recurrent import layer_kinds
 
     if any(kind != "attention" for kind in layer_kinds(config)):
         return f"{config.model_type} has recurrent layers (their state would pass from piece to piece in rank order)"
