@@ -1,7 +1,7 @@
 """Where one decoding step of SmolLM2-135M-Instruct goes on this machine (docs/benchmarks.md, "Against the decoding
 roofline"): --streams rows at --prompt-tokens positions, float32, greedy, nothing else running.
 
-  1. torch.profiler over 5 steps (after the prefill) with transformers' DynamicCache (what `sampling.sample_groups`
+  1. torch.profiler over 5 steps (after the prefill) with transformers' DynamicCache (what `decode.loop.sample_groups`
      decodes with): the ops by self CPU time;
   2. the median step with DynamicCache, with transformers' StaticCache (preallocated, written in place; a 4-D mask
      hides the unwritten slots), both again with the linear layers' weights MKL-packed (`packed_linears`, what the

@@ -1,9 +1,8 @@
-"""A multi-turn step's openings prefilled per item (each item's `sampling.prefill` alone, as the sampler did) and
-as one radix trie, their shared start once (`sampling.prefill_branches`, as `turns.InProcessTurns` prefills a
-step's first turn),
-side by side on SmolLM2-135M-Instruct in float32 (docs/benchmarks.md, "One trie per step"): for each config, its
-first grpo.prompts_per_step training items, the two ways alternated --repeats times, each timed with the resets
-and the chat template; the median seconds and the positions each prefills.
+"""A multi-turn step's openings prefilled per item (each item's `decode.forward.prefill` alone, as the sampler did) and
+as one radix trie, their shared start once (`decode.forward.prefill_branches`, as `decode.turns.InProcessTurns` prefills
+a step's first turn), side by side on SmolLM2-135M-Instruct in float32 (docs/benchmarks.md, "One trie per step"): for
+each config, its first grpo.prompts_per_step training items, the two ways alternated --repeats times, each timed with
+the resets and the chat template; the median seconds and the positions each prefills.
 
     .venv/bin/python scripts/opening_prefill.py configs/agent.yaml configs/guess_number.yaml
 """

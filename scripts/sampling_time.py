@@ -1,7 +1,7 @@
 """Sampling one step's groups several ways on SmolLM2-135M-Instruct (docs/benchmarks.md, "Sampling"):
 
-  - per group: `sampling.sample_group` for each prompt in turn (the trainer before issue 15),
-  - batched:   `sampling.sample_groups`, every group in one decoding loop (the trainer since), in the static cache
+  - per group: `decode.loop.sample_group` for each prompt in turn (the trainer before issue 15),
+  - batched:   `decode.loop.sample_groups`, every group in one decoding loop (the trainer since), in the static cache
                (sampling.cache_implementation=static, the default on CUDA: its step a CUDA graph; also timed with
                enforce_eager there), each prompt held once or (where split prefix attention does not apply) in
                every row, and in the dynamic one, and with cache_implementation=auto (the default: on the CPU the
@@ -37,7 +37,7 @@ from branchreplay.models import load_policy
 from branchreplay.rl.config import Config
 from branchreplay.decode.config import SamplingConfig
 from branchreplay.rl.data.tasks import load_task, prompt_token_ids
-from branchreplay.rl.rollouts import sampling as sampling_module
+from branchreplay.decode import rows as rows_module
 from branchreplay.decode.loop import sample_group, sample_groups
 
 
@@ -126,7 +126,7 @@ def samplers(model, tokenizer, prompts: list[list[int]], G: int, max_new_tokens:
         return split
 
     def stacked():  # the static cache with each prompt in every row: as where split prefix attention does not apply
-        with mock.patch.object(sampling_module, "PrefixSplit", split_off):
+        with mock.patch.object(rows_module, "PrefixSplit", split_off):
             batched(cache_implementation="static")()
 
     def trl_generate():

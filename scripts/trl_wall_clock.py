@@ -5,7 +5,7 @@ The demo's settings (configs/demo.yaml): the default task, 4 prompts x G=8 per s
 tokens sampled at temperature 1, loss_type dapo, learning rate 1e-5, beta 0, float32. TRL samples with
 `model.generate` on its padded batch (no vLLM) and trains with gradient checkpointing (GRPOConfig's default);
 TreeGRPOTrainer samples the same way and trains over the prefix trees; `branchreplay train` samples every group in
-one decoding loop (`sampling.sample_groups`) and trains over the trees. Time per step split into generation
+one decoding loop (`decode.loop.sample_groups`) and trains over the trees. Time per step split into generation
 (sampling and rewards: TRL's `_generate_and_score_completions`, our `time/sample_s`) and training (the rest of the
 step: logprobs, loss, backward, optimizer). TRL draws its prompts with its own sampler, so the three runs see
 different prompts of the same task (the sizes are alike; the completion lengths are printed).

@@ -25,7 +25,7 @@ FLOAT32_REL = 1024 * torch.finfo(torch.float32).eps  # 1.2e-4, about the float32
 """How far two float32 computations of one value that sum in different orders may be apart, relative to the value or
 to the scale of the terms it sums, whichever is larger (`float32_close`). A loss sums per-token terms that partly
 cancel (a group's advantages sum to 0), so its rounding relative to its own value is float32's epsilon times that
-cancellation: 160 epsilons on test_trl_trainer's grpo-kl-off-policy batch under AVX2 kernels (issue 50)."""
+cancellation: 160 epsilons on test_trl_grpo's grpo-kl-off-policy batch under AVX2 kernels (issue 50)."""
 
 
 def float32_close(ours: float, theirs: float, scale: float = 0.0, rel: float = FLOAT32_REL) -> bool:

@@ -213,8 +213,8 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
 
 def test_bench_ppo_and_dpo_rows_exact_and_cheaper():
     """bench --loss ppo | dpo on a small model: every method's gradient equals naive's within float32's 1e-4
-    (policy and critic for PPO; the float64 exactness of both paths is test_algorithms' and test_dpo's), and the
-    tree's FLOPs are below naive's (DPO's count its extra forward pass)."""
+    (policy and critic for PPO; the float64 exactness of both paths is test_rl_algorithms' and
+    test_engine_sequence's), and the tree's FLOPs are below naive's (DPO's count its extra forward pass)."""
     from branchreplay.bench.objectives import format_objective_table, run_dpo, run_ppo
     from branchreplay.bench.scenarios import Scenario
 

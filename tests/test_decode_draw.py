@@ -9,7 +9,7 @@ from branchreplay.decode.config import SamplingConfig
 from branchreplay.decode.draw import filter_logits
 
 
-def testfilter_logits_top_k_then_top_p():
+def test_filter_logits_top_k_then_top_p():
     logits = torch.tensor([[0.5, 0.3, 0.15, 0.05]]).log()
     def kept(**kw):
         return torch.isfinite(filter_logits(logits, **kw))[0].tolist()
@@ -49,7 +49,7 @@ def test_draws_follow_the_filtered_softmax(filters, dtype, block, monkeypatch):
 
 
 @pytest.mark.parametrize("filters", [{}, dict(top_p=0.9)])
-def test_the_two_level_draw_is_the_one_level_cumulative_sumdraw(filters):
+def test_the_two_level_draw_is_the_one_level_cumulative_sum_draw(filters):
     """4,096 rows of a 3,000-id vocabulary (two full blocks of 1,024 and a ragged one): `draw`'s token is, for the
     same uniform numbers, the first whose float64 cumulative probability over the whole row exceeds u times the
     total (the draw before the sum was split in blocks). An off-by-one inside or across blocks fails it."""

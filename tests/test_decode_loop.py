@@ -289,7 +289,7 @@ def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "lfm2"])
 def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
-    """`sampling.fork` (multi-turn branches): the attention layers' tensors shared by reference, never copied; the
+    """`forward.fork` (multi-turn branches): the attention layers' tensors shared by reference, never copied; the
     child decoding, forking and dropping rows changes nothing the parent sees (its next logits equal those of an
     untouched deep copy), recurrent layers (LFM2's short conv, written in place) included."""
     import copy
@@ -317,7 +317,7 @@ def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
 @pytest.mark.parametrize("arch", ["llama", "lfm2", "mamba", "jamba", "mamba2", "bamba", "falcon_h1", "nemotron_h",
                                   "qwen3_next"])
 def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
-    """Multi-turn sampling prefills a conversation's new tokens after its parent's cache (`sampling.prefill` with a
+    """Multi-turn sampling prefills a conversation's new tokens after its parent's cache (`forward.prefill` with a
     position): the next logits equal one prefill of the whole sequence (float64; float32 kernels of the SSM scans:
     1e-5). Mamba's and Jamba's forwards restart the scan when a cache is continued with several tokens (off by
     0.07-0.8), so they take the tokens one at a time (`Family.continues_cache`); a control feeding them at once
@@ -341,7 +341,7 @@ def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
 
 
 def test_branches_sharing_a_start_prefill_it_once_and_equal_each_alone(keep64):
-    """`sampling.prefill_branches` (multi-turn replies forked inside a turn): per branch the logits of prefilling it
+    """`forward.prefill_branches` (multi-turn replies forked inside a turn): per branch the logits of prefilling it
     alone (float64), the shared starts run once: 7 of the branches' 12 ids."""
     from branchreplay.tiny_models import tiny_model
     from branchreplay.decode.forward import fork, prefill, prefill_branches

@@ -39,6 +39,10 @@ def imports(root: Path, package: str) -> dict[str, set[str]]:
                 targets |= {f"{base}.{a.name}" if f"{base}.{a.name}" in known else base for a in node.names}
             elif isinstance(node, ast.Import):
                 targets |= {a.name for a in node.names}
+            elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
+                lazy = [v.value for v in node.value.values if isinstance(v, ast.Constant)]  # `lazy.lazy_exports`
+                levels = [len(v) - len(v.lstrip(".")) for v in lazy]
+                targets |= {".".join(here[: len(here) - n + 1] + [v.lstrip(".")]) for v, n in zip(lazy, levels)}
         edges[name] = {t for t in targets if t in known and t != name}
     return edges
 
@@ -98,14 +102,24 @@ def test_the_check_sees_a_planted_circle_and_an_upward_import(tmp_path):
     (root / "__init__.py").write_text("")
     (root / "engine" / "stack.py").write_text("from ..rl import policy\n")
     (root / "rl" / "policy.py").write_text("def f():\n    from ..engine.stack import run\n")
+    (root / "engine" / "__init__.py").write_text('_EXPORTS = {"Policy": "..rl.policy"}\n')
     edges = imports(root, "branchreplay")
-    assert upward(edges) == [("branchreplay.engine.stack", "branchreplay.rl.policy")]
+    assert upward(edges) == [("branchreplay.engine", "branchreplay.rl.policy"),
+                             ("branchreplay.engine.stack", "branchreplay.rl.policy")]
     assert circles(edges) == [["branchreplay.engine.stack", "branchreplay.rl.policy"]]
 
 
 @pytest.mark.parametrize("folder", FLOORS[1:])
 def test_each_floor_is_a_folder_of_the_package(folder):
     assert (Path(branchreplay.__file__).parent / folder / "__init__.py").is_file()
+
+
+def test_every_folder_of_modules_is_a_package():
+    """A folder of modules without `__init__.py` imports in an editable install but is left out of a built wheel
+    (`packages.find`): engine/parallel/ was, for one commit."""
+    root = Path(branchreplay.__file__).parent
+    folders = {p.parent for p in root.rglob("*.py")}
+    assert sorted(str(f.relative_to(root)) for f in folders if not (f / "__init__.py").is_file()) == []
 
 
 def test_the_architecture_page_maps_every_module():

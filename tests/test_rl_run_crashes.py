@@ -123,9 +123,9 @@ def test_runs_killed_29_times_stay_usable_and_end_as_an_uninterrupted_one(tmp_pa
     _finish_and_compare(forks, killed, straight)
     assert len(kills) >= 20
 
-    kills, scale = 0, 1.0
+    scale = 1.0
     for fresh in range(3):  # a fresh run, with kills twice as early, where the machine sped up since `whole_run_s`
-        timed = tmp_path / f"timed-{fresh}"
+        timed, kills = tmp_path / f"timed-{fresh}", 0
         while kills < 8:  # at random moments: the run moves on by what each attempt finished before its kill
             process = forks.Process(target=_attempt, args=(str(timed), None, 0))
             process.start()

@@ -24,7 +24,7 @@ _ARCH_EXTRA = {
     "qwen2": dict(use_sliding_window=False),
     "qwen3": dict(use_sliding_window=False),
     "mistral": dict(sliding_window=16),  # shorter than test sequences, so the window is exercised
-    "phi3": dict(sliding_window=None, pad_token_id=0),  # full attention; its rotary types are tested in test_positions
+    "phi3": dict(sliding_window=None, pad_token_id=0),  # full attention; rotary types: test_engine_positions
     # Gemma2: alternating sliding / full layers, attention and final logit softcapping (caps small enough to bend
     # the tiny model's logits), query scaling 1 / sqrt(head_dim)
     "gemma2": dict(sliding_window=8, query_pre_attn_scalar=16, attn_logit_softcapping=5.0,

@@ -3,8 +3,9 @@
 The call resolves the model's view once (`stack.model_view`), checks the trees against the model, runs the trees of
 the call that share a start as one forest (`tree.forests`, `EngineConfig.forest`), runs each tree through the
 execution stack (`stack.py`) as one sub-forest per regime of a length-dependent rotary encoding (`positions.py`), in
-lock-step with the other ranks when asked (`lockstep.py`), and returns every rollout's results in the order given.
-`replay_backward_sharded` runs a data-parallel rank's share of the trees (`distributed.py`, `sharding.py`).
+lock-step with the other ranks when asked (`parallel/lockstep.py`), and returns every rollout's results in the order
+given. `replay_backward_sharded` runs a data-parallel rank's share of the trees (`parallel/distributed.py`,
+`parallel/sharding.py`).
 """
 
 from __future__ import annotations
@@ -72,8 +73,8 @@ def replay_backward(
 
     Raises:
         UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported, an
-            unregistered family's attention the engine cannot carry (ALiBi, a cache of another layout), or its
-            self-check failed (`force=True`).
+            unregistered family's attention the engine cannot carry (ALiBi, a cache of another layout). (The
+            self-check of an unregistered family is the package's `branchreplay.replay_backward(force=True)`.)
         HeadMismatchError: the model's ForCausalLM transforms its logits in a way the engine's head does not know.
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.

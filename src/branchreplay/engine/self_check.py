@@ -1,16 +1,12 @@
 """First use of a model family outside the registry: the engine against the naive reference on the user's own model.
 
-`train.unknown_family="self-check"` (the default of `train`) runs, before the first step, the naive reference
-(`reference.naive_backward`) and the engine (the family as `families.generic_family` guesses it) on a small random
-tree of a few hundred tokens (branches of branches; clipping and KL exercised), both in the model's dtype (float64
-under `reference.float64.keep_float64`); a bfloat16 / float16 model is checked on a float32 copy of itself, since two
-half-precision computations in different orders differ about as much as a 5% error in the logits would make. The
-model is refused, with its error, when the max relative gradient error exceeds `BOUNDS` (float64 1e-6, float32 1e-3:
-above the rounding of two orders of summation, below a structural mistake), else the error is logged. Verdicts are
-kept per model class, config and dtype (`verdict_key`; a run stores them in `self_check.json`); `check_once` is the
-check of a call of the package's `replay_backward` / `replay_logprobs` with `force=True`, before it runs the engine
-trusted (the engine's own `force=True` runs the guessed family unchecked). An unknown family with recurrent or
-hybrid layers is always refused.
+`train.unknown_family="self-check"` (the default) runs, before the first step, the naive reference and the engine (the
+family as `families.generic_family` guesses it) on a small random tree (branches of branches; clipping and KL
+exercised), in the model's dtype (float64 under `reference.float64.keep_float64`; bfloat16 / float16 on a float32
+copy). The model is refused, with its error, when the max relative gradient error exceeds `BOUNDS` (above the rounding
+of two orders of summation, below a structural mistake), else the error is logged. Verdicts are kept per model class,
+config and dtype (`verdict_key`; a run keeps them in `self_check.json`). `check_once` is the check of the package's
+`replay_backward(force=True)`, which then runs the engine trusted. Recurrent or hybrid layers are always refused.
 Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 

@@ -9,7 +9,7 @@ padded_backward: the batch TRL's GRPOTrainer builds (trl/trainer/grpo_trainer.py
     are not) and in one batch for all rollouts (TRL splits it into `per_device_train_batch_size` micro-batches).
 
 A rollout's prompt: its positions before the first trained one (loss mask 1), as TRL splits prompt and completion.
-Same gradients as the naive per-rollout computation (`reference.naive_backward`), to floating-point tolerance.
+Same gradients as the naive per-rollout computation (`reference.naive.naive_backward`), to floating-point tolerance.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ def padded_shape(rollouts: list[Rollout]) -> tuple[int, int, int]:
 def padded_backward(model, rollouts: list[Rollout], loss: LossFn, *, temperature: float = 1.0,
                     pad_token_id: int = 0) -> ReplayResult:
     """TRL's padded batch: one forward/backward of [B, P_max + C_max], gradients into `param.grad`.
-    Returns per-rollout logprobs/entropy at trained positions and the loss, as `reference.naive_backward` (stats
+    Returns per-rollout logprobs/entropy at trained positions and the loss, as `reference.naive.naive_backward` (stats
     None: no tree is built)."""
     device = model.device
     B, P_max, C_max = padded_shape(rollouts)

@@ -1,7 +1,6 @@
-"""The baselines `branchreplay bench` compares the execution stack with, each exact (same gradients as the naive
-per-rollout computation of `reference.naive_backward`, to floating-point tolerance), and their memory estimates.
+"""Prompt sharing, exact (the gradients of the naive per-rollout computation, `naive.naive_backward`, to
+floating-point tolerance): a baseline of `branchreplay bench` (its peak: `memory.py`).
 
-padded_backward: TRL's padded batch (`padded.py`, where the `padded` reference of `train.method` lives).
 prompt_sharing_backward: prompt-only sharing, as Prefix Grouper (Liu et al. 2025, arXiv:2506.05433; PyPI
 `prefix-grouper`, verl `use_prefix_grouper`): each group's shared prompt runs once, every suffix against the prompt's
 K/V repeated once per suffix, whose gradients sum back into the prompt's K/V through autograd; impl="prefix-grouper"

@@ -9,7 +9,7 @@ from ..forward import decode_one
 
 
 class DynamicRows:
-    """The streams of `_decode_groups` in transformers' DynamicCache, stacked left-aligned (`stacked`): cache row r
+    """The streams of `loop._decode_groups` in transformers' DynamicCache, stacked left-aligned (`stacked`): cache row r
     is live stream r; visible [rows, P_max] marks its prompt's real key slots, start [rows] its first generated
     position. The cache grows by one slot a step; `select` index-selects the rows (forks copy, drops free)."""
 

@@ -7,7 +7,7 @@
                       their branches split over the ranks below it, the other trees whole
 
 A tree's cost: the forward FLOPs of its unique positions, 2 * N_params per position plus 4 * n_layers * d_attn per
-attention key (`reference.work`' terms); greedy longest-processing-time assignment is within 4/3 of the optimal makespan
+attention key (`reference.work`); greedy longest-processing-time assignment is within 4/3 of the optimal makespan
 (Graham 1969). The layout with the smallest predicted step on the `CostModel` wins (on a tie, fewer bytes). Every
 layout gives the same gradient once the ranks' gradients are summed (loss weights are computed over the whole step).
 Design notes and measurements: docs/notes/engine-docstrings.md.

@@ -1,6 +1,6 @@
 """Run configuration: one dataclass per concern, composed into `Config` (its docstring lists the sections).
 
-The sections are sections.py's classes (sampling.py, task.py and agent.py hold three of them); values.py parses and
+The sections are sections.py's classes (decode/config.py, task.py and agent.py hold three of them); values.py parses and
 coerces values. Precedence: command line > YAML file > dataclass defaults (as torchtitan's config manager). A YAML
 file holds one mapping per section (and `algorithm: NAME`); the command line overrides one field with
 `--section.field value` or `--section.field=value`, and the algorithm with `--algorithm NAME`. Each algorithm starts

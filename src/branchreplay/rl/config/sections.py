@@ -8,7 +8,7 @@
     dpo:      DPOConfig        the preference file and the DPO loss (algorithm: dpo; TRL DPOConfig names)
     train:    TrainConfig      steps, seed, run folder, checkpoint and eval cadence, how gradients are computed
     parallel: ParallelConfig   data parallelism over torchrun's processes (FSDP2 or DDP semantics)
-and, from their own modules, sampling (sampling.py), task (task.py), agent (agent.py) and engine
+and, from their own modules, sampling (decode/config.py), task (task.py), agent (agent.py) and engine
 (engine/config.py). `SECTIONS` maps each section's name to its class. Torch-free.
 """
 

@@ -2,7 +2,7 @@
 
 For one dataset item, the environment's opening messages start the conversation. Turn t then samples
 `turn_branching[t]` assistant replies (1 past the list; an entry may be a (depth, factor) schedule that also forks
-inside the turn, `sampling.turn_schedule`) from the conversation so far; each reply that called for an answer gets
+inside the turn, `decode.config.turn_schedule`) from the conversation so far; each reply that called for an answer gets
 the environment's messages (`environments.Environment.step`), and its conversation goes on to turn t + 1. So with
 turn_branching (2, 4), 2 first replies are each continued 4 ways after their tool result: up to 8 trajectories,
 which share the prompt, and in fours their first turn. The ids are built by `conversation.Conversation` (assistant
