@@ -103,6 +103,9 @@ def test_force_true_checks_each_model_once_per_process_and_the_engine_trusts_it(
     assert len(calls) == 1
     replay_logprobs(_neox(torch.float64), tree, force=True)
     assert len(calls) == 2
+    for run in (replay_logprobs, trusted):  # the old three-valued force's strings are refused by name
+        with pytest.raises(ValueError, match="force='unchecked': pass True .* or False"):
+            run(model, tree, force="unchecked")
 
 
 def test_force_true_refuses_a_model_whose_self_check_fails(monkeypatch):

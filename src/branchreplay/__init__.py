@@ -48,11 +48,12 @@ def replay_logprobs(model, trees, *, force: bool = False, **options):
 def _check_forced(model, force: bool) -> None:
     """The self-check of `force=True`, on the model the engine runs: a peft model's base, a vision-language model's
     language model (as `engine.replay` resolves them)."""
-    from .engine.families import FAMILIES
+    from .engine.families import FAMILIES, check_force
     from .engine.self_check import check_once
     from .engine.vision import language_model
     from .models import base_of
 
+    check_force(force)
     runs = language_model(base_of(model))
     if force and runs.config.model_type not in FAMILIES:
         check_once(runs)

@@ -107,7 +107,9 @@ def family_of(model, force: bool = False, router_loss: bool = False) -> Family:
             take a tree mask, the config asks for something the engine does not compute (the MoE router
             auxiliary loss, non-causal attention), an unregistered family's attention the engine cannot carry
             (ALiBi).
+        ValueError: `force` is a string (e.g. the old "unchecked"), not True or False.
     """
+    check_force(force)
     config = model.config
     model_type = config.model_type
     if model_type not in FAMILIES and not force:
@@ -133,6 +135,16 @@ def family_of(model, force: bool = False, router_loss: bool = False) -> Family:
     if model_type in FAMILIES:
         return FAMILIES[model_type]
     return generic_family(model)
+
+
+def check_force(force) -> None:
+    """Refuse a string `force` by name (a bool-like value is taken as its truth).
+
+    Raises:
+        ValueError: `force` is a string.
+    """
+    if isinstance(force, str):
+        raise ValueError(f"force={force!r}: pass True (run a family outside the registry) or False")
 
 
 def generic_family(model) -> Family:
