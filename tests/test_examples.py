@@ -4,6 +4,7 @@ They run from an empty folder, as a new user's first script would, with the hub 
 reaches for the network, or a README that drifts from the file it quotes, fails here.
 """
 
+import math
 import os
 import re
 import subprocess
@@ -31,7 +32,9 @@ def test_the_trl_page_quotes_the_trl_quick_start_whole():
 
 
 def run_offline(path: str, folder: Path) -> subprocess.CompletedProcess:
-    done = subprocess.run([sys.executable, str(ROOT / path)], cwd=folder, env={**os.environ, **OFFLINE},
+    """Run an example from an empty folder, the hub off and its cache empty (a hub id cached here still fails)."""
+    env = {**os.environ, **OFFLINE, "HF_HOME": str(folder / "hf")}
+    done = subprocess.run([sys.executable, str(ROOT / path)], cwd=folder, env=env,
                           capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return done
@@ -40,14 +43,14 @@ def run_offline(path: str, folder: Path) -> subprocess.CompletedProcess:
 @pytest.mark.smollm2
 def test_the_library_quick_start_runs_offline(tmp_path):
     loss, token_ratio, logprob = run_offline("examples/quickstart.py", tmp_path).stdout.split()[-3:]
+    assert math.isfinite(float(loss))
     assert float(token_ratio) > 1.0  # the prompt ran once for both rollouts
-    assert "tensor(" in logprob
+    assert logprob.startswith("tensor(")
 
 
 @pytest.mark.smollm2
 def test_the_trl_quick_start_trains_a_tree_step_offline(tmp_path):
     done = run_offline("examples/trl_quickstart.py", tmp_path)
     log = done.stdout + done.stderr
-    ratio = re.search(r"'tree/token_ratio': '([0-9.]+)'", log)
+    ratio = re.search(r"'tree/token_ratio': '?([0-9.]+)", log)  # the tree trainer's own metric
     assert ratio and float(ratio.group(1)) > 1.0, log[-3000:]
-    assert (tmp_path / "runs/trl-quickstart").is_dir()
