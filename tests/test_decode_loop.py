@@ -273,7 +273,7 @@ def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
     if cache in ("static", "auto"):
         grouped = attention.grouped_prefix_attention
         module = attention if cache == "static" else llama_rows
-        monkeypatch.setattr(module, "grouped_prefix_attention", lambda q, k, v, bias, scale, spans, pk, pv:
+        monkeypatch.setattr(module, "grouped_prefix_attention", lambda q, k, v, bias, scale, spans, pk, pv, sinks=None:
                             grouped(q, k, v, bias, scale, spans, pk[1:] + pk[:1], pv[1:] + pv[:1]))
     else:
         if cache == "static-stacked":

@@ -360,8 +360,8 @@ def _family_folder(folder, tmp_path, model_type, **config):
 
 @pytest.mark.parametrize("model_type, config", [
     ("cohere2", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
-    ("glm4_moe", dict(n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, first_k_dense_replace=1,
-                      n_shared_experts=1)),
+    ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                       shared_expert_intermediate_size=32)),
 ])
 def test_unregistered_families_are_self_checked_when_built_and_then_exact(folder, tmp_path, model_type, config):
     """Families outside the engine's registry that TRL's tests use: the self-check runs in the constructor, and
@@ -386,13 +386,12 @@ def test_nemotron_h_runs_and_equals_trl(folder, tmp_path):
 
 
 def test_a_family_the_engine_cannot_run_is_refused_when_built(folder, tmp_path, monkeypatch):
-    """granitemoehybrid (Mamba-2 and attention layers, not in the registry): refused in the constructor with the
+    """zamba (Zamba v1: Mamba and shared attention layers, not in the registry): refused in the constructor with the
     reason, before anything is generated."""
-    path = _family_folder(folder, tmp_path, "granitemoehybrid", layer_types=["linear_attention", "full_attention"],
-                          mamba_n_heads=8, mamba_d_head=16, mamba_d_state=8, num_local_experts=4,
-                          num_experts_per_tok=2)
+    path = _family_folder(folder, tmp_path, "zamba", layer_types=["hybrid", "hybrid"], n_mamba_heads=2,
+                          mamba_d_state=8)
     monkeypatch.setattr(trl.GRPOTrainer, "_generate", lambda *a, **k: pytest.fail("generated before refusing"))
-    with pytest.raises(ValueError, match="TreeGRPOTrainer: granitemoehybrid: .*recurrent or hybrid layers"):
+    with pytest.raises(ValueError, match="TreeGRPOTrainer: zamba: .*recurrent or hybrid layers"):
         _trainer(TreeGRPOTrainer, path, tmp_path)
 
 

@@ -19,6 +19,7 @@ import pathlib
 import re
 import shutil
 import tempfile
+from collections.abc import Iterator
 
 import torch
 import transformers
@@ -118,8 +119,11 @@ def _load_gguf(path: pathlib.Path, dtype, attn_implementation):
 
 
 def _load_pretrained(name, dtype, attn_implementation, with_tokenizer=True):
-    attn_implementation = tiny_models.attention_for(AutoConfig.from_pretrained(name), attn_implementation)
-    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation)
+    config = AutoConfig.from_pretrained(name)
+    attn_implementation = tiny_models.attention_for(config, attn_implementation)
+    experts = {"experts_implementation": "eager"} if dtype == torch.float64 else {}
+    model = AutoModelForCausalLM.from_pretrained(name, dtype=dtype, attn_implementation=attn_implementation,
+                                                 **experts)  # grouped_mm refuses float64 (EXPERTS_WITHOUT_FLOAT64)
     return model, AutoTokenizer.from_pretrained(name) if with_tokenizer else None
 
 
@@ -305,15 +309,72 @@ def tied_names(model) -> dict[str, str]:
     return tied
 
 
-def head_dim(config) -> int:
-    """Channels per attention head: `config.head_dim` where the config sets it (Gemma, Qwen3), else hidden_size //
-    num_attention_heads (Llama, GPT-2)."""
+def head_dim(config, layer: int | None = None) -> int:
+    """Channels per attention head of decoder layer `layer`: `head_dim` where the config sets it (Gemma, Qwen3), else
+    hidden_size // num_attention_heads (Llama, GPT-2). A config that sets it per layer (transformers' heterogeneous
+    configs, `per_layer_config`: Gemma 4's full-attention layers take `global_head_dim`) is read at `layer`; without
+    `layer`, the largest over its layers (an upper bound for the cost and memory estimates that multiply it by the
+    layer count)."""
+    per_layer = _per_layer(config, "head_dim")
+    if per_layer is not None:
+        return per_layer[layer] if layer is not None else max(per_layer)
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def kv_heads(config, layer: int | None = None) -> int:
+    """Key / value heads of decoder layer `layer`: `num_key_value_heads`, or `num_attention_heads` where the config
+    has no grouped-query attention; per layer as `head_dim` (Gemma 4's `num_global_key_value_heads`), the largest
+    over the layers without `layer`."""
+    per_layer = _per_layer(config, "num_key_value_heads")
+    if per_layer is not None:
+        return per_layer[layer] if layer is not None else max(per_layer)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
+def _per_layer(config, name: str) -> list | None:
+    """[value per decoder layer] of `name` where the config sets it per layer (transformers' heterogeneous configs,
+    whose global attribute raises `AmbiguousGlobalPerLayerAttributeError`), else None."""
+    attributes = getattr(config, "per_layer_attributes", None)
+    if not attributes or name not in attributes:
+        return None
+    return [getattr(config.per_layer_config[i], name) for i in range(config.num_hidden_layers)]
+
+
+def base_decoder(model):
+    """The base model of a causal LM or critic: its `base_model_prefix` attribute, or its `model` where the class
+    names its place inside another model instead (Llama4ForCausalLM's prefix "language_model" is its place in
+    Llama4ForConditionalGeneration; it holds its decoder as `model`). Raises AttributeError when it has neither."""
+    decoder = getattr(model, model.base_model_prefix, None)
+    return decoder if isinstance(decoder, torch.nn.Module) else model.model
 
 
 def is_mixture_of_experts(config) -> bool:
     """Whether the (text) model routes its tokens to experts: its config names `num_experts_per_tok`."""
     return getattr(config.get_text_config(), "num_experts_per_tok", None) is not None
+
+
+EXPERTS_WITHOUT_FLOAT64 = ("grouped_mm",)
+"""transformers' experts kernels that refuse float64 (`torch.nn.functional.grouped_mm` takes float32, bfloat16 and
+float16 only: "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double"). transformers picks grouped_mm
+by default at load time and does not save the choice in config.json."""
+
+
+@contextlib.contextmanager
+def eager_experts(model) -> Iterator[bool]:
+    """While inside, a float64 `model` whose mixture-of-experts layers run a kernel without float64
+    (`EXPERTS_WITHOUT_FLOAT64`) runs transformers' eager experts instead (a loop over the experts: the same sums),
+    through the public `set_experts_implementation`; restored on exit. Any other model is left as it is. Yields
+    whether it switched."""
+    switch = (next(model.parameters()).dtype == torch.float64
+              and getattr(model.config, "_experts_implementation", None) in EXPERTS_WITHOUT_FLOAT64)
+    previous = model.get_experts_implementation() if switch else None
+    if switch:
+        model.set_experts_implementation("eager")
+    try:
+        yield switch
+    finally:
+        if switch:
+            model.set_experts_implementation(previous)
 
 
 def max_positions(config) -> int | None:

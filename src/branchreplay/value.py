@@ -16,6 +16,8 @@ import copy
 
 import torch
 
+from .models import base_decoder
+
 
 class ValueModel(torch.nn.Module):
     """A critic: `decoder` (a causal LM's base model, e.g. `LlamaModel`) and `score`, Linear(hidden_size, 1, no bias).
@@ -38,7 +40,7 @@ class ValueModel(torch.nn.Module):
         N(0, config.initializer_range) with `seed`, as transformers initialises a fresh `score`; same dtype and device
         as the policy. The policy is left unchanged."""
         prefix = policy.base_model_prefix
-        decoder = copy.deepcopy(getattr(policy, prefix))
+        decoder = copy.deepcopy(base_decoder(policy))
         critic = cls(decoder, decoder.config, prefix)  # one config object: the decoder's
         head = critic.score.weight
         std = float(getattr(policy.config, "initializer_range", 0.02))

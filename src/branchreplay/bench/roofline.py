@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..models import head_dim, kv_heads
+
 
 @dataclass(frozen=True)
 class DecodeShape:
@@ -44,10 +46,8 @@ class DecodeShape:
         matrices = sum(p.numel() for p in model.parameters() if p.dim() >= 2 and p is not embedding)
         matrices += head.numel() if head is embedding else 0
         heads = config.num_attention_heads
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         size = next(model.parameters()).element_size()
-        return cls(matrices, config.num_hidden_layers, heads, getattr(config, "num_key_value_heads", None) or heads,
-                   head_dim, size, size)
+        return cls(matrices, config.num_hidden_layers, heads, kv_heads(config), head_dim(config), size, size)
 
     def flops(self, streams: int, context: int) -> float:
         """FLOPs of one step of `streams` streams at context length `context` (tokens)."""

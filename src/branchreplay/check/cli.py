@@ -52,10 +52,10 @@ def verify(args) -> int:
     """`branchreplay verify`: exit 0 when exact, 1 when not, 2 for bad arguments."""
     if args.list:
         from ..engine.families import FAMILIES
-        from ..tiny_models import RECURRENT_ARCHS, TINY_ARCHS
+        from ..tiny_models import ALL_TINY_ARCHS
 
         print("supported families: " + ", ".join(sorted(FAMILIES)))
-        print("tiny configs (--arch): " + ", ".join(TINY_ARCHS + RECURRENT_ARCHS))
+        print("tiny configs (--arch): " + ", ".join(ALL_TINY_ARCHS))
         return 0
     refused = _refused(args)
     if refused:

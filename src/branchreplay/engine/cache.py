@@ -9,7 +9,7 @@ from typing import NamedTuple
 import torch
 from transformers.cache_utils import Cache, DummyLayer, DynamicLayer
 
-from .families import UnsupportedModelError
+from .families import Chunk, UnsupportedModelError
 from .recurrent import HybridLayer, RecurrentLayer
 
 PREFIX_ATTR = "_branchreplay_prefix"  # set on the keys `update` returns in split mode: a `Prefix`
@@ -17,15 +17,19 @@ PREFIX_ATTR = "_branchreplay_prefix"  # set on the keys `update` returns in spli
 NodeState = list[tuple[torch.Tensor, ...]]
 """What a node hands its descendants, per decoder layer. Attention layers: (keys, values) of the node's own
 positions, each [1, H_kv, L, D] (post-RoPE, as transformers caches them); a sliding-window layer keeps only the
-node's last min(L, window - 1) positions, the most any descendant can see. Recurrent layers: their state after the
-node's last token (see `recurrent.py`)."""
+node's last min(L, window - 1) positions, the most any descendant can see. Multi-head latent attention layers hand the
+cache their latent instead, (kv_nope [1, 1, L, kv_lora_rank], k_rot [1, 1, L, qk_rope_head_dim]) (`latent.py`).
+Recurrent layers: their state after the node's last token (see `recurrent.py`)."""
 
 
 def kept_positions(prefix_length: int, window: int | None) -> int:
     """How many of the last prefix positions an attention layer serves to a query sequence starting at position
     `prefix_length`: all of them, or in a sliding-window layer the last window - 1 (a query q sees keys k with
     q - k < window, so the first query, at q = prefix_length, sees keys >= prefix_length - window + 1; later ones
-    see less of the prefix). The engine's tree mask spans the same keys."""
+    see less of the prefix); in a chunked layer (`families.Chunk` C) those of the chunk holding `prefix_length`,
+    prefix_length % C (a query q sees keys k with k // C == q // C). The engine's tree mask spans the same keys."""
+    if isinstance(window, Chunk):
+        return prefix_length % window
     return prefix_length if window is None else min(prefix_length, window - 1)
 
 
@@ -104,8 +108,9 @@ class _PrefixLayer(DynamicLayer):
         if keys.shape[0] > 1:
             row, length = a // keys.shape[2], keys.shape[2]
             keys, values, a, b = keys[row : row + 1], values[row : row + 1], a - row * length, b - row * length
-        if self.window is not None:  # descendants start at the node's end: they see at most its last window - 1
-            a = max(a, b - (self.window - 1))
+        if self.window is not None:  # descendants start at the node's end E: they see at most its last window - 1,
+            # in a chunked layer its positions in E's chunk (the pack's nodes start at P: E = P + b - a)
+            a = max(a, b - kept_positions(self.prefix_length + b - a, self.window))
         return keys[:, :, a:b], values[:, :, a:b]
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from ..models import base_decoder
 from ..value import is_value_model
 
 
@@ -64,7 +65,7 @@ def decoder_and_head(model):
     projection H -> V (its `weight` gives the head's dtype, device and vocabulary size), and the `LogitTransform`
     that the model's ForCausalLM applies after it. For a critic (`value.is_value_model`) the head is its scalar
     `score`, H -> 1, with no transform."""
-    decoder = getattr(model, model.base_model_prefix)
+    decoder = base_decoder(model)
     if is_value_model(model):
         return decoder, model.score, LogitTransform()
     return decoder, model.get_output_embeddings(), logit_transform(model.config)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from .cache import kept_positions
+from .families import Chunk
 
 
 def additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -55,7 +56,8 @@ def tree_mask(P: int, local: torch.Tensor, segment: torch.Tensor, windows: list[
     the window (transformers' Gemma3 masks: full OR(causal, block), sliding AND(window, OR(causal, block))).
 
     Returns {"full_attention": mask, "sliding_attention": mask} (those present) when the decoder takes a mask
-    mapping, else the one mask. Raises ValueError when layers mix windows but the decoder takes one mask."""
+    mapping (and "chunked_attention" for `families.Chunk` layers: keys of the query's own chunk), else the one
+    mask. Raises ValueError when layers mix windows but the decoder takes one mask."""
     device = local.device
     q_pos = P + local
 
@@ -67,15 +69,19 @@ def tree_mask(P: int, local: torch.Tensor, segment: torch.Tensor, windows: list[
         allowed = (k_seg[None] == -1) | (own & (k_pos[None] <= q_pos[:, None]))
         if blocks is not None:  # the pack's own keys only: an image block lies inside one node
             allowed[:, kept:] |= own[:, kept:] & same_block(blocks)
-        if window is not None:
+        if isinstance(window, Chunk):  # transformers' `chunked_overlay`: the query's own block of C positions
+            allowed = allowed & (k_pos[None] // window == q_pos[:, None] // window)
+        elif window is not None:
             allowed = allowed & (q_pos[:, None] - k_pos[None] < window)
         return additive(allowed, dtype)
 
     kinds = {w: build(w) for w in set(windows)}
     if mask_mapping:
         full = kinds.get(None)
-        sliding = next((m for w, m in kinds.items() if w is not None), None)
-        return {k: m for k, m in (("full_attention", full), ("sliding_attention", sliding)) if m is not None}
+        sliding = next((m for w, m in kinds.items() if w is not None and not isinstance(w, Chunk)), None)
+        chunked = next((m for w, m in kinds.items() if isinstance(w, Chunk)), None)
+        return {k: m for k, m in (("full_attention", full), ("sliding_attention", sliding),
+                                  ("chunked_attention", chunked)) if m is not None}
     if len(kinds) > 1:
         raise ValueError(f"layers mix windows {sorted(kinds, key=str)} but the decoder takes one mask")
     return next(iter(kinds.values()))

@@ -3,8 +3,10 @@ that make transformers' own code exact under the execution stack.
 
 A recurrent layer's `NodeState` is its state AFTER the node's last token, constant in the prefix length: (conv,) for
 LFM2's short convolution (conv [1, C, K]); (conv, recurrent) for Mamba and Jamba (SSM state [1, D, N]), Mamba2,
-Bamba and NemotronH ([1, H, P, N]) and Qwen3-Next's gated delta-net ([1, H_v, D_k, D_v]), the last two float32
-whatever the model dtype; (k, v, conv, recurrent) for FalconH1. A child starts from its PARENT's state only, so such
+Bamba, NemotronH, Granite 4.0 hybrid and Zamba2 ([1, H, P, N]), the gated delta-nets of Qwen3-Next and OLMo Hybrid
+([1, H_v, D_k, D_v]) and Kimi Linear's delta attention ([1, H, D, D]), the last three float32 whatever the model
+dtype; (k, v, conv, recurrent) for FalconH1 and for Zamba2's "hybrid" layers (a shared attention block feeding the
+layer's Mamba2 mixer, both at one layer index). A child starts from its PARENT's state only, so such
 a family runs every node as a pack of one (`Family.recurrent`). transformers' mixers write cached states in place,
 and Mamba's multi-token scan ignores a cached state: `RecurrentLayer` records the past and assigns new states, and
 `EngineForwards` installs `mamba2_forward` / `mamba_forward` on the mixers while the engine runs.
@@ -28,11 +30,15 @@ are NemotronH's layers without a token mixer: they read nothing from the prefix 
 
 def layer_kinds(config) -> list[str]:
     """Per decoder layer: "attention" (K/V of every ancestor), "recurrent" (conv/SSM state of the parent), "hybrid"
-    (both in one layer index: FalconH1) or "stateless" (an MLP or MoE layer alone: NemotronH), from
+    (both in one layer index: FalconH1) or "stateless" (an MLP or MoE layer alone: NemotronH; an attention layer
+    that reuses an earlier layer's K/V, Gemma 4's `kv_sharing_modes` "reuse": it computes and caches none), from
     `config.layer_types` (all "attention" without it)."""
     n = config.num_hidden_layers
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
-    return [LAYER_KINDS.get(t, "attention") for t in layer_types[:n]]
+    kinds = [LAYER_KINDS.get(t, "attention") for t in layer_types[:n]]
+    if getattr(config, "num_kv_shared_layers", 0) and hasattr(type(config), "kv_sharing_modes"):
+        kinds = ["stateless" if mode == "reuse" else k for k, mode in zip(kinds, config.kv_sharing_modes)]
+    return kinds
 
 
 def attention_layers(config) -> list[bool]:
@@ -123,12 +129,13 @@ class HybridLayer(RecurrentLayer, CacheLayerMixin):
 
 
 def mamba2_forward(self, hidden_states: torch.Tensor, cache=None, attention_mask=None, **kwargs):
-    """Mamba2Mixer / BambaMixer / FalconH1Mixer / NemotronHMamba2Mixer forward under the engine: transformers'
-    chunked path (conv1d over the cached inputs + the new ones, `mamba2_chunk_scan` from the cached SSM state), for
-    every length, including the single token for which transformers would update the state in place. Same
-    operations in the same order as transformers' chunked path (FalconH1's multipliers and `mamba_rms_norm` switch
-    included); the kernels are the model file's own (mamba_ssm / causal_conv1d when installed, their torch
-    fallbacks otherwise)."""
+    """Mamba2Mixer / BambaMixer / FalconH1Mixer / NemotronHMamba2Mixer / GraniteMoeHybridMambaLayer / Zamba2MambaMixer
+    forward under the engine: transformers' chunked path (conv1d over the cached inputs + the new ones,
+    `mamba2_chunk_scan` from the cached SSM state), for every length, including the single token for which
+    transformers would update the state in place (Zamba2's own forward then fails in backward: the state it read
+    was modified in place). Same operations in the same order as transformers' chunked path (FalconH1's multipliers
+    and `mamba_rms_norm` switch included); the kernels are the model file's own (mamba_ssm / causal_conv1d when
+    installed, their torch fallbacks otherwise)."""
     if not _is_ours(cache, self.layer_idx) or attention_mask is not None:
         return type(self).forward(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
     hf = sys.modules[type(self).__module__]
@@ -234,11 +241,14 @@ ENGINE_FORWARDS = {
     "BambaMixer": mamba2_forward,
     "FalconH1Mixer": mamba2_forward,
     "NemotronHMamba2Mixer": mamba2_forward,
+    "GraniteMoeHybridMambaLayer": mamba2_forward,
+    "Zamba2MambaMixer": mamba2_forward,
     "MambaMixer": mamba_forward,
     "JambaMambaMixer": mamba_forward,
 }
-"""Mixer class name -> its forward under the engine. LFM2's short conv and Qwen3-Next's gated delta-net need none:
-with `RecurrentLayer` (recording the past, assigning states) their own forwards are exact for every length."""
+"""Mixer class name -> its forward under the engine. LFM2's short conv, the gated delta-nets of Qwen3-Next and OLMo
+Hybrid and Kimi Linear's delta attention need none: with `RecurrentLayer` (recording the past, assigning states)
+their own forwards are exact for every length."""
 
 
 def _is_ours(cache, layer_idx: int) -> bool:

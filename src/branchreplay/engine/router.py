@@ -20,6 +20,7 @@ import contextlib
 import torch
 
 from ..models import base_of
+from .families import NO_ROUTER_LOSS
 
 
 class RouterLoss:
@@ -31,12 +32,26 @@ class RouterLoss:
             None.
 
     Raises:
-        ValueError: the model records no router logits (not an MoE model transformers computes this loss for), or
-            has no `num_experts_per_tok` and no `top_k` is given.
+        ValueError: the model records no router logits (not an MoE model transformers computes this loss for), its
+            family has no such loss (`families.NO_ROUTER_LOSS`: DeepSeek-V3's bias-balanced routing), or it has no
+            `num_experts_per_tok` and no `top_k` is given.
     """
+
+    @staticmethod
+    def exists(model) -> bool:
+        """Whether transformers computes a router load-balancing loss for `model`: it records router logits and its
+        family is not balanced another way (`families.NO_ROUTER_LOSS`). Llama 4 and Gemma 4 record none."""
+        base = base_of(model)
+        recorder = getattr(type(base), "_can_record_outputs", None) or {}
+        return base.config.get_text_config().model_type not in NO_ROUTER_LOSS and "router_logits" in recorder
 
     def __init__(self, model, top_k: int | None = None):
         base = base_of(model)
+        model_type = base.config.get_text_config().model_type
+        if model_type in NO_ROUTER_LOSS:
+            raise ValueError(f"{model_type}: transformers computes no router load-balancing loss for this family (its "
+                             "routing is balanced by e_score_correction_bias, outside the gradient); train without one "
+                             "(router_aux_loss_coef 0)")
         recorder = getattr(type(base), "_can_record_outputs", None) or {}
         spec = recorder.get("router_logits")
         if spec is None:

@@ -33,9 +33,6 @@ BOUNDS = {torch.float64: 1e-6, torch.float32: 1e-3}
 """Max relative gradient error of the engine against the naive reference, by the dtype the check runs in."""
 CHECKED_IN = {torch.bfloat16: torch.float32, torch.float16: torch.float32}
 """Half-precision models are checked on a float32 copy (module docstring)."""
-RECURRENT_CONFIG_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache",
-                         "linear_num_value_heads", "d_state", "time_step_rank")
-"""Config fields of recurrent layers (SSM state, short convolutions, linear attention) in transformers' configs."""
 PROCESS_VERDICTS: dict[str, dict] = {}
 """The verdicts of `check_once` (the package's calls with `force=True`), by `verdict_key`, for the process's life."""
 
@@ -80,17 +77,18 @@ def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> b
         return False
     if unknown_family == "refuse":
         family_of(model)  # raises the refusal that names the family and `branchreplay verify --force`
-    _refuse_recurrent(model)
-    family_of(model, force=True)  # what the engine cannot carry (ALiBi) is refused by name
+    family_of(model, force=True)  # `generic_family` refuses recurrent layers (`refuse_recurrent`) and ALiBi by name
     dtype = next(model.parameters()).dtype
     key = verdict_key(model)
     if key not in verdicts:
-        error, bound = self_check(model), BOUNDS[CHECKED_IN.get(dtype, dtype)]
-        verdicts[key] = {"model_class": type(model).__name__, "dtype": str(dtype).replace("torch.", ""),
-                         "checked_in": str(CHECKED_IN.get(dtype, dtype)).replace("torch.", ""),
-                         "max_rel_grad_err": error, "bound": bound, "passed": error <= bound}
+        verdicts[key] = _verdict(model, dtype)
     verdict = verdicts[key]
     name = f"{model.config.model_type} ({verdict['model_class']}, {verdict['dtype']})"
+    if verdict.get("crashed"):
+        raise UnsupportedModelError(
+            f"{name} is not in the engine's registry and does not run under it ({verdict['crashed']}): the engine "
+            "cannot hand this model's layers their prefix, so it is refused. Registering the family "
+            "(engine/families.py) is what would make it run")
     if not verdict["passed"]:
         raise UnsupportedModelError(
             f"{name} is not in the engine's registry and failed its self-check: max relative gradient error "
@@ -100,6 +98,22 @@ def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> b
     log(f"{name}: not in the engine's registry; self-check passed (max relative gradient error "
         f"{verdict['max_rel_grad_err']:.2e} against the naive reference, bound {verdict['bound']:.0e})")
     return True
+
+
+def _verdict(model, dtype) -> dict:
+    """The self-check's verdict on `model` (the keys of `ensure_supported`'s `verdicts`); a model whose forward or
+    backward raises under the engine gets `crashed`: the exception's type and first line, and passed False."""
+    bound = BOUNDS[CHECKED_IN.get(dtype, dtype)]
+    verdict = {"model_class": type(model).__name__, "dtype": str(dtype).replace("torch.", ""),
+               "checked_in": str(CHECKED_IN.get(dtype, dtype)).replace("torch.", ""), "bound": bound}
+    try:
+        error = self_check(model)
+    except (MemoryError, torch.OutOfMemoryError):
+        raise  # the machine's, not the family's: no verdict
+    except Exception as e:  # an unknown family's layers the engine cannot run: refused by name, not a traceback
+        said = (str(e).splitlines() or [""])[0][:200]
+        return {**verdict, "max_rel_grad_err": None, "passed": False, "crashed": f"{type(e).__name__}: {said}"}
+    return {**verdict, "max_rel_grad_err": error, "passed": error <= bound}
 
 
 def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
@@ -155,20 +169,6 @@ def verdict_key(model) -> str:
     text = f"{type(model).__module__}.{type(model).__qualname__}|{model.config.to_json_string(use_diff=False)}|" \
            f"{next(model.parameters()).dtype}"
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def _refuse_recurrent(model) -> None:
-    config = model.config
-    layer_types = set(getattr(config, "layer_types", None) or ())
-    unknown_layers = layer_types - {"full_attention", "sliding_attention"}
-    recurrent_keys = [k for k in RECURRENT_CONFIG_KEYS if getattr(config, k, None) is not None]
-    convs = any(isinstance(m, torch.nn.Conv1d) for m in model.modules())
-    if unknown_layers or recurrent_keys or convs:
-        what = sorted(unknown_layers) or recurrent_keys or ["Conv1d modules"]
-        raise UnsupportedModelError(
-            f"{config.model_type}: not in the engine's registry and has recurrent or hybrid layers ({', '.join(what)}):"
-            " an unknown family's recurrent state cannot be guessed, so it is refused even with "
-            "train.unknown_family='self-check'; registering it needs its state in engine/recurrent.py")
 
 
 def _grads(model, run) -> list[torch.Tensor]:

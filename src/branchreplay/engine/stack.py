@@ -34,6 +34,7 @@ from .model_view import ModelView
 from .packs import batched_packs, chunked, is_batch, packs, spans
 from .planner import default_budget, memory_model, plan
 from .schedule import attention_per_key, schedule
+from .temperature import QueryTemperature
 from .positions import length_dependent_rotaries
 from .recurrent import EngineForwards, layer_kinds
 from .router import RouterLoss, routed, taken
@@ -91,6 +92,7 @@ class _Run:
         self.router = router  # the MoE router loss: each token's rollout count at each decoder call (router.py)
         self.head_stats = head_stats  # `replay_logprobs(head_stats=...)`
         self.engine_forwards = EngineForwards(model)  # exact mixer forwards for cached SSM states (recurrent.py)
+        self.query_scale = QueryTemperature(model)  # Llama 4's query scale at the pack's positions (temperature.py)
         self.prefix_split = PrefixSplit(model, view.windows, view.kinds)
         # calibrated on split prefix attention (schedule.py); not calibrated for the masked path, so not charged there
         self.prefix_position_overhead = engine.prefix_position_overhead if self.prefix_split.applies else 0.0
@@ -270,7 +272,7 @@ class _Run:
         batch = is_batch(nodes, P, split, self.across_parents) and not covered  # rows of one [B, L] forward
         inputs = _batch_inputs(view, nodes, split, self.images) if batch else \
             _sequence_inputs(view, nodes, split, self.images, covered)
-        with self.engine_forwards, routed(self.router, nodes, view.device):
+        with self.engine_forwards, self.query_scale.at(inputs["position_ids"]), routed(self.router, nodes, view.device):
             hidden = view.decoder(**inputs, cache=cache, use_cache=True).last_hidden_state  # [B, L, H] or [1, S, H]
         return hidden.reshape(-1, hidden.shape[-1]) if batch else hidden[0], cache  # rows in `packs.spans` order
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models import head_dim
+from ..models import head_dim, kv_heads
 from ..tree import Rollout
 from .padded import padded_shape
 from .prompt_sharing import prompt_groups
@@ -21,7 +21,7 @@ def activation_bytes_per_token(config, dtype: torch.dtype) -> int:
     gate/up/act/product of the MLP). Checked against the bench model's saved-tensor bytes (figure:
     docs/notes/engine-docstrings.md)."""
     H, mlp = config.hidden_size, config.intermediate_size
-    kv = config.num_key_value_heads * head_dim(config)
+    kv = kv_heads(config) * head_dim(config)
     return (12 * H + 2 * kv + 4 * mlp) * config.num_hidden_layers * torch.finfo(dtype).bits // 8
 
 
@@ -41,7 +41,7 @@ def prompt_sharing_peak_bytes(rollouts: list[Rollout], config, dtype: torch.dtyp
     (kv_dim) and once repeated to the query heads for SDPA (d_attn) + the [G, 1, S_max, P + S_max] mask + logits)."""
     per_token = activation_bytes_per_token(config, dtype)
     width = torch.finfo(dtype).bits // 8
-    kv_dim, d_attn = config.num_key_value_heads * head_dim(config), config.num_attention_heads * head_dim(config)
+    kv_dim, d_attn = kv_heads(config) * head_dim(config), config.num_attention_heads * head_dim(config)
     worst = 0
     for P, members in prompt_groups(rollouts):
         G, S = len(members), max(len(rollouts[i]) - P for i in members)

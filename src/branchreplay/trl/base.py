@@ -69,6 +69,10 @@ class TreeTrainerMixin:
         self._zero3 = GradientInjection()  # the gradient handed to DeepSpeed ZeRO-3 (zero.py)
         self.split_groups = split_groups
         super().__init__(*args, **kwargs)
+        if self.aux_loss_enabled and not RouterLoss.exists(self.model):
+            # TRL turns the aux loss on from the config alone; Llama 4, Gemma 4 and DeepSeek-V3 compute none (TRL's
+            # own class then fails adding None to its loss): there is nothing to add
+            self.aux_loss_enabled = False
         self.engine = engine if engine is not None else EngineConfig()
         self._force = check_family(self.model, unknown_family, name, router_loss=self.aux_loss_enabled)
         if getattr(self.args, "cast_lm_head_to_fp32", False):  # TRL cast the head; its fused head runs in float32
@@ -172,7 +176,8 @@ class TreeTrainerMixin:
 
     def _router_loss(self, model) -> RouterLoss | None:
         """The MoE router load-balancing loss over the micro-batch's trees where TRL adds it (`aux_loss_enabled`:
-        the config has output_router_logits and router_aux_loss_coef != 0), else None. TRL computes it over one
+        the config has output_router_logits and router_aux_loss_coef != 0, and the model has such a loss:
+        `RouterLoss.exists`, checked when the trainer is built), else None. TRL computes it over one
         forward of the whole micro-batch, every real prompt and completion token counted (its attention_mask): the
         tree counts each position once per row through it (`engine.router`)."""
         return RouterLoss(model) if self.aux_loss_enabled else None

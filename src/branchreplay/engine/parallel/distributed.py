@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
-from ...models import is_mixture_of_experts
+from ...models import base_decoder, is_mixture_of_experts
 from ..head import check_head
 from .lockstep import collective_device
 
@@ -70,7 +70,7 @@ def rank_memory_bytes(model) -> int:
 def decoder_layers(model) -> list[torch.nn.Module]:
     """The decoder layers of a Hugging Face causal LM (`model.<base>.layers`, GPT-2's `h`). Raises ValueError when
     the model has neither."""
-    base = getattr(model, model.base_model_prefix)
+    base = base_decoder(model)
     layers = getattr(base, "layers", None) or getattr(base, "h", None)
     if layers is None:
         raise ValueError(f"{type(model).__name__}: no decoder layers found (expected .layers or .h on "

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ...models import head_dim
+from ...models import head_dim, kv_heads
 from ...tree import Node, RolloutTree
 from .context_parallel import ContextParallelTree, zigzag_rounds
 
@@ -328,7 +328,7 @@ def _flops(positions: int, keys: int, config) -> float:
 
 
 def _kv_heads(config) -> int:
-    return getattr(config, "num_key_value_heads", None) or getattr(config, "num_attention_heads", 1)
+    return kv_heads(config) if getattr(config, "num_attention_heads", None) else 1
 
 
 def _non_embedding_params(config) -> int:
