@@ -239,23 +239,28 @@ def test_a_run_killed_at_random_moments_resumes_with_every_step_trained_once(tmp
         process.join(180)
         assert process.exitcode == 0
         whole_run_s = time.monotonic() - began
-    rng, killed, kills = random.Random(0), tmp_path / "killed", 0
-    while kills < 5:
-        (killed / "sampler-pid").unlink(missing_ok=True)
-        process = context.Process(target=_attempt, args=(str(killed),))
-        process.start()
-        process.join(rng.uniform(0.2, 0.7) * whole_run_s)
-        if not process.is_alive():
+    rng, scale = random.Random(0), 1.0
+    for fresh in range(3):  # a fresh run, with kills twice as early, where a resumed run outpaced `whole_run_s`
+        killed, kills = tmp_path / f"killed-{fresh}", 0
+        while kills < 5:
+            (killed / "sampler-pid").unlink(missing_ok=True)
+            process = context.Process(target=_attempt, args=(str(killed),))
+            process.start()
+            process.join(rng.uniform(0.2, 0.7) * scale * whole_run_s)
+            if not process.is_alive():
+                break
+            os.kill(process.pid, signal.SIGKILL)
+            process.join(30)
+            kills += 1
+            if (killed / "sampler-pid").exists():  # its sampler process exits once the trainer is gone
+                assert _gone(int((killed / "sampler-pid").read_text()))
+        if process.exitcode != 0:
+            process = context.Process(target=_attempt, args=(str(killed),))
+            process.start()
+            process.join(180)
+        if kills >= 2:
             break
-        os.kill(process.pid, signal.SIGKILL)
-        process.join(30)
-        kills += 1
-        if (killed / "sampler-pid").exists():  # its sampler process exits once the trainer is gone
-            assert _gone(int((killed / "sampler-pid").read_text()))
-    if process.exitcode != 0:
-        process = context.Process(target=_attempt, args=(str(killed),))
-        process.start()
-        process.join(180)
+        scale /= 2
     assert process.exitcode == 0 and kills >= 2
     rows = _metrics(killed / "run")
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # each step once: none lost, none twice
