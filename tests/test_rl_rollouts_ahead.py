@@ -175,11 +175,14 @@ def test_the_sampler_process_killed_ends_the_run_with_one_line_and_keeps_the_che
         return out
 
     trainer.update = then_kill
-    with pytest.raises(TrainingFailed, match=r"step 3: the sampler process \(pid \d+\) was killed by signal 9.*"
+    with pytest.raises(TrainingFailed, match=r"step (3|4): the sampler process \(pid \d+\) was killed by signal 9.*"
                                              r"--resume") as failed:
         trainer.fit()
     assert "\n" not in str(failed.value)
-    assert latest_checkpoint(tmp_path / "run").name == "step-000002"
+    # step 3, or step 4 where the sampler had drawn step 3 before the kill reached it (a race it may win): the run
+    # ends at the first step whose batch never comes, and keeps the step before it
+    step = int(str(failed.value).split(":")[0].split()[1])
+    assert latest_checkpoint(tmp_path / "run").name == f"step-{step - 1:06d}"
 
 
 def test_ctrl_c_stops_the_trainer_after_the_step_and_closes_the_sampler_process(tmp_path):
