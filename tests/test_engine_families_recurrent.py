@@ -27,6 +27,7 @@ import zlib
 import pytest
 import torch
 
+from branchreplay.check.rounding import judge_rounding
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import SHAPES, make_rollouts, multi_turn, shared_prompt
 from branchreplay.engine import EngineConfig, recurrent, replay_backward
@@ -59,10 +60,17 @@ def _model(keep64, arch, dtype=torch.float64, **overrides):
     return keep64(_cached(arch, dtype, **overrides))
 
 
+GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
+"""Gated delta-net families whose delta rule and norms `keep_float64` computes in float64: their float64 models then
+round in float32 only where transformers casts the decay's inputs (`A_log.float()`, a per-position formula), 1e-7."""
+
+
 def _bounds(arch, dtype):
     """(grad tolerance, logprob tolerance) for `arch` in `dtype`."""
     if dtype == torch.float64 and not FAMILIES[arch].float32_kernels:
         return 1e-10, 1e-12
+    if dtype == torch.float64 and arch in GATED_DELTA:
+        return 1e-6, 1e-6
     return F32_TOL.get(arch, 1e-4), 1e-4
 
 
@@ -258,6 +266,25 @@ def test_exact_with_float64_kernels(arch, monkeypatch, keep64):
     sequences = SHAPES["branches-of-branches"](256, g) + [_pc(list(range(3, 27)), [9]), _pc(list(range(3, 27)), [])]
     grad_err, lp_err, norm = compare(model, make_rollouts(sequences, g), chunk_tokens=5)
     assert norm > 0 and grad_err <= 1e-10 and lp_err <= 1e-12, (grad_err, lp_err)
+
+
+ROUNDING = {"qwen3_5_text": {}, "qwen3_5_moe_text": dict(largest_ratio=1.8, tree_ratio=5.0)}
+"""float32 judged against a float64 copy whose gated delta rule and norms compute in float64 (`keep_float64`:
+reference/float64_delta_rule.py). Before that the "float64" reference computed them in float32, in naive's chunking,
+and leaned toward naive: Qwen3.5 measured 1.63x naive's largest and 4.91x on one tree over 20 trees; now, at seed 1,
+0.98 and 1.51. Qwen3.5-MoE
+measured 1.77 / 3.05 at seed 1 (and, with the float64 copy's remaining float32 parts lifted as well, 0.85 / 4.88 and
+0.97 / 2.28 at seeds 2 and 3): a position whose top-2
+experts nearly tie may route differently in float32 in the engine, in naive or in neither, a jump larger than
+rounding, on whichever tree draws one. The bounds here are those figures, rounded up."""
+
+
+@pytest.mark.parametrize("arch", ROUNDING)
+def test_float32_against_float64_on_random_trees(arch):
+    """20 random trees (`check.rounding.judge_rounding`): the engine's largest error against float64 at most 1.25x
+    naive's largest, and on no tree above 3x naive's own (`ROUNDING`: wider, with the figures)."""
+    rounding = judge_rounding(tiny_model(arch, dtype=torch.float32), **ROUNDING[arch])
+    assert max(rounding.naive) > 0 and rounding.passed, str(rounding)
 
 
 # -- state: what a branch keeps, and why the fixes are needed ---------------------------------------------------------

@@ -10,7 +10,10 @@ a float64 check measures the engine and not those casts:
         of the process while active, float64 inputs only): its softmax in the input's dtype;
     the mixture-of-experts routers of Mixtral and Qwen3-MoE: their softmax, top-k and renormalisation in float64;
     Gemma 4's and Llama 4's norms, routers and Llama 4's rotary rotation (`float64_formulas.py`);
-    DeepSeek-V3's and GLM-4-MoE-Lite's grouped sigmoid routers (score correction bias): all of it in float64.
+    DeepSeek-V3's and GLM-4-MoE-Lite's grouped sigmoid routers (score correction bias): all of it in float64;
+    the gated delta rule and gated norms of Qwen3-Next, Qwen3.5 and OLMo Hybrid (`float64_delta_rule.py`; the delta
+        rule a module function, so every such model of the process while active, float64 inputs only), and
+        Qwen3-Next's and Qwen3.5's (1 + weight) RMSNorm.
 Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
@@ -25,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models import eager_experts
+from .float64_delta_rule import DELTA_RULES, GATED_DELTA_FILES, GATED_NORMS, gated_rms_norm
 from .float64_formulas import FORMULAS, MODULE_FUNCTIONS
 
 
@@ -37,13 +41,19 @@ def _gemma_rms_norm_float64(module, x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps) * (1.0 + module.weight)
 
 
-GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm")
+GEMMA_NORMS = ("GemmaRMSNorm", "Gemma2RMSNorm", "Gemma3RMSNorm", "Qwen3NextRMSNorm", "Qwen3_5RMSNorm",
+               "Qwen3_5MoeRMSNorm")
 """RMSNorm classes computing x / sqrt(mean(x^2) + eps) * (1 + weight) (attribute `eps`)."""
 
 EAGER_FLOAT32_SOFTMAX = ("transformers.models.gemma2.modeling_gemma2", "transformers.models.gemma3.modeling_gemma3",
                          "transformers.models.gemma4.modeling_gemma4")
 """Model files whose `eager_attention_forward(module, q, k, v, mask, dropout, scaling, softcap)` takes its softmax
 in float32 (checked against transformers 5.24; Gemma 4's against 5.25)."""
+
+
+FLOAT64_FUNCTIONS = {**{file: (pair,) for file, pair in MODULE_FUNCTIONS.items()},
+                     **{file: DELTA_RULES for file in GATED_DELTA_FILES}}
+"""Model file -> the (module function name, its float64 wrapper's maker) pairs `keep_float64` installs there."""
 
 
 def _eager_attention_float64(original):
@@ -116,6 +126,8 @@ def _float64_formula(module):
         return _rms_norm_float64
     if name in GEMMA_NORMS and hasattr(module, "eps"):
         return _gemma_rms_norm_float64
+    if name in GATED_NORMS:
+        return gated_rms_norm
     if name in MOE_ROUTERS:
         return _top_k_router_float64
     if name in GROUPED_SIGMOID_ROUTERS:
@@ -130,7 +142,7 @@ def _in_float64(self, x, *args, **kwargs):
     formula, original = self._branchreplay_float64
     if x.dtype != torch.float64:
         return original(x, *args, **kwargs)
-    return formula(self, x)
+    return formula(self, x, *args, **kwargs)
 
 
 _in_float64.branchreplay_float64 = True
@@ -151,9 +163,9 @@ def keep_float64(model) -> Iterator[int]:
 
     On exit every module and module function it touched is restored (nested use on the same model leaves what the
     outer one set), and the kernels are set again; other models of the process are never affected,
-    except that a Gemma2 / Gemma3 / Gemma 4 model file's eager attention and Llama 4's rotary function run in float64
-    for float64 inputs while inside. A deepcopy of the model made inside computes with its own weights and keeps the
-    float64 forwards (it is not restored)."""
+    except that a Gemma2 / Gemma3 / Gemma 4 model file's eager attention, Llama 4's rotary function and the gated
+    delta rules of Qwen3-Next, Qwen3.5 and OLMo Hybrid run in float64 for float64 inputs while inside. A deepcopy of
+    the model made inside computes with its own weights and keeps the float64 forwards (it is not restored)."""
     with eager_experts(model), _float64_formulas(model) as count:
         yield count
 
@@ -180,11 +192,12 @@ def _float64_formulas(model) -> Iterator[int]:
             if not getattr(hf.eager_attention_forward, "branchreplay_float64", False):
                 touched_files.append((hf, hf.eager_attention_forward))
                 hf.eager_attention_forward = _eager_attention_float64(hf.eager_attention_forward)
-        for file in sorted({type(m).__module__ for m in model.modules()} & set(MODULE_FUNCTIONS)):
-            hf, (name, wrap) = sys.modules[file], MODULE_FUNCTIONS[file]
-            if not getattr(getattr(hf, name), "branchreplay_float64", False):
-                touched_functions.append((hf, name, getattr(hf, name)))
-                setattr(hf, name, wrap(getattr(hf, name)))
+        for file in sorted({type(m).__module__ for m in model.modules()} & set(FLOAT64_FUNCTIONS)):
+            hf = sys.modules[file]
+            for name, wrap in FLOAT64_FUNCTIONS[file]:
+                if not getattr(getattr(hf, name), "branchreplay_float64", False):
+                    touched_functions.append((hf, name, getattr(hf, name)))
+                    setattr(hf, name, wrap(getattr(hf, name)))
         yield count
     finally:
         for module, previous in reversed(touched_modules):
