@@ -108,3 +108,27 @@ def test_alibi_families_are_refused_by_name_whatever_force_says(name):
             run(model, tree, force=True)
     with pytest.raises(UnsupportedModelError, match="ALiBi"):  # the trainer's check refuses it before checking
         self_check.ensure_supported(model, "self-check", {})
+
+
+@pytest.mark.parametrize("model_type, said", [
+    ("diffllama", "differential attention splits the values"),
+    ("dory", "loops its middle layers"),
+    ("bert-generation", "config.is_decoder is False"),
+])
+def test_a_family_the_generic_path_gets_wrong_is_refused_by_name(model_type, said):
+    """The family census found these wrong under `force` (relative gradient errors 1.0, 0.13 and 1.45): refused by
+    name, with the reason, whatever `force` says; BertGeneration runs once it is a decoder (is_decoder=True), and
+    GPT-NeoX, whose config says is_decoder=False but whose attention is causal, is not refused."""
+    from branchreplay.engine.families import family_of
+    from branchreplay.tiny_models import shrunk_config
+
+    model = hf.AutoModelForCausalLM.from_config(shrunk_config(model_type))
+    tree = RolloutTree(rollouts())
+    for run in (replay_logprobs, engine_logprobs):
+        with pytest.raises(UnsupportedModelError, match=f"{model_type}: .*{said}"):
+            run(model, tree, force=True)
+    with pytest.raises(UnsupportedModelError, match=said):
+        self_check.ensure_supported(model, "self-check", {})
+    if model_type == "bert-generation":
+        family_of(hf.AutoModelForCausalLM.from_config(shrunk_config(model_type, is_decoder=True)), force=True)
+        family_of(hf.AutoModelForCausalLM.from_config(shrunk_config("gpt_neox")), force=True)

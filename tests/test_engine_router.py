@@ -1,13 +1,17 @@
 """The MoE router load-balancing loss over a tree (`engine.router.RouterLoss`) against the naive rollouts: each
 rollout run alone by the Hugging Face model with `output_router_logits=True`, its router logits concatenated over
-the rollouts as the padded batch's, and the Switch Transformer formula (transformers' `load_balancing_loss_func`)
-taken over them in float64."""
+the rollouts as the padded batch's, and the Switch Transformer formula taken over them in float64 (equal, to float32
+rounding, to the family's own `load_balancing_loss_func` of its transformers model file, which counts in float32),
+for every registered MoE family transformers computes the loss for (`ROUTER_LOSS_ARCHS`)."""
+
+import importlib
 
 import pytest
 import torch
 
 from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.engine import EngineConfig
+from branchreplay.engine.families import FAMILIES
 from branchreplay.engine.router import RouterLoss
 from branchreplay.engine.sequence import replay_function_backward
 from branchreplay.tree import Rollout, RolloutTree
@@ -42,6 +46,25 @@ def _token_loss(logprobs: list[torch.Tensor], rollouts: list[Rollout]) -> torch.
     return sum(((lp * r.loss_mask).sum() / r.loss_mask.sum()) ** 2 for lp, r in zip(logprobs, rollouts))
 
 
+ROUTER_LOSS_ARCHS = ["qwen3_moe", "mixtral", "jamba", "qwen3_next", "qwen3_5_moe_text", "granitemoehybrid",
+                     "minimax_m2", "ernie4_5_moe", "granitemoe_swa", "gpt_oss"]
+"""The tiny archs whose family has a router load-balancing loss (`RouterLoss.exists`; gpt-oss's own test adds its
+sliding layers and sinks)."""
+
+
+FLOAT32_ROUTERS = ("minimax_m2", "ernie4_5_moe")
+"""Routers transformers computes in float32 whatever the model dtype: they agree with the naive rollouts to float32
+rounding, 1e-6; the `Family.float32_kernels` families (SSM scans, delta rules, float32 softmax) to the recurrent
+families' bound, 1e-4 (Qwen3-Next measures 5e-6 with nodes replayed in chunks of 4, whose scans restart from a
+handed state). A router term counted once per shared position, or left out, moves the gradient by more than 1e-3."""
+
+
+def test_every_family_with_a_router_loss_is_tested():
+    from branchreplay.tiny_models import ALL_TINY_ARCHS, tiny_model
+
+    assert {a for a in ALL_TINY_ARCHS if RouterLoss.exists(tiny_model(a))} == set(ROUTER_LOSS_ARCHS)
+
+
 def _naive(model, rollouts: list[Rollout], top_k: int) -> float:
     """The reference: each rollout alone, unpadded; gradients into param.grad; returns the router loss's value."""
     logprobs, per_layer = [], None
@@ -52,6 +75,8 @@ def _naive(model, rollouts: list[Rollout], top_k: int) -> float:
         layers = [z.reshape(-1, z.shape[-1]) for z in out.router_logits]
         per_layer = layers if per_layer is None else [torch.cat([a, b]) for a, b in zip(per_layer, layers)]
     aux = switch_loss(per_layer, top_k)
+    family = importlib.import_module(type(model).__module__).load_balancing_loss_func  # counts in float32
+    assert family(tuple(per_layer), per_layer[0].shape[-1], top_k).item() == pytest.approx(aux.item(), rel=1e-6)
     (_token_loss(logprobs, rollouts) + COEF * aux).backward()
     return aux.item()
 
@@ -61,7 +86,7 @@ ENGINES = {"packs": EngineConfig(max_pack_tokens=8),  # packs of several nodes, 
 
 
 @pytest.mark.parametrize("engine", ENGINES)
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ROUTER_LOSS_ARCHS[:-1])
 def test_router_loss_over_trees_equals_the_naive_rollouts(arch, engine, tiny64):
     """float64: the loss value and the gradient of a loss plus COEF x the router loss, over two trees with shared
     prompts and a shared response start, equal the naive rollouts'; leaving the router term out (or counting a
@@ -80,10 +105,12 @@ def test_router_loss_over_trees_equals_the_naive_rollouts(arch, engine, tiny64):
     value, _, _ = replay_function_backward(
         model, trees, lambda lp, ent: _token_loss(lp, rollouts) + COEF * router.aux, engine=ENGINES[engine],
         router=router)
-    assert router.aux.item() == pytest.approx(aux_naive, rel=1e-12)
+    kernels = FAMILIES[model.config.model_type].float32_kernels
+    bound = 1e-4 if kernels else 1e-6 if arch in FLOAT32_ROUTERS else 1e-9
+    assert router.aux.item() == pytest.approx(aux_naive, rel=1e-6 if kernels or arch in FLOAT32_ROUTERS else 1e-12)
     error = max_rel_grad_err(grads(model), reference)
     print(f"{arch} {engine}: router loss {router.aux.item():.6f}, gradient {error:.1e} from the naive rollouts'")
-    assert error < 1e-9
+    assert error < bound
 
     model.zero_grad(set_to_none=True)  # the same without pass 2's router term: a different gradient
     replay_function_backward(model, trees, lambda lp, ent: _token_loss(lp, rollouts), engine=EngineConfig())

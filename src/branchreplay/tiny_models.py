@@ -153,7 +153,8 @@ _ARCH_EXTRA["llama4"] = dict(
     interleave_moe_layer_step=2, attention_chunk_size=8, no_rope_layers=[1, 0, 1, 0], floor_scale=8,
     output_router_logits=False, router_jitter_noise=0.0, experts_implementation="eager")
 MORE_ATTENTION_ARCHS: tuple[str, ...] = ("ministral3", "olmo3", "smollm3", "seed_oss", "exaone4", "glm4_moe",
-                                         "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe")
+                                         "minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe", "granite_swa",
+                                         "granitemoe_swa", "beam")
 """Attention families registered after the family census (scripts/family_census.py): their own tests
 (tests/test_engine_families_more.py) run fewer trees than TINY_ARCHS' shared ones. The MoE ones route with
 4 experts, top 2, eager experts, a shared expert and a dense first layer where the family has them."""
@@ -174,6 +175,12 @@ _ARCH_EXTRA.update(
     ernie4_5_moe=dict(moe_num_experts=4, moe_k=2, moe_intermediate_size=64, moe_num_shared_experts=1,
                       moe_layer_start_index=1, output_router_logits=False, experts_implementation="eager"),
     hunyuan_v1_moe=dict(num_experts=4, moe_topk=2, output_router_logits=False, experts_implementation="eager"),
+    granite_swa=dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8),
+    granitemoe_swa=dict(layer_types=["full_attention", "sliding_attention"], sliding_window=8, num_local_experts=4,
+                        num_experts_per_tok=2, output_router_logits=False, experts_implementation="eager"),
+    beam=dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8,
+              mlp_layer_types=["dense", "sparse"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+              n_group=2, topk_group=1, output_router_logits=False, experts_implementation="eager"),
 )
 ALL_TINY_ARCHS = TINY_ARCHS + RECURRENT_ARCHS + MLA_ARCHS + MIXED_LAYER_ARCHS + SINK_ARCHS + MORE_ATTENTION_ARCHS
 """Every tiny config (`tiny_config`, `verify --arch`)."""

@@ -8,8 +8,9 @@ custom mask. A family outside the registry is refused by name (`UnsupportedModel
 with `train.unknown_family="self-check"` or the package's `force=True`, first checked against the naive reference on
 the user's own model (`self_check.py`; once per model class, config and dtype in a process); the engine's own
 `force=True` runs it trusted. An unknown family with recurrent or hybrid layers is always refused, and so is one
-whose attention the engine cannot carry: ALiBi biases (MPT, Bloom, Falcon with `alibi=True`), or K/V handed to the
-cache as other than [batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's (`cache._check_layout`).
+whose attention the engine cannot carry: ALiBi biases (MPT, Bloom, Falcon with `alibi=True`), the families of
+`REFUSED` (DiffLlama's differential attention, Dory's looped layers), or K/V handed to the cache as other than
+[batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's (`cache._check_layout`).
 Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
@@ -109,6 +110,13 @@ FAMILIES: dict[str, Family] = {
     # gpt-oss: alternating sliding / full layers, YaRN rotary (not length-dependent), MoE (router.py), and attention
     # sinks, which transformers runs eager only; split prefix attention carries them (attention.EAGER_SPLIT)
     "gpt_oss": Family("gpt_oss", mask_mapping=True),
+    # Granite-SWA, GraniteMoE-SWA (attention sinks applied as a sigmoid scale of the output, which the engine's
+    # masked path runs as transformers does) and Beam (DeepSeek-style grouped sigmoid routing, a query scale by
+    # position): sliding and full layers, and transformers computes their softmax, sink scale, rotary, MLP or router
+    # in float32 whatever the model dtype
+    "granite_swa": Family("granite_swa", mask_mapping=True, float32_kernels=True),
+    "granitemoe_swa": Family("granitemoe_swa", mask_mapping=True, float32_kernels=True),
+    "beam": Family("beam", mask_mapping=True, float32_kernels=True),
     # recurrent and hybrid families (engine/recurrent.py); their packs hold one node, so mask_mapping is unused
     "mamba": Family("mamba", mask_mapping=False, recurrent=True, float32_kernels=True, continues_cache=False),
     "mamba2": Family("mamba2", mask_mapping=False, recurrent=True, float32_kernels=True),
@@ -133,10 +141,12 @@ FAMILIES: dict[str, Family] = {
 
 SUPPORTED_ATTENTION = ("sdpa", "eager")
 
-NO_ROUTER_LOSS = ("deepseek_v3", "glm4_moe_lite")
-"""MoE families whose transformers model computes no router load-balancing loss (auxiliary-loss-free balancing: the
-router's `e_score_correction_bias`, adjusted outside the gradient): `output_router_logits` only records the logits,
-so `family_of` does not refuse it, and `router.RouterLoss` refuses these models (there is no loss to compute)."""
+NO_ROUTER_LOSS = ("deepseek_v3", "glm4_moe_lite", "beam", "glm4_moe", "kimi_linear", "nemotron_h", "lfm2_moe",
+                  "hunyuan_v1_moe")
+"""MoE families whose transformers model computes no router load-balancing loss (auxiliary-loss-free balancing by
+the router's `e_score_correction_bias`, adjusted outside the gradient, or none at all): their `ForCausalLM.forward`
+never calls `load_balancing_loss_func`, so `output_router_logits` only records the logits, `family_of` does not refuse
+it, and `router.RouterLoss` refuses these models (there is no loss to compute)."""
 
 
 class Chunk(int):
@@ -203,6 +213,11 @@ def family_of(model, force: bool = False, router_loss: bool = False) -> Family:
         )
     if getattr(config, "use_bidirectional_attention", False) or not getattr(config, "is_causal", True):
         raise UnsupportedModelError(f"{model_type}: bidirectional attention; the engine runs causal LMs only")
+    if "is_decoder" in config.to_dict() and not config.is_decoder \
+            and any(getattr(m, "is_causal", True) is False for m in model.modules()):
+        raise UnsupportedModelError(
+            f"{model_type}: config.is_decoder is False, so its attention is bidirectional (an encoder); the engine "
+            "runs causal LMs only. Load it with is_decoder=True to run it as a decoder")
     if getattr(config, "_experts_implementation", None) in EXPERTS_WITHOUT_FLOAT64 \
             and next(model.parameters()).dtype == torch.float64:
         raise UnsupportedModelError(
@@ -236,10 +251,13 @@ def generic_family(model) -> Family:
     (and in the self-check that runs before).
 
     Raises:
-        UnsupportedModelError: the model has recurrent or hybrid layers (`refuse_recurrent`), or the decoder adds
-            ALiBi biases (`_uses_alibi`).
+        UnsupportedModelError: the family is in `REFUSED`, the model has recurrent or hybrid layers
+            (`refuse_recurrent`), or the decoder adds ALiBi biases (`_uses_alibi`).
     """
     config = model.config
+    if config.model_type in REFUSED:
+        raise UnsupportedModelError(
+            f"{config.model_type}: {REFUSED[config.model_type]} (refused whatever `force` says)")
     refuse_recurrent(model)
     decoder, _, _ = decoder_and_head(model)
     source = _forward_source(decoder)
@@ -253,6 +271,17 @@ def generic_family(model) -> Family:
     return Family(config.model_type, mask_mapping=mask_mapping,
                   uniform_window=getattr(config, "layer_types", None) is None)
 
+
+REFUSED: dict[str, str] = {
+    "diffllama": "its differential attention splits the values into two halves inside the layer, after the cache, "
+                 "and attends twice; the engine hands a pack its prefix's cached values whole, so the prefix part of "
+                 "each attention would be wrong. Registering it needs the split in engine/attention.py",
+    "dory": "it loops its middle layers (config.n_recurrent_loops), each loop with its own K/V cache and a reader of "
+            "the previous loop's; the engine's prefix cache holds one K/V per layer, so a branch would see the "
+            "wrong loop's keys. Registering it needs a cache per loop",
+}
+"""Unregistered families whose attention the generic path cannot carry, refused by name with the reason
+(`generic_family`); found by the family census (scripts/family_census.py)."""
 
 RECURRENT_CONFIG_KEYS = ("state_size", "ssm_state_size", "mamba_d_state", "conv_kernel", "conv_L_cache",
                          "linear_num_value_heads", "d_state", "time_step_rank",
