@@ -60,9 +60,10 @@ def _model(keep64, arch, dtype=torch.float64, **overrides):
     return keep64(_cached(arch, dtype, **overrides))
 
 
-GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid")
-"""Gated delta-net families whose delta rule and norms `keep_float64` computes in float64: their float64 models then
-round in float32 only where transformers casts the decay's inputs (`A_log.float()`, a per-position formula), 1e-7."""
+GATED_DELTA = ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text", "olmo_hybrid", "kimi_linear")
+"""Gated delta-net families and Kimi Linear, whose delta rule and norms `keep_float64` computes in float64: their
+float64 models then round in float32 only where transformers casts the decay's inputs (`A_log.float()`, a
+per-position formula), 1e-7."""
 
 
 def _bounds(arch, dtype):

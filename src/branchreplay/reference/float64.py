@@ -11,9 +11,9 @@ a float64 check measures the engine and not those casts:
     the mixture-of-experts routers of Mixtral and Qwen3-MoE: their softmax, top-k and renormalisation in float64;
     Gemma 4's and Llama 4's norms, routers and Llama 4's rotary rotation (`float64_formulas.py`);
     DeepSeek-V3's and GLM-4-MoE-Lite's grouped sigmoid routers (score correction bias): all of it in float64;
-    the gated delta rule and gated norms of Qwen3-Next, Qwen3.5 and OLMo Hybrid (`float64_delta_rule.py`; the delta
-        rule a module function, so every such model of the process while active, float64 inputs only), and
-        Qwen3-Next's and Qwen3.5's (1 + weight) RMSNorm.
+    the gated delta rule and gated norms of Qwen3-Next, Qwen3.5, OLMo Hybrid and Kimi Linear
+        (`float64_delta_rule.py`; the delta rule a module function, so every such model of the process while active,
+        float64 inputs only), and Qwen3-Next's and Qwen3.5's (1 + weight) RMSNorm.
 Design notes and measurements: docs/notes/engine-docstrings.md.
 """
 
@@ -164,8 +164,9 @@ def keep_float64(model) -> Iterator[int]:
     On exit every module and module function it touched is restored (nested use on the same model leaves what the
     outer one set), and the kernels are set again; other models of the process are never affected,
     except that a Gemma2 / Gemma3 / Gemma 4 model file's eager attention, Llama 4's rotary function and the gated
-    delta rules of Qwen3-Next, Qwen3.5 and OLMo Hybrid run in float64 for float64 inputs while inside. A deepcopy of
-    the model made inside computes with its own weights and keeps the float64 forwards (it is not restored)."""
+    delta rules of Qwen3-Next, Qwen3.5, OLMo Hybrid and Kimi Linear run in float64 for float64 inputs while inside.
+    A deepcopy of the model made inside computes with its own weights and keeps the float64 forwards (it is not
+    restored)."""
     with eager_experts(model), _float64_formulas(model) as count:
         yield count
 
@@ -195,7 +196,7 @@ def _float64_formulas(model) -> Iterator[int]:
         for file in sorted({type(m).__module__ for m in model.modules()} & set(FLOAT64_FUNCTIONS)):
             hf = sys.modules[file]
             for name, wrap in FLOAT64_FUNCTIONS[file]:
-                if not getattr(getattr(hf, name), "branchreplay_float64", False):
+                if hasattr(hf, name) and not getattr(getattr(hf, name), "branchreplay_float64", False):
                     touched_functions.append((hf, name, getattr(hf, name)))
                     setattr(hf, name, wrap(getattr(hf, name)))
         yield count

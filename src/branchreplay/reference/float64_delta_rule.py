@@ -1,10 +1,13 @@
-"""float64 formulas for the gated delta-net layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo Hybrid) that compute in
-float32 in a float64 model, for `float64.keep_float64` (checked against transformers 5.25's model files):
-    `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule` (module functions: every such model of the
-        process while active, float64 inputs only): the gated delta rule (Yang et al. 2024, "Gated Delta Networks",
-        eq. 10) as its recurrence, one position at a time, in float64 (`gated_delta_rule`). The chunked form
+"""float64 formulas for the gated delta-net layers (Qwen3-Next, Qwen3.5, Qwen3.5-MoE, OLMo Hybrid) and Kimi Linear's
+delta attention, which compute in float32 in a float64 model, for `float64.keep_float64` (checked against
+transformers 5.25's model files):
+    `torch_chunk_gated_delta_rule` and `torch_recurrent_gated_delta_rule` (Kimi: `chunk_kimi_delta_attention`,
+        `recurrent_kimi_delta_attention`; module functions: every such model of the process while active, float64
+        inputs only): the gated delta rule (Yang et al. 2024, "Gated Delta Networks", eq. 10; Kimi's with a decay
+        per key channel) as its recurrence, one position at a time, in float64 (`gated_delta_rule`). The chunked form
         transformers runs is the same recurrence regrouped, so the two agree in exact arithmetic;
-    their gated RMSNorms (`*RMSNormGated`): weight * x / sqrt(mean(x^2) + eps) * silu(gate).
+    their gated RMSNorms (`*RMSNormGated`): weight * x / sqrt(mean(x^2) + eps) * act(gate), act the module's
+        `activation` (silu; Kimi's sigmoid).
 Without these a float64 model's reference computes its delta rule in float32, in the chunking of a whole sequence,
 and a float32 run judged against it (`check.rounding`) looks worse than it is wherever it chunks otherwise.
 """
@@ -12,13 +15,16 @@ and a float32 run judged against it (`check.rounding`) looks worse than it is wh
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from transformers.activations import ACT2FN
 
 GATED_DELTA_FILES = tuple(f"transformers.models.{m}.modeling_{m}"
-                          for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid"))
-"""Model files whose `torch_chunk_gated_delta_rule` / `torch_recurrent_gated_delta_rule` take (query, key, value, g,
-beta, [chunk_size,] initial_state, output_final_state, use_qk_l2norm_in_kernel) and compute in float32."""
-GATED_NORMS = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "OlmoHybridRMSNormGated")
+                          for m in ("qwen3_next", "qwen3_5", "qwen3_5_moe", "olmo_hybrid", "kimi_linear"))
+"""Model files whose delta rules (`DELTA_RULE_NAMES`) take (query, key, value, g, beta, [chunk_size,]
+initial_state, output_final_state, use_qk_l2norm_in_kernel) and compute in float32."""
+DELTA_RULE_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule", "chunk_kimi_delta_attention",
+                    "recurrent_kimi_delta_attention")
+GATED_NORMS = ("Qwen3NextRMSNormGated", "Qwen3_5RMSNormGated", "Qwen3_5MoeRMSNormGated", "OlmoHybridRMSNormGated",
+               "KimiLinearRMSNormGated")
 """Gated RMSNorm classes (norm before the gate; attribute `variance_epsilon`) whose forward(x, gate) computes in
 float32."""
 
@@ -28,10 +34,11 @@ def gated_delta_rule(query, key, value, g, beta, initial_state=None, output_fina
     """The gated delta rule in float64, position by position.
 
     query, key: [B, T, H_k, d_k]; value: [B, T, H_v, d_v] (H_v a multiple of H_k: each query / key head serves
-    H_v / H_k consecutive value heads); g (log decay) and beta (write strength): [B, T, H_v]; initial_state:
-    [B, H_v, d_k, d_v] or None (zeros). With q and k L2-normalised when asked (eps 1e-6) and q scaled by d_k^-0.5:
+    H_v / H_k consecutive value heads); g (log decay): [B, T, H_v], or [B, T, H_v, d_k] for a decay per key channel
+    (Kimi); beta (write strength): [B, T, H_v]; initial_state: [B, H_v, d_k, d_v] or None (zeros). With q and k
+    L2-normalised when asked (eps 1e-6) and q scaled by d_k^-0.5:
 
-        S_t = exp(g_t) S_{t-1};   S_t += k_t (beta_t (v_t - S_t^T k_t))^T;   o_t = S_t^T q_t
+        S_t = diag(exp(g_t)) S_{t-1};   S_t += k_t (beta_t (v_t - S_t^T k_t))^T;   o_t = S_t^T q_t
 
     Returns (o [B, T, H_v, d_v] in value's dtype, S_T in float64 when `output_final_state`, else None)."""
     dtype = value.dtype
@@ -46,7 +53,8 @@ def gated_delta_rule(query, key, value, g, beta, initial_state=None, output_fina
              else initial_state.double())
     out = []
     for t in range(T):
-        state = state * g[:, t].exp()[..., None, None]
+        decay = g[:, t].exp()
+        state = state * (decay[..., None] if g.dim() == 4 else decay[..., None, None])
         delta = (v[:, t] - torch.einsum("bhkv,bhk->bhv", state, k[:, t])) * beta[:, t, :, None]
         state = state + k[:, t, :, :, None] * delta[:, :, None, :]
         out.append(torch.einsum("bhkv,bhk->bhv", state, q[:, t]))
@@ -68,11 +76,11 @@ def _delta_rule_float64(original):
     return delta_rule
 
 
-DELTA_RULES = tuple((name, _delta_rule_float64)
-                    for name in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"))
-"""(module function name, its float64 wrapper's maker) of each `GATED_DELTA_FILES` file."""
+DELTA_RULES = tuple((name, _delta_rule_float64) for name in DELTA_RULE_NAMES)
+"""(module function name, its float64 wrapper's maker) for the `GATED_DELTA_FILES` (the names a file has)."""
 
 
 def gated_rms_norm(module, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    """`*RMSNormGated.forward(x, gate)` in float64: weight * x / sqrt(mean(x^2) + eps) * silu(gate)."""
-    return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)) * F.silu(gate)
+    """`*RMSNormGated.forward(x, gate)` in float64: weight * x / sqrt(mean(x^2) + eps) * act(gate)."""
+    act = ACT2FN[getattr(module, "activation", "silu")]
+    return module.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.variance_epsilon)) * act(gate)
