@@ -88,8 +88,9 @@ def _top_k_router_float64(module, hidden_states: torch.Tensor):
     return router_logits, top_value, top_index
 
 
-MOE_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter")
-"""Router classes returning (logits, top-k softmax weights, top-k indices), softmax in float32."""
+MOE_ROUTERS = ("MixtralTopKRouter", "Qwen3MoeTopKRouter", "Qwen3NextTopKRouter", "Qwen3_5MoeTopKRouter")
+"""Router classes returning (logits, top-k softmax weights, top-k indices), softmax in float32 (Qwen3-Next and
+Qwen3.5-MoE: renormalised where `norm_topk_prob`, always when the class has no such switch)."""
 
 
 def _grouped_sigmoid_router_float64(module, hidden_states: torch.Tensor):
