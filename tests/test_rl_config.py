@@ -89,11 +89,22 @@ def test_parse_train_args_and_resume(tmp_path):
     assert config.train.output_dir == str(run)
 
 
-def test_help_lists_every_field():
-    text = full_help("train")
+def entry(text: str, name: str) -> str:
+    """The `--help-all` entry of `name`: its line and the indented lines of its help below, joined."""
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith(f"{name} "))
+    end = next((i for i in range(start + 1, len(lines)) if not lines[i].startswith(" ")), len(lines))
+    return " ".join(line.strip() for line in lines[start:end])
+
+
+def test_help_lists_every_field_wrapped_to_the_terminal():
+    """--help-all's lines ran up to 1,755 characters: each field now wraps to the terminal's width, its help
+    indented below it."""
+    text = full_help("train", width=100)
     for name in ("--grpo.loss_type", "--sampling.temperature", "--task.name", "--train.output_dir", "--task.reward"):
         assert name in text
-    task_config = next(line for line in text.splitlines() if line.startswith("--task.config "))
+    assert max(map(len, text.splitlines())) <= 100 and len(text.splitlines()) > 300
+    task_config = entry(text, "--task.config")
     assert "create_dataset(name, size=, seed=, **config)" in task_config and "``" not in task_config
     assert "another dataset." in task_config  # the docstring entry's continuation lines are kept
 
@@ -138,9 +149,9 @@ def test_engine_section_typed_choices_and_every_field_helped():
     with pytest.raises(ValueError, match=r"engine.memory_budget=0 is out of range"):
         Config.from_dict({"engine": {"memory_budget": 0}})
     text = full_help("train")
-    line = next(li for li in text.splitlines() if li.startswith("--engine.replay "))
+    line = entry(text, "--engine.replay")
     assert "one of 'keep', 'replay', 'auto'" in line and "default 'auto'" in line
-    assert "default 'self-check'" in next(li for li in text.splitlines() if li.startswith("--train.unknown_family"))
+    assert "default 'self-check'" in entry(text, "--train.unknown_family")
     for section, cls in SECTIONS.items():
         for f in dataclasses.fields(cls):
             assert f.metadata.get("help"), f"{section}.{f.name} has no help in its metadata"
@@ -281,3 +292,37 @@ def test_misspelt_command_line_options_get_the_nearest_name():
                         (["--resum", "runs/x"], "--resume"), (["--algorithm", "grop"], "grpo")):
         with pytest.raises(ValueError, match=f"did you mean '{meant}'"):
             Config.from_dict(apply_overrides({}, args))
+
+
+def test_the_config_reference_page_has_every_field_help_all_lists():
+    """The site's config page rendered each section as one paragraph, no field on it: it is now generated from the
+    dataclasses (docs/hooks/config_reference.py puts `rl.config.reference` into docs/reference/config.md). Every
+    option `train --help-all` lists is on it with its type, default and help, and so are the drop-ins' keywords."""
+    import dataclasses
+    import importlib.util
+    from pathlib import Path
+
+    import yaml
+
+    from branchreplay.rl.config.reference import MARKER
+    from branchreplay.trl.options import DropInOptions
+
+    root = Path(__file__).resolve().parents[1]
+    assert "docs/hooks/config_reference.py" in yaml.safe_load((root / "mkdocs.yml").read_text())["hooks"]
+    spec = importlib.util.spec_from_file_location("config_reference_hook", root / "docs/hooks/config_reference.py")
+    hook = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(hook)
+    source = (root / "docs/reference/config.md").read_text()
+    assert MARKER in source
+    page = hook.on_page_markdown(source, None, None, None)
+    options = [line.split()[0] for line in full_help("train").splitlines() if line.startswith("--") and "." in
+               line.split()[0]]
+    assert len(options) > 100
+    missing = [o for o in options if f"`{o}`" not in page]
+    assert not missing, f"on --help-all, not on the config page: {missing}"
+    for f in dataclasses.fields(DropInOptions):
+        assert f"| `{f.name}` |" in page
+    row = next(line for line in page.splitlines() if line.startswith("| `--grpo.learning_rate` |"))
+    assert "float; default `1e-06`" in row and "`learning_rate`" in row and "AdamW" in row
+    row = next(line for line in page.splitlines() if line.startswith("| `--engine.memory_budget` |"))
+    assert "default `None`" in row and "bytes" in row

@@ -28,6 +28,7 @@ from ..engine.router import RouterLoss
 from ..engine.sequence import replay_function_backward
 from ..engine.vision import is_vision_language, language_model
 from ..tree import ReplayResult
+from .options import DropInOptions
 from .split_groups import arranged, split_groups_refusal
 from .processes import WrapperStep, launch_refusals, watching_ranks
 from .zero import GradientInjection
@@ -36,14 +37,8 @@ from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_m
 class TreeTrainerMixin:
     """TRL's trainer with each training micro-batch's forward and backward run over one rollout tree per prompt.
 
-    Args (keywords, besides TRL's own):
-        engine: packing, chunking and replay options (`branchreplay.engine.EngineConfig`); None for the defaults.
-        unknown_family: a model family outside the engine's registry: 'self-check' it when the trainer is built
-            (the engine against the naive per-rollout computation on a small random tree of the model itself;
-            `branchreplay train`'s train.unknown_family) or 'refuse' it.
-        split_groups: on several processes, a GRPO or RLOO group whose rows land on several ranks has its prompt
-            'recompute'd by each of them, or run once across the ranks ('context-parallel'), or 'auto': per
-            prompt the faster on the engine's cost model (`split_groups.py`). DPO's pairs each lie on one rank.
+    Args (keywords, besides TRL's own): the fields of `branchreplay.trl.options.DropInOptions` (engine,
+        unknown_family, split_groups), listed with their types and defaults on the config reference page.
 
     Raises (when the trainer is built, before anything is generated):
         ValueError: naming the config field, for what the tree does not run: active dropout (set
@@ -60,21 +55,22 @@ class TreeTrainerMixin:
     trl_name = "GRPOTrainer"  # TRL's class, for messages
     config_name = "GRPOConfig"
 
-    def __init__(self, *args, engine: EngineConfig | None = None, unknown_family: str = "self-check",
-                 split_groups: str = "auto", **kwargs):
+    def __init__(self, *args, **kwargs):
         name = type(self).__name__
-        if unknown_family not in ("self-check", "refuse"):
-            raise ValueError(f"{name}: unknown_family={unknown_family!r}; use 'self-check' or 'refuse'")
+        try:
+            options = DropInOptions.pop_from(kwargs)
+        except ValueError as e:
+            raise ValueError(f"{name}: {e}") from None
         self._tree_outputs = None  # the [B, C] logprobs and entropies (and router aux loss) TRL's loss reads
         self._zero3 = GradientInjection()  # the gradient handed to DeepSpeed ZeRO-3 (zero.py)
-        self.split_groups = split_groups
+        self.split_groups = options.split_groups
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled and not RouterLoss.exists(self.model):
             # TRL turns the aux loss on from the config alone; Llama 4, Gemma 4 and DeepSeek-V3 compute none (TRL's
             # own class then fails adding None to its loss): there is nothing to add
             self.aux_loss_enabled = False
-        self.engine = engine if engine is not None else EngineConfig()
-        self._force = check_family(self.model, unknown_family, name, router_loss=self.aux_loss_enabled)
+        self.engine = options.engine if options.engine is not None else EngineConfig()
+        self._force = check_family(self.model, options.unknown_family, name, router_loss=self.aux_loss_enabled)
         if getattr(self.args, "cast_lm_head_to_fp32", False):  # TRL cast the head; its fused head runs in float32
             self.engine = dataclasses.replace(self.engine, head_float32=True)
         for refused, why in self._refusals():

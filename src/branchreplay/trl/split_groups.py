@@ -14,13 +14,16 @@ what the ranks' branches send back to the prompt's K/V is summed over the ranks 
 
 from __future__ import annotations
 
+import typing
+
 import torch
 import torch.distributed as dist
 
 from ..engine.parallel.context_parallel import ContextParallelTree, zigzag_rounds
 from ..engine.parallel.sharding import prefix_seconds, shared_prefix_length, supports_context_parallel
+from .options import SplitGroups
 
-CHOICES = ("auto", "recompute", "context-parallel")
+CHOICES = typing.get_args(SplitGroups)
 
 
 def split_groups_refusal(choice: str, config, vision_language: bool, router_loss: bool) -> str:

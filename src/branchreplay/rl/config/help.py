@@ -7,6 +7,8 @@ Each field's full text is its metadata (`fields.help_of`); the short view says w
 from __future__ import annotations
 
 import dataclasses
+import shutil
+import textwrap
 
 from ..algorithms import ALGORITHMS
 from .sections import SECTIONS
@@ -87,20 +89,26 @@ def short_help(command: str) -> str:
                                    f"{command} --help-all"])
 
 
-def full_help(command: str) -> str:
-    """Every field `command` reads, one line each: `--section.field  (type, default) help`; for train, TRL's flat
-    names after them."""
-    lines = [f"--algorithm  (one of {', '.join(map(repr, ALGORITHMS))}, or package.module:Class; default 'grpo')  "
-             f"{ALGORITHM_HELP}"] if command == "train" else []
+def full_help(command: str, width: int | None = None) -> str:
+    """Every field `command` reads: `--section.field  (type, default)`, its help below, indented, wrapped to `width`
+    columns (the terminal's by default, at least 60); for train, TRL's flat names after them. The config reference
+    page (`reference.py`) shows the same fields and help."""
+    width = max(60, width or shutil.get_terminal_size((120, 24)).columns)
+    entries = [(f"--algorithm  (one of {', '.join(map(repr, ALGORITHMS))}, or package.module:Class; default "
+                "'grpo')", ALGORITHM_HELP)] if command == "train" else []
     for name in _fields(command):
         if name == "algorithm":
             continue
         cls, f = _field(name)
-        lines.append(f"--{name}  ({kind(field_types(cls)[f.name])}, default {plain(_default(name))!r})  "
-                     f"{f.metadata.get('help', '')}")
+        entries.append((f"--{name}  ({kind(field_types(cls)[f.name])}, default {plain(_default(name))!r})",
+                        f.metadata.get("help", "")))
+    lines = []
+    for head, text in entries:
+        lines += textwrap.wrap(head, width, subsequent_indent="      ")
+        lines += textwrap.wrap(" ".join(text.split()), width, initial_indent="      ", subsequent_indent="      ")
     if command == "train":
-        lines.append("TRL's flat GRPOConfig names are accepted too, in a YAML file or as --name VALUE "
-                     "(rl/config/trl_names.py):")
+        lines += textwrap.wrap("TRL's flat GRPOConfig names are accepted too, in a YAML file or as --name VALUE "
+                               "(rl/config/trl_names.py):", width)
         lines += help_lines()
     return "\n".join(lines)
 
