@@ -152,7 +152,7 @@ def test_preferences_bad_rows_named(tmp_path):
     with pytest.warns(RuntimeWarning, match="skipped 1 row"):
         pairs, skipped = load_preferences(_write(tmp_path / "s.jsonl", rows), tok)
     assert (len(pairs), skipped) == (1, 1)
-    with pytest.raises(ValueError, match="row 1, column .rejected. is empty; remove the row or fill it"):
+    with pytest.raises(ValueError, match="line 2, column .rejected. is empty; remove the row or fill it"):
         load_preferences(_write(tmp_path / "e.jsonl", [rows[0], {**rows[0], "rejected": []}]), tok)
     with pytest.raises(ValueError, match="lacks the column"):
         load_preferences(_write(tmp_path / "m.jsonl", [{"prompt": "q", "chosen": "a"}]), tok)
@@ -161,7 +161,7 @@ def test_preferences_bad_rows_named(tmp_path):
                                  ("chosen", [1, 2], "message 0 is a int, not a {role, content} dict"),
                                  ("prompt", None, "holds None \\(a NoneType\\): it must be text")]:
         path = _write(tmp_path / "t.jsonl", [plain, {**plain, column: value}])
-        with pytest.raises(ValueError, match=f"dpo.dataset {path} row 1, column '{column}'.*{found}"):
+        with pytest.raises(ValueError, match=f"dpo.dataset {path} line 2, column '{column}'.*{found}"):
             load_preferences(path, tok)
 
     class Unstable(ByteTokenizer):  # writes a marker before a finished conversation: not prefix-stable
@@ -169,7 +169,7 @@ def test_preferences_bad_rows_named(tmp_path):
             text = super().apply_chat_template(messages, tokenize, add_generation_prompt)
             return text if add_generation_prompt else "#" + text
 
-    with pytest.raises(ValueError, match="row 0: the chat template renders the prompt differently"):
+    with pytest.raises(ValueError, match="line 1: the chat template renders the prompt differently"):
         load_preferences(_write(tmp_path / "u.jsonl", rows[:1]), Unstable())
     with pytest.warns(RuntimeWarning, match="skipped 1 row.*dpo.max_length=12"):  # a prompt of 12 tokens or more
         pairs, skipped = load_preferences(_write(tmp_path / "l.jsonl", [rows[0], _conversational("long " * 9, "x",

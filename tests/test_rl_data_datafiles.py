@@ -50,7 +50,7 @@ def test_prompt_files_columns_and_splits(tmp_path):
         load_task(TaskConfig(dataset=plain, prompt_column="question_text", answer_column="solution", eval_size=64,
                              reward="math_verify"))
     bad = _jsonl(tmp_path / "bad.jsonl", [{"prompt": [{"text": "hi"}]}])
-    with pytest.raises(ValueError, match="bad.jsonl row 0, column 'prompt': message 0 has 'role' None"):
+    with pytest.raises(ValueError, match="bad.jsonl line 1, column 'prompt': message 0 has 'role' None"):
         load_task(TaskConfig(dataset=bad, eval_size=0, reward="pkg.mod:fn"))
     with pytest.raises(ValueError, match="task.reward_weights has 1 weights for 2"):
         TaskConfig(reward="task,math_verify", reward_weights=[1.0])
@@ -218,17 +218,19 @@ def test_a_run_is_evaluated_from_any_folder_and_titled_with_its_data(model_folde
     ("question_text", "", "is empty; remove the row or fill it"),
     ("solution", {"value": 3}, "holds \\{'value': 3\\} \\(a dict\\): an answer is a string or a number"),
     ("solution", None, "holds None .*an answer is a string or a number"),
+    ("solution", " ", "is empty: the reward has no answer to compare with"),
 ])
 def test_a_prompt_file_cell_that_is_not_text_is_named(tmp_path, column, value, found):
-    """A prompt or answer of the wrong type is one error naming the file, the row and the column (it reached the
-    tokenizer or the reward function before); held-out rows of task.eval_dataset are named with that field."""
+    """A prompt or answer of the wrong type, or an empty answer (it trained silently, scored 0 by the task's reward
+    and math_verify alike), is one error naming the file, the file's own 1-based line and the column (rows were
+    counted from 0, "row 5" on line 6); held-out rows of task.eval_dataset are named with that field."""
     rows = [dict(r) for r in PLAIN]
     rows[5][column] = value
     path = _jsonl(tmp_path / "cells.jsonl", rows)
     cfg = dict(prompt_column="question_text", answer_column="solution", reward="math_verify")
-    with pytest.raises(ValueError, match=f"task.dataset {path} row 5, column '{column}' {found}"):
+    with pytest.raises(ValueError, match=f"task.dataset {path} line 6, column '{column}' {found}"):
         load_task(TaskConfig(dataset=path, eval_size=2, **cfg))
-    with pytest.raises(ValueError, match=f"task.eval_dataset {path} row 5, column '{column}'"):
+    with pytest.raises(ValueError, match=f"task.eval_dataset {path} line 6, column '{column}'"):
         load_task(TaskConfig(dataset=_jsonl(tmp_path / "ok.jsonl", PLAIN), eval_dataset=path, **cfg))
     load_task(TaskConfig(dataset=_jsonl(tmp_path / "number.jsonl", PLAIN[:5] + [{**PLAIN[5], "solution": 7}]),
                          eval_size=2, **cfg))  # a number is an answer

@@ -30,27 +30,31 @@ def check_messages(messages, what: str) -> None:
                              "content is a string, or a list of {'type': 'text', 'text': ...} parts")
 
 
-def check_columns(rows: Iterable[dict], source: str, text: Iterable[str] = (), answers: Iterable[str] = ()) -> None:
+def check_columns(rows: Iterable[tuple[str, dict]], source: str, text: Iterable[str] = (),
+                  answers: Iterable[str] = ()) -> None:
     """Every row's `text` columns hold text: a non-empty string, or a non-empty list of chat messages
-    (`check_messages`: TRL's conversational format); its `answers` columns a string or a number (what the built-in
-    rewards compare with; a user's reward function gets its columns as they are, as in TRL). `source`: the config field
-    and the file, e.g. "dpo.dataset pairs.jsonl"; rows are
-    counted from 0, as `datasets` indexes them.
+    (`check_messages`: TRL's conversational format); its `answers` columns a non-blank string or a number (what the
+    built-in rewards compare with; a user's reward function gets its columns as they are, as in TRL). `rows`: (where,
+    row) pairs of `datafiles.read_rows` ("line 4" of a JSONL file, 1-based); `source`: the config field and the file,
+    e.g. "dpo.dataset pairs.jsonl".
 
     Raises:
-        ValueError: "<source> row i, column 'c': ..." with the value found (`chosen: 42`, `prompt: null`, a list of
+        ValueError: "<source> line n, column 'c': ..." with the value found (`chosen: 42`, `prompt: null`, a list of
             numbers), or "... is empty; remove the row or fill it".
     """
     text, answers = tuple(text), tuple(answers)
-    for i, row in enumerate(rows):
+    for where, row in rows:
         for column in text:
-            _check_text(row[column], f"{source} row {i}, column {column!r}")
+            _check_text(row[column], f"{source} {where}, column {column!r}")
         for column in answers:
             value = row[column]
             if not (isinstance(value, str) or _is_number(value)):
-                raise ValueError(f"{source} row {i}, column {column!r} holds {brief(value)} (a "
+                raise ValueError(f"{source} {where}, column {column!r} holds {brief(value)} (a "
                                  f"{type(value).__name__}): an answer is a string or a number; fix the row or remove "
                                  "it")
+            if isinstance(value, str) and not value.strip():
+                raise ValueError(f"{source} {where}, column {column!r} is empty: the reward has no answer to compare "
+                                 "with; fill it or remove the row")
 
 
 def _check_text(value, where: str) -> None:

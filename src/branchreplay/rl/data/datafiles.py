@@ -11,8 +11,10 @@ from pathlib import Path
 FORMATS = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
 
-def read_rows(path: str | Path, field: str, required: tuple[str, ...], hint: str = "") -> list[dict]:
-    """The rows of `path`, each a dict of its columns, checked to hold the `required` columns.
+def read_rows(path: str | Path, field: str, required: tuple[str, ...], hint: str = "") -> list[tuple[str, dict]]:
+    """The rows of `path`, each as (where it is in the file, a dict of its columns), checked to hold the `required`
+    columns. Where: "line N" of a JSONL file (the file's own 1-based line number, blank lines counted), "record N" of
+    a JSON or Parquet file (1-based), for the messages of every later check.
 
     field: the config field that named the file (e.g. "task.dataset"), for the messages; hint: what the rows need,
     appended to the missing-column error. A `.jsonl` file is read line by line with the standard json module, so a
@@ -26,7 +28,7 @@ def read_rows(path: str | Path, field: str, required: tuple[str, ...], hint: str
     if kind is None:
         raise ValueError(f"{field} {path}: unknown format '{path.suffix}'; use {', '.join(FORMATS)}")
     if path.suffix.lower() == ".jsonl":
-        numbered = jsonl_rows(path, field)
+        numbered = [(f"line {n}", row) for n, row in jsonl_rows(path, field)]
     else:
         try:
             import datasets
@@ -34,7 +36,8 @@ def read_rows(path: str | Path, field: str, required: tuple[str, ...], hint: str
             raise ValueError(f"{field} is read with Hugging Face datasets, which is not installed: pip install "
                              "datasets") from e
         with quiet_datasets():
-            numbered = list(enumerate(map(dict, datasets.load_dataset(kind, data_files=str(path), split="train")), 1))
+            records = datasets.load_dataset(kind, data_files=str(path), split="train")
+            numbered = [(f"record {n}", dict(row)) for n, row in enumerate(records, 1)]
     if not numbered:
         raise ValueError(f"{field} {path} has no rows{': ' + hint if hint else ''}")
     first = numbered[0][1]
@@ -42,12 +45,12 @@ def read_rows(path: str | Path, field: str, required: tuple[str, ...], hint: str
     if missing:
         raise ValueError(f"{field} {path} lacks the column(s) {', '.join(missing)} (it has "
                          f"{', '.join(first)}){': ' + hint if hint else ''}")
-    for n, row in numbered:
+    for where, row in numbered:
         missing = [c for c in required if c not in row]
         if missing:
-            raise ValueError(f"{field} {path} line {n} lacks the column(s) {', '.join(missing)}")
+            raise ValueError(f"{field} {path} {where} lacks the column(s) {', '.join(missing)}")
     columns = list(dict.fromkeys(c for _, row in numbered for c in row))  # a cell a row lacks is None, as in datasets
-    return [{c: row.get(c) for c in columns} for _, row in numbered]
+    return [(where, {c: row.get(c) for c in columns}) for where, row in numbered]
 
 
 def jsonl_rows(path: Path, field: str) -> list[tuple[int, dict]]:

@@ -61,12 +61,12 @@ def load_preferences(path: str | Path, tokenizer, max_length: int | None = None)
     rows = read_rows(path, "dpo.dataset", columns, "rows need prompt, chosen and rejected, as TRL's")
     check_columns(rows, f"dpo.dataset {path}", text=columns)
     pairs, skipped, too_long = [], 0, 0
-    for i, row in enumerate(rows):
+    for i, (where, row) in enumerate(rows):
         prompt, chosen, rejected = row["prompt"], row["chosen"], row["rejected"]
         if chosen == rejected:
             skipped += 1
             continue
-        prompt_ids, chosen_ids, rejected_ids = _tokenize(tokenizer, prompt, chosen, rejected, f"{path} row {i}")
+        prompt_ids, chosen_ids, rejected_ids = _tokenize(tokenizer, prompt, chosen, rejected, f"{path} {where}")
         if max_length is not None:
             if len(prompt_ids) >= max_length:  # no room for a response: dropped, as TRL's filter does
                 too_long += 1

@@ -104,7 +104,7 @@ def checked_rows(path, field: str, required: tuple[str, ...], hint: str, answers
 
     rows = read_rows(path, field, required, hint)
     check_columns(rows, f"{field} {path}", text=required[:1], answers=answers)
-    return rows
+    return [row for _, row in rows]
 
 
 def _item(row: dict, cfg: TaskConfig) -> dict:
