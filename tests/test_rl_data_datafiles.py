@@ -282,3 +282,61 @@ def test_a_string_cell_stays_a_string(tmp_path):
     train, _ = load_task(TaskConfig(dataset=path, prompt_column="question_text", answer_column="solution",
                                     eval_size=0, reward="math_verify"))
     assert train[0]["answer"] == " 1."
+
+
+def test_a_new_users_reward_errors_come_early_and_loud(tmp_path, monkeypatch, capsys, model_folder):
+    """Issue 64: a reward needing a column the file lacks was found at step 1, skipped with a RuntimeWarning quoting
+    trainer.py, and `--train.steps 1` exited 0; a raising reward kept no traceback anywhere. Now the first is one
+    line and exit 2 before the model loads (the model folder does not exist), the second exit 1 naming
+    RUN_DIR/errors.log, which holds the traceback through the user's own line; the step says it once."""
+    from branchreplay.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a} {b}"}) + "\n" for a in range(3, 9)
+                                                  for b in range(3, 5)))
+    (tmp_path / "new_user_rewards.py").write_text(
+        "def correct(completions, answer, **kwargs):\n    return [float(c == a) for c, a in zip(completions, answer)]\n"
+        "\n\ndef broken(completions, **kwargs):\n    return [1 / 0 for c in completions]\n")
+    common = ["--task.dataset", "train.jsonl", "--task.eval_size", "2", "--grpo.num_generations", "2",
+              "--grpo.prompts_per_step", "2", "--sampling.max_new_tokens", "3", "--train.eval_steps", "-1"]
+    assert main(["train", "--model.spec", "no-such-model-folder", *common, "--task.reward",
+                 "new_user_rewards:correct", "--train.output_dir", "a"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and not (tmp_path / "a").exists()
+    assert ("task.reward 'new_user_rewards:correct' needs the argument 'answer', which no column of task.dataset "
+            "train.jsonl supplies (its columns: prompt;") in err
+    assert main(["train", "--model.spec", str(model_folder), *common, "--task.reward", "new_user_rewards:broken",
+                 "--train.steps", "1", "--train.output_dir", "b"]) == 1
+    out, err = capsys.readouterr()
+    logged = (tmp_path / "b" / "errors.log").read_text()
+    assert "ZeroDivisionError: division by zero" in logged and "new_user_rewards.py" in logged
+    assert "return [1 / 0 for c in completions]" in logged
+    assert "every step of this run was skipped" in err and "b/errors.log" in err
+    assert "RuntimeWarning" not in out + err and "trainer.py" not in out + err
+    assert out.count("division by zero") == 1  # the step's line
+
+
+def test_dry_run_prints_each_rewards_value_per_completion_and_trains_nothing(tmp_path, monkeypatch, capsys,
+                                                                            model_folder):
+    """`train --dry-run` samples 2 prompts x min(G, 4) completions with the run's own config, scores each with each
+    reward function and prints them; no run folder is written. A raising reward: exit 1, its traceback printed."""
+    from branchreplay.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.jsonl").write_text("".join(json.dumps({"prompt": f"{a} {b}", "target": str(a)}) + "\n"
+                                                  for a in range(3, 9) for b in range(3, 5)))
+    (tmp_path / "dry_rewards.py").write_text(
+        "def length(completions, **kwargs):\n    return [float(len(c)) for c in completions]\n\n\n"
+        "def hit(completions, target, **kwargs):\n    return [float(t in c) for c, t in zip(completions, target)]\n\n\n"
+        "def broken(completions, **kwargs):\n    raise ValueError('no grader here')\n")
+    common = ["--dry-run", "--model.spec", str(model_folder), "--task.dataset", "train.jsonl", "--task.eval_size", "2",
+              "--grpo.num_generations", "8", "--sampling.max_new_tokens", "4", "--train.output_dir", "run"]
+    assert main(["train", *common, "--task.reward", "dry_rewards:length,dry_rewards:hit",
+                 "--task.reward_weights", "[1.0, 2.0]"]) == 0
+    out = capsys.readouterr().out
+    assert "2 prompts x 4 completions, nothing trained" in out and "length" in out and "hit" in out
+    rows = [line for line in out.splitlines() if line.startswith("│ 3 3") or line.startswith("│ 3 4")]
+    assert len(rows) == 8 and not (tmp_path / "run").exists()
+    assert main(["train", *common, "--task.reward", "dry_rewards:broken"]) == 1
+    err = capsys.readouterr().err
+    assert "reward function 'broken' raised ValueError: no grader here" in err and "dry_rewards.py" in err

@@ -298,12 +298,29 @@ def test_failing_reward_skips_the_step(tmp_path):
         return byte_reward(**kwargs)
 
     trainer = make_trainer(make_config(tmp_path, train={"steps": 3}), reward_fn=flaky_reward)
-    with pytest.warns(RuntimeWarning, match="step 2 skipped.*grader crashed"):
+    with pytest.warns(RuntimeWarning, match="step 2 skipped.*grader crashed.*traceback in .*errors.log"):
         run = trainer.fit()
     records = _metrics(run)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert "reward" in records[0] and "reward" not in records[1] and "reward" in records[2]
     assert latest_checkpoint(run).name == "step-000003"
+    # the reward's own traceback is kept (none was anywhere), its line of flaky_reward included
+    logged = (run / "errors.log").read_text()
+    assert records[1]["traceback"] == str(run / "errors.log") and logged.startswith("step 2: ")
+    assert 'raise RuntimeError("grader crashed")' in logged and "in flaky_reward" in logged
+
+
+def test_a_run_whose_every_step_was_skipped_fails(tmp_path):
+    """`--train.steps 1` with a raising reward exited 0 with an empty summary: a run that trained nothing fails,
+    naming the cause and the traceback's file."""
+    def broken(**kwargs):
+        raise KeyError("answer")
+
+    trainer = make_trainer(make_config(tmp_path, train={"steps": 1}), reward_fn=broken)
+    with pytest.warns(RuntimeWarning), pytest.raises(TrainingFailed, match=r"every step of this run was skipped "
+                                                     r"\(reward function 'broken' raised KeyError: 'answer'; "
+                                                     r"traceback in .*errors.log\)"):
+        trainer.fit()
 
 
 def test_consecutive_failed_steps_stop_the_run_with_a_checkpoint_of_the_last_good_step(tmp_path):

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import sys
 import traceback
+import warnings
 from pathlib import Path
 
 
@@ -14,7 +15,7 @@ def add_commands(sub) -> None:
     take the rest of the command line (`raw`)."""
     t = sub.add_parser("train", help="RL post-training over prefix trees (GRPO, PPO, RLOO, REINFORCE++, DPO)",
                        add_help=False,
-                       usage="branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--threads N] "
+                       usage="branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--dry-run] [--threads N] "
                              "[--section.field VALUE ...]")
     t.set_defaults(func=_train, raw=True)
     e = sub.add_parser("eval", help="held-out accuracy of a model or checkpoint", add_help=False,
@@ -45,14 +46,23 @@ def add_commands(sub) -> None:
 def _train(argv: list[str]) -> int:
     from .config import parse_args
 
-    config, options = parse_args(argv, ("--config", "--resume", "--threads"))  # before torch: a bad config is quick
-    _set_threads(options["--threads"])
+    dry = "--dry-run" in argv
+    config, options = parse_args([a for a in argv if a != "--dry-run"], ("--config", "--resume", "--threads"))
+    _set_threads(options["--threads"])  # parsed before torch loads: a bad config is quick
     _plain_output()
-    from .run.stops import RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted
+    if dry:
+        from rich.console import Console
+
+        from .run.dry_run import dry_run
+
+        return dry_run(config, Console())
+    from .run.stops import RankDied, StepSkipped, TrainingAborted, TrainingFailed, TrainingInterrupted
     from .run.trainer import train
 
     try:
-        run_dir = train(config, options["--resume"])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", StepSkipped)  # the step's line says it, once
+            run_dir = train(config, options["--resume"])
     except (TrainingInterrupted, TrainingAborted) as e:
         print(e, file=sys.stderr)
         return 130

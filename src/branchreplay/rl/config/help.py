@@ -63,6 +63,8 @@ READS: dict[str, tuple[str, ...] | None] = {
 OPTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "train": (("--config FILE.yaml", "a run config: our sections, or TRL's flat GRPOConfig names"),
               ("--resume RUN_DIR", "continue a run from its latest complete checkpoint"),
+              ("--dry-run", "sample a few completions, print each reward function's value for each, and exit: "
+                            "nothing is trained or written"),
               ("--threads N", "torch's CPU threads")),
     "eval": (("--checkpoint DIR", "a run folder (its latest checkpoint and its config) or a checkpoint"),
              ("--config FILE.yaml", "a run config (default: the checkpoint's run's own)"),

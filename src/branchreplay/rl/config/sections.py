@@ -312,7 +312,8 @@ class TrainConfig:
         "named after its folder and resumed with it; WANDB_MODE=offline works without a network), 'all' or 'none'"))
     max_failed_steps: int = field(default=3, metadata=help_of(
         "stop the run with an error after this many consecutive steps skipped because the reward (or every item's "
-        "environment) failed, >= 0 (0 = never stop); the last good step is checkpointed first"))
+        "environment) failed, and fail a run whose every step was skipped, >= 0 (0 = never stop); the last good "
+        "step is checkpointed first. A reward's traceback goes to RUN_DIR/errors.log"))
 
     def __post_init__(self):
         check("train.steps", self.steps >= 1, ">= 1", self.steps)

@@ -14,11 +14,13 @@ from __future__ import annotations
 import functools
 import importlib
 import importlib.util
+import inspect
 import numbers
 import os
 import signal
 import sys
 import threading
+import traceback
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -31,7 +33,11 @@ from .tasks import TaskConfig, reward_specs, extract_answer, is_conversational, 
 
 
 class RewardFunctionError(RuntimeError):
-    """A reward function raised, or returned something other than a list with one reward per completion."""
+    """A reward function raised, or returned something other than a list with one reward per completion.
+    `traceback`: the raised exception's formatted traceback ("" when the function returned something wrong), kept
+    as text so that it crosses processes (the sampler process, the ranks) with the message."""
+
+    traceback: str = ""
 
 
 @dataclass
@@ -218,9 +224,48 @@ def make_reward(spec: str, dataset: ProceduralDataset | None, timeout_s: float |
 
 def make_rewards(cfg: TaskConfig, dataset) -> RewardFunctions:
     """Every function of cfg.reward (a comma list of specs, `make_reward`, the user's own under
-    cfg.reward_timeout_s) with cfg.reward_weights (default 1.0 each). Raises ValueError as `make_reward`."""
-    funcs = [make_reward(spec, dataset, cfg.reward_timeout_s) for spec in reward_specs(cfg.reward)]
+    cfg.reward_timeout_s) with cfg.reward_weights (default 1.0 each), each checked to take what the items of
+    `dataset` supply (`check_arguments`). Raises ValueError as `make_reward` and `check_arguments`."""
+    specs = reward_specs(cfg.reward)
+    funcs = [make_reward(spec, dataset, cfg.reward_timeout_s) for spec in specs]
+    items = dataset if isinstance(dataset, list) else [dataset[0]] if len(dataset) else []
+    if items:
+        for spec, func in zip(specs, funcs, strict=True):
+            check_arguments(func, items[0], f"task.reward {spec!r}", _data_name(cfg))
     return RewardFunctions(funcs, list(cfg.reward_weights or [1.0] * len(funcs)))
+
+
+SUPPLIED = ("prompts", "completions", "completion_ids")
+"""The arguments every reward call supplies besides the item's columns (TRL's, but for its trainer_state)."""
+
+
+def check_arguments(func: Callable, item: dict, name: str, data: str) -> None:
+    """Refuse, before any model loads, a reward function with a required argument that no call would supply: not
+    one of `SUPPLIED` and not a column of `item` (one item of the data, whose keys every call passes), or
+    positional-only. `name` names the function (the config field and spec), `data` the data (e.g. "task.dataset
+    x.jsonl").
+
+    Raises:
+        ValueError: naming the function, the argument, the data's columns and the fixes.
+    """
+    try:
+        parameters = inspect.signature(func).parameters.values()
+    except (TypeError, ValueError):  # a builtin or C callable: nothing to read
+        return
+    columns = [c for c in item if c not in ("question",)]
+    for p in parameters:
+        if p.kind is p.POSITIONAL_ONLY and p.default is p.empty:
+            raise ValueError(f"{name} takes {p.name!r} positionally only, but rewards are called with keyword "
+                             "arguments (TRL's): make it a normal parameter")
+        required = p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.default is p.empty
+        if required and p.name not in SUPPLIED and p.name not in item:
+            raise ValueError(f"{name} needs the argument {p.name!r}, which no column of {data} supplies (its columns: "
+                             f"{', '.join(columns)}; every call also passes {', '.join(SUPPLIED)}): add the column, "
+                             f"map it (task.prompt_column / task.answer_column), or give {p.name!r} a default")
+
+
+def _data_name(cfg: TaskConfig) -> str:
+    return f"task.dataset {cfg.dataset}" if cfg.dataset is not None else f"task {cfg.name!r}"
 
 
 def compute_rewards(
@@ -264,7 +309,9 @@ def reward_columns(funcs: list[Callable], weights: list[float] | None, *, prompt
         try:
             out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:
-            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}") from e
+            error = RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}")
+            error.traceback = "".join(traceback.format_exception(e))
+            raise error from e
         if not isinstance(out, list) or len(out) != batch:
             got = f"a list of length {len(out)}" if isinstance(out, list) else f"a {type(out).__name__}"
             raise RewardFunctionError(f"reward function {name!r} returned {got}; expected a list of length {batch}")

@@ -156,7 +156,7 @@ def _draw(sampler, step: int, version: int) -> tuple:
             batch.versions = [version] * len(batch.rollouts)
             reply = ("batch", batch)
         except tuple(RAISED.values()) as e:
-            reply = (type(e).__name__, str(e))
+            reply = (type(e).__name__, str(e), getattr(e, "traceback", ""))
         except Exception as e:  # noqa: BLE001 (named in the trainer's one line)
             reply = ("error", f"{type(e).__name__}: {e}")
     return reply, time.perf_counter() - start, [str(w.message) for w in caught]
@@ -219,7 +219,10 @@ class Ahead:
         if reply[0] == "error":
             raise SamplerFailed(f"the sampler process failed on step {step}: {reply[1]}")
         if reply[0] != "batch":
-            raise RAISED[reply[0]](reply[1])
+            error = RAISED[reply[0]](reply[1])
+            if reply[2]:  # a reward's traceback (RewardFunctionError.traceback)
+                error.traceback = reply[2]
+            raise error
         batch, dropped = reply[1], 0
         if version - min(batch.versions) > self.bound:  # never by this schedule; never trained all the same
             dropped = len(batch.rollouts)

@@ -90,7 +90,7 @@ class Sampler:
                                                [samples[k] for k in scored], cfg.task)
                 rewards = dict(zip(scored, zip(total.split(G), columns.split(G))))
         except RewardFunctionError as e:
-            error = str(e)
+            error = (str(e), e.traceback)
         if self.ranks is not None:  # every rank gets the whole batch (token ids, logprobs and rewards: small)
             parts = self.ranks.gather((samples, rewards, error, failure))
             error = next((e for _, _, e, _ in parts if e is not None), None)
@@ -101,7 +101,9 @@ class Sampler:
         if failure is not None:
             raise VLLMError(failure[1]) if failure[0] == "vllm" else RuntimeError(f"sampling failed on {failure[1]}")
         if error is not None:
-            raise RewardFunctionError(error)
+            failed = RewardFunctionError(error[0])
+            failed.traceback = error[1]
+            raise failed
         return self.scored(prompt_ids, [samples[k] for k in range(len(items))], rewards, items, sync_s)
 
     def scored(self, prompt_ids, samples, rewards, items, sync_s) -> Batch:

@@ -225,7 +225,8 @@ def progress_info(record: dict) -> str:
     critic's), tokens per second (logical positions per step second)."""
     if "loss" not in record:
         why = " ".join(str(record.get("skipped", "the reward failed")).split())
-        return f"skipped ({why if len(why) <= 100 else why[:97] + '...'})"
+        where = f"; traceback in {record['traceback']}" if record.get("traceback") else ""
+        return f"skipped ({why if len(why) <= 100 else why[:97] + '...'}{where})"
     tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
     head = (f"reward {record['reward']:.3f}" if "reward" in record
             else f"rewards/accuracies {record['rewards/accuracies']:.3f}")

@@ -11,6 +11,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 
+class StepSkipped(RuntimeWarning):
+    """A step was skipped: its reward, or every item's environment, failed (the warning's text says which). The
+    command line does not print it: the step's line says it (`log.progress_info`)."""
+
+
 class TrainingInterrupted(RuntimeError):
     """SIGINT/SIGTERM stopped training after a checkpoint was written; `run_dir` is the folder to resume."""
 
