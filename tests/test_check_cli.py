@@ -284,3 +284,32 @@ def test_help_and_config_errors_come_before_torch_loads(argv):
             "print('HEAVY', heavy)" % argv)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in out.stdout, (out.stdout[-500:], out.stderr[-500:])
+
+
+def test_the_top_level_help_says_what_it_does_with_an_example_per_command(capsys):
+    """`branchreplay --help` read like developer notes (wings, module paths), with no example and no docs link:
+    it now says what the tool does, gives an example of every command, each using options that command has, and
+    where the documentation is."""
+    from branchreplay.cli import main
+    from branchreplay.rl.config import full_help
+
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    text = capsys.readouterr().out
+    assert "rollouts share prefixes" in text and "docs/index.md" in text and "wing" not in text
+    examples = [line.split()[1:] for line in text.split("examples:")[1].splitlines()
+                if line.strip().startswith("branchreplay ")]
+    commands = {words[0] for words in examples}
+    assert commands == {"verify", "bench", "train", "eval", "export", "vllm-serve"}
+    for words in examples:
+        command, options = words[0], [w for w in words if w.startswith("--")]
+        if command in ("train", "eval"):
+            assert main([command, "--help"]) == 0
+            known = capsys.readouterr().out + full_help(command)
+        else:
+            with pytest.raises(SystemExit):
+                main([command, "--help"])
+            known = capsys.readouterr().out
+        for option in options:
+            assert option in known, (command, option)

@@ -170,3 +170,21 @@ def test_the_held_out_score_of_your_own_reward_is_logged_as_eval_reward(tmp_path
     text = trainer.console.export_text()
     assert "step 1/1  reward" in text and "held-out mean reward" in text
     assert "│ eval/reward " in text, text  # the summary table's row
+
+
+def test_a_step_drawn_ahead_shows_the_samplers_own_time_its_staleness_and_importance_ratio():
+    """With grpo.max_staleness the console said `sample 0.0 s` (the trainer's wait) and showed the staleness and the
+    importance ratio only in metrics.jsonl: the step line now has the sampler process's own seconds, the wait, the
+    staleness and the importance-sampling ratio's mean and min."""
+    from branchreplay.rl.run.log import step_line
+
+    record = {"step": 3, "loss": 0.1, "reward": 0.5, "tree/logical_tokens": 1000, "time/step_s": 2.0,
+              "time/sample_s": 0.02, "time/sampler_process_s": 1.7, "time/train_s": 1.9,
+              "sample/staleness_mean": 1.0, "sample/staleness_max": 1,
+              "sampling/importance_sampling_ratio/mean": 0.998, "sampling/importance_sampling_ratio/min": 0.91}
+    line = step_line(record, 10)
+    assert "sample 1.7 s (waited 0.0 s)" in line and "staleness 1.0 (max 1)" in line
+    assert "IS ratio 0.998 (min 0.910)" in line
+    drawn_ahead = ("sample/", "sampling/", "time/sampler")
+    synchronous = step_line({k: v for k, v in record.items() if not k.startswith(drawn_ahead)}, 10)
+    assert "sample 0.0 s" in synchronous and "staleness" not in synchronous and "IS ratio" not in synchronous

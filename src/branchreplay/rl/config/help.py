@@ -37,7 +37,13 @@ COMMON: dict[str, tuple[tuple[str, str], ...]] = {
         ("model.lora_r", "LoRA rank (0: full fine-tuning)"),
         ("task.name", "a reasoning-gym task"),
         ("task.dataset", "your own JSONL, JSON or Parquet file of prompts instead"),
+        ("task.prompt_column", "its prompt column"),
+        ("task.answer_column", "its answer column (the built-in rewards grade with it)"),
+        ("task.eval_dataset", "its held-out file (default: its last rows)"),
+        ("task.system_prompt", "a system message before each prompt"),
         ("task.reward", "task, math_verify or package.module:function (a comma list)"),
+        ("task.reward_weights", "one weight per reward function, e.g. [1.0, 0.2]"),
+        ("grpo.max_staleness", "draw the next steps' rollouts this many steps ahead, in a process of their own"),
         ("parallel.strategy", "under torchrun: fsdp2, ddp or auto"),
     ),
     "eval": (

@@ -238,12 +238,21 @@ def progress_info(record: dict) -> str:
 
 def step_line(record: dict, total_steps: int, score: str = "accuracy") -> str:
     """One printed line per step (kept above the progress bar): the bar's info, the sampling / training split in
-    seconds, and the held-out score when the step evaluated, called `score` ("accuracy" when the task's scores are
-    one, else "mean reward": `rl.run.evaluation.score_name`), or why the evaluation was skipped."""
+    seconds (drawn ahead: the sampler process's own seconds and the trainer's wait), the staleness and the importance
+    sampling ratio's mean and min where the step has them, and the held-out score when the step evaluated, called
+    `score` ("accuracy" when the task's scores are one, else "mean reward": `rl.run.evaluation.score_name`), or why
+    the evaluation was skipped."""
     parts = [f"step {record['step']}/{total_steps}"]
     if "loss" in record:
-        parts += [progress_info(record), f"sample {record['time/sample_s']:.1f} s",
-                  f"train {record['time/train_s']:.1f} s"]
+        sample = f"sample {record['time/sample_s']:.1f} s"
+        if "time/sampler_process_s" in record:  # drawn ahead: the sampler's own seconds, then the trainer's wait
+            sample = f"sample {record['time/sampler_process_s']:.1f} s (waited {record['time/sample_s']:.1f} s)"
+        parts += [progress_info(record), sample, f"train {record['time/train_s']:.1f} s"]
+        if "sample/staleness_mean" in record:
+            parts.append(f"staleness {record['sample/staleness_mean']:.1f} (max {record['sample/staleness_max']})")
+        if "sampling/importance_sampling_ratio/mean" in record:
+            parts.append(f"IS ratio {record['sampling/importance_sampling_ratio/mean']:.3f} "
+                         f"(min {record['sampling/importance_sampling_ratio/min']:.3f})")
     elif record["step"] > 0:
         parts.append(progress_info(record))
     key = held_out_key([record])
