@@ -276,3 +276,98 @@ def test_a_prompt_on_several_ranks_runs_across_them_when_the_cost_model_predicts
     assert "router loss" in split_groups_refusal("context-parallel", smollm2, False, True)
     assert "images" in split_groups_refusal("context-parallel", smollm2, True, False)
     assert "use one of auto, recompute, context-parallel" in split_groups_refusal("always", smollm2, False, False)
+
+
+BUILD = """\
+import sys
+from accelerate import PartialState
+from datasets import Dataset
+from trl import GRPOConfig
+from branchreplay.trl import TreeGRPOTrainer
+
+state = PartialState(cpu=True)
+args = GRPOConfig(output_dir=sys.argv[2], use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                  num_generations=4, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no")
+try:
+    TreeGRPOTrainer(model=sys.argv[1], reward_funcs=lambda completions, **kw: [0.0] * len(completions), args=args,
+                    train_dataset=Dataset.from_dict({"prompt": ["3 4 5"] * 8}))
+    print(f"built on {state.num_processes} processes", flush=True)
+except ValueError as e:
+    print(f"refused: {e}", flush=True)
+"""
+
+
+def _accelerate_launch(options: list[str], model, tmp_path) -> str:
+    script = tmp_path / "build.py"
+    script.write_text(BUILD)
+    accelerate = Path(sys.executable).with_name("accelerate")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([str(accelerate), "launch", *options, "--main_process_port", str(free_port()),
+                           str(script), str(model), str(tmp_path / "out")], capture_output=True, text=True,
+                          timeout=300, env=env, cwd=Path(__file__).resolve().parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def test_the_cpu_recipe_starts_two_processes_and_accelerates_cpu_flag_is_refused(folder, tmp_path):  # noqa: F811
+    """`accelerate launch --cpu --num_processes 2` silently ran one process (accelerate's --cpu launcher starts one):
+    the drop-in now refuses that launch by name, and configs/accelerate/cpu.yaml really starts 2 processes that the
+    trainer is built on together."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU recipe is for a machine without an accelerator")
+    out = _accelerate_launch(["--config_file", "configs/accelerate/cpu.yaml"], folder, tmp_path)
+    assert out.count("built on 2 processes") == 2, out
+    out = _accelerate_launch(["--cpu", "--num_processes", "2"], folder, tmp_path)
+    assert "refused: TreeGRPOTrainer: accelerate launch was asked for several processes but started one" in out, out
+    assert "configs/accelerate/cpu.yaml" in out
+
+
+@pytest.mark.parametrize("name", ["cpu", "ddp", "fsdp2", "zero2", "zero3"])
+def test_the_accelerate_configs_load_and_never_ask_for_fp16(name):
+    """configs/accelerate/: accelerate reads each; none asks for fp16, which the drop-ins refuse (TRL's own ZeRO-3
+    example config does); FSDP is version 2 without its activation checkpointing."""
+    from accelerate.commands.config.config_args import ClusterConfig
+
+    config = ClusterConfig.from_yaml_file(Path(__file__).resolve().parents[1] / "configs/accelerate" / f"{name}.yaml")
+    assert config.mixed_precision in ("no", "bf16") and config.num_machines == 1
+    if config.distributed_type.value == "FSDP":
+        assert config.fsdp_config["fsdp_version"] == 2 and not config.fsdp_config["fsdp_activation_checkpointing"]
+
+
+HUNG = """\
+import os
+import sys
+import time
+from datasets import Dataset
+from trl import GRPOConfig
+from branchreplay.trl import TreeGRPOTrainer
+
+def patient_grader(completions, **kwargs):  # hangs on rank 1, as a stuck remote grader would
+    if os.environ["RANK"] == "1":
+        time.sleep(3600)
+    return [0.0] * len(completions)
+
+args = GRPOConfig(output_dir=sys.argv[2], use_cpu=True, bf16=False, per_device_train_batch_size=4,
+                  num_generations=4, max_completion_length=4, max_steps=1, report_to=[], save_strategy="no")
+TreeGRPOTrainer(model=sys.argv[1], reward_funcs=patient_grader, args=args, reward_timeout_s=5,
+                train_dataset=Dataset.from_dict({"prompt": ["3 4 5"] * 8})).train()
+"""
+
+
+def test_a_reward_hung_on_one_rank_ends_the_job_naming_the_rank_and_the_reward(folder, tmp_path):  # noqa: F811
+    """A reward that hung on one of torchrun's 2 processes hung the whole job until the process group's 30-minute
+    timeout, with no message (TRL's class and ours alike). With reward_timeout_s=5 the job ends within a minute:
+    the hung rank raises naming the reward and the setting, the other names the rank that stopped."""
+    import time
+
+    script = tmp_path / "hung.py"
+    script.write_text(HUNG)
+    torchrun = Path(sys.executable).with_name("torchrun")
+    start = time.monotonic()
+    done = subprocess.run([str(torchrun), "--nproc_per_node", "2", "--master_port", str(free_port()), str(script),
+                           str(folder), str(tmp_path / "out")], capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    took = time.monotonic() - start
+    said = done.stdout + done.stderr
+    assert done.returncode != 0 and took < 90, (took, said[-3000:])
+    assert "reward function 'patient_grader' did not return within reward_timeout_s=5 s on rank 1" in said, said[-3000:]

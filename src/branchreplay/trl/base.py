@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import warnings
 
 import torch
@@ -26,6 +27,7 @@ from ..engine import EngineConfig, UnsupportedModelError
 from ..engine.families import family_of
 from ..engine.router import RouterLoss
 from ..engine.sequence import replay_function_backward
+from ..rl.data.rewards import with_timeout
 from ..engine.vision import is_vision_language, language_model
 from ..tree import ReplayResult
 from .options import DropInOptions
@@ -64,6 +66,8 @@ class TreeTrainerMixin:
         self._tree_outputs = None  # the [B, C] logprobs and entropies (and router aux loss) TRL's loss reads
         self._zero3 = GradientInjection()  # the gradient handed to DeepSpeed ZeRO-3 (zero.py)
         self.split_groups = options.split_groups
+        if options.reward_timeout_s is not None and kwargs.get("reward_funcs") is not None:
+            kwargs["reward_funcs"] = timed_rewards(kwargs["reward_funcs"], options.reward_timeout_s)
         super().__init__(*args, **kwargs)
         if self.aux_loss_enabled and not RouterLoss.exists(self.model):
             # TRL turns the aux loss on from the config alone; Llama 4, Gemma 4 and DeepSeek-V3 compute none (TRL's
@@ -199,6 +203,19 @@ class TreeTrainerMixin:
         metrics["tree/logical_tokens"].append(float(result.stats.logical_tokens))
         metrics["tree/physical_tokens"].append(float(result.stats.physical_tokens))
         metrics["tree/token_ratio"].append(result.stats.token_ratio)
+
+
+def timed_rewards(reward_funcs, timeout_s: float):
+    """TRL's `reward_funcs` (one or a list) with each Python function under `rewards.with_timeout` (its name kept,
+    which TRL logs; the message names the rank under a multi-process launch); a model id or a reward model stays as
+    it is."""
+    where = f" on rank {os.environ['RANK']}" if int(os.environ.get("WORLD_SIZE", "1")) > 1 else ""
+
+    def timed(func):
+        return with_timeout(func, timeout_s, "reward_timeout_s", where) if callable(func) and not isinstance(
+            func, torch.nn.Module) else func
+
+    return [timed(f) for f in reward_funcs] if isinstance(reward_funcs, list) else timed(reward_funcs)
 
 
 def check_family(model, unknown_family: str, trainer: str, router_loss: bool = False):

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field, fields
 from typing import Literal
 
 from ..engine import EngineConfig
-from ..fields import choice, help_of
+from ..fields import check, choice, help_of
 from ..rl.config.reference import fields_table
 
 UnknownFamily = Literal["self-check", "refuse"]
@@ -33,10 +33,17 @@ class DropInOptions:
         "on several processes, a GRPO or RLOO group whose rows land on several ranks has its prompt 'recompute'd "
         "by each of them, or run once across the ranks ('context-parallel'), or 'auto': per prompt the faster on "
         "the engine's cost model. DPO's pairs each lie on one rank"))
+    reward_timeout_s: float | None = field(default=None, metadata=help_of(
+        "seconds a reward function (a Python callable of reward_funcs) may take per call, > 0, or None for no "
+        "limit (TRL's): past it the call raises TimeoutError naming the function, so that a reward hung on one "
+        "rank ends the job at once, the other ranks naming the rank that stopped, instead of blocking until the "
+        "process group's timeout (30 minutes by default); as `branchreplay train`'s task.reward_timeout_s"))
 
     def __post_init__(self):
         choice("unknown_family", self.unknown_family, UnknownFamily)
         choice("split_groups", self.split_groups, SplitGroups)
+        if self.reward_timeout_s is not None:
+            check("reward_timeout_s", self.reward_timeout_s > 0, "> 0 seconds", self.reward_timeout_s)
 
     @classmethod
     def pop_from(cls, kwargs: dict) -> DropInOptions:

@@ -28,9 +28,11 @@ from .zero import hook_free, linear_surrogate
 def launch_refusals(accelerator, model: torch.nn.Module, trainer: str, config: str) -> list[tuple[bool, str]]:
     """(refused, why) of the launch, when the trainer is built: FSDP1 and FSDP's activation checkpointing; models
     whose whole gradient the zero-loss token cannot hand on (FSDP2, ZeRO-3: it runs no vision tower; ZeRO-3: it
-    reaches no unrouted expert); and processes that do not train together (torchrun's WORLD_SIZE larger than
+    reaches no unrouted expert); processes that do not train together (torchrun's WORLD_SIZE larger than
     accelerate's process count: on a machine without an accelerator, transformers gives each process a one-process
-    state unless `use_cpu=True`, and each would train its own copy)."""
+    state unless `use_cpu=True`, and each would train its own copy); and a launch that asked for several processes
+    but started one (`accelerate launch --cpu --num_processes N`: accelerate's launcher for --cpu starts one process
+    and sets only MASTER_ADDR; `asked_for_processes`)."""
     kind = accelerator.distributed_type.value
     launched = int(os.environ.get("WORLD_SIZE", "1"))
     fsdp = getattr(accelerator.state, "fsdp_plugin", None) if kind == "FSDP" else None
@@ -55,7 +57,19 @@ def launch_refusals(accelerator, model: torch.nn.Module, trainer: str, config: s
          f"WORLD_SIZE={launched} processes were launched but accelerate sees {accelerator.num_processes}, so each "
          f"would train its own copy of the model: on a machine without an accelerator set {config}(use_cpu=True); "
          "with accelerators, launch one process per device"),
+        (asked_for_processes() and accelerator.num_processes == 1,
+         f"accelerate launch was asked for several processes but started one ({trainer} would train alone, "
+         "silently): its --cpu launcher starts a single process. On a CPU launch with `accelerate launch "
+         "--config_file configs/accelerate/cpu.yaml` or `torchrun --nproc_per_node N`, with "
+         f"{config}(use_cpu=True)"),
     ]
+
+
+def asked_for_processes() -> bool:
+    """Whether `accelerate launch` asked for more than one process but started this one alone: its one-process
+    launcher (taken for --cpu) sets MASTER_ADDR for a multi-process request and ACCELERATE_USE_CPU, and no
+    WORLD_SIZE, which every multi-process launcher (torchrun's, DeepSpeed's) sets."""
+    return "ACCELERATE_USE_CPU" in os.environ and "MASTER_ADDR" in os.environ and "WORLD_SIZE" not in os.environ
 
 
 @torch.no_grad()

@@ -161,8 +161,9 @@ def _import_file(path: Path):
     return module
 
 
-def with_timeout(func: Callable, timeout_s: float) -> Callable:
-    """`func`, interrupted with TimeoutError when a call has not returned after `timeout_s` seconds.
+def with_timeout(func: Callable, timeout_s: float, field: str = "task.reward_timeout_s", where: str = "") -> Callable:
+    """`func`, interrupted with TimeoutError, naming the function, `field` (the setting of `timeout_s`) and `where`
+    (e.g. " on rank 1"), when a call has not returned after `timeout_s` seconds.
 
     The call runs in the caller's thread, so that a reward function may use signals itself (math-verify's default
     timeouts, a sandbox's SIGALRM). In the main thread a timer sends SIGUSR1 to it at the limit, and a handler
@@ -179,7 +180,8 @@ def with_timeout(func: Callable, timeout_s: float) -> Callable:
         def on_timeout(signum, frame):
             delivered.set()
             if not done[0]:
-                raise TimeoutError(f"it did not return within task.reward_timeout_s={timeout_s:g} s")
+                raise TimeoutError(f"reward function {getattr(func, '__name__', repr(func))!r} did not return "
+                                   f"within {field}={timeout_s:g} s{where}")
 
         def fire():
             fired.set()
