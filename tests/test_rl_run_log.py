@@ -188,3 +188,23 @@ def test_a_step_drawn_ahead_shows_the_samplers_own_time_its_staleness_and_import
     drawn_ahead = ("sample/", "sampling/", "time/sampler")
     synchronous = step_line({k: v for k, v in record.items() if not k.startswith(drawn_ahead)}, 10)
     assert "sample 0.0 s" in synchronous and "staleness" not in synchronous and "IS ratio" not in synchronous
+
+
+def test_the_metrics_page_lists_every_metric_a_run_logs(tmp_path):
+    """docs/metrics.md names every key of metrics.jsonl: GRPO with the KL and the held-out evaluation, then PPO (a
+    new metric without a line there fails this)."""
+    from pathlib import Path
+
+    page = (Path(__file__).resolve().parents[1] / "docs" / "metrics.md").read_text()
+    listed = {k.strip("`") for line in page.splitlines() if line.startswith("| `")
+              for k in line.split("|")[1].replace(",", " ").split() if k.startswith("`")}
+    logged = set()
+    for algorithm, sections in [("grpo", {"grpo": {"beta": 0.04}}), ("ppo", {})]:
+        config = make_config(tmp_path / algorithm, train={"steps": 1, "eval_steps": 1}, **sections)
+        config = Config.from_dict({**config.to_dict(), "algorithm": algorithm})
+        run = make_trainer(config).fit()
+        logged |= {k for line in (run / "metrics.jsonl").read_text().splitlines() for k in json.loads(line)}
+    named = {k.replace("byte_reward", "<name>") for k in logged}
+    missing = sorted(named - listed)
+    assert not missing, f"logged but not on docs/metrics.md: {missing}"
+    assert {"kl", "objective/rlhf_reward", "eval/accuracy", "tree/token_ratio"} <= named
