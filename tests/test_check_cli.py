@@ -301,10 +301,10 @@ def test_the_top_level_help_says_what_it_does_with_an_example_per_command(capsys
     examples = [line.split()[1:] for line in text.split("examples:")[1].splitlines()
                 if line.strip().startswith("branchreplay ")]
     commands = {words[0] for words in examples}
-    assert commands == {"verify", "bench", "train", "eval", "export", "vllm-serve"}
+    assert commands == {"verify", "bench", "train", "estimate", "eval", "export", "vllm-serve"}
     for words in examples:
         command, options = words[0], [w for w in words if w.startswith("--")]
-        if command in ("train", "eval"):
+        if command in ("train", "eval", "estimate"):
             assert main([command, "--help"]) == 0
             known = capsys.readouterr().out + full_help(command)
         else:

@@ -20,6 +20,7 @@ examples:
   branchreplay train --config configs/demo.yaml           GRPO on the default model and task
   branchreplay train --task.dataset my.jsonl --task.reward my_rewards:correct --dry-run
                                                           check your own rewards on a few completions first
+  branchreplay estimate --config configs/demo.yaml        will the tree help? its ratios, speed-up and memory
   branchreplay eval --checkpoint runs/demo                the held-out score of a run's latest checkpoint
   branchreplay export runs/demo my-model                  the checkpoint as a Hugging Face model folder
   branchreplay verify --model path/to/model               is your model's family exact here?

@@ -11,8 +11,8 @@ from pathlib import Path
 
 
 def add_commands(sub) -> None:
-    """Register `train`, `eval`, `vllm-serve` and `export` on the top-level command's subparsers; `train` and `eval`
-    take the rest of the command line (`raw`)."""
+    """Register `train`, `eval`, `estimate`, `vllm-serve` and `export` on the top-level command's subparsers;
+    `train`, `eval` and `estimate` take the rest of the command line (`raw`)."""
     t = sub.add_parser("train", help="RL post-training over prefix trees (GRPO, PPO, RLOO, REINFORCE++, DPO)",
                        add_help=False,
                        usage="branchreplay train [--config FILE.yaml] [--resume RUN_DIR] [--dry-run] [--threads N] "
@@ -22,6 +22,11 @@ def add_commands(sub) -> None:
                        usage="branchreplay eval [--checkpoint DIR] [--config FILE.yaml] [--threads N] "
                             "[--section.field VALUE ...]")
     e.set_defaults(func=_eval, raw=True)
+    m = sub.add_parser("estimate", help="will the tree help this run? token and FLOP ratios, speed-up and memory "
+                                        "from your own prompts, before any training", add_help=False,
+                       usage="branchreplay estimate [--config FILE.yaml] [--dataset FILE] [--completion-tokens N] "
+                             "[--prompts N] [--section.field VALUE ...]")
+    m.set_defaults(func=_estimate, raw=True)
 
     s = sub.add_parser("vllm-serve", help="a vLLM server for sampling.backend=vllm (from the venv of `make vllm`)")
     s.add_argument("--model", default="smollm2", help="the model spec the run trains: smollm2, a folder or a hub id")
@@ -106,6 +111,17 @@ def _eval(argv: list[str]) -> int:
     except RewardFunctionError as e:
         print(f"error: the held-out evaluation failed: {e}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _estimate(argv: list[str]) -> int:
+    from .config import parse_args
+
+    config, options = parse_args(argv, ("--config", "--dataset", "--completion-tokens", "--prompts"))
+    _plain_output()
+    from .estimate import estimate_cli
+
+    print(estimate_cli(config, options["--dataset"], options["--completion-tokens"], options["--prompts"]))
     return 0
 
 

@@ -57,12 +57,23 @@ COMMON: dict[str, tuple[tuple[str, str], ...]] = {
         ("sampling.max_new_tokens", "tokens per answer, at most"),
         ("agent.environment", "a multi-turn environment instead of a task"),
     ),
+    "estimate": (
+        ("model.spec", "the model whose tokenizer and sizes count (no weights are loaded)"),
+        ("task.name", "a reasoning-gym task"),
+        ("task.dataset", "your own file of prompts instead"),
+        ("task.prompt_column", "its prompt column"),
+        ("grpo.num_generations", "completions per prompt (the group)"),
+        ("grpo.prompts_per_step", "prompts per step"),
+        ("sampling.max_new_tokens", "tokens per completion, at most (--completion-tokens: an expected length)"),
+    ),
 }
 """Each command's short view: the field and what it is, in a few words."""
 
 READS: dict[str, tuple[str, ...] | None] = {
     "train": None,  # every field
     "eval": ("model.*", "task.*", "agent.*", "sampling.max_new_tokens", "sampling.pack_weights"),
+    "estimate": ("model.spec", "task.*", "grpo.num_generations", "grpo.prompts_per_step", "sampling.max_new_tokens",
+                 "engine.max_pack_tokens"),
 }
 """The fields each command reads (`section.*`: the whole section), what its `--help-all` lists."""
 
@@ -75,6 +86,10 @@ OPTIONS: dict[str, tuple[tuple[str, str], ...]] = {
     "eval": (("--checkpoint DIR", "a run folder (its latest checkpoint and its config) or a checkpoint"),
              ("--config FILE.yaml", "a run config (default: the checkpoint's run's own)"),
              ("--threads N", "torch's CPU threads")),
+    "estimate": (("--config FILE.yaml", "a run config (default: the default run's)"),
+                 ("--dataset FILE", "a JSONL, JSON or Parquet file of your prompts (default: the run's task)"),
+                 ("--completion-tokens N", "the completions' expected length (default: sampling.max_new_tokens)"),
+                 ("--prompts N", "how many of the prompts to count (default 64)")),
 }
 
 ALGORITHM_HELP = ("what the advantages and the loss are: GRPO's group baseline, PPO's critic and GAE, RLOO's "
@@ -83,8 +98,8 @@ ALGORITHM_HELP = ("what the advantages and the loss are: GRPO's group baseline, 
 
 
 def short_help(command: str) -> str:
-    """The options of `command` ("train" or "eval") people use, as argparse prints them: TRL's name where it has
-    one, ours and the default on one line, what it is below (`COMMON`); then how to see every option."""
+    """The options of `command` ("train", "eval" or "estimate") people use, as argparse prints them: TRL's name
+    where it has one, ours and the default on one line, what it is below (`COMMON`); then how to see every option."""
     trl = {target: name for name, target in TRL_NAMES.items() if name not in (*BATCH_NAMES, "use_peft", "bf16")}
     lines = []
     for option, text in OPTIONS[command]:
