@@ -11,8 +11,9 @@ completion takes), the completions of distinct random tokens (they share nothing
     FLOP ratio        `reference.work`: naive_work FLOPs / tree_work FLOPs (forward + backward, LM head included)
     speed-up          the FLOP ratio, and the range SPEEDUP_RANGE around it: what the CPU bench measured against the
                       naive per-rollout path on its shared-prompt and low-sharing rows (docs/benchmarks.md)
-    memory            `reference.memory`: one rollout at a time (the longest), TRL's padded batch of a step, and the
-                      tree's largest step (its prompt's activations and K/V kept, one pack of children at a time)
+    memory            `reference.memory`: activations only (parameters, gradients and optimizer state come on top):
+                      one rollout at a time (the longest), the step as one padded batch, and the tree's largest step
+                      (its prompt's activations and K/V kept, one pack of children at a time)
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ def report(e: Estimate) -> str:
         "range the CPU bench measured around the FLOP ratio)"
         + ("; at this little sharing the engine runs each rollout alone where the tree would not pay"
            if e.flop_ratio < 1.3 else ""),
-        f"peak memory of a step (estimated): tree {e.tree_peak / gib:.2f} GiB, one rollout at a time "
+        "activation memory of a step (estimated; the parameters, gradients and optimizer state come on top): "
+        f"tree {e.tree_peak / gib:.2f} GiB, one rollout at a time "
         f"{e.naive_peak / gib:.2f} GiB, the step as one padded batch (TRL's layout) {e.padded_peak / gib:.2f} GiB",
     ])
