@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..models import head_dim, kv_heads
+from ..engine.families import state_bytes_per_token
 from ..reference.memory import PEAK_OVER_SAVED, activation_bytes_per_token, padded_peak_bytes
 from ..reference.work import ModelShape, naive_work, tree_work
 from ..tree import Rollout, RolloutTree
@@ -73,16 +73,16 @@ def estimate(config: Config, prompt_ids: list[list[int]], model_config, completi
     hold fewer), on a model of `model_config` (a transformers config: sizes only, no weights)."""
     G, per_step = config.grpo.num_generations, config.grpo.prompts_per_step
     C = completion_tokens or config.sampling.max_new_tokens
-    with torch.device("meta"):
-        from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
+    with torch.device("meta"):  # the sizes only: no weights allocated
         shape = ModelShape.of(AutoModelForCausalLM.from_config(model_config))
     vocab = model_config.vocab_size
     g = torch.Generator().manual_seed(seed)
     logical = physical = naive = tree = 0
     tree_peak = padded_peak = 0
     per_token = activation_bytes_per_token(model_config, dtype)
-    kv = 2 * _kv_width(model_config) * model_config.num_hidden_layers * torch.finfo(dtype).bits // 8
+    kv_per_token, kv_sliding = state_bytes_per_token(model_config, dtype)  # a prefix's K/V (or MLA latent) bytes
     for start in range(0, len(prompt_ids), per_step):
         rollouts = [Rollout(torch.tensor(p + torch.randint(3, vocab, (C,), generator=g).tolist()),
                             loss_mask=torch.tensor([0] * len(p) + [1] * C))
@@ -95,7 +95,8 @@ def estimate(config: Config, prompt_ids: list[list[int]], model_config, completi
         padded_peak = max(padded_peak, padded_peak_bytes(rollouts, model_config, dtype))
         longest = max(len(p) for p in prompt_ids[start : start + per_step])
         pack = min(G * C, config.engine.max_pack_tokens)
-        tree_peak = max(tree_peak, int(PEAK_OVER_SAVED * per_token * (longest + pack) + 2 * kv * longest
+        prefix_state = kv_per_token * longest + kv_sliding  # held for the children, and its gradient: twice
+        tree_peak = max(tree_peak, int(PEAK_OVER_SAVED * per_token * (longest + pack) + 2 * prefix_state
                                       + 3 * 4 * pack * vocab))
     lengths = [len(p) for p in prompt_ids]
     longest_rollout = max(lengths) + C
@@ -103,13 +104,6 @@ def estimate(config: Config, prompt_ids: list[list[int]], model_config, completi
     return Estimate(-(-len(prompt_ids) // per_step), len(prompt_ids),
                     (min(lengths), round(sum(lengths) / len(lengths)), max(lengths)), G, C, logical, physical,
                     naive, tree, naive_peak, padded_peak, tree_peak)
-
-
-def _kv_width(config) -> int:
-    """K/V elements per position, summed over the layers' heads and divided back per layer (`models.kv_heads`,
-    `models.head_dim` read each layer's, for configs that vary them)."""
-    n = config.num_hidden_layers
-    return sum(kv_heads(config, i) * head_dim(config, i) for i in range(n)) // n
 
 
 def estimate_cli(config: Config, dataset: str | None, completion_tokens: str | None, prompts: str | None) -> str:
