@@ -37,7 +37,9 @@ class RewardFunctionError(RuntimeError):
     `traceback`: the raised exception's formatted traceback ("" when the function returned something wrong), kept
     as text so that it crosses processes (the sampler process, the ranks) with the message."""
 
-    traceback: str = ""
+    def __init__(self, message: str, traceback: str = ""):
+        super().__init__(message)
+        self.traceback = traceback
 
 
 @dataclass
@@ -230,10 +232,9 @@ def make_rewards(cfg: TaskConfig, dataset) -> RewardFunctions:
     `dataset` supply (`check_arguments`). Raises ValueError as `make_reward` and `check_arguments`."""
     specs = reward_specs(cfg.reward)
     funcs = [make_reward(spec, dataset, cfg.reward_timeout_s) for spec in specs]
-    items = dataset if isinstance(dataset, list) else [dataset[0]] if len(dataset) else []
-    if items:
+    if len(dataset):  # a list of items or a reasoning-gym dataset: every call passes the keys of each item
         for spec, func in zip(specs, funcs, strict=True):
-            check_arguments(func, items[0], f"task.reward {spec!r}", _data_name(cfg))
+            check_arguments(func, dataset[0], f"task.reward {spec!r}", _data_name(cfg))
     return RewardFunctions(funcs, list(cfg.reward_weights or [1.0] * len(funcs)))
 
 
@@ -311,9 +312,8 @@ def reward_columns(funcs: list[Callable], weights: list[float] | None, *, prompt
         try:
             out = func(prompts=prompts, completions=completions, completion_ids=completion_ids, **columns)
         except Exception as e:
-            error = RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}")
-            error.traceback = "".join(traceback.format_exception(e))
-            raise error from e
+            raise RewardFunctionError(f"reward function {name!r} raised {type(e).__name__}: {e}",
+                                      "".join(traceback.format_exception(e))) from e
         if not isinstance(out, list) or len(out) != batch:
             got = f"a list of length {len(out)}" if isinstance(out, list) else f"a {type(out).__name__}"
             raise RewardFunctionError(f"reward function {name!r} returned {got}; expected a list of length {batch}")

@@ -101,9 +101,7 @@ class Sampler:
         if failure is not None:
             raise VLLMError(failure[1]) if failure[0] == "vllm" else RuntimeError(f"sampling failed on {failure[1]}")
         if error is not None:
-            failed = RewardFunctionError(error[0])
-            failed.traceback = error[1]
-            raise failed
+            raise RewardFunctionError(*error)
         return self.scored(prompt_ids, [samples[k] for k in range(len(items))], rewards, items, sync_s)
 
     def scored(self, prompt_ids, samples, rewards, items, sync_s) -> Batch:
