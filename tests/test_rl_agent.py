@@ -179,8 +179,8 @@ def test_failing_environment_skips_the_item_and_an_all_failed_step(tmp_path, bro
     with pytest.warns(RuntimeWarning, match="skipped"):
         assert only_broken.train_step(1) is None
     # the step's record names the real cause (the summary said "reward failed" when the reset had)
-    line = progress_info({"step": 1, "skipped": only_broken.failure})
-    assert message in only_broken.failure and ("Counter's reset failed" in line or "Counter's step failed" in line)
+    line = progress_info({"step": 1, "skipped": only_broken.skips.why})
+    assert message in only_broken.skips.why and ("Counter's reset failed" in line or "Counter's step failed" in line)
     with pytest.warns(RuntimeWarning, match=message):
         metrics = make_trainer(config, items=[broken, ITEMS[0]]).evaluate()  # eval_data = the first 3 items
     assert metrics["eval/skipped"] == 1 and metrics["eval/turns_mean"] > 0

@@ -220,13 +220,17 @@ def peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def skip_reason(why: str, traceback_file=None) -> str:
+    """Why a step was skipped, and where its reward's traceback was written when one was (RUN_DIR/errors.log)."""
+    return f"{why}; traceback in {traceback_file}" if traceback_file else why
+
+
 def progress_info(record: dict) -> str:
     """One line for the progress bar: reward (DPO: the preference accuracy), loss (PPO: the policy's and the
     critic's), tokens per second (logical positions per step second)."""
     if "loss" not in record:
         why = " ".join(str(record.get("skipped", "the reward failed")).split())
-        where = f"; traceback in {record['traceback']}" if record.get("traceback") else ""
-        return f"skipped ({why if len(why) <= 100 else why[:97] + '...'}{where})"
+        return f"skipped ({skip_reason(why if len(why) <= 100 else why[:97] + '...', record.get('traceback'))})"
     tokens_per_s = record["tree/logical_tokens"] / max(record["time/step_s"], 1e-9)
     head = (f"reward {record['reward']:.3f}" if "reward" in record
             else f"rewards/accuracies {record['rewards/accuracies']:.3f}")

@@ -43,7 +43,8 @@ from .family import check_family
 from .log import (MetricsLog, NoLog, held_out_progress, peak_memory_bytes, progress_info, run_console, step_line,
                   summarize)
 from .parallel import FAILED, launch
-from .stops import (RankDied, StepSkipped, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
+from .skips import Skips
+from .stops import (RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
                     stop_on_signals)
 from .update import run_updates
 
@@ -100,8 +101,7 @@ class Trainer:
             Ahead(process, sampler_of(self.policy, self.ranks), self.policy, ahead, config.train.steps, self.ranks,
                   status=lambda text: self.status(text))
         self.step, self.num_tokens = 0, 0
-        self.failure: str | None = None  # why the last step was skipped (the warning's text)
-        self.failure_traceback: Path | None = None  # where the reward's traceback of that step was written
+        self.skips = Skips(config.train.max_failed_steps)  # the steps skipped (a reward or the environments failed)
         self.completion_rows: list[dict] = []  # the last step's, for RUN_DIR/completions.jsonl (log_completions)
         self.status = lambda text: None  # the progress bar's current phase; set by the run loop
         self.during = "the start"  # what the run is doing: a step, or the checkpoint of a step
@@ -146,11 +146,7 @@ class Trainer:
         try:
             batch = self.generate(step)
         except (RewardFunctionError, ItemError) as e:
-            self.failure, self.failure_traceback = str(e), None
-            if getattr(e, "traceback", "") and self.rank == 0:
-                self.failure_traceback = write_traceback(Path(self.config.train.output_dir), step, e.traceback)
-            where = f"; traceback in {self.failure_traceback}" if self.failure_traceback else ""
-            warnings.warn(f"step {step} skipped: {e}{where}", StepSkipped, stacklevel=2)
+            self.skips.skipped(step, e, Path(self.config.train.output_dir), write=self.rank == 0)
             return None
         t1 = time.perf_counter()
         if self.config.train.log_completions and self.rank == 0:
@@ -256,7 +252,7 @@ class Trainer:
             if first_eval:
                 log.write({"step": 0, **self.held_out(0)})
                 bar.console.print(step_line(log.records[-1], cfg.steps, self.score))
-            failed, first = 0, self.step  # consecutive skipped steps; the step this run started after
+            first, self.skips.in_a_row = self.step, 0  # the step this run started after; none skipped yet
             while self.step < cfg.steps and not self.stopping(stop):
                 self.during = f"step {self.step + 1}"  # what a rank's death interrupted
                 try:
@@ -265,15 +261,15 @@ class Trainer:
                     self.save(run_dir)
                     why = f"the vLLM sampler failed ({e})" if isinstance(e, VLLMError) else str(e)
                     raise TrainingFailed(run_dir, f"step {self.step + 1}: {why}") from e
-                failed = failed + 1 if record is None else 0
-                if cfg.max_failed_steps and failed >= cfg.max_failed_steps:
+                self.skips.count(trained=record is not None)
+                if self.skips.too_many:
+                    failed = self.skips.in_a_row
                     self.step -= failed - 1  # the last good step: no update happened since, so its state is this
                     self.save(run_dir)
                     raise TrainingFailed(run_dir, f"steps {self.step + 1}-{self.step + failed} failed "
-                                         f"({self.failure_line()}); stopped after train.max_failed_steps="
+                                         f"({self.skips.reason()}); stopped after train.max_failed_steps="
                                          f"{cfg.max_failed_steps}")
-                record = record or {"step": self.step + 1, "skipped": self.failure, **(
-                    {"traceback": str(self.failure_traceback)} if self.failure_traceback else {})}
+                record = record or self.skips.record(self.step + 1)
                 self.step += 1
                 if self.completion_rows:
                     log.write_completions(self.step, self.completion_rows)
@@ -286,18 +282,13 @@ class Trainer:
                 bar.update(task, completed=self.step, info=progress_info(record))
                 if cfg.save_steps and self.step % cfg.save_steps == 0:
                     self.save(run_dir)
-        if failed and cfg.max_failed_steps and failed == self.step - first:  # it trained nothing: not a success
-            self.step -= failed
+        if self.skips.all_of(self.step - first):  # it trained nothing: not a success
+            self.step = first
             self.save(run_dir)
-            raise TrainingFailed(run_dir, f"every step of this run was skipped ({self.failure_line()})")
+            raise TrainingFailed(run_dir, f"every step of this run was skipped ({self.skips.reason()})")
         found = latest_checkpoint(run_dir)
         if found is None or found.name != f"step-{self.step:06d}":
             self.save(run_dir)
-
-    def failure_line(self) -> str:
-        """Why the last step was skipped, and where its traceback is when one was written."""
-        where = f"; traceback in {self.failure_traceback}" if self.failure_traceback else ""
-        return f"{self.failure}{where}"
 
     def stopping(self, stop: list) -> bool:
         """Whether to stop before the next step: a signal on any rank stops every rank at the same step."""
@@ -368,16 +359,6 @@ def connect_vllm(config: Config, tokenizer, ranks) -> VLLMClient | None:
     if ranks is not None:
         raise_together(error, "connecting to the vLLM server", kinds=(VLLMError,))
     return client
-
-
-def write_traceback(run_dir: Path, step: int, text: str) -> Path:
-    """Append a failed reward's traceback (`text`) under a line naming `step` to RUN_DIR/errors.log; returns its
-    path."""
-    path = run_dir / "errors.log"
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        f.write(f"step {step}: {time.strftime('%Y-%m-%d %H:%M:%S')}\n{text.rstrip()}\n\n")
-    return path
 
 
 def load_data(config: Config, env, train_data, eval_data, reward_fn) -> tuple:
