@@ -112,7 +112,7 @@ def test_multi_turn_agent_config_on_a_hybrid_and_an_mla_family(arch, tmp_path, k
     user answering "go on" until the third reply); the model's LM head leans toward the end of a turn (id 2), so
     that replies end and turns follow."""
     from test_rl_agent import ITEMS, Counter
-    from test_rl_agent_environments import EOS, TurnTokenizerWithDecode
+    from test_rl_agent_environments import TurnTokenizerWithDecode, ending_turns
 
     from branchreplay.rl.config import Config
     from branchreplay.rl.run.trainer import Trainer
@@ -121,13 +121,7 @@ def test_multi_turn_agent_config_on_a_hybrid_and_an_mla_family(arch, tmp_path, k
         "--agent.environment", "tests.unused:Counter", "--sampling.max_new_tokens", "6", "--grpo.prompts_per_step",
         "2", "--grpo.learning_rate", "1e-2", "--train.steps", "2", "--train.eval_steps", "-1", "--train.output_dir",
         str(tmp_path / "run")])
-    model = tiny_model(arch, dtype=torch.float64)
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True, dtype=torch.float64)
-    with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
-        head.bias.zero_()
-        head.bias[EOS] = 6.0
-    model.lm_head = head
+    model = ending_turns(tiny_model(arch, dtype=torch.float64))
     held_float64(model)
     trainer = Trainer(config, model=model, tokenizer=TurnTokenizerWithDecode(), train_data=ITEMS,
                       eval_data=ITEMS[:3], env=Counter())

@@ -207,10 +207,17 @@ def _chatty_model():
 
     from branchreplay.tiny_models import tiny_model
 
-    model = tiny_model("llama", dtype=torch.float32)
-    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True)
+    return ending_turns(tiny_model("llama", dtype=torch.float32))
+
+
+def ending_turns(model):
+    """`model` with its LM head given a bias toward id 2 (the end of a turn), in the head's dtype."""
+    import torch
+
+    weight = model.lm_head.weight
+    head = torch.nn.Linear(model.config.hidden_size, model.config.vocab_size, bias=True, dtype=weight.dtype)
     with torch.no_grad():
-        head.weight.copy_(model.lm_head.weight)
+        head.weight.copy_(weight)
         head.bias.zero_()
         head.bias[EOS] = 6.0
     model.lm_head = head
