@@ -31,7 +31,8 @@ def main() -> None:
     config, _ = parse_args(rest, options=("--config",))
     if config.agent.environment is None:
         sys.exit("error: the config has no agent.environment: record_trajectories needs a multi-turn task")
-    batch = Trainer(config).generate(args.step)
+    source = Trainer(config).source
+    batch = source.score(source.sample(args.step))
     rows = [{"item": k, "ids": t.conversation.ids, "loss_mask": [int(m) for m in t.conversation.loss_mask],
              "reward": t.reward, "turns": t.turns, "tool_calls": t.tool_calls, "ended_by": t.ended_by}
             for k, group in enumerate(batch.trajectories) for t in group]

@@ -130,7 +130,7 @@ def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
     from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine.parallel.context_parallel import ContextParallelTree
     from branchreplay.engine.parallel.distributed import DataParallel
-    from branchreplay.rl.policy import accumulate
+    from branchreplay.rl.policy import Policy
 
     trees = _trees("forest", single.config.vocab_size)
     expected, _ = _naive(single, trees, loss)
@@ -139,7 +139,7 @@ def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
         dp = DataParallel(model, **RESHARDED)
         plan = shard(trees, world, model.config, cost=FREE_COMMUNICATION)
         with dp.accumulate():
-            accumulate(model, plan.parts[rank], loss, 1, 1.0, final_backward=dp.final_sync(), lockstep=True)
+            Policy(model, micro_batch=1, dp=dp).accumulate(plan.parts[rank], loss, final_backward=dp.final_sync())
         dp.reduce_replicated()
     return {"err": max_rel_grad_err(dp.full_grads(), expected), "layout": plan.layout,
             "whole": [sum(not isinstance(t, ContextParallelTree) for t in part) for part in plan.parts]}

@@ -303,7 +303,7 @@ def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
 def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
     """GPT-NeoX under torchrun: every rank runs the self-check before fully_shard, rank 0 keeps the verdict, and the
-    run trains forced."""
+    run trains it trusted."""
     mp.spawn(_neox_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
     (verdict,) = json.loads((tmp_path / "neox" / "self_check.json").read_text()).values()
     assert verdict["passed"] and verdict["model_class"] == "GPTNeoXForCausalLM"
@@ -318,7 +318,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.engine.head import check_head
     from branchreplay.losses import GRPOLoss
-    from branchreplay.rl.policy import accumulate, idle_tree
+    from branchreplay.rl.policy import Policy, idle_tree
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
@@ -337,8 +337,7 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
         dp = DataParallel(model, **_strategy(strategy))
         idle = [] if dp.lockstep else [idle_tree()]  # in lock-step a rank with zero packs runs dummies only
         with dp.accumulate():  # rank 0 trains the tree, rank 1 has nothing this step
-            accumulate(model, [tree] if rank == 0 else idle, loss, 0, 1.0,
-                       final_backward=dp.final_sync(), lockstep=dp.lockstep)
+            Policy(model, dp=dp).accumulate([tree] if rank == 0 else idle, loss, final_backward=dp.final_sync())
         dp.reduce_replicated()
         errs[strategy] = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:

@@ -44,13 +44,13 @@ SLIDING_ARCHS = ["mistral", "gemma2", "gemma3", "qwen2-sliding", "mixtral"]
 
 
 
-def compare(model, rollouts, temperature=0.7, force=False, naive=None, **engine_kw):
+def compare(model, rollouts, temperature=0.7, trusted=False, naive=None, **engine_kw):
     """(max relative grad error, max logprob error, gradient L1 norm) of replay vs naive, GRPO + entropy loss.
     `naive`: a previous `run_naive(model, rollouts)` to reuse."""
     naive_logprobs, g_naive = naive or run_naive(model, rollouts, temperature)
     model.zero_grad(set_to_none=True)
     replay = replay_backward(model, RolloutTree(rollouts), GRPOLoss(entropy_coef=0.01), temperature=temperature,
-                             engine=EngineConfig(**{**EVERY_SHARED_NODE, **engine_kw}), force=force)
+                             engine=EngineConfig(**{**EVERY_SHARED_NODE, **engine_kw}), trusted=trusted)
     lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive_logprobs))
     return max_rel_grad_err(grads(model), g_naive), lp_err, sum(g.abs().sum().item() for g in g_naive)
 
@@ -196,7 +196,7 @@ def test_unsupported_family_refused_by_name_and_forced_run_is_exact(keep64):
     rollouts = make_rollouts(around_window(8, 64, torch.Generator().manual_seed(0)), torch.Generator().manual_seed(1))
     with pytest.raises(UnsupportedModelError, match="'gpt_neox'.*branchreplay verify"):
         replay_logprobs(model, RolloutTree(rollouts))
-    grad_err, lp_err, norm = compare(model, rollouts, force=True, max_pack_tokens=16)
+    grad_err, lp_err, norm = compare(model, rollouts, trusted=True, max_pack_tokens=16)
     assert norm > 0 and grad_err <= 1e-6 and lp_err <= 1e-9, (grad_err, lp_err)
 
 

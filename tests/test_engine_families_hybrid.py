@@ -77,7 +77,7 @@ def test_float32_against_float64_on_random_trees(arch):
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_an_unregistered_hybrid_is_refused_by_name_even_under_force(arch):
     """A hybrid family the registry does not know (one of these under another model_type): refused by name, with
-    or without `force`, by the engine's trusted `force=True` too, instead of the KeyError of a guessed family
+    or without the package's `force`, by the engine's `trusted=True` too, instead of the KeyError of a guessed family
     (a mask mapping without "linear_attention")."""
     model = tiny_model(arch)
     model.config.model_type = f"my_{arch}"
@@ -85,6 +85,6 @@ def test_an_unregistered_hybrid_is_refused_by_name_even_under_force(arch):
     with pytest.raises(UnsupportedModelError, match=f"'my_{arch}' is not supported"):
         family_of(model)
     with pytest.raises(UnsupportedModelError, match=f"my_{arch}: not in the engine's registry and has recurrent"):
-        family_of(model, force=True)
+        family_of(model, trusted=True)
     with pytest.raises(UnsupportedModelError, match=f"my_{arch}: .*recurrent or hybrid layers"):
-        replay_backward(model, RolloutTree(rollouts), GRPOLoss(), engine=EngineConfig(), force=True)
+        replay_backward(model, RolloutTree(rollouts), GRPOLoss(), engine=EngineConfig(), trusted=True)

@@ -103,9 +103,9 @@ def test_an_unregistered_family_runs_exact_under_force(name, dtype, monkeypatch)
 def test_alibi_families_are_refused_by_name_whatever_force_says(name):
     model = build(name, torch.float32)
     tree = RolloutTree(rollouts())
-    for run in (replay_logprobs, engine_logprobs):  # checked first, or trusted
+    for run in (lambda: replay_logprobs(model, tree, force=True), lambda: engine_logprobs(model, tree, trusted=True)):
         with pytest.raises(UnsupportedModelError, match=f"{model.config.model_type}: its attention adds ALiBi"):
-            run(model, tree, force=True)
+            run()  # checked first, or trusted
     with pytest.raises(UnsupportedModelError, match="ALiBi"):  # the trainer's check refuses it before checking
         self_check.ensure_supported(model, "self-check", {})
 
@@ -124,11 +124,11 @@ def test_a_family_the_generic_path_gets_wrong_is_refused_by_name(model_type, sai
 
     model = hf.AutoModelForCausalLM.from_config(shrunk_config(model_type))
     tree = RolloutTree(rollouts())
-    for run in (replay_logprobs, engine_logprobs):
+    for run in (lambda: replay_logprobs(model, tree, force=True), lambda: engine_logprobs(model, tree, trusted=True)):
         with pytest.raises(UnsupportedModelError, match=f"{model_type}: .*{said}"):
-            run(model, tree, force=True)
+            run()
     with pytest.raises(UnsupportedModelError, match=said):
         self_check.ensure_supported(model, "self-check", {})
     if model_type == "bert-generation":
-        family_of(hf.AutoModelForCausalLM.from_config(shrunk_config(model_type, is_decoder=True)), force=True)
-        family_of(hf.AutoModelForCausalLM.from_config(shrunk_config("gpt_neox")), force=True)
+        family_of(hf.AutoModelForCausalLM.from_config(shrunk_config(model_type, is_decoder=True)), trusted=True)
+        family_of(hf.AutoModelForCausalLM.from_config(shrunk_config("gpt_neox")), trusted=True)

@@ -86,7 +86,7 @@ def _tree():
 
 def test_force_true_checks_each_model_once_per_process_and_the_engine_trusts_it(monkeypatch):
     """A call of the package's `replay_logprobs` with force=True runs the trainer's self-check before the engine
-    (once per model class, config and dtype in the process); the engine's own force=True is the explicit opt-out."""
+    (once per model class, config and dtype in the process); the engine's own trusted=True is the explicit opt-out."""
     from branchreplay import replay_logprobs
     from branchreplay.engine import replay_logprobs as trusted
 
@@ -96,16 +96,17 @@ def test_force_true_checks_each_model_once_per_process_and_the_engine_trusts_it(
     monkeypatch.setattr(self_check, "self_check", lambda m: calls.append(m) or original(m))
     tree = _tree()
     model = _neox()
-    trusted(model, tree, force=True)
+    trusted(model, tree, trusted=True)
     assert calls == []
     replay_logprobs(model, tree, force=True)
     replay_logprobs(_neox(seed=1), tree, force=True)  # same class, config and dtype: the verdict is reused
     assert len(calls) == 1
     replay_logprobs(_neox(torch.float64), tree, force=True)
     assert len(calls) == 2
-    for run in (replay_logprobs, trusted):  # the old three-valued force's strings are refused by name
-        with pytest.raises(ValueError, match="force='unchecked': pass True .* or False"):
-            run(model, tree, force="unchecked")
+    with pytest.raises(ValueError, match="force='unchecked': pass True .* or False"):  # the old three-valued
+        replay_logprobs(model, tree, force="unchecked")  # force's strings are refused by name
+    with pytest.raises(ValueError, match="trusted='unchecked': pass True .* or False"):
+        trusted(model, tree, trusted="unchecked")
 
 
 def test_force_true_refuses_a_model_whose_self_check_fails(monkeypatch):
@@ -126,7 +127,7 @@ def test_force_true_refuses_a_model_whose_self_check_fails(monkeypatch):
     tree = _tree()
     with pytest.raises(UnsupportedModelError, match="failed its self-check"):
         replay_backward(model, tree, GRPOLoss(), force=True)
-    trusted(model, tree, GRPOLoss(), force=True)
+    trusted(model, tree, GRPOLoss(), trusted=True)
 
 
 def test_force_true_under_data_parallelism_names_the_fix(monkeypatch):
@@ -137,7 +138,7 @@ def test_force_true_under_data_parallelism_names_the_fix(monkeypatch):
     monkeypatch.setattr(self_check, "PROCESS_VERDICTS", {})
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
-    with pytest.raises(ValueError, match="ensure_supported.*before sharding.*force=True"):
+    with pytest.raises(ValueError, match="ensure_supported.*before sharding.*trusted=True"):
         replay_logprobs(_neox(), _tree(), force=True)
     replay_logprobs(tiny_model("llama"), _tree(), force=True)
 

@@ -12,6 +12,7 @@ from branchreplay.engine.sequence import replay_sequence_backward
 from branchreplay.losses import DPO_LOSS_TYPES, dpo_loss
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
+from test_rl_run_trainer import generate
 
 EOS = 2  # the byte tokenizer's (test_rl_run_trainer.ByteTokenizer)
 
@@ -252,5 +253,5 @@ def test_fewer_pairs_than_a_step_takes_are_said_and_a_step_takes_them_all(tmp_pa
 
     with pytest.warns(RuntimeWarning, match="has 16 pairs, fewer than dpo.pairs_per_step=40: a step trains on all 16"):
         trainer = make_trainer(_dpo_config(tmp_path, _preference_file(tmp_path), pairs_per_step=40))
-    batch = trainer.generate(1)
+    batch = generate(trainer, 1)
     assert sorted(p.row for p in batch.pairs) == list(range(16))

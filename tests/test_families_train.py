@@ -14,12 +14,12 @@ from branchreplay.cli import main
 from branchreplay.engine.families import FAMILIES
 from branchreplay.losses import GRPOLoss
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.rl.policy import accumulate
+from branchreplay.rl.policy import Policy
 from branchreplay.tiny_models import ALL_TINY_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads, held_float64
 from test_engine_families_recurrent import F32_TOL
-from test_rl_run_trainer import make_config, make_trainer
+from test_rl_run_trainer import generate, make_config, make_trainer, with_advantages
 
 ARCHS = ALL_TINY_ARCHS
 FLOAT32_IN_FLOAT64 = {"minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe"}
@@ -88,11 +88,11 @@ def test_first_step_gradient_equals_naive_in_float64(arch, tmp_path, keep64):
     held_float64(model)
     trainer = make_trainer(make_config(tmp_path, grpo={"prompts_per_step": 2, "loss_type": "grpo"}), model=model)
     keep64(trainer.model)
-    batch = trainer.generate(1)
+    batch = with_advantages(trainer, generate(trainer, 1))
     trees = [RolloutTree(group) for group in batch.rollouts]
-    assert batch.advantages.abs().sum() > 0, "no advantage: the gradient would be zero"
+    assert sum(float(r.advantages.abs().sum()) for r in batch.flat) > 0, "no advantage: the gradient would be zero"
     trainer.model.zero_grad(set_to_none=True)
-    accumulate(trainer.model, trees, GRPOLoss(), 0, temperature=0.7)
+    Policy(trainer.model, temperature=0.7).accumulate(trees, GRPOLoss())
     tree_grads = grads(trainer.model)
     trainer.model.zero_grad(set_to_none=True)
     naive_backward(trainer.model, [r for g in batch.rollouts for r in g], GRPOLoss(), temperature=0.7)
@@ -126,7 +126,7 @@ def test_multi_turn_agent_config_on_a_hybrid_and_an_mla_family(arch, tmp_path, k
     trainer = Trainer(config, model=model, tokenizer=TurnTokenizerWithDecode(), train_data=ITEMS,
                       eval_data=ITEMS[:3], env=Counter())
     keep64(trainer.model)
-    batch = trainer.generate(1)
+    batch = with_advantages(trainer, generate(trainer, 1))
     assert max(len(t.conversation.turn_starts) for g in batch.trajectories for t in g) >= 2, "no second turn"
     trees = [RolloutTree(group) for group in batch.rollouts]
     stats = sum((t.stats for t in trees[1:]), trees[0].stats)
@@ -134,7 +134,7 @@ def test_multi_turn_agent_config_on_a_hybrid_and_an_mla_family(arch, tmp_path, k
                                                              for t in g) for g in batch.trajectories)
     assert stats.physical_tokens < prompt_only, "whole first turns shared, not only the prompt"
     trainer.model.zero_grad(set_to_none=True)
-    accumulate(trainer.model, trees, GRPOLoss(loss_type="dapo"), 0, temperature=1.0)
+    Policy(trainer.model, temperature=1.0).accumulate(trees, GRPOLoss(loss_type="dapo"))
     tree_grads = grads(trainer.model)
     trainer.model.zero_grad(set_to_none=True)
     naive_backward(trainer.model, [r for g in batch.rollouts for r in g], GRPOLoss(loss_type="dapo"),

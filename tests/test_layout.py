@@ -131,3 +131,18 @@ def test_the_architecture_page_maps_every_module():
     names = {p.stem for p in root.rglob("*.py") if p.stem not in ("__init__", "__main__")}
     names |= {p.name for p in root.rglob("*") if p.is_dir() and (p / "__init__.py").is_file()}
     assert sorted(names - words) == []
+
+
+def test_rollouts_import_no_algorithm_and_no_back_end_is_compared_by_name():
+    """A step's sampling knows nothing of the algorithm that trains on it (rl/rollouts imports no rl/algorithms:
+    GRPO's advantages are its own part's estimate), and the sampler's back-end is chosen in one place, the config
+    (`SamplingConfig.uses_vllm`): no other module compares sampling.backend by name."""
+    root = Path(branchreplay.__file__).parent
+    edges = imports(root, "branchreplay")
+    crossing = sorted((a, b) for a, targets in edges.items() for b in targets
+                      if a.startswith("branchreplay.rl.rollouts") and b.startswith("branchreplay.rl.algorithms"))
+    assert crossing == []
+    configs = {root / "decode" / "config.py", *(root / "rl" / "config").glob("*.py")}
+    compared = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
+                      if p not in configs and re.search(r"backend\s*[!=]=", p.read_text()))
+    assert compared == []

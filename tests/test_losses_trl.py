@@ -277,8 +277,10 @@ def test_top_entropy_quantile_equals_trl(trl_trainers):
     with keep_float64(model):
         tree = RolloutTree(rollouts)
         entropy = replay_logprobs(model, tree).entropy
-        kept = keep_high_entropy(rollouts, entropy, [r.advantages.clone() for r in rollouts], 0.5)
+        masked, kept = keep_high_entropy(rollouts, entropy, [r.advantages.clone() for r in rollouts], 0.5)
         assert 0.4 <= kept <= 0.6
+        for r, advantages in zip(rollouts, masked):
+            r.advantages = advantages
         loss = GRPOLoss(EPS_LOW, EPS_HIGH, BETA, 0.0, delta=DELTA, loss_type="dapo")
         ours = replay_backward(model, tree, loss, engine=EngineConfig(max_pack_tokens=4))
     assert abs(ours.loss - trl_loss) <= 1e-6, (ours.loss, trl_loss)

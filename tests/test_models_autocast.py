@@ -18,6 +18,7 @@ from branchreplay.models import autocast
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads
+from test_rl_run_trainer import generate, train_on
 
 LOSS = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)
 
@@ -69,8 +70,8 @@ def test_trainer_bfloat16_keeps_float32_master_weights_and_optimizer_state(tmp_p
 
     mixed = make_trainer(make_config(tmp_path, model={"dtype": "bfloat16"}, train={"steps": 2}))
     plain = make_trainer(make_config(tmp_path, train={"output_dir": str(tmp_path / "plain")}))
-    batch = mixed.generate(1)
-    ours, theirs = mixed.update(copy.deepcopy(batch)), plain.update(batch)  # one update on the same rollouts
+    batch = generate(mixed, 1)
+    ours, theirs = train_on(mixed, copy.deepcopy(batch)), train_on(plain, batch)  # one update on the same rollouts
     assert ours["grad_norm"] != theirs["grad_norm"]  # computed in bfloat16, not float32
     assert abs(ours["grad_norm"] - theirs["grad_norm"]) <= 0.1 * theirs["grad_norm"]
     mixed.fit(resume=None)  # the whole loop, checkpoints included

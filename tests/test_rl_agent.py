@@ -17,12 +17,13 @@ from branchreplay.rl.agent.conversation import Conversation
 from branchreplay.rl.agent.environments import TRUNCATED, EnvResponse, ToolEnvironment
 from branchreplay.decode.config import SamplingConfig
 from branchreplay.rl.data.order import prompt_indices
-from branchreplay.rl.policy import accumulate
+from branchreplay.rl.policy import Policy
 from branchreplay.rl.run.log import progress_info
 from branchreplay.rl.run.trainer import Trainer
 from branchreplay.rl.rollouts.trajectories import sample_trajectories
 from branchreplay.tree import RolloutTree
 from conftest import grads, held_float64
+from test_rl_run_trainer import generate, with_advantages
 from test_rl_agent_environments import EOS, TurnTokenizerWithDecode, _chatty_model
 
 ITEMS = [{"question": f"q{i}", "target": i % 3} for i in range(8)]
@@ -79,7 +80,8 @@ def test_rollouts_rewards_and_groups_of_a_multi_turn_step(tmp_path):
     # 12 new tokens: every first reply of this seed ends before the limit, so every trajectory forks twice
     config = make_config(tmp_path, agent={"turn_reward_weight": 0.5, "turn_reward_reduction": "mean"},
                          sampling={"max_new_tokens": 12})
-    batch = make_trainer(config).generate(1)
+    trainer = make_trainer(config)
+    batch = with_advantages(trainer, generate(trainer, 1))
     assert len(batch.rollouts) == 2 and all(len(g) == 4 for g in batch.rollouts)
     for group, trajectories in zip(batch.rollouts, batch.trajectories):
         for r, t in zip(group, trajectories):
@@ -119,14 +121,15 @@ def test_gradient_over_shared_turns_equals_each_trajectory_alone(tmp_path, keep6
     the naive per-trajectory gradient."""
     trainer = make_trainer(make_config(tmp_path, grpo={"loss_type": "grpo"}), dtype=torch.float64)
     keep64(trainer.model)
-    batch = trainer.generate(1)
+    batch = with_advantages(trainer, generate(trainer, 1))
+    assert sum(float(r.advantages.abs().sum()) for r in batch.flat) > 0, "no advantage: the gradient would be zero"
     trees = [RolloutTree(group) for group in batch.rollouts]
     stats = sum((t.stats for t in trees[1:]), trees[0].stats)
     prompt_only = sum(t.conversation.turn_starts[0] + sum(len(x.conversation.ids) - x.conversation.turn_starts[0]
                                                           for x in g) for g in batch.trajectories for t in g[:1])
     assert stats.physical_tokens < prompt_only  # whole first turns shared, not only the prompt
     trainer.model.zero_grad(set_to_none=True)
-    accumulate(trainer.model, trees, GRPOLoss(), 0, temperature=1.0)
+    Policy(trainer.model, temperature=1.0).accumulate(trees, GRPOLoss())
     tree_grads = grads(trainer.model)
     trainer.model.zero_grad(set_to_none=True)
     naive_backward(trainer.model, [r for g in batch.rollouts for r in g], GRPOLoss(), temperature=1.0)
@@ -173,7 +176,7 @@ def test_failing_environment_skips_the_item_and_an_all_failed_step(tmp_path, bro
     trainer = make_trainer(config, items=items)
     step = next(s for s in range(1, 20) if 0 in prompt_indices(len(items), 2, 0, s))
     with pytest.warns(RuntimeWarning, match=message):
-        batch = trainer.generate(step)
+        batch = generate(trainer, step)
     assert len(batch.rollouts) == 1
     only_broken = make_trainer(config, items=[broken])
     with pytest.warns(RuntimeWarning, match="skipped"):
@@ -214,7 +217,7 @@ def test_an_environment_reply_the_template_cannot_take_skips_the_item_by_name(tm
                       train_data=items, eval_data=items[:3], env=BadReplies())
     step = next(s for s in range(1, 20) if 0 in prompt_indices(len(items), 2, 0, s))
     with pytest.warns(RuntimeWarning, match=f"{said}.*for item .*{question}"):
-        batch = trainer.generate(step)
+        batch = generate(trainer, step)
     assert len(batch.rollouts) == 1 and torch.isfinite(batch.rewards).all()
 
 
@@ -420,7 +423,7 @@ def test_items_sampled_in_waves_equal_the_whole_step(tmp_path, keep64):
         config = make_config(tmp_path / str(limit), sampling={"max_num_seqs": limit})
         trainer = make_trainer(config, dtype=torch.float64)
         keep64(trainer.model)
-        out.append(sum(trainer.generate(1).trajectories, []))
+        out.append(sum(generate(trainer, 1).trajectories, []))
     assert len(out[0]) > 2 and [t.conversation.ids for t in out[0]] == [t.conversation.ids for t in out[1]]
     for a, b in zip(*out):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-12, rel=0)

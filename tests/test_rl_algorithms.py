@@ -23,9 +23,11 @@ from branchreplay.rl.algorithms.ppo import ppo
 from branchreplay.rl.algorithms.reinforce_pp import reinforce_pp
 from branchreplay.rl.algorithms.rloo import rloo
 from branchreplay.rl.config import Config, PPOConfig
+from branchreplay.rl.run.step import write
 from branchreplay.tree import Rollout, RolloutTree
 from branchreplay.value import ValueModel, check_critic
 from conftest import grads
+from test_rl_run_trainer import generate
 
 ARCHS = ["llama", "qwen2-sliding", "lfm2"]  # attention, sliding window, recurrent (conv + attention hybrid)
 PACKS = EngineConfig(max_pack_tokens=4, chunk_tokens=8)  # several packs and chunked nodes on a tiny tree
@@ -84,8 +86,9 @@ def test_ppo_critic_and_policy_equal_naive(arch, dtype, keep64):
     scale = max(v.abs().max().item() for v in naive_values)
     assert max((a - b).abs().max().item() for a, b in zip(values, naive_values)) <= VALUE_TOL[dtype] * scale
     scores = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0])
-    metrics = ppo(rollouts, scores, [True] * 7 + [False], values,
-                             PPOConfig(kl_estimator="k3", missing_eos_penalty=0.5))
+    fields, metrics = ppo(rollouts, scores, [True] * 7 + [False], values,
+                          PPOConfig(kl_estimator="k3", missing_eos_penalty=0.5))
+    write(rollouts, fields)
     assert set(metrics) >= {"objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward"}
     g = torch.Generator().manual_seed(1)
     for r in rollouts:  # a later epoch: the critic has moved away from its values at sampling, some clip
@@ -108,8 +111,8 @@ def test_rloo_sequence_loss_equals_naive(arch, dtype, tiny64):
     """RLOO's sequence-level clipped ratio, off-policy (the sums moved away from the old ones: some ratios clip)."""
     model = tiny64(arch, dtype)
     rollouts = _rollouts(model.config.vocab_size)
-    rloo(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05,
-                    normalize_advantages=True)
+    write(rollouts, {"advantages": rloo(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05,
+                                        normalize_advantages=True)[0]})
     advantages = torch.tensor([float(r.advantages[0]) for r in rollouts], dtype=torch.float64)
     sums = sequence_sums(replay_logprobs(model, _trees(rollouts)).logprobs, rollouts)
     old = sums + torch.linspace(-0.4, 0.4, len(rollouts), dtype=torch.float64)
@@ -136,7 +139,8 @@ def test_rloo_sequence_loss_equals_naive(arch, dtype, tiny64):
 def test_reinforce_pp_per_token_advantages_equal_naive(arch, dtype, tiny64):
     model = tiny64(arch, dtype)
     rollouts = _rollouts(model.config.vocab_size)
-    reinforce_pp(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]), beta=0.05, gamma=0.9)
+    write(rollouts, {"advantages": reinforce_pp(rollouts, torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0]),
+                                                beta=0.05, gamma=0.9)[0]})
     assert len(set(rollouts[0].advantages[rollouts[0].loss_mask > 0].tolist())) > 1  # per token, not per rollout
     result, expected, err = _engine_vs_naive(model, rollouts, lambda: GRPOLoss(0.2, 0.28))
     print(f"reinforce_pp {arch} {dtype}: {err:.1e}")
@@ -209,7 +213,8 @@ def test_ppo_advantages_match_trl_padded_loop(kl_estimator, whiten_rewards):
     ended = [True, True, False, True, True, True, True, False]
     cfg = PPOConfig(kl_coef=0.05, kl_estimator=kl_estimator, gamma=0.99, lam=0.9, whiten_rewards=whiten_rewards,
                     missing_eos_penalty=1.0)
-    metrics = ppo(rollouts, scores, ended, values, cfg)
+    fields, metrics = ppo(rollouts, scores, ended, values, cfg)
+    write(rollouts, fields)
 
     mask, pad = _padded(rollouts)
     logprobs, ref_logprobs = pad("old_logprobs"), pad("ref_logprobs")
@@ -247,7 +252,7 @@ def test_rloo_matches_trl_compute_loss_and_advantages():
     trl = pytest.importorskip("trl", reason="TRL is a dev dependency (pip install -e '.[dev]')")
     rollouts = _rollouts(256)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
-    rloo(rollouts, rewards, beta=0.05, normalize_advantages=True)
+    write(rollouts, {"advantages": rloo(rollouts, rewards, beta=0.05, normalize_advantages=True)[0]})
     mask, pad = _padded(rollouts)
     old, ref = pad("old_logprobs"), pad("ref_logprobs")
     kl = ((old - ref) * mask).sum(-1)
@@ -284,7 +289,7 @@ def test_reinforce_pp_matches_verl():
     reset after the mask, masked_whiten over the batch."""
     rollouts = _rollouts(256)
     rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0], dtype=torch.float64)
-    reinforce_pp(rollouts, rewards, beta=0.05, gamma=0.9)
+    write(rollouts, {"advantages": reinforce_pp(rollouts, rewards, beta=0.05, gamma=0.9)[0]})
     mask, pad = _padded(rollouts)
     token_level = -0.05 * (pad("old_logprobs") - pad("ref_logprobs")) * mask
     token_level[torch.arange(len(rollouts)), mask.sum(1).long() - 1] += rewards
@@ -412,17 +417,14 @@ def test_the_docs_own_algorithm_trains_from_the_current_folder(tmp_path, monkeyp
     not an Algorithm is refused by name."""
     from pathlib import Path
 
-    from branchreplay.rl.shards import Shards
-    from test_rl_run_trainer import _metrics, make_trainer
+    from test_rl_run_trainer import _metrics, make_trainer, with_advantages
 
     page = (Path(__file__).parents[1] / "docs" / "algorithms.md").read_text()
     code = page.split("## Write your own algorithm")[1].split("```python\n")[1].split("```")[0]
     (tmp_path / "my_algorithms.py").write_text(code)
     monkeypatch.chdir(tmp_path)
     trainer = make_trainer(_config(tmp_path, "my_algorithms:LeaveOneOutGRPO", train={"steps": 2}))
-    batch = trainer.generate(1)
-    part = trainer.algorithm
-    part.prepare(batch, Shards.of(part.trained(batch.trees), None, trainer.model.config))
+    batch = with_advantages(trainer, generate(trainer, 1))
     start = 0
     for group in batch.rollouts:
         rewards = batch.rewards[start : start + len(group)].double()

@@ -1,6 +1,6 @@
 """Every algorithm and feature under data parallelism, on 2 gloo processes started once for the module.
 
-1. The first update's gradient (`rl.run.update.first_update_gradient`, the trainer's own: the algorithm's part, its
+1. The first update's gradient (`rl.run.step.first_update_gradient`, the trainer's own: the algorithm's part, its
    passes gathered over the ranks, its engine calls on each rank's trees) of GRPO (and GSPO), RLOO, REINFORCE++, PPO
    (the critic sharded like the policy) and DPO (pairs sharded by tree cost) equals the same part's in one process,
    float64, within 1e-10, under FSDP2 gathered once, FSDP2 resharded (the ranks' packs in lock-step) and DDP.

@@ -11,7 +11,7 @@ from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config
 from branchreplay.rl.data.tasks import TaskConfig, load_task, prompt_messages
 from branchreplay.rl.run.trainer import Trainer
-from test_rl_run_trainer import ByteTokenizer
+from test_rl_run_trainer import ByteTokenizer, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -140,7 +140,7 @@ def test_trainer_on_a_conversational_file_with_weighted_rewards(tmp_path, monkey
         "grpo": {"num_generations": 4, "prompts_per_step": 2, "learning_rate": 1e-2, "lr_scheduler": "constant"},
         "train": {"steps": 1, "output_dir": str(tmp_path / "run"), "save_steps": 0, "eval_steps": -1}})
     trainer = Trainer(config, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer())
-    batch = trainer.generate(1)
+    batch = generate(trainer, 1)
     import file_rewards
 
     prompts, completions, answer = file_rewards.seen[-1]
@@ -173,13 +173,13 @@ def test_plain_file_prompts_are_text_as_in_trl(tmp_path):
     train, held_out = load_task(config.task)
     trainer = Trainer(config, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
                       train_data=train, eval_data=held_out, reward_fn=reward)
-    batch = trainer.generate(1)
+    batch = generate(trainer, 1)
     prompts, completions, solution = seen[-1]
     assert isinstance(prompts[0], str) and isinstance(completions[0], str) and solution[0].isdigit()
     assert batch.prompt_ids[0] != ByteTokenizer()(batch.items[0]["question"]).input_ids  # system prompt: templated
     raw = Config.from_dict({**config.to_dict(), "task": {**task, "system_prompt": None}})
-    batch = Trainer(raw, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
-                    train_data=train, eval_data=held_out, reward_fn=reward).generate(1)
+    batch = generate(Trainer(raw, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
+                             train_data=train, eval_data=held_out, reward_fn=reward), 1)
     assert batch.prompt_ids[0] == ByteTokenizer()(batch.items[0]["question"]).input_ids  # TRL: plain text, no template
 
 

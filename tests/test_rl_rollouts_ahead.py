@@ -27,10 +27,10 @@ from branchreplay.rl.rollouts.ahead import Ahead, check_ahead
 from branchreplay.rl.rollouts.sampler import Sampler
 from branchreplay.rl.run.checkpoint import latest_checkpoint
 from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
-from branchreplay.rl.run.update import first_update_gradient
+from branchreplay.rl.run.step import first_update_gradient
 from branchreplay.tree import Rollout
 from conftest import grads
-from test_rl_run_trainer import make_config, make_trainer
+from test_rl_run_trainer import generate, make_config, make_trainer, train_on
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -81,17 +81,17 @@ def test_staleness_1_trains_the_synchronous_draw_of_one_version_before_with_the_
     trainer = make_trainer(config, dtype=torch.float64)
     keep64(trainer.model)
     versions = [_weights(trainer)]
-    first = trainer.generate(1)
+    first = generate(trainer, 1)
     assert first.versions == [0, 0] and first.metrics["sample/staleness_max"] == 0
-    trainer.update(first)
+    train_on(trainer, first)
     versions.append(_weights(trainer))
-    batch = trainer.generate(2)  # drawn by version 0 while step 1 trained
+    batch = generate(trainer, 2)  # drawn by version 0 while step 1 trained
     assert batch.versions == [0, 0] and batch.metrics["sample/staleness_max"] == 1  # one update behind
 
     # the batch a synchronous sampler draws from version 0's weights
     sync = make_trainer(make_config(tmp_path / "sync", model={"dtype": "float64"}), dtype=torch.float64)
     keep64(sync.model).load_state_dict(versions[0])
-    drawn = sync.generate(2)
+    drawn = generate(sync, 2)
     assert [[s.completion_ids for s in g] for g in batch.samples] == [[s.completion_ids for s in g]
                                                                        for g in drawn.samples]
     assert torch.equal(batch.rewards, drawn.rewards)
@@ -132,21 +132,21 @@ def _kind(tmp_path, kind: str):
 def test_every_rollout_kind_draws_ahead_what_the_synchronous_loop_draws(tmp_path, kind):
     trainer, sync = _kind(tmp_path, kind)
     sync.model.load_state_dict(_weights(trainer))
-    trainer.update(trainer.generate(1))
-    batch = trainer.generate(2)  # drawn by version 0 while step 1 trained: the synchronous draw of those weights
-    drawn = sync.generate(2)
+    train_on(trainer, generate(trainer, 1))
+    batch = generate(trainer, 2)  # drawn by version 0 while step 1 trained: the synchronous draw of those weights
+    drawn = generate(sync, 2)
     assert batch.versions == [0] * len(batch.rollouts) and batch.metrics["sample/staleness_max"] == 1
     assert [[r.token_ids.tolist() for r in g] for g in batch.rollouts] == [[r.token_ids.tolist() for r in g]
                                                                            for g in drawn.rollouts]
     assert torch.equal(batch.rewards, drawn.rewards)
-    metrics = trainer.update(batch)
+    metrics = train_on(trainer, batch)
     assert metrics["grad_norm"] > 0 and "sampling/importance_sampling_ratio/mean" in metrics
     trainer.source.close()
 
 
 def test_a_batch_beyond_the_bound_is_dropped_counted_and_drawn_again_by_the_current_weights(tmp_path, monkeypatch):
     trainer = make_trainer(make_config(tmp_path, grpo={"max_staleness": 1}))
-    trainer.update(trainer.generate(1))
+    train_on(trainer, generate(trainer, 1))
     take = trainer.source.take
 
     def too_old(step):  # as if drawn two versions before the weights that train it
@@ -155,7 +155,7 @@ def test_a_batch_beyond_the_bound_is_dropped_counted_and_drawn_again_by_the_curr
         return answer
 
     monkeypatch.setattr(trainer.source, "take", too_old)
-    batch = trainer.generate(2)
+    batch = generate(trainer, 2)
     assert batch.metrics["sample/dropped_stale_total"] == 2 and batch.metrics["sample/staleness_max"] == 0
     sync = Sampler(trainer.config, trainer.policy, trainer.tokenizer, trainer.train_data, trainer.rewards)
     drawn = sync.batch(2)  # the trainer's weights now (version 1)
@@ -166,15 +166,15 @@ def test_a_batch_beyond_the_bound_is_dropped_counted_and_drawn_again_by_the_curr
 
 def test_the_sampler_process_killed_ends_the_run_with_one_line_and_keeps_the_checkpoint(tmp_path):
     trainer = make_trainer(make_config(tmp_path, grpo={"max_staleness": 1}, train={"steps": 4}))
-    update = trainer.update
+    backward = trainer.algorithm.backward
 
-    def then_kill(batch):
-        out = update(batch)
+    def then_kill(k, prepared):
+        out = backward(k, prepared)
         if trainer.step == 1:  # step 2 trains: the sampler draws step 3
             os.kill(_sampler_pid(trainer), signal.SIGKILL)
         return out
 
-    trainer.update = then_kill
+    trainer.algorithm.backward = then_kill
     with pytest.raises(TrainingFailed, match=r"step (3|4): the sampler process \(pid \d+\) was killed by signal 9.*"
                                              r"--resume") as failed:
         trainer.fit()
@@ -187,15 +187,15 @@ def test_the_sampler_process_killed_ends_the_run_with_one_line_and_keeps_the_che
 
 def test_ctrl_c_stops_the_trainer_after_the_step_and_closes_the_sampler_process(tmp_path):
     trainer = make_trainer(make_config(tmp_path, grpo={"max_staleness": 1}, train={"steps": 4}))
-    update = trainer.update
+    backward = trainer.algorithm.backward
 
-    def then_interrupt(batch):
-        out = update(batch)
+    def then_interrupt(k, prepared):
+        out = backward(k, prepared)
         os.kill(_sampler_pid(trainer), signal.SIGINT)  # a terminal's Ctrl-C reaches the whole process group
         os.kill(os.getpid(), signal.SIGINT)
         return out
 
-    trainer.update = then_interrupt
+    trainer.algorithm.backward = then_interrupt
     with pytest.raises(TrainingInterrupted):
         trainer.fit()
     assert latest_checkpoint(tmp_path / "run").name == "step-000001"

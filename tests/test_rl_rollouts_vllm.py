@@ -29,7 +29,7 @@ from branchreplay.rl.config import Config
 from branchreplay.rl.run.stops import TrainingFailed
 from branchreplay.rl.run.trainer import Trainer
 from branchreplay.rl.rollouts.vllm.client import VLLMClient, VLLMError
-from test_rl_run_trainer import DATA, ByteTokenizer, byte_reward
+from test_rl_run_trainer import ByteTokenizer, DATA, byte_reward, generate, train_on
 
 OFFSET = 0.05  # the stand-in's logprobs are its model's minus this
 
@@ -185,7 +185,7 @@ def test_branching_samples_each_shared_prefix_once_then_continues_it(stand_in, t
     their 3 tokens, and the server's logprobs line up with the run's (logprob_diff = OFFSET)."""
     server = stand_in()
     trainer = _trainer(_config(tmp_path, server.url, branching=[[0, 2], [3, 2]]))
-    batch = trainer.generate(1)
+    batch = generate(trainer, 1)
     prompts = {tuple(p) for p in batch.prompt_ids}
     level0 = [b for b in server.bodies if tuple(b["prompt"]) in prompts]
     forks = [b for b in server.bodies if tuple(b["prompt"]) not in prompts]
@@ -230,20 +230,20 @@ def test_multi_turn_asks_every_trajectorys_next_turn_together(stand_in, tmp_path
     trajectories are the run's rollouts, and the server's logprobs line up with the run's after a sync."""
     import copy
 
-    from branchreplay.rl.rollouts import sampler
+    from branchreplay.rl.rollouts.vllm import backend
     from test_rl_agent import ITEMS, Counter, make_config
     from test_rl_agent_environments import TurnTokenizerWithDecode, _chatty_model
 
     model = _chatty_model()
     server = stand_in(model=copy.deepcopy(model), tokenizer=TurnTokenizerWithDecode())
     rounds = []
-    turn = sampler.sample_trees
-    monkeypatch.setattr(sampler, "sample_trees", lambda client, requests, *a: rounds.append(requests) or
+    turn = backend.sample_trees
+    monkeypatch.setattr(backend, "sample_trees", lambda client, requests, *a: rounds.append(requests) or
                         turn(client, requests, *a))
     config = make_config(tmp_path, sampling={"backend": "vllm", "vllm_url": server.url, "temperature": 0.7})
     trainer = Trainer(config, model=model, tokenizer=TurnTokenizerWithDecode(), train_data=ITEMS,
                       eval_data=ITEMS[:3], env=Counter())
-    batch = trainer.generate(1)
+    batch = generate(trainer, 1)
     assert len(rounds[0]) == 2 and all(schedule == {0: 2} for _, schedule in rounds[0])  # one per item
     assert len(rounds[1]) >= 2 and len(rounds) >= 3  # the replies that got an answer, all together
     for earlier, later in zip(rounds, rounds[1:]):
@@ -264,7 +264,7 @@ def test_truncated_importance_sampling_scales_the_policy_term(stand_in, tmp_path
     metrics = {}
     for cap in (None, 1.02):
         trainer = _trainer(_config(tmp_path / str(cap), stand_in().url, vllm_importance_sampling_cap=cap))
-        metrics[cap] = trainer.update(trainer.generate(1))
+        metrics[cap] = train_on(trainer, generate(trainer, 1))
     assert metrics[1.02]["sampling/importance_sampling_ratio/mean"] == pytest.approx(1.02)
     assert "sampling/importance_sampling_ratio/mean" not in metrics[None]
     for key in ("loss", "grad_norm"):

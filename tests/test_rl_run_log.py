@@ -122,8 +122,8 @@ def test_log_completions_and_tensorboard_notice(tmp_path):
     trainer = Trainer(config, model=tiny_model("llama", dtype=torch.float32, seed=0), tokenizer=ByteTokenizer(),
                       train_data=DATA, eval_data=DATA[:4], reward_fn=byte_reward, console=console)
     batch_rewards = []
-    generate = trainer.generate
-    trainer.generate = lambda step: batch_rewards.append(b := generate(step)) or b
+    score = trainer.source.score
+    trainer.source.score = lambda drawn: batch_rewards.append(b := score(drawn)) or b
     run = trainer.fit()
     rows = [json.loads(line) for line in (run / "completions.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [1] * 8 + [2] * 8  # 2 prompts x 4 completions per step

@@ -9,6 +9,7 @@ tests/test_rl_run_log.py.
 import json
 import os
 import signal
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -21,7 +22,9 @@ from branchreplay.rl.algorithms.advantages import group_advantages
 from branchreplay.rl.run.checkpoint import latest_checkpoint, save_checkpoint
 from branchreplay.rl.config import Config
 from branchreplay.rl.data.order import prompt_indices
-from branchreplay.rl.policy import accumulate
+from branchreplay.rl.policy import Policy
+from branchreplay.rl.run import step as phases
+from branchreplay.rl.shards import Shards
 from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
 from branchreplay.rl.run.trainer import Trainer
 from branchreplay.tree import RolloutTree
@@ -75,6 +78,31 @@ def make_trainer(config, dtype=torch.float32, reward_fn=byte_reward, model=None)
                    reward_fn=reward_fn)
 
 
+def generate(trainer, step: int):
+    """The batch of `step`, sampled and scored as `train_step` does."""
+    return trainer.source.score(trainer.source.sample(step))
+
+
+def with_advantages(trainer, batch):
+    """`batch` with its rollouts' advantages (and old and reference logprobs) written as `train_step` writes them
+    (the run's passes and its part's estimate, in one process)."""
+    part = trainer.algorithm
+    shards = Shards.of(batch.trees, None, trainer.model.config)
+    phases.advantages(part, batch, shards, phases.passes(part, batch, shards))
+    return batch
+
+
+def train_on(trainer, batch, step: int = 1) -> dict:
+    """`train_step` on `batch`: the step's phases after sampling, the trainer's source answering with it; its
+    record."""
+    source = trainer.source
+    trainer.source = SimpleNamespace(sample=lambda step: batch, score=lambda drawn: drawn)
+    try:
+        return trainer.train_step(step)
+    finally:
+        trainer.source = source
+
+
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
@@ -119,15 +147,15 @@ def test_gradient_does_not_depend_on_micro_batching(tmp_path, keep64):
     config = make_config(tmp_path, grpo={"prompts_per_step": 3, "loss_type": "grpo"})
     trainer = make_trainer(config, dtype=torch.float64)
     keep64(trainer.model)
-    batch = trainer.generate(1)
+    batch = with_advantages(trainer, generate(trainer, 1))
     trees = [RolloutTree(group) for group in batch.rollouts]
-    assert batch.advantages.abs().sum() > 0
+    assert sum(float(r.advantages.abs().sum()) for r in batch.flat) > 0
     total = sum(float(r.weights.sum()) for group in batch.rollouts for r in group)
     assert abs(total - 1.0) < 1e-12, "grpo weights must be normalised over the whole step"
     runs = []
     for micro in (1, 0):
         trainer.model.zero_grad(set_to_none=True)
-        accumulate(trainer.model, trees, GRPOLoss(), micro, temperature=0.7)
+        Policy(trainer.model, temperature=0.7, micro_batch=micro).accumulate(trees, GRPOLoss())
         runs.append(grads(trainer.model))
     err = max_rel_grad_err(runs[0], runs[1])
     assert err <= 1e-6, f"micro_batch_prompts 1 vs all: max relative grad error {err:.3e}"
@@ -135,7 +163,7 @@ def test_gradient_does_not_depend_on_micro_batching(tmp_path, keep64):
 
 def test_first_iteration_ratio_is_one(tmp_path):
     trainer = make_trainer(make_config(tmp_path))
-    batch = trainer.generate(1)
+    batch = generate(trainer, 1)
     trees = [RolloutTree(group) for group in batch.rollouts]
     replayed = replay_logprobs(trainer.model, trees, temperature=0.7).logprobs
     samples = [s for group in batch.samples for s in group]
@@ -149,7 +177,7 @@ def test_truncated_completions_masked_in_numerator_and_denominator(tmp_path):
     config = make_config(tmp_path, grpo={"mask_truncated_completions": True, "loss_type": "dapo"},
                          sampling={"max_new_tokens": 3})
     trainer = make_trainer(config)
-    batch = trainer.generate(1)
+    batch = generate(trainer, 1)
     flat = [(s, r) for sg, rg in zip(batch.samples, batch.rollouts) for s, r in zip(sg, rg)]
     assert any(s.truncated for s, _ in flat)
     kept = sum(len(s.completion_ids) for s, _ in flat if not s.truncated)
@@ -351,19 +379,18 @@ def test_consecutive_failed_steps_stop_the_run_with_a_checkpoint_of_the_last_goo
 
 
 def test_every_engine_call_takes_the_engine_section(tmp_path, monkeypatch):
-    """--engine.* reaches replay_backward and replay_logprobs (old logprobs with num_iterations 2, reference with
-    beta > 0)."""
+    """--engine.* reaches every engine call, backward and without a graph (old logprobs with num_iterations 2,
+    reference with beta > 0), in the one options object the policy passes down."""
     import branchreplay.rl.policy as methods_module
 
     seen = []
-    for name in ("replay_backward", "replay_logprobs"):
-        original = getattr(methods_module, name)
+    original = methods_module.replay_with
 
-        def spy(*args, _original=original, _name=name, **kwargs):
-            seen.append((_name, kwargs["engine"]))
-            return _original(*args, **kwargs)
+    def spy(model, trees, loss, options):
+        seen.append(("replay_backward" if loss is not None else "replay_logprobs", options.engine))
+        return original(model, trees, loss, options)
 
-        monkeypatch.setattr(methods_module, name, spy)
+    monkeypatch.setattr(methods_module, "replay_with", spy)
     config = make_config(tmp_path, grpo={"num_iterations": 2, "beta": 0.01},
                          engine={"replay": "replay", "max_pack_tokens": 8})
     make_trainer(config).train_step(1)
@@ -425,7 +452,7 @@ def test_groups_sampled_in_waves_equal_the_whole_step(tmp_path, keep64):
         trainer = make_trainer(make_config(tmp_path / str(limit), grpo={"prompts_per_step": 3},
                                            sampling={"max_num_seqs": limit}), dtype=torch.float64)
         keep64(trainer.model)
-        batches[limit], waves[limit] = trainer.generate(1), trainer.source.waves([0, 1, 2])
+        batches[limit], waves[limit] = generate(trainer, 1), trainer.source.backend.waves([0, 1, 2])
     assert waves == {None: [[0, 1, 2]], 4: [[0], [1], [2]], 9: [[0, 1], [2]], 1: [[0], [1], [2]]}
     whole = batches[None]
     for batch in batches.values():

@@ -1,7 +1,8 @@
 """One prefix forest per step (`tree.forest`, `EngineConfig.forest`): the groups of a step run as one trie, so a start
 their prompts share (a system prompt, few-shot turns) runs once, and the gradient is the one of the per-group trees
 and of the naive per-rollout reference (float64). Advantages stay per group and the loss normalisation per step
-(`rollouts.batch.group_rollouts`); a control that merges two groups' advantages (one group of 2G) is seen.
+(`rollouts.batch.group_rollouts`, `algorithms.advantages.group_advantages`); a control that merges two groups'
+advantages (one group of 2G) is seen.
 """
 
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.losses import GRPOLoss
+from branchreplay.rl.algorithms.advantages import group_advantages
 from branchreplay.rl.rollouts.batch import group_rollouts
 from branchreplay.tree import RolloutTree, forest, forests
 from conftest import grads
@@ -38,6 +40,15 @@ def grpo(loss_type: str = "grpo"):
     return SimpleNamespace(scale_rewards="group", mask_truncated_completions=False, loss_type=loss_type)
 
 
+def scored(sequences, rewards, config) -> list:
+    """Per group, its Rollouts with GRPO's group advantages and the step's loss weights, as a step trains them."""
+    rollouts = group_rollouts(sequences, config, max_completion_length=8)
+    flat = [r for group in rollouts for r in group]
+    for r, a in zip(flat, group_advantages(rewards, [r.group for r in flat], config.scale_rewards).tolist()):
+        r.advantages = torch.full((len(r),), a, dtype=torch.float64)
+    return rollouts
+
+
 def gradient(model, trees, loss, **engine):
     model.zero_grad(set_to_none=True)
     result = replay_backward(model, trees, loss, temperature=0.7, engine=EngineConfig(**{**EVERY_SHARED_NODE,
@@ -48,7 +59,7 @@ def gradient(model, trees, loss, **engine):
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "bnpo"])
 def test_one_forest_per_step_equals_per_group_trees_and_naive(loss_type, tiny64):
     model = tiny64("llama")
-    rollouts, _, _ = group_rollouts(*step_sequences(0), grpo(loss_type), max_completion_length=8)
+    rollouts = scored(*step_sequences(0), grpo(loss_type))
     trees = [RolloutTree(group) for group in rollouts]
     loss = GRPOLoss(beta=0.0, entropy_coef=0.01)
     together, merged = gradient(model, trees, loss)
@@ -71,9 +82,8 @@ def test_merging_the_groups_advantages_is_seen(tiny64):
     mean) give another gradient than the per-group advantages the step trains on."""
     model = tiny64("llama")
     sequences, rewards = step_sequences(1)
-    rollouts, _, _ = group_rollouts(sequences, rewards, grpo(), max_completion_length=8)
-    wrong, _, _ = group_rollouts([sequences[0] + sequences[1], sequences[2]], rewards, grpo(),
-                                 max_completion_length=8)
+    rollouts = scored(sequences, rewards, grpo())
+    wrong = scored([sequences[0] + sequences[1], sequences[2]], rewards, grpo())
     loss = GRPOLoss(beta=0.0)
     right, _ = gradient(model, [RolloutTree(group) for group in rollouts], loss)
     merged, _ = gradient(model, [RolloutTree(group) for group in wrong], loss)
@@ -84,7 +94,7 @@ def test_forest_keeps_order_and_optional_fields_apart(tiny64):
     """Trees whose rollouts carry old logprobs and trees without run in one call (as separate forests): per-rollout
     results in the order given; `forest` of one tree is that tree; a tree with images is refused by name."""
     model = tiny64("llama")
-    rollouts, _, _ = group_rollouts(*step_sequences(2), grpo(), max_completion_length=8)
+    rollouts = scored(*step_sequences(2), grpo())
     for r in rollouts[1]:
         r.old_logprobs = torch.zeros(len(r), dtype=torch.float64)
     trees = [RolloutTree(group) for group in rollouts]
@@ -102,7 +112,7 @@ def test_forest_keeps_order_and_optional_fields_apart(tiny64):
 def test_only_trees_that_share_a_start_merge():
     """`forests`: consecutive trees that share a first token become one tree; a tree that shares none with its
     neighbour stays itself (it runs exactly as alone)."""
-    rollouts, _, _ = group_rollouts(*step_sequences(3), grpo(), max_completion_length=8)
+    rollouts = scored(*step_sequences(3), grpo())
     trees = [RolloutTree(group) for group in rollouts]
     out = forests(trees + trees[:1])
     assert len(out) == 3 and out[1] is trees[2] and out[2] is trees[0]

@@ -34,7 +34,7 @@ def replay_backward(model, trees, loss, *, force: bool = False, **options):
     from .engine.replay import replay_backward as run
 
     _check_forced(model, force)
-    return run(model, trees, loss, force=force, **options)
+    return run(model, trees, loss, trusted=force, **options)
 
 
 def replay_logprobs(model, trees, *, force: bool = False, **options):
@@ -42,18 +42,18 @@ def replay_logprobs(model, trees, *, force: bool = False, **options):
     from .engine.replay import replay_logprobs as run
 
     _check_forced(model, force)
-    return run(model, trees, force=force, **options)
+    return run(model, trees, trusted=force, **options)
 
 
 def _check_forced(model, force: bool) -> None:
     """The self-check of `force=True`, on the model the engine runs: a peft model's base, a vision-language model's
     language model (as `engine.replay` resolves them)."""
-    from .engine.families import FAMILIES, check_force
+    from .engine.families import FAMILIES, check_trusted
     from .engine.self_check import check_once
     from .engine.vision import language_model
     from .models import base_of
 
-    check_force(force)
+    check_trusted(force, "force")
     runs = language_model(base_of(model))
     if force and runs.config.model_type not in FAMILIES:
         check_once(runs)

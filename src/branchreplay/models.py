@@ -6,7 +6,9 @@
     load_model("path/to/model.gguf") # GGUF file, dequantized
     load_model("org/name")           # hub id (needs network)
 
-`load_policy` is the run config's model section (spec, dtype, device) and `autocast` its mixed precision;
+Public (the quick starts import them; docs/reference/api.md): `load_model`, `chat_prompt_ids` (a chat prompt's token
+ids, as the sampler renders it) and `model_folder` (a spec's local folder, for TRL's `model=`). The rest serves the
+package: `load_policy` is the run config's model section (spec, dtype, device) and `autocast` its mixed precision;
 `head_dim`, `max_positions` and `is_mixture_of_experts` are the config facts every part reads from here. Importing
 it checks the installed transformers (`require_transformers`): every part that calls a model imports this module.
 """

@@ -4,7 +4,7 @@ the same step in one process, on a tiny random config or a user's model.
 grpo: the sharded engine step (`engine.replay.replay_backward_sharded`) with the GRPO loss, on two steps: every
 non-random shape of `shapes.SHAPES` as its own tree (groups go to ranks whole) and the shared-prompt tree alone
 (split across the ranks). ppo, rloo, dpo: the trainer's own first update of that algorithm
-(`rl.run.update.first_update_gradient`, FSDP2 or DDP) on a synthetic batch (`algorithm_batch`). The one-process
+(`rl.run.step.first_update_gradient`, FSDP2 or DDP) on a synthetic batch (`algorithm_batch`). The one-process
 computation is checked against the naive per-rollout one by `verify --loss` itself. Bound: float64 as
 `verify_model`'s (1e-6, 1e-4 for the families that compute in float32), float32 1e-4 (the tiny configs'
 engine-vs-naive bound).
@@ -99,16 +99,16 @@ def _grpo_step(single, model, strategy: str, seed: int, force: bool) -> dict:
     dp = DataParallel(model, strategy)
     for trees in steps:
         for tree in trees:  # off-policy, with reference logprobs: clipping and KL are exercised
-            current = replay_logprobs(single, tree, force=force).logprobs
+            current = replay_logprobs(single, tree, trusted=force).logprobs
             for r, lp in zip(tree.rollouts, current):
                 noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
                 r.old_logprobs = (lp.double() + noise) * r.loss_mask
                 r.ref_logprobs = (lp.double() - noise) * r.loss_mask
         single.zero_grad(set_to_none=True)
         model.zero_grad(set_to_none=True)
-        replay_backward(single, trees, loss, force=force)
+        replay_backward(single, trees, loss, trusted=force)
         expected = [p.grad.clone() if p.grad is not None else torch.zeros_like(p) for p in single.parameters()]
-        _, plan = replay_backward_sharded(dp, trees, loss, force=force)
+        _, plan = replay_backward_sharded(dp, trees, loss, trusted=force)
         errors.append(max_rel_grad_err(dp.full_grads(), expected))
         imbalance.append(plan.imbalance)
         recomputed += plan.recomputed_positions
@@ -126,7 +126,7 @@ def algorithm_gradients(single, model, algorithm: str, strategy: str, seed: int 
     Returns {"max_rel_grad_err", "trees", "imbalance", "recomputed_positions", "layout"}."""
     from ..engine.parallel.sharding import shard
     from ..rl.run.parallel import Ranks
-    from ..rl.run.update import first_update_gradient
+    from ..rl.run.step import first_update_gradient
 
     ranks = Ranks(torch.distributed.get_rank(), torch.distributed.get_world_size())
     grads = []
@@ -154,7 +154,7 @@ def _part(model, algorithm: str, ranks, force: bool, settings: dict | None = Non
     sections = ALGORITHM_SETTINGS.get(algorithm, {}) if settings is None else settings
     config = Config.from_dict({"algorithm": algorithm, **sections})
     part = algorithm_class(algorithm)
-    policy = Policy(model, 1.0 if algorithm == "dpo" else 0.8, force=force, ranks=ranks)
+    policy = Policy(model, 1.0 if algorithm == "dpo" else 0.8, trusted=force, ranks=ranks)
     reference = None
     if part.needs_reference(config):  # moved off the policy, so that the KL terms and DPO's margins are not zero
         frozen = copy.deepcopy(model).requires_grad_(False)
@@ -172,7 +172,7 @@ def algorithm_batch(algorithm: str, config, vocab: int, seed: int = 0, groups: i
     completion truncated (a `rollouts.batch.Batch`); for DPO five pairs over `groups` prompts, every second pair's
     responses sharing a prefix (a `PairBatch`). The same on every rank for a `seed`."""
     from ..rl.data.preferences import PairBatch, PreferencePair, pair_trees
-    from ..rl.rollouts.batch import Batch, group_rollouts
+    from ..rl.rollouts.batch import Batch, group_rollouts, group_std
 
     g = torch.Generator().manual_seed(seed)
     if algorithm == "dpo":
@@ -194,6 +194,7 @@ def algorithm_batch(algorithm: str, config, vocab: int, seed: int = 0, groups: i
             group.append((prompt + completion, [0] * P + [1] * len(completion), k % 2 == 1))
         sequences.append(group)
     rewards = torch.rand(sum(map(len, sequences)), generator=g)
-    rollouts, advantages, std = group_rollouts(sequences, rewards, config.grpo, 9)
+    rollouts = group_rollouts(sequences, config.grpo, 9)
+    std = group_std(rewards, [r.group for group in rollouts for r in group], config.grpo.scale_rewards)
     flat = [s for group in sequences for s in group]
-    return Batch(rollouts, rewards, advantages, std, [int(sum(m)) for _, m, _ in flat], [c for _, _, c in flat])
+    return Batch(rollouts, rewards, std, [int(sum(m)) for _, m, _ in flat], [c for _, _, c in flat])

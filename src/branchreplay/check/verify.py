@@ -159,7 +159,7 @@ def _verify(models, seed, random_trees, temperature, force, compute, objective, 
         rollouts = make_rollouts(build(vocab, g), g)
         tree = RolloutTree(rollouts)
         with compute():
-            current = replay_logprobs(model, tree, temperature=temperature, force=force).logprobs
+            current = replay_logprobs(model, tree, temperature=temperature, trusted=force).logprobs
         for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
@@ -171,7 +171,7 @@ def _verify(models, seed, random_trees, temperature, force, compute, objective, 
             continue
         if objective == "ppo":  # per-token advantages (GAE's), value targets, values at sampling moved (clipping)
             with compute():
-                values = replay_logprobs(models[1][0], tree, engine=engine, force=force).values
+                values = replay_logprobs(models[1][0], tree, engine=engine, trusted=force).values
             for r, v in zip(rollouts, values):
                 r.advantages = torch.randn(len(r), generator=g, dtype=torch.float64) * r.loss_mask
                 r.returns = (v.double() + torch.randn(len(r), generator=g, dtype=torch.float64)) * r.loss_mask
@@ -191,7 +191,7 @@ def _check(model, reference64, rollouts, tree, loss, name, threshold, temperatur
     with compute():
         naive, g_naive = _naive(model, rollouts, loss, temperature)
         model.zero_grad(set_to_none=True)
-        replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine, force=force)
+        replay = replay_backward(model, tree, loss, temperature=temperature, engine=engine, trusted=force)
     g_replay = [_grad(p) for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     result = ShapeResult(name, len(rollouts), tree.stats.logical_tokens, tree.stats.physical_tokens,
@@ -214,7 +214,7 @@ def _check_rloo(models, rollouts, tree, name, threshold, temperature, engine, fo
     n = max(len(rollouts) - 1, 1)
     advantages = rewards - (rewards.sum() - rewards) / n  # leave-one-out, the tree one group
     with compute():
-        sums = sequence_sums(replay_logprobs(model, tree, temperature=temperature, force=force).logprobs, rollouts)
+        sums = sequence_sums(replay_logprobs(model, tree, temperature=temperature, trusted=force).logprobs, rollouts)
     # ratios well inside the clip range or well outside it (|log ratio| 0.05 or 0.8, margins of 0.15 nats or more):
     # a summed bfloat16 logprob is off by ~0.05 nats, so no rounding can flip a clipping decision between the engine
     # and naive, and both branches of the clip are exercised
@@ -270,7 +270,7 @@ def _sequence_check(model, reference64, rollouts, trees, loss, name, engine, for
         g_naive = [_grad(p) for p in model.parameters()]
         model.zero_grad(set_to_none=True)
         _, sums, _ = replay_sequence_backward(model, trees, loss, temperature=temperature, engine=engine,
-                                              force=force)
+                                              trusted=force)
     g_tree = [_grad(p) for p in model.parameters()]
     model.zero_grad(set_to_none=True)
     stats = sum((t.stats for t in trees[1:]), trees[0].stats)

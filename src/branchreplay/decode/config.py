@@ -94,6 +94,11 @@ class SamplingConfig:
         "token's policy term times min(exp(logp_old - logp_vllm), cap), > 0; null = off. Token-level losses only "
         "(algorithm grpo, not GSPO)"))
 
+    @property
+    def uses_vllm(self) -> bool:
+        """Whether a vLLM server samples (backend vllm), not this process (hf)."""
+        return self.backend == "vllm"
+
     def __post_init__(self):
         choice("sampling.backend", self.backend, Backend)
         choice("sampling.cache_implementation", self.cache_implementation, CacheImplementation)

@@ -19,8 +19,8 @@ self-check and the exactness tests run their small trees as trees with it."""
 @dataclass(frozen=True)
 class EngineConfig:
     """How the execution stack runs a tree. None of these change the result, only time and memory. Each field's
-    help is its metadata. (Whether a model outside the registry runs at all is the caller's: `force`, and the
-    trainer's `train.unknown_family`.)"""
+    help is its metadata. (Whether a model outside the registry runs at all is the caller's: the engine's
+    `trusted`, the package's `force`, and the trainer's `train.unknown_family`.)"""
 
     max_pack_tokens: int = field(default=256, metadata=help_of(
         "most tokens of nodes run as one pack (one query sequence: siblings against one copy of their prefix K/V, "

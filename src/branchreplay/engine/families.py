@@ -7,7 +7,7 @@ This module is the one place that knows, per family, which layers are which and 
 custom mask. A family outside the registry is refused by name (`UnsupportedModelError`), or,
 with `train.unknown_family="self-check"` or the package's `force=True`, first checked against the naive reference on
 the user's own model (`self_check.py`; once per model class, config and dtype in a process); the engine's own
-`force=True` runs it trusted. An unknown family with recurrent or hybrid layers is always refused, and so is one
+`trusted=True` runs it unchecked. An unknown family with recurrent or hybrid layers is always refused, and so is one
 whose attention the engine cannot carry: ALiBi biases (MPT, Bloom, Falcon with `alibi=True`), the families of
 `REFUSED` (DiffLlama's differential attention, Dory's looped layers), or K/V handed to the cache as other than
 [batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's (`cache._check_layout`).
@@ -176,24 +176,24 @@ PER_LAYER_READ = ("head_dim", "num_key_value_heads")
 """The attributes a heterogeneous config (transformers' `per_layer_config`) may set per layer for the engine: it reads
 them per layer (`models.head_dim`, `models.kv_heads`); any other per-layer attribute is refused (`family_of`)."""
 
-def family_of(model, force: bool = False, router_loss: bool = False) -> Family:
-    """The registry entry for `model`; with `force`, a family not in the registry gets `generic_family(model)`
+def family_of(model, trusted: bool = False, router_loss: bool = False) -> Family:
+    """The registry entry for `model`; with `trusted`, a family not in the registry gets `generic_family(model)`
     instead of a refusal, trusted: the caller checked it (the package's `replay_backward(force=True)` runs
     `self_check.check_once` first; the trainer its `train.unknown_family` check).
     `router_loss`: the caller computes the MoE router load-balancing loss (`router.RouterLoss`), so a config with
     `output_router_logits` is not refused.
 
     Raises:
-        UnsupportedModelError: the family is not registered (and not `force`), the attention implementation cannot
+        UnsupportedModelError: the family is not registered (and not `trusted`), the attention implementation cannot
             take a tree mask, the config asks for something the engine does not compute (the MoE router
             auxiliary loss, non-causal attention), an unregistered family's attention the engine cannot carry
             (ALiBi).
-        ValueError: `force` is a string (e.g. the old "unchecked"), not True or False.
+        ValueError: `trusted` is a string (e.g. the old "unchecked"), not True or False.
     """
-    check_force(force)
+    check_trusted(trusted)
     config = model.config
     model_type = config.model_type
-    if model_type not in FAMILIES and not force:
+    if model_type not in FAMILIES and not trusted:
         raise UnsupportedModelError(
             f"model family '{model_type}' is not supported by the branchreplay engine (supported: "
             f"{', '.join(sorted(FAMILIES))}). Run `branchreplay verify --model PATH --force` to check it against "
@@ -234,18 +234,19 @@ def family_of(model, force: bool = False, router_loss: bool = False) -> Family:
     return generic_family(model)
 
 
-def check_force(force) -> None:
-    """Refuse a string `force` by name (a bool-like value is taken as its truth).
+def check_trusted(value, name: str = "trusted") -> None:
+    """Refuse a string `value` of the flag `name` (the engine's `trusted`, the package's `force`); a bool-like value
+    is taken as its truth.
 
     Raises:
-        ValueError: `force` is a string.
+        ValueError: `value` is a string.
     """
-    if isinstance(force, str):
-        raise ValueError(f"force={force!r}: pass True (run a family outside the registry) or False")
+    if isinstance(value, str):
+        raise ValueError(f"{name}={value!r}: pass True (run a family outside the registry) or False")
 
 
 def generic_family(model) -> Family:
-    """A `Family` guessed for an unregistered model, used only under `force`: a decoder whose forward mentions a
+    """A `Family` guessed for an unregistered model, used only under `trusted`: a decoder whose forward mentions a
     mask mapping takes one (as Qwen2 / Gemma do), else one 4D mask; `config.sliding_window` applies to every layer
     unless `config.layer_types` says which layers slide. A wrong guess shows up as an error in `branchreplay verify`
     (and in the self-check that runs before).
@@ -257,7 +258,7 @@ def generic_family(model) -> Family:
     config = model.config
     if config.model_type in REFUSED:
         raise UnsupportedModelError(
-            f"{config.model_type}: {REFUSED[config.model_type]} (refused whatever `force` says)")
+            f"{config.model_type}: {REFUSED[config.model_type]} (refused whatever `trusted` says)")
     refuse_recurrent(model)
     decoder, _, _ = decoder_and_head(model)
     source = _forward_source(decoder)
@@ -265,7 +266,7 @@ def generic_family(model) -> Family:
         raise UnsupportedModelError(
             f"{config.model_type}: its attention adds ALiBi biases, which transformers builds from the 2D padding "
             "mask of the whole sequence (`build_alibi_tensor`); the engine hands each node a 4D tree mask and a "
-            "prefix cache instead, so it cannot run this model exactly (refused whatever `force` says). Models "
+            "prefix cache instead, so it cannot run this model exactly (refused whatever `trusted` says). Models "
             "with rotary or learned positions run; ALiBi families are not supported")
     mask_mapping = "mask_mapping" in source if source else getattr(config, "layer_types", None) is not None
     return Family(config.model_type, mask_mapping=mask_mapping,
@@ -294,7 +295,7 @@ def refuse_recurrent(model) -> None:
     """Refuse by name an unregistered model with recurrent or hybrid layers: `config.layer_types` entries other than
     "full_attention" / "sliding_attention", a field of `RECURRENT_CONFIG_KEYS`, or torch Conv1d modules. Their state
     cannot be guessed (a guessed `Family` would hand the decoder a mask mapping without "linear_attention" and run
-    siblings in one scan), so such a model is refused whatever `force` or the self-check say.
+    siblings in one scan), so such a model is refused whatever `trusted` or the self-check say.
 
     Raises:
         UnsupportedModelError: naming the family and what marks it recurrent.
@@ -309,7 +310,8 @@ def refuse_recurrent(model) -> None:
         raise UnsupportedModelError(
             f"{config.model_type}: not in the engine's registry and has recurrent or hybrid layers ({', '.join(what)}):"
             " an unknown family's recurrent state cannot be guessed, so it is refused even with "
-            "train.unknown_family='self-check' or force=True; registering it needs its state in engine/recurrent.py")
+            "train.unknown_family='self-check' or the package's force=True; registering it needs its state in "
+            "engine/recurrent.py")
 
 
 def _forward_source(decoder) -> str:

@@ -20,7 +20,7 @@ class ModelView:
     """The engine's view of a causal LM or a critic (`value.is_value_model`), as one engine call runs it.
 
     model: the language model (a LoRA model's base, a vision-language model's LM: `vision.language_model`).
-    family: its `families.Family` (the registry's, or guessed under `force`).
+    family: its `families.Family` (the registry's, or guessed under `trusted`).
     decoder: the base model, returning final-normed hidden states [B, S, H].
     head: the output projection H -> V (a critic's scalar `score`, H -> 1); transform: the `head.LogitTransform`
         that the model's ForCausalLM applies after it (the identity for a critic).

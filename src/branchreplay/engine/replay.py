@@ -18,6 +18,7 @@ from ..losses import LossFn
 from ..models import base_of, max_positions
 from ..tree import ReplayResult, RolloutTree, TreeStats, forests
 from .config import EngineConfig
+from .options import ReplayOptions
 from .parallel.context_parallel import ContextParallelTree
 from .parallel.distributed import DataParallel, check_same_trees
 from .families import check_no_dropout
@@ -37,7 +38,7 @@ def replay_backward(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
-    force: bool = False,
+    trusted: bool = False,
     final_backward: contextlib.AbstractContextManager | None = None,
     lockstep: bool = False,
     router: RouterLoss | None = None,
@@ -57,8 +58,8 @@ def replay_backward(
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
         engine: packing, chunking and replay options (`EngineConfig`).
-        force: run a family that is not in the registry, as `families.generic_family` guesses it, trusted: the
-            caller checked it (the package's `branchreplay.replay_backward(force=True)` runs the self-check first;
+        trusted: run a family that is not in the registry, as `families.generic_family` guesses it, unchecked:
+            the caller checked it (the package's `branchreplay.replay_backward(force=True)` runs the self-check first;
             `branchreplay verify --force` and the trainer check it themselves).
         final_backward: a context entered around the call's LAST backward pass (the root pack of the last tree),
             which always runs, through every layer (with a zero loss if nothing else flows there). Data parallelism
@@ -72,31 +73,32 @@ def replay_backward(
     `engine/positions.py`) runs as one sub-forest per regime; `stats` counts the positions actually computed.
 
     Raises:
-        UnsupportedModelError: the model's family (unless `force`) or attention implementation is not supported, an
+        UnsupportedModelError: the model's family (unless `trusted`) or attention implementation is not supported, an
             unregistered family's attention the engine cannot carry (ALiBi, a cache of another layout). (The
             self-check of an unregistered family is the package's `branchreplay.replay_backward(force=True)`.)
         HeadMismatchError: the model's ForCausalLM transforms its logits in a way the engine's head does not know.
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
-    return _replay(model, trees, loss, temperature, engine, force, final_backward, lockstep, router=router)
+    return replay_with(model, trees, loss, ReplayOptions(temperature, engine, trusted, lockstep, final_backward,
+                                                 router=router))
 
 
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
-                            force: bool = False, layout: str = "auto", cost=None):
+                            trusted: bool = False, layout: str = "auto", cost=None):
     """`replay_backward` of this rank's share of `trees` (`sharding.shard` with `layout` and `cost`, its
     `CostModel`, default `CostModel()`; the same plan on every rank), the gradient reduced once: afterwards
     every rank's gradient is the sum over all ranks, i.e. the single-process gradient of all `trees` (FSDP2 layers:
     this rank's shard of it). Returns (this rank's `ReplayResult`, the `ShardPlan`). Every rank must call it with the
-    same trees: `distributed.check_same_trees` raises ValueError, naming the ranks, where they differ. `force`: as
-    `replay_backward`'s (trusted: check an unregistered family before sharding, `self_check.ensure_supported`, since
-    the check needs the whole model).
+    same trees: `distributed.check_same_trees` raises ValueError, naming the ranks, where they differ. `trusted`: as
+    `replay_backward`'s (check an unregistered family before sharding, `self_check.ensure_supported`, since the
+    check needs the whole model).
     """
     plan = shard(list(trees), dp.world_size, dp.model.config, layout=layout, cost=cost or CostModel())
     check_same_trees(list(trees), plan.layout)
     with dp.accumulate():
         result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
-                                 engine=engine or EngineConfig(), force=force, final_backward=dp.final_sync(),
+                                 engine=engine or EngineConfig(), trusted=trusted, final_backward=dp.final_sync(),
                                  lockstep=dp.lockstep)
     dp.reduce_replicated()
     return result, plan
@@ -109,7 +111,7 @@ def replay_logprobs(
     *,
     temperature: float = 1.0,
     engine: EngineConfig = EngineConfig(),
-    force: bool = False,
+    trusted: bool = False,
     lockstep: bool = False,
     head_stats: tuple[str, ...] = (),
     router: RouterLoss | None = None,
@@ -118,18 +120,30 @@ def replay_logprobs(
     rollout alone. Same arguments and errors as `replay_backward`; `head_stats`: names of `head.HEAD_STATS` to
     return too (`ReplayResult.head_stats`; TRL's DPO metrics read them); `router`: a fresh `router.RouterLoss`
     that sums the MoE router load-balancing loss's statistics over the trees (its pass 1)."""
-    return _replay(model, trees, None, temperature, engine, force, None, lockstep, head_stats, router)
+    return replay_with(model, trees, None, ReplayOptions(temperature, engine, trusted, lockstep,
+                                                    head_stats=tuple(head_stats), router=router))
 
 
-def _replay(model, trees, loss, temperature, engine: EngineConfig, force: bool = False, final_backward=None,
-            lockstep: bool = False, head_stats: tuple[str, ...] = (), router: RouterLoss | None = None
-            ) -> ReplayResult:
+def replay_with(model, trees: RolloutTree | list[RolloutTree], loss: LossFn | None, options: ReplayOptions
+                ) -> ReplayResult:
+    """`replay_backward` (with a `loss`) or `replay_logprobs` (`loss` None: without an autograd graph) with their
+    options in one object: what a caller that keeps its options (`rl.policy.Policy`) passes down. Same result and
+    errors."""
+    if loss is None:
+        with torch.no_grad():
+            return _replay(model, trees, None, options)
+    return _replay(model, trees, loss, options)
+
+
+def _replay(model, trees, loss, options: ReplayOptions) -> ReplayResult:
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    engine, lockstep, router = options.engine, options.lockstep, options.router
+    final_backward = options.final_backward
+    if options.temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {options.temperature}")
     model = base_of(model)  # a LoRA model runs as its base model with the adapter layers in place
     vision_language, model = model, language_model(model)  # a vision-language model's LM (vision.py)
-    run = _Run(model, temperature, engine, loss, force, tuple(head_stats), router)
+    run = _Run(model, loss, options)
     view = run.view  # the model, resolved once for the call (`stack.model_view`)
     _check_context_parallel(trees, view.rotaries)
     if router is not None and (lockstep or any(isinstance(t, ContextParallelTree) for t in trees)):

@@ -51,16 +51,16 @@ def check_once(model) -> None:
     if torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1:
         raise ValueError("force=True under data parallelism: the self-check of an unregistered family needs the whole "
                          "model; run engine.self_check.ensure_supported(model, 'self-check', {}) before sharding it, "
-                         "then call branchreplay.engine.replay_backward with force=True (trusted)")
+                         "then call branchreplay.engine.replay_backward with trusted=True")
     if is_value_model(model):
         raise ValueError("force=True checks a causal LM against the naive reference; for a critic, check its "
                          "policy (engine.self_check.check_once(policy)), then call branchreplay.engine's functions "
-                         "with force=True (trusted)")
+                         "with trusted=True")
     ensure_supported(model, "self-check", PROCESS_VERDICTS, log=logging.getLogger("branchreplay").info)
 
 
 def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> bool:
-    """Whether the engine must run `model` as an unregistered family (`force=True` in its calls, the check being
+    """Whether the engine must run `model` as an unregistered family (`trusted=True` in its calls, the check being
     done here).
 
     A registered family: False. An unregistered one, per `unknown_family` (the run's train.unknown_family):
@@ -77,7 +77,7 @@ def ensure_supported(model, unknown_family: str, verdicts: dict, log=print) -> b
         return False
     if unknown_family == "refuse":
         family_of(model)  # raises the refusal that names the family and `branchreplay verify --force`
-    family_of(model, force=True)  # `generic_family` refuses recurrent layers (`refuse_recurrent`) and ALiBi by name
+    family_of(model, trusted=True)  # `generic_family` refuses recurrent layers (`refuse_recurrent`) and ALiBi by name
     dtype = next(model.parameters()).dtype
     key = verdict_key(model)
     if key not in verdicts:
@@ -153,14 +153,14 @@ def _measure(model, dtype, seed: int, temperature: float) -> float:
     numerics = keep_float64(model) if dtype == torch.float64 else contextlib.nullcontext()
     with numerics:
         tree = RolloutTree(rollouts)
-        current = replay_logprobs(model, tree, temperature=temperature, engine=engine, force=True).logprobs
+        current = replay_logprobs(model, tree, temperature=temperature, engine=engine, trusted=True).logprobs
         for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
             r.ref_logprobs = (lp.double() - noise) * r.loss_mask
         naive = _grads(model, lambda: naive_backward(model, rollouts, loss, temperature=temperature))
         ours = _grads(model, lambda: replay_backward(model, tree, loss, temperature=temperature, engine=engine,
-                                                     force=True))
+                                                     trusted=True))
     return max_rel_grad_err(ours, naive)
 
 

@@ -35,7 +35,7 @@ must not depend on them there) of the N rollouts of all the trees, in order -> s
 
 
 def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss: TokenFunctionLoss, *,
-                             temperature: float = 1.0, engine: EngineConfig = EngineConfig(), force: bool = False,
+                             temperature: float = 1.0, engine: EngineConfig = EngineConfig(), trusted: bool = False,
                              first: ReplayResult | None = None, final_backward=None,
                              router: RouterLoss | None = None) -> tuple[float, ReplayResult, ReplayResult]:
     """Gradients of `loss`(logprobs, entropies) into `param.grad`, as its `.backward()` on the naive per-rollout
@@ -53,18 +53,18 @@ def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     rollouts = [r for t in trees for r in t.rollouts]
     if first is None:
-        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force, router=router)
+        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, trusted=trusted, router=router)
     if len(first.logprobs) != len(rollouts):
         raise ValueError(f"first holds {len(first.logprobs)} rollouts, the trees {len(rollouts)}")
     value, g, h = function_coefficients(loss, first.logprobs, first.entropy, router)
     second = replay_backward(model, linear_trees(trees, g, h), linear_loss, temperature=temperature, engine=engine,
-                             force=force, final_backward=final_backward, router=router)
+                             trusted=trusted, final_backward=final_backward, router=router)
     return value, first, second
 
 
 def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss: SequenceLoss, *,
                              temperature: float = 1.0, engine: EngineConfig = EngineConfig(),
-                             force: bool = False, sums: torch.Tensor | None = None,
+                             trusted: bool = False, sums: torch.Tensor | None = None,
                              final_backward=None) -> tuple[float, torch.Tensor, ReplayResult]:
     """Gradients of `loss`(s) into `param.grad`, where s [N] are the rollouts' summed logprobs over their
     loss_mask, as `loss(s).backward()` on the naive per-rollout sums would give them (module docstring).
@@ -78,14 +78,14 @@ def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss
     trees = [trees] if isinstance(trees, RolloutTree) else list(trees)
     rollouts = [r for t in trees for r in t.rollouts]
     if sums is None:
-        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force)
+        first = replay_logprobs(model, trees, temperature=temperature, engine=engine, trusted=trusted)
         sums = sequence_sums(first.logprobs, rollouts)
     s = torch.as_tensor(sums, dtype=torch.float64)
     if s.shape != (len(rollouts),):
         raise ValueError(f"sums has shape {tuple(s.shape)}, expected ({len(rollouts)},): one per rollout")
     value, g, h = sequence_coefficients(loss, s, rollouts)
     second = replay_backward(model, linear_trees(trees, g, h), linear_loss, temperature=temperature, engine=engine,
-                             force=force, final_backward=final_backward)
+                             trusted=trusted, final_backward=final_backward)
     return value, s, second
 
 

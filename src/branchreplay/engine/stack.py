@@ -23,7 +23,6 @@ from ..tree import Node, ReplayResult, RolloutTree
 from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
-from .config import EngineConfig
 from .parallel.context_parallel import ContextParallelTree, run_prefix
 from .parallel.lockstep import BACKWARD, FORWARD
 from .embedding import DeferredEmbeddingGrad
@@ -31,20 +30,21 @@ from .families import check_no_dropout, family_of, layer_windows
 from .head import check_float32_head, check_head, decoder_and_head, head_statistics, token_logprobs, token_values
 from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .model_view import ModelView
+from .options import ReplayOptions
 from .packs import batched_packs, chunked, is_batch, packs, spans
 from .planner import default_budget, memory_model, plan
 from .schedule import attention_per_key, schedule
 from .temperature import QueryTemperature
 from .positions import length_dependent_rotaries
 from .recurrent import EngineForwards, layer_kinds
-from .router import RouterLoss, routed, taken
+from .router import routed, taken
 from .vision import ImageRun
 
 
-def model_view(model, force: bool = False, router_loss: bool = False) -> ModelView:
-    """The engine's `ModelView` of `model`, resolved once per engine call. `force`, `router_loss`: as
+def model_view(model, trusted: bool = False, router_loss: bool = False) -> ModelView:
+    """The engine's `ModelView` of `model`, resolved once per engine call. `trusted`, `router_loss`: as
     `families.family_of`'s, whose errors it raises."""
-    family = family_of(model, force=force, router_loss=router_loss)
+    family = family_of(model, trusted=trusted, router_loss=router_loss)
     decoder, head, transform = decoder_and_head(model)  # transform: head.py
     critic = is_value_model(model)  # a value model: values at the trained positions (value.py)
     return ModelView(model, family, decoder, head, transform, windows=layer_windows(model.config),
@@ -85,12 +85,12 @@ class _PackForward(NamedTuple):
 class _Run:
     """State of one engine call over its trees: the model's view, the engine's options, and the tree's results."""
 
-    def __init__(self, model, temperature: float, engine: EngineConfig, loss, force: bool = False,
-                 head_stats: tuple[str, ...] = (), router: RouterLoss | None = None):
-        self.view = view = model_view(model, force, router_loss=router is not None or loss is None)  # no training
-        self.engine, self.temperature, self.loss = engine, temperature, loss
+    def __init__(self, model, loss, options: ReplayOptions):
+        router, engine = options.router, options.engine
+        self.view = view = model_view(model, options.trusted, router_loss=router is not None or loss is None)
+        self.engine, self.temperature, self.loss = engine, options.temperature, loss
         self.router = router  # the MoE router loss: each token's rollout count at each decoder call (router.py)
-        self.head_stats = head_stats  # `replay_logprobs(head_stats=...)`
+        self.head_stats = options.head_stats  # `replay_logprobs(head_stats=...)`
         self.engine_forwards = EngineForwards(model)  # exact mixer forwards for cached SSM states (recurrent.py)
         self.query_scale = QueryTemperature(model)  # Llama 4's query scale at the pack's positions (temperature.py)
         self.prefix_split = PrefixSplit(model, view.windows, view.kinds)

@@ -6,7 +6,9 @@ a family check around.
 section, train.method, the micro-batch size, mixed precision and, under torchrun, its `DataParallel` and `Ranks`;
 once the run builds it, its AdamW and learning-rate schedule. The reference policy of the KL term and DPO, and PPO's
 critic, are Policies built from the policy (`sibling`). train.method picks how the logprobs and gradients are
-computed (`tree_backward`: branchreplay, naive or padded), all three equal to floating-point tolerance.
+computed (`Policy.tree_backward`: branchreplay, naive or padded), all three equal to floating-point tolerance. Every
+engine call takes the policy's one `ReplayOptions` (`options`): the argument list from here to the engine is one
+object, not names passed down level by level.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule
                           get_linear_schedule_with_warmup)
 
 from ..reference.methods import METHODS
-from ..engine import EngineConfig, replay_backward, replay_logprobs
+from ..engine import EngineConfig, ReplayOptions, replay_with
 from ..engine import sequence
 from ..engine.parallel.context_parallel import ContextParallelTree
 from ..engine.parallel.distributed import DataParallel, clip_grad_norm_
@@ -38,19 +40,20 @@ class Policy:
 
     model: a Hugging Face causal LM (a peft model for LoRA), or a critic (`value.ValueModel`).
     temperature: logprobs are of softmax(logits / temperature), the sampler's (1.0 for DPO and a critic).
-    engine: the run's `EngineConfig`. method: "branchreplay", "naive" or "padded". force: run an unregistered family
-    (trusted: the trainer checked it, `run/family.py`). micro_batch: trees per engine call in
-    `backward` (0 = all at once). dtype: the run's
-    model.dtype ("bfloat16": the forwards under autocast). dp: its `DataParallel` under torchrun, else None. ranks:
-    the run's `rl.run.parallel.Ranks`, else None. scope: a context every forward runs in (LoRA's reference: the
-    adapter off). optimizer, scheduler: AdamW and its schedule (`make_optimizer`), None for a frozen policy.
+    engine: the run's `EngineConfig`. method: "branchreplay", "naive" or "padded". trusted: run an unregistered
+    family unchecked (the trainer checked it, `run/family.py`). micro_batch: trees per engine call in `backward`
+    (0 = all at once). dtype: the run's model.dtype ("bfloat16": the forwards under autocast). dp: its
+    `DataParallel` under torchrun, else None. ranks: the run's `rl.run.parallel.Ranks`, else None. scope: a context
+    every forward runs in (LoRA's reference: the adapter off). optimizer, scheduler: AdamW and its schedule
+    (`make_optimizer`), None for a frozen policy. version: the optimizer updates taken (`step`), which a sampler
+    reads to know when its copy of the weights is old.
     """
 
     model: torch.nn.Module
     temperature: float = 1.0
     engine: EngineConfig = field(default_factory=EngineConfig)
     method: str = "branchreplay"
-    force: bool = False
+    trusted: bool = False
     micro_batch: int = 0
     dtype: str = "float32"
     dp: DataParallel | None = None
@@ -58,13 +61,14 @@ class Policy:
     scope: object = contextlib.nullcontext
     optimizer: torch.optim.Optimizer | None = None
     scheduler: object | None = None
+    version: int = 0
 
     def sibling(self, model: torch.nn.Module, temperature: float | None = None, scope=contextlib.nullcontext
                 ) -> Policy:
-        """Another model run as this one is (engine, method, force, micro-batching, dtype, ranks), without data
+        """Another model run as this one is (engine, method, trust, micro-batching, dtype, ranks), without data
         parallelism or optimizer until given (`distribute`, `make_optimizer`): the reference policy, a critic."""
         return replace(self, model=model, temperature=self.temperature if temperature is None else temperature,
-                       dp=None, scope=scope, optimizer=None, scheduler=None)
+                       dp=None, scope=scope, optimizer=None, scheduler=None, version=0)
 
     def distribute(self, strategy: str, mode: str | None, broadcast: bool = True) -> None:
         """Make the model data-parallel over the ranks (`engine.parallel.distributed.DataParallel`): "fsdp2" in FSDP2
@@ -101,9 +105,10 @@ class Policy:
             p.grad = torch.zeros_like(p) if p.grad is None else p.grad.zero_()
 
     def step(self) -> None:
-        """One optimizer update and one step of its schedule."""
+        """One optimizer update and one step of its schedule: the weights' next `version`."""
         self.optimizer.step()
         self.scheduler.step()
+        self.version += 1
 
     def full_state_dict(self) -> dict:
         """The model's weights unsharded, a tied weight under each of its names (what a vLLM server loads). Under
@@ -129,12 +134,17 @@ class Policy:
         """FSDP2 resharded: every engine call runs in lock-step with the other ranks (`engine/parallel/lockstep.py`)."""
         return self.dp is not None and self.dp.lockstep
 
+    def options(self, final_backward=None) -> ReplayOptions:
+        """The engine's options of this policy's calls; `final_backward` wraps the call's last backward."""
+        return ReplayOptions(self.temperature, self.engine, self.trusted, self.lockstep, final_backward)
+
+    # -- the engine calls -------------------------------------------------------------------------------------------
+
     def logprobs(self, trees: list) -> ReplayResult:
         """Per-rollout logprobs and entropies (a critic's values) of `trees`, without a graph. Under torchrun every
         rank calls it (`trees` possibly empty): FSDP2 resharded in lock-step, else with the parameters gathered."""
         with contextlib.nullcontext() if self.lockstep else self.gathered(), self.autocast(), self.scope():
-            return tree_logprobs(self.model, trees, temperature=self.temperature, engine=self.engine,
-                                 method=self.method, force=self.force, lockstep=self.lockstep)
+            return self.tree_logprobs(trees)
 
     def backward(self, trees: list, loss) -> ReplayResult:
         """Forward and backward of `loss` over `trees` in micro-batches; gradients accumulate in `param.grad`.
@@ -143,12 +153,10 @@ class Policy:
         returns the step's totals."""
         if self.dp is None:
             with self.autocast(), self.scope():
-                return accumulate(self.model, trees, loss, self.micro_batch, self.temperature, self.engine,
-                                  self.force, method=self.method)
+                return self.accumulate(trees, loss)
         work = trees or [idle_tree()]  # a rank without rollouts still joins the one reduction
         with self.dp.accumulate(), self.autocast(), self.scope():
-            result = accumulate(self.model, work, loss, self.micro_batch, self.temperature, self.engine, self.force,
-                                final_backward=self.dp.final_sync(), lockstep=self.dp.lockstep, method=self.method)
+            result = self.accumulate(work, loss, final_backward=self.dp.final_sync())
         if not trees:
             result = ReplayResult([], [], 0.0, result.stats)
         self.dp.reduce_replicated()
@@ -178,6 +186,59 @@ class Policy:
         result.loss = value
         return value, logprobs, entropy, result
 
+    def accumulate(self, trees: list, loss, final_backward=None) -> ReplayResult:
+        """`tree_backward` over consecutive micro-batches of `micro_batch` trees (0 = all at once); gradients
+        accumulate in param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last
+        micro-batch's last backward. In lock-step (FSDP2 resharded) every rank makes as many calls as the rank with
+        the most micro-batches of whole trees, the missing ones empty, and runs its context-parallel parts (which the
+        ranks run together; the sharding puts them last) in its last call. Returns the results merged
+        (`ReplayResult.merge`)."""
+        size = self.micro_batch or len(trees) or 1
+        whole = [t for t in trees if not isinstance(t, ContextParallelTree)] if self.lockstep else trees
+        calls = [whole[i : i + size] for i in range(0, len(whole), size)] or [[]]
+        if self.lockstep:  # one small collective: the ranks' numbers of micro-batches
+            count = torch.tensor([len(calls)], device=collective_device())
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+            calls += [[] for _ in range(int(count) - len(calls))]
+            calls[-1] = calls[-1] + [t for t in trees if isinstance(t, ContextParallelTree)]
+        return ReplayResult.merge([self.tree_backward(part, loss, final_backward if k == len(calls) - 1 else None)
+                                   for k, part in enumerate(calls)])
+
+    def tree_backward(self, trees: list, loss, final_backward=None) -> ReplayResult:
+        """Forward and backward of `loss` over `trees` by train.method (`method`); gradients accumulate into
+        `param.grad`. Same result and errors as `engine.replay_backward` (`final_backward`: branchreplay only).
+
+        The methods, all three equal to floating-point tolerance, so that two runs of one config and seed that
+        differ only in the method train the same model (scripts/compare_methods.py, docs/convergence.md):
+
+            branchreplay  the execution stack over the prefix tree (`engine.replay_with`): each unique position once.
+            naive         each rollout alone, unpadded, through the unmodified Hugging Face forward
+                          (`reference.naive`): the reference every exactness test compares with.
+            padded        TRL's padded batch: prompts left-padded, completions right-padded, one [B, T_max] forward
+                          and backward (`reference.padded`). Both are looked up in `reference.methods.METHODS`.
+
+        The two references run token-level losses of whole rollouts (GRPO, REINFORCE++, PPO's policy and, naive,
+        its critic): `Config` refuses the rest."""
+        if self.method == "branchreplay":
+            return replay_with(self.model, trees, loss, self.options(final_backward))
+        self._no_lockstep()
+        return _reference(trees, lambda rollouts: METHODS[self.method].backward(self.model, rollouts, loss,
+                                                                                temperature=self.temperature))
+
+    def tree_logprobs(self, trees: list) -> ReplayResult:
+        """Per-rollout logprobs and entropies (a critic's values) of `trees` without a graph, by `method`; as
+        `engine.replay_logprobs`."""
+        if self.method == "branchreplay":
+            return replay_with(self.model, trees, None, self.options())
+        self._no_lockstep()
+        return _reference(trees, lambda rollouts: METHODS[self.method].logprobs(self.model, rollouts,
+                                                                                temperature=self.temperature))
+
+    def _no_lockstep(self) -> None:
+        if self.lockstep:
+            raise ValueError(f"train.method={self.method!r} does not run FSDP2's resharded mode (its lock-step is the "
+                             "engine's): use parallel.fsdp_mode gather-once, or train.method branchreplay")
+
 
 def clip_grad_norm(policies: list[Policy], max_norm: float) -> float:
     """Clip the gradients of every parameter of `policies` together to a total L2 norm of `max_norm` (TRL's one
@@ -188,61 +249,6 @@ def clip_grad_norm(policies: list[Policy], max_norm: float) -> float:
     return clip_grad_norm_([p.dp for p in policies], max_norm)
 
 
-def tree_backward(model, trees: list, loss, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
-                  force: bool = False, final_backward=None, lockstep: bool = False) -> ReplayResult:
-    """Forward and backward of `loss` over `trees` by `method`; gradients accumulate into `param.grad`. Same
-    arguments, result and errors as `engine.replay_backward` (`final_backward`, `lockstep`: branchreplay only).
-
-    The methods (train.method), all three equal to floating-point tolerance, so that two runs of one config and seed
-    that differ only in the method train the same model (scripts/compare_methods.py, docs/convergence.md):
-
-        branchreplay  the execution stack over the prefix tree (`engine.replay_backward`): each unique position once.
-        naive         each rollout alone, unpadded, through the unmodified Hugging Face forward
-                      (`reference.naive`): the reference every exactness test compares with.
-        padded        TRL's padded batch: prompts left-padded, completions right-padded, one [B, T_max] forward and
-                      backward (`reference.padded`). Both are looked up in `reference.methods.METHODS`.
-
-    The two references run token-level losses of whole rollouts (GRPO, REINFORCE++, PPO's policy and, naive, its
-    critic): `Config` refuses the rest."""
-    if method == "branchreplay":
-        return replay_backward(model, trees, loss, temperature=temperature, engine=engine, force=force,
-                               final_backward=final_backward, lockstep=lockstep)
-    _no_lockstep(lockstep, method)
-    return _reference(trees, lambda rollouts: METHODS[method].backward(model, rollouts, loss, temperature=temperature))
-
-
-def tree_logprobs(model, trees: list, *, temperature: float, engine: EngineConfig, method: str = "branchreplay",
-                  force: bool = False, lockstep: bool = False) -> ReplayResult:
-    """Per-rollout logprobs and entropies (a critic's values) without a graph, by `method`; as
-    `engine.replay_logprobs`."""
-    if method == "branchreplay":
-        return replay_logprobs(model, trees, temperature=temperature, engine=engine, force=force, lockstep=lockstep)
-    _no_lockstep(lockstep, method)
-    return _reference(trees, lambda rollouts: METHODS[method].logprobs(model, rollouts, temperature=temperature))
-
-
-def accumulate(model, trees: list, loss, micro_batch_prompts: int, temperature: float,
-               engine: EngineConfig = EngineConfig(), force: bool = False, final_backward=None,
-               lockstep: bool = False, method: str = "branchreplay") -> ReplayResult:
-    """`tree_backward` over consecutive micro-batches of `micro_batch_prompts` trees (0 = all at once); gradients
-    accumulate in param.grad. `final_backward` (data parallelism: the gradient sync) wraps the last micro-batch's
-    last backward. `lockstep` (FSDP2 resharded): every rank makes as many calls as the rank with the most
-    micro-batches of whole trees, the missing ones empty, and runs its context-parallel parts (which the ranks run
-    together; the sharding puts them last) in its last call. Returns the results merged (`ReplayResult.merge`)."""
-    size = micro_batch_prompts or len(trees) or 1
-    whole = [t for t in trees if not isinstance(t, ContextParallelTree)] if lockstep else trees
-    calls = [whole[i : i + size] for i in range(0, len(whole), size)] or [[]]
-    if lockstep:  # one small collective: the ranks' numbers of micro-batches
-        count = torch.tensor([len(calls)], device=collective_device())
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-        calls += [[] for _ in range(int(count) - len(calls))]
-        calls[-1] = calls[-1] + [t for t in trees if isinstance(t, ContextParallelTree)]
-    return ReplayResult.merge([tree_backward(model, part, loss, temperature=temperature, engine=engine, method=method,
-                                             force=force, lockstep=lockstep,
-                                             final_backward=final_backward if k == len(calls) - 1 else None)
-                               for k, part in enumerate(calls)])
-
-
 def idle_tree() -> RolloutTree:
     """Two tokens with zero loss weight: the backward of a rank that has no rollouts this step (fewer trained
     rollouts than ranks) runs through every layer and joins the gradient reduction with zeros (a policy's loss or
@@ -250,12 +256,6 @@ def idle_tree() -> RolloutTree:
     zeros = [0.0, 0.0]
     return RolloutTree([Rollout([0, 0], [0, 1], advantages=0.0, weights=zeros, old_logprobs=zeros,
                                 ref_logprobs=zeros, returns=zeros, old_values=zeros)])
-
-
-def _no_lockstep(lockstep: bool, method: str) -> None:
-    if lockstep:
-        raise ValueError(f"train.method={method!r} does not run FSDP2's resharded mode (its lock-step is the "
-                         "engine's): use parallel.fsdp_mode gather-once, or train.method branchreplay")
 
 
 def _reference(trees: list, run) -> ReplayResult:

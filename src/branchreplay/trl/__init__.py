@@ -29,9 +29,7 @@ if not Version(TRL_RANGE[0]) <= Version(trl.__version__) < Version(TRL_RANGE[1])
     )
 
 from .dpo import TreeDPOTrainer  # noqa: E402
-from .grpo import SUPPORTED_LOSS_TYPES, TreeGRPOTrainer  # noqa: E402
+from .grpo import TreeGRPOTrainer  # noqa: E402
 from .rloo import TreeRLOOTrainer  # noqa: E402
-from .rows import batch_rollouts, on_rollout, prompt_groups  # noqa: E402
 
-__all__ = ["SUPPORTED_LOSS_TYPES", "TRL_RANGE", "TreeDPOTrainer", "TreeGRPOTrainer", "TreeRLOOTrainer",
-           "batch_rollouts", "on_rollout", "prompt_groups"]
+__all__ = ["TreeDPOTrainer", "TreeGRPOTrainer", "TreeRLOOTrainer"]

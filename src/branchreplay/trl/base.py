@@ -74,7 +74,7 @@ class TreeTrainerMixin:
             # own class then fails adding None to its loss): there is nothing to add
             self.aux_loss_enabled = False
         self.engine = options.engine if options.engine is not None else EngineConfig()
-        self._force = check_family(self.model, options.unknown_family, name, router_loss=self.aux_loss_enabled)
+        self._trusted = check_family(self.model, options.unknown_family, name, router_loss=self.aux_loss_enabled)
         if getattr(self.args, "cast_lm_head_to_fp32", False):  # TRL cast the head; its fused head runs in float32
             self.engine = dataclasses.replace(self.engine, head_float32=True)
         for refused, why in self._refusals():
@@ -170,7 +170,7 @@ class TreeTrainerMixin:
 
         with self.accelerator.autocast():
             loss, _, result = replay_function_backward(model, trees, trl_loss, temperature=self.temperature,
-                                                       engine=self.engine, force=self._force, router=router)
+                                                       engine=self.engine, trusted=self._trusted, router=router)
         self._log_tree_metrics(result)
         return loss * divisor
 
@@ -219,7 +219,7 @@ def timed_rewards(reward_funcs, timeout_s: float):
 
 
 def check_family(model, unknown_family: str, trainer: str, router_loss: bool = False):
-    """The engine's `force` for `model` (a PeftModel's base model is checked): False for a registered family,
+    """The engine's `trusted` for `model` (a PeftModel's base model is checked): False for a registered family,
     True for an unregistered one that passed its self-check; raises `UnsupportedModelError` naming the
     trainer, the family and the reason otherwise (`engine.self_check.ensure_supported`). `router_loss`: the trainer
     computes the MoE router loss over the trees (`engine.families.family_of`)."""
@@ -227,8 +227,8 @@ def check_family(model, unknown_family: str, trainer: str, router_loss: bool = F
     log = logging.getLogger("branchreplay").info
     try:
         base = language_model(base)  # a vision-language model's LM; an unsupported one is refused here
-        force = ensure_supported(base, unknown_family, PROCESS_VERDICTS, log=log)
-        family_of(base, force=force, router_loss=router_loss)  # what every family needs: a tree mask, ...
+        trusted = ensure_supported(base, unknown_family, PROCESS_VERDICTS, log=log)
+        family_of(base, trusted=trusted, router_loss=router_loss)  # what every family needs: a tree mask, ...
     except UnsupportedModelError as e:
         raise UnsupportedModelError(f"{trainer}: {e}") from None
-    return force
+    return trusted

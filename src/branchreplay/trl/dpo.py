@@ -68,7 +68,7 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         stats = ("mean_logits", "is_top1") + (("log_sum_sq_probs",) if self.use_weighting else ())
         router = self._router_loss(model)
         with self.accelerator.autocast():
-            first = replay_logprobs(model, trees, engine=self.engine, force=self._force, head_stats=stats,
+            first = replay_logprobs(model, trees, engine=self.engine, trusted=self._trusted, head_stats=stats,
                                     router=router)
         # the dtype of TRL's fused head outputs: float32, float64 for a float64 model (TRL's alpha-divergence looks
         # up its clamp by this dtype)
@@ -96,8 +96,8 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
                                                                    False) / divisor
 
         with self.accelerator.autocast():
-            loss, _, result = replay_function_backward(model, trees, trl_loss, engine=self.engine, force=self._force,
-                                                       first=first, router=router)
+            loss, _, result = replay_function_backward(model, trees, trl_loss, engine=self.engine,
+                                                       trusted=self._trusted, first=first, router=router)
         self._log_tree_metrics(result)
         return loss * divisor
 
@@ -109,7 +109,7 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
         if self.precompute_ref_logps or self.ref_model is None or self.ld_alpha is not None:
             return {}
         with self.accelerator.autocast(), gathered(self.accelerator, self.ref_model) as ref_model:
-            ref = replay_logprobs(ref_model, trees_of(ref_model), engine=self.engine, force=self._force)
+            ref = replay_logprobs(ref_model, trees_of(ref_model), engine=self.engine, trusted=self._trusted)
         sums = torch.zeros(len(rollouts), dtype=torch.float64)
         for k, i in enumerate(order):
             sums[i] = (ref.logprobs[k].double() * rollouts[i].loss_mask).sum()

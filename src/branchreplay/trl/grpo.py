@@ -77,7 +77,7 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
         trees, order = self._arranged(*prompt_trees(inputs, rollouts, model), model)
         with self.accelerator.autocast():
             result = replay_backward(model, trees, loss_fn, temperature=self.temperature, engine=self.engine,
-                                     force=self._force)
+                                     trusted=self._trusted)
         every, zeros = torch.ones(mask.shape, dtype=torch.bool), torch.zeros(mask.shape, dtype=torch.float64)
         logps, entropies = (on_rows(in_row_order(values, order), rollouts, lengths, every, zeros)
                             for values in (result.logprobs, result.entropy))

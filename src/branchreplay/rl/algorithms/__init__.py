@@ -1,4 +1,4 @@
-"""The algorithms, each a part of the one training loop (`run/update.py`), chosen by name from `ALGORITHMS`.
+"""The algorithms, each a part of the one training step (`run/step.py`), chosen by name from `ALGORITHMS`.
 
     grpo          GRPO and its loss types, GSPO, top_entropy_quantile           (TRL 1.16 GRPOTrainer)
     rloo          leave-one-out baseline, sequence-level clipped ratio           (TRL 1.16 RLOOTrainer)

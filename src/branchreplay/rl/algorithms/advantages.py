@@ -50,17 +50,6 @@ def group_advantages(rewards: torch.Tensor, group_ids: list, scale_rewards: str 
     return advantages
 
 
-def group_std(rewards: torch.Tensor, group_ids: list) -> torch.Tensor:
-    """[B] the reward std (unbiased; 0 for a group of one) of each sample's group: TRL's `reward_std` is its mean
-    and `frac_reward_zero_std` the fraction of samples where it is 0."""
-    rewards = torch.as_tensor(rewards, dtype=torch.float32)
-    out = torch.zeros_like(rewards)
-    for idx in _members(group_ids):
-        if idx.numel() > 1:
-            out[idx] = rewards[idx].std()
-    return out
-
-
 def _members(group_ids: list) -> list[torch.Tensor]:
     """Indices of each distinct group id, in order of first appearance."""
     groups: dict = {}

@@ -1,14 +1,18 @@
-"""What an algorithm is to the training loop (`run/update.py`): a small part with five answers (`Algorithm`).
+"""What an algorithm is to the training step (`run/step.py`): a small part with a few answers (`Algorithm`), and the
+values a step hands from one phase to the next (`Passes`, `Estimate`).
 
-The loop samples and scores a step (or, for a part that brings its own batch, asks it: DPO's pairs), builds the
-trees, shares them out over the ranks (`Shards`), then asks the part which trees it trains, for its no-grad passes
-and advantages (`prepare`) and for each update's gradients (`backward`); it clips, steps the optimizers and logs.
-The passes run on this rank's trees and their values are gathered to every rank (`Shards.everywhere`), so the
-estimators and the losses of whole sequences see every rollout of the step on every rank, as in one process.
+The step samples and scores the batch (or, for a part that brings its own, asks it: DPO's pairs), builds the trees,
+asks the part which trees train, shares them out over the ranks (`Shards`), runs the passes without a graph
+(`passes`: old policy, reference, critic), asks the part for its advantages (`estimate`) and for what its updates
+need (`prepare`), then for each update's gradients (`backward`); it writes every field a rollout carries, clips,
+steps the optimizers and logs. The passes run on this rank's trees and their values are gathered to every rank
+(`Shards.everywhere`), so the estimators and the losses of whole sequences see every rollout of the step on every
+rank, as in one process. A part holds no state of a step: `prepare` returns it and `backward` receives it.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -18,30 +22,29 @@ from .mismatch import sampler_mismatch
 
 
 class Algorithm:
-    """The interface and the shared passes. Override what differs. After sampling, scoring and sharing out the
-    trees, the loop asks:
+    """The interface. Override what differs. After sampling, scoring and building the trees, the step asks:
 
-        trained(trees)           the trees that have a gradient this step
-        prepare(batch, shards)   its no-grad passes (old policy, reference, critic) and its advantages; metrics
-                                 (it keeps the shards it trains: `self.shards`)
-        backward(k)              update k's engine calls, gradients into param.grad; (result, metrics)
+        trained(batch)                   the trees that have a gradient this step
+        needs_old_logprobs()             whether the passes run the old policy (`passes`); needs_ref_logprobs()
+                                         the reference
+        estimate(batch, shards, passes)  the advantages: an `Estimate`, whose fields the step writes on the rollouts
+        prepare(batch, shards, passes)   what the updates need (its trained shards, its loss), for `backward`
+        before_update(k, prepared)       fields the step writes before update k (GRPO's entropy mask), and metrics
+        backward(k, prepared)            update k's engine calls, gradients into param.grad; (result, metrics)
 
-    and it clips, steps the optimizers and logs. Class-level answers: `samples` (whether the loop samples its batch;
-    a part that does not gives `batches(tokenizer)`, whose `batch(step)` the loop takes), `logs_group_advantages`
-    (whether its advantages are the group advantages set while scoring, which the completions log then shows),
-    `needs_reference(config)` (whether a frozen reference policy is kept), `check(config)` (what it refuses, by
-    name, before the model loads). A part's constructor receives the `Policy` it trains and the reference `Policy`
-    (or None); `critic` is a second trained Policy (PPO's), `num_updates` the optimizer updates per step."""
+    and it clips, steps the optimizers and logs. Class-level answers: `samples` (whether the step samples its batch;
+    a part that does not gives `batches(tokenizer)`, whose `sample(step)` the step takes), `needs_reference(config)`
+    (whether a frozen reference policy is kept), `check(config)` (what it refuses, by name, before the model
+    loads). A part's constructor receives the `Policy` it trains and the reference `Policy` (or None); `critic` is a
+    second trained Policy (PPO's), `num_updates` the optimizer updates per step."""
 
     name: ClassVar[str] = ""
     samples: ClassVar[bool] = True
-    logs_group_advantages: ClassVar[bool] = False  # the completions log carries the scored group advantages
 
     def __init__(self, config, policy, reference=None):
         self.config, self.policy, self.reference = config, policy, reference
         self.critic = None
         self.num_updates = 1
-        self.old: StepValues | None = None  # the old-policy pass of the step, when one ran
 
     @classmethod
     def needs_reference(cls, config) -> bool:
@@ -52,56 +55,100 @@ class Algorithm:
     def check(cls, config) -> None:
         """Raise ValueError naming the setting for what this part does not run (before the model loads)."""
 
-    def trained(self, trees: list[RolloutTree]) -> list[RolloutTree]:
+    def trained(self, batch) -> list[RolloutTree]:
         """The step's trees that have a gradient (every one by default)."""
-        return trees
+        return batch.trees
 
-    def prepare(self, batch, shards) -> dict:
-        """The passes before the updates and the advantages, keeping `shards` (the trees the updates train) as
-        `self.shards`; returns metrics (TRL's names)."""
-        self.shards = shards
-        return self.passes(batch, shards, old=True)
+    def needs_old_logprobs(self) -> bool:
+        """Whether the passes run the policy before the updates (the ratio's old logprobs)."""
+        return True
 
-    def backward(self, update: int) -> tuple[ReplayResult | None, dict]:
-        """One optimizer update's gradients over `self.shards` (update = 0, 1, ...); returns the result and its
-        metrics."""
+    def needs_ref_logprobs(self) -> bool:
+        """Whether the passes run the reference policy (its logprobs per token: a KL term)."""
+        return self.reference is not None
+
+    def estimate(self, batch, shards, passes: Passes) -> Estimate:
+        """The advantages (and any other per-rollout field the loss reads), after the passes; the step writes
+        `Estimate.fields` on `Estimate.rollouts`."""
         raise NotImplementedError
 
-    # -- shared passes --------------------------------------------------------------------------------------------
+    def prepare(self, batch, shards, passes: Passes):
+        """What the updates need (the trained shards, the loss, the pass values), handed to `backward`; called
+        after the estimate's fields are written."""
+        raise NotImplementedError
 
-    def passes(self, batch, shards, old: bool) -> dict:
-        """The old-policy pass (when `old`) and the reference pass (with a reference policy), their logprobs set on
-        every rollout of the step (`old_logprobs`, `ref_logprobs`), on every rank; with the vLLM sampler, its
-        logprobs compared with the old policy's (and TRL's truncated importance sampling: `sampler_mismatch`).
-        A batch drawn ahead (`batch.versions`, grpo.max_staleness >= 1) by older weights: without
-        sampling.vllm_importance_sampling_cap its sampler's (behaviour) logprobs become the old logprobs, so the
-        clipped ratio is against the policy that drew the tokens (TRL's AsyncGRPOTrainer); with the cap the old
-        logprobs stay this policy's and min(exp(old - behaviour), cap) weighs each token (TRL's truncated
-        importance sampling; the decoupled objective of verl's and AReaL's asynchronous modes). Returns the
-        sampler metrics."""
-        self.old = self.old_pass(shards) if old else None
-        if self.reference is not None:
-            for r, lp in zip(shards.rollouts, shards.everywhere(self.reference.logprobs(shards.local).logprobs)):
-                r.ref_logprobs = lp
-        if batch.sampler_logprobs is None:
-            return {}
-        cap, ahead = self.config.sampling.vllm_importance_sampling_cap, batch.versions is not None
-        metrics = {} if self.old is None else sampler_mismatch(batch, shards.rollouts, self.old.logprobs, cap,
-                                                               ratios=ahead)
-        if ahead and cap is None:
-            behaviour = {id(r): lp for r, lp in zip((r for g in batch.rollouts for r in g), batch.sampler_logprobs)}
-            for r in shards.rollouts:
-                r.old_logprobs = behaviour[id(r)]
-        return metrics
+    def before_update(self, update: int, prepared) -> tuple[list[Rollout], dict, dict]:
+        """(rollouts, their fields, metrics) the step writes before update `update`: nothing by default."""
+        return [], {}, {}
 
-    def old_pass(self, shards) -> StepValues:
-        """The policy's logprobs and entropies of every rollout of the step before the updates, set as their
-        `old_logprobs`; kept, to serve as pass 1 of the first update (the same weights)."""
-        result = self.policy.logprobs(shards.local)
-        old = StepValues(shards.rollouts, shards.everywhere(result.logprobs), shards.everywhere(result.entropy))
-        for r, lp in zip(shards.rollouts, old.logprobs):
-            r.old_logprobs = lp
-        return old
+    def backward(self, update: int, prepared) -> tuple[ReplayResult | None, dict]:
+        """One optimizer update's gradients (update = 0, 1, ...); returns the result and its metrics."""
+        raise NotImplementedError
+
+
+@dataclass
+class Passes:
+    """The passes without a graph of a step (`passes`), per rollout of `shards.rollouts` (every rank's).
+
+    old: the policy's logprobs and entropies before the updates (None when the part needs none). old_logprobs: what
+    the ratio takes (the old pass's, or drawn ahead the sampler's behaviour logprobs). ref_logprobs: the frozen
+    reference's. values: the critic's, at every position. ratios: TRL's truncated importance sampling weights per
+    rollout id (sampling.vllm_importance_sampling_cap), which multiply GRPO's advantages. metrics: the sampler's
+    logprobs against the old pass's (`mismatch.sampler_mismatch`).
+    """
+
+    old: StepValues | None = None
+    old_logprobs: list[torch.Tensor] | None = None
+    ref_logprobs: list[torch.Tensor] | None = None
+    values: list[torch.Tensor] | None = None
+    ratios: dict[int, torch.Tensor] | None = None
+    metrics: dict = field(default_factory=dict)
+
+    def fields(self) -> dict[str, list[torch.Tensor]]:
+        """The rollout fields the passes give: old_logprobs and ref_logprobs, where they ran."""
+        out = {"old_logprobs": self.old_logprobs, "ref_logprobs": self.ref_logprobs}
+        return {name: values for name, values in out.items() if values is not None}
+
+
+@dataclass
+class Estimate:
+    """A part's estimate: `fields` ({name: per rollout of `rollouts`}: advantages, and PPO's returns, old_values and
+    weights) that the step writes on `rollouts`; its metrics; `logged`: [B] the advantage per rollout of the batch
+    that the completions log shows (GRPO's group advantages), or None."""
+
+    rollouts: list[Rollout]
+    fields: dict[str, list[torch.Tensor]]
+    metrics: dict = field(default_factory=dict)
+    logged: torch.Tensor | None = None
+
+
+def passes(part: Algorithm, batch, shards) -> Passes:
+    """The passes of `part` without a graph, on this rank's trees, gathered to every rank: the old policy (when
+    `part.needs_old_logprobs()`), the reference (`part.needs_ref_logprobs()`), the critic (with one), in that order.
+    With a sampler's logprobs (vLLM, or a batch drawn ahead by older weights, `batch.versions`) the old pass is
+    compared with them (`sampler_mismatch`); drawn ahead without sampling.vllm_importance_sampling_cap the sampler's
+    (behaviour) logprobs become the old logprobs, so the clipped ratio is against the policy that drew the tokens
+    (TRL's AsyncGRPOTrainer); with the cap the old logprobs stay this policy's and min(exp(old - behaviour), cap)
+    weighs each token (`Passes.ratios`: TRL's truncated importance sampling; the decoupled objective of verl's and
+    AReaL's asynchronous modes)."""
+    out = Passes()
+    if part.needs_old_logprobs():
+        result = part.policy.logprobs(shards.local)
+        out.old = StepValues(shards.rollouts, shards.everywhere(result.logprobs), shards.everywhere(result.entropy))
+        out.old_logprobs = out.old.logprobs
+    if part.needs_ref_logprobs():
+        out.ref_logprobs = shards.everywhere(part.reference.logprobs(shards.local).logprobs)
+    if part.critic is not None:
+        out.values = shards.everywhere(part.critic.logprobs(shards.local).values)
+    if batch.sampler_logprobs is None:
+        return out
+    cap, ahead = part.config.sampling.vllm_importance_sampling_cap, batch.versions is not None
+    if out.old is not None:
+        out.metrics, out.ratios = sampler_mismatch(batch, shards.rollouts, out.old.logprobs, cap, ratios=ahead)
+    if ahead and cap is None:
+        behaviour = {id(r): lp for r, lp in zip(batch.flat, batch.sampler_logprobs)}
+        out.old_logprobs = [behaviour[id(r)] for r in shards.rollouts]
+    return out
 
 
 class StepValues:

@@ -10,13 +10,24 @@ The reference's summed logprobs come from the frozen reference each step, or onc
 from __future__ import annotations
 
 import warnings
+from dataclasses import dataclass
 
 import torch
 
 from ...engine.sequence import sequence_sums
 from ...losses import dpo_loss, dpo_metrics
 from ..data.preferences import PairBatches, load_preferences
-from .base import Algorithm
+from .base import Algorithm, Estimate
+
+
+@dataclass
+class Prepared:
+    """What DPO's update needs: the `shards` of the pair trees, the reference's summed logprobs [2 x pairs] (None for
+    simpo) and each response's trained tokens [2 x pairs], float64, chosen and rejected interleaved."""
+
+    shards: object
+    ref: torch.Tensor | None
+    lengths: torch.Tensor
 
 
 class DPO(Algorithm):
@@ -44,12 +55,19 @@ class DPO(Algorithm):
                           f"{d.pairs_per_step}: a step trains on all {len(pairs)}", RuntimeWarning, stacklevel=2)
         return PairBatches(pairs, min(d.pairs_per_step, len(pairs)), self.config.train.seed)
 
-    def prepare(self, batch, shards) -> dict:
-        self.shards = shards
-        rollouts = shards.rollouts
-        self.lengths = torch.tensor([float(r.loss_mask.sum()) for r in rollouts], dtype=torch.float64)
-        self.ref = self.reference_sums(batch, shards) if self.reference is not None else None
-        return {}
+    def needs_old_logprobs(self) -> bool:
+        return False  # one update a step, on-policy
+
+    def needs_ref_logprobs(self) -> bool:
+        return False  # the reference's summed logprobs are the estimate's (`reference_sums`)
+
+    def estimate(self, batch, shards, passes) -> Estimate:
+        """Nothing per rollout: a pair's preference is its signal."""
+        return Estimate([], {})
+
+    def prepare(self, batch, shards, passes) -> Prepared:
+        lengths = torch.tensor([float(r.loss_mask.sum()) for r in shards.rollouts], dtype=torch.float64)
+        return Prepared(shards, self.reference_sums(batch, shards) if self.reference is not None else None, lengths)
 
     def reference_sums(self, batch, shards) -> torch.Tensor:
         """[2 x pairs] float64 summed completion logprobs of the frozen reference, chosen and rejected interleaved
@@ -67,11 +85,12 @@ class DPO(Algorithm):
                 self.ref_sums[p.row] = (float(c), float(r))
         return torch.tensor([v for p in batch.pairs for v in self.ref_sums[p.row]], dtype=torch.float64)
 
-    def backward(self, update: int):
+    def backward(self, update: int, prepared: Prepared):
         """The step's one update. Metrics: TRL DPOTrainer's rewards/chosen, rewards/rejected (beta x the policy-minus-
         reference summed logprob; simpo: beta x the mean logprob, as TRL's CPOTrainer), rewards/accuracies,
         rewards/margins, logps/chosen, logps/rejected (summed)."""
-        d, rollouts, ref, lengths = self.config.dpo, self.shards.rollouts, self.ref, self.lengths
+        d, shards, ref, lengths = self.config.dpo, prepared.shards, prepared.ref, prepared.lengths
+        rollouts = shards.rollouts
         pairs = len(rollouts) // 2
 
         def loss(logprobs, entropy):
@@ -82,5 +101,5 @@ class DPO(Algorithm):
                                 rejected_tokens=lengths[1::2], simpo_gamma=d.simpo_gamma)
             return per_pair.sum() / pairs
 
-        _, logprobs, _, result = self.policy.function_backward(self.shards, loss)
+        _, logprobs, _, result = self.policy.function_backward(shards, loss)
         return result, dpo_metrics(sequence_sums(logprobs, rollouts), ref, lengths, beta=d.beta, loss_type=d.loss_type)

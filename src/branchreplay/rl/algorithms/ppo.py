@@ -18,8 +18,8 @@ from ...models import load_policy
 from ...tree import Rollout
 from ...value import ValueModel, check_critic
 from .advantages import gae, kl_per_token, masked_whiten, token_rewards
-from .base import step_rollouts
-from .grpo import GRPO
+from .base import Estimate, step_rollouts
+from .grpo import GRPO, Prepared
 from .reinforce_pp import whitened
 
 
@@ -27,7 +27,6 @@ class PPO(GRPO):
     """PPO as a part of the loop (module docstring): `critic` is the value model's `Policy`."""
 
     name = "ppo"
-    logs_group_advantages = False
 
     def __init__(self, config, policy, reference=None):
         super().__init__(config, policy, reference)
@@ -49,53 +48,56 @@ class PPO(GRPO):
             raise ValueError("model.lora_r (LoRA) does not run with PPO's critic yet: train every parameter "
                              "(model.lora_r 0), or use algorithm grpo, rloo, reinforce_pp or dpo")
 
-    def trained(self, trees):
-        return trees
+    def trained(self, batch):
+        return batch.trees
 
     def needs_old_logprobs(self) -> bool:
         return True
 
-    def estimate(self, batch, shards) -> dict:
-        values = shards.everywhere(self.critic.logprobs(shards.local).values)
+    def estimate(self, batch, shards, passes) -> Estimate:
+        rollouts = step_rollouts(batch, shards)
         ended = [not cut for cut in batch.truncated]
-        return ppo(step_rollouts(batch, shards), batch.rewards, ended, values, self.config.ppo)
+        fields, metrics = ppo(rollouts, batch.rewards, ended, passes.values, self.config.ppo)
+        return Estimate(rollouts, fields, metrics)
 
     def make_loss(self, tokens: float) -> GRPOLoss:
         p = self.config.ppo
         return GRPOLoss(p.cliprange, p.cliprange, 0.0, 0.0, entropy_tokens=tokens)
 
-    def backward(self, update: int):
-        result, metrics = super().backward(update)
+    def backward(self, update: int, prepared: Prepared):
+        result, metrics = super().backward(update, prepared)
         value_loss = ValueLoss(self.config.ppo.cliprange_value, self.config.ppo.vf_coef)
-        self.critic.backward(self.shards.local, value_loss)
+        self.critic.backward(prepared.shards.local, value_loss)
         if result is not None:
             metrics.update(value_loss.value_metrics())
         return result, metrics
 
-    def update_metrics(self, result) -> dict:
+    def update_metrics(self, result, prepared: Prepared) -> dict:
         """TRL PPOTrainer's per-update metrics of the policy: policy/approxkl_avg (0.5 mean (logp - old_logp)^2),
         val/ratio (the mean ratio), policy/entropy_avg, policy/clipfrac_avg, loss/policy_avg (this update's
         token-mean policy loss); means over the completion tokens (TRL's include its padding). The critic's
         loss/value_avg and val/clipfrac_avg come from its `ValueLoss`."""
-        rollouts = self.shards.rollouts
-        logprobs = self.shards.everywhere(result.logprobs)
+        rollouts = prepared.shards.rollouts
+        logprobs = prepared.shards.everywhere(result.logprobs)
         diffs = [(lp.double() - r.old_logprobs)[r.loss_mask > 0] for lp, r in zip(logprobs, rollouts)]
         diffs = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
-        stats = self.loss.stats.metrics()
+        stats = prepared.loss.stats.metrics()
         return {"policy/approxkl_avg": float(0.5 * (diffs ** 2).mean()) if diffs.numel() else 0.0,
                 "val/ratio": float(diffs.exp().mean()) if diffs.numel() else 1.0,
                 "policy/entropy_avg": stats["entropy"], "policy/clipfrac_avg": stats["clip_ratio/region_mean"],
                 "loss/policy_avg": result.loss}
 
 
-def ppo(rollouts: list[Rollout], scores: torch.Tensor, ended: list[bool], values: list[torch.Tensor], cfg) -> dict:
-    """PPO's advantages, returns and token-mean weights on `rollouts` [B] (the step's, with `old_logprobs`, and
-    `ref_logprobs` when kl_coef > 0) from the task's `scores` [B], whether each completion `ended` with EOS, the
-    critic's `values` (per rollout [T], at the completion positions: `ReplayResult.values`) and `cfg`
-    (`config.PPOConfig`). TRL's steps 3-6: missing_eos_penalty, the per-token KL penalty (k1 or k3) in the reward,
+def ppo(rollouts: list[Rollout], scores: torch.Tensor, ended: list[bool], values: list[torch.Tensor], cfg
+        ) -> tuple[dict[str, list[torch.Tensor]], dict]:
+    """PPO's advantages, returns, old values and token-mean weights of `rollouts` [B] (the step's, with
+    `old_logprobs`, and `ref_logprobs` when kl_coef > 0) from the task's `scores` [B], whether each completion
+    `ended` with EOS, the critic's `values` (per rollout [T], at the completion positions: `ReplayResult.values`) and
+    `cfg` (`config.PPOConfig`). TRL's steps 3-6: missing_eos_penalty, the per-token KL penalty (k1 or k3) in the reward,
     optional reward whitening, GAE from the critic's values, returns = A + V, advantages whitened; loss weights the
     token mean (TRL's masked_mean over the batch). Departure: TRL places the score one position past the last token
-    (a padding slot); an unpadded rollout has no such slot, so ours is at the last token. Returns TRL's objective/*
+    (a padding slot); an unpadded rollout has no such slot, so ours is at the last token. Returns ({"advantages",
+    "returns", "old_values", "weights": per rollout [T] float64}, the metrics): TRL's objective/*
     metrics: objective/kl and objective/non_score_reward (per completion, summed over its tokens, mean over the
     step), objective/entropy (the sampled tokens' -logp summed, mean), objective/scores and objective/rlhf_reward."""
     scores = scores.double().clone()
@@ -109,12 +111,11 @@ def ppo(rollouts: list[Rollout], scores: torch.Tensor, ended: list[bool], values
         rewards = masked_whiten(rewards, masks, shift_mean=False)
     estimates = [gae(rw, v.double(), m, cfg.gamma, cfg.lam) for rw, v, m in zip(rewards, values, masks)]
     weights = token_weights(masks, "bnpo")
-    for r, (_, ret), a, w, v in zip(rollouts, estimates, whitened([e[0] for e in estimates], masks), weights,
-                                    values):
-        r.advantages, r.returns, r.old_values, r.weights = a, ret, v.double() * r.loss_mask, w
+    fields = {"advantages": whitened([e[0] for e in estimates], masks), "returns": [ret for _, ret in estimates],
+              "old_values": [v.double() * r.loss_mask for r, v in zip(rollouts, values)], "weights": weights}
     B = max(len(rollouts), 1)
     non_score = -cfg.kl_coef * sum(float(k.sum()) for k in kls) / B
-    return {
+    return fields, {
         "objective/kl": sum(float(k.sum()) for k in kls) / B,
         "objective/entropy": sum(float((-r.old_logprobs * r.loss_mask).sum()) for r in rollouts) / B,
         "objective/non_score_reward": non_score,

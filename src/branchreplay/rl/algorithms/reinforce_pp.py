@@ -11,7 +11,7 @@ import torch
 
 from ...tree import Rollout
 from .advantages import discounted_returns, kl_per_token, masked_whiten, token_rewards
-from .base import step_rollouts, trains
+from .base import Estimate, step_rollouts, trains
 from .grpo import GRPO
 
 
@@ -19,17 +19,18 @@ class ReinforcePP(GRPO):
     """REINFORCE++ as a part of the loop (module docstring)."""
 
     name = "reinforce_pp"
-    logs_group_advantages = False
 
-    def trained(self, trees):
-        return trees  # the advantages come after the passes: groups are skipped then (`with_a_gradient`)
+    def trained(self, batch):
+        return batch.trees  # the advantages come after the passes: groups are skipped then (`with_a_gradient`)
 
     def needs_old_logprobs(self) -> bool:
         return True  # the KL in the reward is of the sampling policy
 
-    def estimate(self, batch, shards) -> dict:
-        return reinforce_pp(step_rollouts(batch, shards), batch.rewards, self.config.grpo.beta,
-                            self.config.reinforce_pp.gamma)
+    def estimate(self, batch, shards, passes) -> Estimate:
+        rollouts = step_rollouts(batch, shards)
+        advantages, metrics = reinforce_pp(rollouts, batch.rewards, self.config.grpo.beta,
+                                           self.config.reinforce_pp.gamma)
+        return Estimate(rollouts, {"advantages": advantages}, metrics)
 
     def with_a_gradient(self, shards):
         """All-zero advantages and no entropy bonus: no gradient, the tree is skipped."""
@@ -41,20 +42,19 @@ class ReinforcePP(GRPO):
         return loss
 
 
-def reinforce_pp(rollouts: list[Rollout], rewards: torch.Tensor, beta: float, gamma: float) -> dict:
-    """REINFORCE++'s per-token advantages (module docstring), written on `rollouts` [B] (the step's, in group order,
-    `old_logprobs` set, and `ref_logprobs` when beta > 0) from `rewards` [B]. Returns {"kl": mean per-token k1 over
-    the completion tokens} when beta > 0 (TRL's name)."""
+def reinforce_pp(rollouts: list[Rollout], rewards: torch.Tensor, beta: float, gamma: float
+                 ) -> tuple[list[torch.Tensor], dict]:
+    """REINFORCE++'s per-token advantages (module docstring) of `rollouts` [B] (the step's, in group order,
+    `old_logprobs` set, and `ref_logprobs` when beta > 0) from `rewards` [B]. Returns (per rollout [T] float64, and
+    {"kl": mean per-token k1 over the completion tokens} when beta > 0: TRL's name)."""
     masks = [r.loss_mask for r in rollouts]
     kls = [kl_per_token(r.old_logprobs, r.ref_logprobs, "k1") * r.loss_mask if beta > 0 else None for r in rollouts]
     returns = [discounted_returns(token_rewards(float(score), m, kl, beta), m, gamma)
                for score, m, kl in zip(rewards.tolist(), masks, kls)]
-    for r, a in zip(rollouts, whitened(returns, masks)):
-        r.advantages = a
     metrics = {}
     if beta > 0:
         metrics["kl"] = float(sum(k.sum() for k in kls) / max(sum(float(m.sum()) for m in masks), 1.0))
-    return metrics
+    return whitened(returns, masks), metrics
 
 
 def whitened(values: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torch.Tensor]:

@@ -305,7 +305,7 @@ class TrainConfig:
         "(engine/self_check.py: the engine against the naive reference on a small random tree of the model itself, "
         "refused when its error is above the dtype's bound; the verdict is cached in the run folder) or "
         "'refuse' it. Recurrent or hybrid layers of an unknown family are always refused. A direct "
-        "replay_backward call refuses an unknown family unless force=True"))
+        "replay_backward call refuses an unknown family unless force=True (the package's: check, then run)"))
     report_to: str = field(default="tensorboard", metadata=help_of(
         "where metrics.jsonl is mirrored, a comma list (TRL's report_to): 'tensorboard' (RUN_DIR/tb, when "
         "tensorboard is installed), 'wandb' (Weights & Biases: project $WANDB_PROJECT or 'branchreplay', the run "

@@ -159,10 +159,14 @@ class PairBatches:
     def __init__(self, pairs: list[PreferencePair], per_step: int, seed: int):
         self.pairs, self.per_step, self.seed = pairs, per_step, seed
 
-    def batch(self, step: int) -> PairBatch:
-        """The pairs of `step` (>= 1) and their trees."""
+    def sample(self, step: int) -> PairBatch:
+        """The pairs of `step` (>= 1) and their trees: a step's batch, as a sampler's (nothing is drawn)."""
         picked = [self.pairs[i] for i in prompt_indices(len(self.pairs), self.per_step, self.seed, step)]
         return PairBatch(*pair_trees(picked), everything=self.all)
+
+    def score(self, batch: PairBatch) -> PairBatch:
+        """`batch` as it is: a preference is its own score."""
+        return batch
 
     def all(self) -> PairBatch:
         """Every pair of the data, as one batch."""

@@ -46,7 +46,7 @@ def check_ahead(config, samples: bool, device: torch.device) -> None:
     if "fork" not in multiprocessing.get_all_start_methods():
         raise ValueError(f"grpo.max_staleness={k} forks a sampler process, which this platform cannot: set "
                          "grpo.max_staleness 0")
-    if device.type != "cpu" and config.sampling.backend != "vllm":
+    if device.type != "cpu" and not config.sampling.uses_vllm:
         raise ValueError(f"grpo.max_staleness={k} samples in a forked process, which cannot use {device.type}: set "
                          "sampling.backend vllm, or grpo.max_staleness 0")
 
@@ -138,7 +138,7 @@ def _serve(sampler, conn, parent_end, slots: list[dict]) -> None:
                 with torch.no_grad():
                     for name, tensor in state.items():
                         tensor.copy_(slots[slot][name])
-                sampler.stale, loaded = True, version  # the vLLM server gets this version before it samples
+                sampler.policy.version = loaded = version  # the sampler syncs its back-end (vLLM) to it
             conn.send_bytes(pickle.dumps((step, version, *_draw(sampler, step, version))))
     except (BrokenPipeError, ConnectionResetError):  # the trainer is gone
         pass
@@ -169,14 +169,16 @@ def start_sampler(config, policy, sampler_of, ranks) -> SamplerProcess | None:
     if ranks is not None and ranks.rank != 0:
         return None
     sampler = sampler_of(dataclasses.replace(policy, ranks=None, dp=None, optimizer=None, scheduler=None))
-    sampler.keeps_logprobs, sampler.status = True, lambda text: None  # nothing to show: the trainer shows its wait
+    sampler.backend.keeps_logprobs = True  # the behaviour logprobs, for the ratio
+    sampler.status = lambda text: None  # nothing to show: the trainer shows its wait
     slots = [{name: torch.empty_like(t, device="cpu").share_memory_() for name, t in policy.model.state_dict().items()}
              for _ in range(config.grpo.max_staleness)]
     return SamplerProcess(sampler, slots)
 
 
 class Ahead:
-    """The batches of a run with grpo.max_staleness = k >= 1: `batch(step)` as `Sampler`'s.
+    """The batches of a run with grpo.max_staleness = k >= 1: `sample(step)` and `score(batch)` as `Sampler`'s (the
+    batch comes scored: `score` gives it back).
     `process`: the `SamplerProcess` on rank 0 (None on the others); `local`: the trainer's own `Sampler`, which
     draws a batch again when one is beyond the bound; `policy`: the trained `Policy` whose weights are sent;
     `last`: the run's last step (train.steps), beyond which nothing is asked for.
@@ -191,7 +193,7 @@ class Ahead:
     is dropped, counted (sample/dropped_stale_total, groups) and drawn again by the trainer's own `Sampler` with its
     current weights, never trained. The process draws a batch exactly as the synchronous loop would with those
     weights (`Sampler.batch`: group k of step s from a generator seeded by (train.seed, s, k)); its logprobs travel
-    with the batch, the behaviour logprobs the update's ratio takes (`algorithms.base.Algorithm.passes`). Under
+    with the batch, the behaviour logprobs the update's ratio takes (`algorithms.base.passes`). Under
     torchrun rank 0 owns the process and every rank receives the batch. A resume asks again for the batches that
     were in flight, drawn by the checkpoint's weights: nothing is lost and nothing trains twice."""
 
@@ -201,9 +203,12 @@ class Ahead:
         self.last = last
         self.status = status
         self.asked = 0  # the last step asked for
-        self.stale = True  # set by the trainer after each update; the process loads each version itself
 
-    def batch(self, step: int) -> Batch:
+    def score(self, batch: Batch) -> Batch:
+        """`batch`: the sampler process scored it."""
+        return batch
+
+    def sample(self, step: int) -> Batch:
         """The batch of `step` (>= 1), the weights now being version step - 1. Raises what its draw raised
         (RewardFunctionError, ItemError, VLLMError), SamplerFailed when the process died."""
         version = step - 1

@@ -16,7 +16,7 @@ SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered fami
 def check_family(model, unknown_family: str, run_dir: Path, ranks=None, log=print) -> bool:
     """`engine.self_check.ensure_supported` on `model` with train.unknown_family `unknown_family`, its verdicts kept
     in run_dir/self_check.json (written atomically, by rank 0): True when the family is unregistered and passed
-    (the engine then runs it forced). Under torchrun (`ranks`) rank 0 checks, before sharding, and gathers its
+    (the engine then runs it trusted). Under torchrun (`ranks`) rank 0 checks, before sharding, and gathers its
     verdict to every rank. Raises UnsupportedModelError on every rank for a refused family."""
     if ranks is None:
         return _check(model, unknown_family, run_dir, log)
@@ -26,10 +26,10 @@ def check_family(model, unknown_family: str, run_dir: Path, ranks=None, log=prin
             outcome = (_check(model, unknown_family, run_dir, log), None)
         except UnsupportedModelError as e:
             outcome = (None, str(e))
-    force, error = ranks.gather(outcome)[0]
+    trusted, error = ranks.gather(outcome)[0]
     if error is not None:
         raise UnsupportedModelError(error)
-    return force
+    return trusted
 
 
 def _check(model, unknown_family: str, run_dir: Path, log) -> bool:

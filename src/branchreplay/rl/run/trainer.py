@@ -1,12 +1,9 @@
 """The training run: one loop for every algorithm (config `algorithm`), the losses and their gradients computed over
 prefix trees.
 
-One step (TRL GRPOTrainer, `_generate_and_score_completions` and `_compute_loss`):
-  1. the step's batch: `train.seed`-seeded prompts, sampled and scored (`rollouts.sampler.Sampler`), their rollouts
-     with group advantages and loss weights over the whole step, or the batch an algorithm brings (DPO's pairs);
-  2. the updates (`update.run_updates`): the algorithm's part (`algorithms/`) chooses the trees that train, runs its
-     passes and advantages, then each update's engine calls; the loop clips, steps AdamW and the schedule, and logs;
-  3. evaluation (`evaluation.py`: greedy, in batches), the metrics log and atomic checkpoints on schedule.
+A step is one function, `step.train_step`: sample, score, trees, shard, passes, advantages, updates, optimizer
+steps and log, each phase timed. Around it the run: evaluation (`evaluation.py`: greedy, in batches), the metrics
+log, atomic checkpoints on schedule, resume, signals and failed steps.
 Under torchrun every rank runs the same loop (`parallel.py`). The model stays in eval mode: dropout would break the
 equality with the per-rollout computation.
 """
@@ -14,7 +11,6 @@ equality with the per-rollout computation.
 from __future__ import annotations
 
 import copy
-import time
 import warnings
 from pathlib import Path
 
@@ -22,8 +18,8 @@ import torch
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
-from ...engine.parallel.distributed import fsdp_mode, raise_together, shutdown
-from ...models import apply_lora, load_policy, model_folder
+from ...engine.parallel.distributed import fsdp_mode, shutdown
+from ...models import apply_lora, load_policy
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
 from ..config import Config
@@ -35,18 +31,18 @@ from ..data.tasks import load_task
 from ..policy import Policy
 from ..rollouts.ahead import Ahead, SamplerFailed, check_ahead, start_sampler
 from ..rollouts.sampler import Sampler
-from ..rollouts.trajectories import ItemError
-from ..rollouts.vllm.client import VLLMClient, VLLMError
+from ..rollouts.vllm.backend import connect
+from ..rollouts.vllm.client import VLLMError
 from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, score_name
 from .family import check_family
-from .log import (MetricsLog, NoLog, held_out_progress, peak_memory_bytes, progress_info, run_console, step_line,
+from .log import (MetricsLog, NoLog, held_out_progress, progress_info, run_console, step_line,
                   summarize)
 from .parallel import FAILED, launch
 from .skips import Skips
 from .stops import (RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
                     stop_on_signals)
-from .update import run_updates
+from .step import train_step, trained
 
 class Trainer:
     """A run of `config`. Everything is built from `config` unless injected (tests inject a tiny model, a character
@@ -54,7 +50,8 @@ class Trainer:
     task an `env`, `rl.agent.environments.Environment`, which then scores the trajectories).
 
     policy: the trained `Policy`; reference: the frozen reference `Policy` or None; algorithm: the part
-    (`algorithms.base.Algorithm`); source: where a step's batch comes from (`Sampler`, or the part's own)."""
+    (`algorithms.base.Algorithm`); source: where a step's batch comes from (`Sampler`, `Ahead`, or the part's own:
+    each `sample(step)`, then `score(drawn)`)."""
 
     def __init__(self, config: Config, model=None, tokenizer=None, train_data=None, eval_data=None, reward_fn=None,
                  console: Console | None = None, env=None):
@@ -73,14 +70,14 @@ class Trainer:
         self.policy = Policy(model.eval(), config.sampling.temperature if part.samples else 1.0, config.engine,
                              config.train.method, micro_batch=g.micro_batch_prompts, dtype=config.model.dtype,
                              ranks=self.ranks)
-        vllm = connect_vllm(config, self.tokenizer, self.ranks) if config.sampling.backend == "vllm" else None
+        vllm = connect(config, self.tokenizer, self.ranks) if config.sampling.uses_vllm else None
         if self.env is not None:
             bind(self.env, self.tokenizer)
         if self.ranks is not None:
             for p in model.parameters():  # every rank starts from rank 0's weights, the reference copy too
                 torch.distributed.broadcast(p.data, src=0)
             # rank 0 runs the self-check before sharding and tells the others (its verdict in the run folder)
-            self.policy.force = self.check_family(Path(config.train.output_dir))
+            self.policy.trusted = self.check_family(Path(config.train.output_dir))
         sampler_of = lambda policy, ranks=None: Sampler(  # noqa: E731
             config, policy, self.tokenizer, self.train_data, self.rewards, self.env, vllm, ranks,
             status=lambda text: self.status(text))
@@ -93,7 +90,7 @@ class Trainer:
         self.algorithm = part(config, self.policy, self.reference)
         if self.ranks is not None:  # after the copies: fully_shard changes the model in place
             self.distribute()
-        for p in self.trained:
+        for p in trained(self.algorithm):
             p.make_optimizer(g, config.train.steps * self.algorithm.num_updates)
         self.algorithm.status = lambda text: self.status(text)
         self.source = self.algorithm.batches(self.tokenizer) if not part.samples else \
@@ -111,11 +108,6 @@ class Trainer:
     def model(self):
         return self.policy.model
 
-    @property
-    def trained(self) -> list[Policy]:
-        """The policies the updates move: the policy, and PPO's critic."""
-        return [self.policy] + ([self.algorithm.critic] if self.algorithm.critic is not None else [])
-
     def distribute(self) -> None:
         """The trained policies data-parallel with parallel.strategy (auto: FSDP2; LoRA: DDP, its adapters
         replicated) and FSDP2's mode (decided once, from the smallest rank's memory)."""
@@ -126,42 +118,9 @@ class Trainer:
         if self.algorithm.critic is not None:
             self.algorithm.critic.distribute(strategy, mode)
 
-    # -- one step ---------------------------------------------------------------------------------------------------
-
-    def generate(self, step: int):
-        """The batch of `step` (>= 1): sampled and scored, or the part's own (DPO's pairs). Raises
-        RewardFunctionError from the reward, ItemError when every item's environment failed."""
-        return self.source.batch(step)
-
-    def update(self, batch) -> dict:
-        """The step's optimizer updates on `batch` (`update.run_updates`); returns their metrics."""
-        metrics = run_updates(self.algorithm, batch, self.ranks, self.config.parallel.layout,
-                              self.config.grpo.max_grad_norm)
-        self.source.stale = True  # the weights moved: the vLLM server needs them again
-        return metrics
-
     def train_step(self, step: int) -> dict | None:
-        """generate + update; returns the step's metrics, or None (with a warning) when the reward failed."""
-        t0 = time.perf_counter()
-        try:
-            batch = self.generate(step)
-        except (RewardFunctionError, ItemError) as e:
-            self.skips.skipped(step, e, Path(self.config.train.output_dir), write=self.rank == 0)
-            return None
-        t1 = time.perf_counter()
-        if self.config.train.log_completions and self.rank == 0:
-            self.completion_rows = batch.completions(self.tokenizer, self.algorithm.logs_group_advantages)
-        self.status(f"step {step}: training on {sum(len(t.rollouts) for t in batch.trees)} rollouts")
-        metrics = self.update(batch)
-        t2 = time.perf_counter()
-        self.num_tokens += batch.logical_tokens
-        env_s = batch.metrics.get("time/sample_env_s")
-        drawn_s = batch.metrics.get("time/sampler_process_s", t1 - t0)  # drawn ahead: the process's own seconds
-        timing = {"time/sample_model_s": drawn_s - env_s} if env_s is not None else {}
-        return {"step": step, **batch.step_metrics(), "num_tokens": self.num_tokens, **batch.metrics, **metrics,
-                "time/sample_s": t1 - t0, **timing,  # drawn ahead: the wait for the batch
-                "time/train_s": t2 - t1,  # the whole update, its no-grad passes (time/logprob_s) included
-                "time/step_s": t2 - t0, "memory/peak_bytes": peak_memory_bytes(self.model.device)}
+        """Step `step` (>= 1): `step.train_step`, its phases in one function."""
+        return train_step(self, step)
 
     # -- the run ------------------------------------------------------------------------------------------------------
 
@@ -189,7 +148,7 @@ class Trainer:
                 check_resume(saved, resolved(self.config).to_dict(), run_dir)
             self.step, extra = load_checkpoint(found, self.model, self.policy.optimizer, self.policy.scheduler,
                                                critic=self.critic_state(), verify=False)  # verified when found
-            for p in self.trained:  # a longer run: the schedule over the new train.steps, from the checkpoint's step
+            for p in trained(self.algorithm):  # a longer run: the schedule over the new train.steps, from the step
                 p.continue_schedule()
             self.num_tokens = extra.get("num_tokens", 0)
             self.console.print(f"resumed {run_dir} from {found.name}")
@@ -201,12 +160,12 @@ class Trainer:
                 self.console.print(f"from step {self.step + 1}: {', '.join(changed)} changed (config-resumed-at-step-"
                                    f"{self.step + 1}.yaml; {FIRST} and the others keep what the earlier steps used)")
         if self.ranks is None:  # data-parallel runs checked before sharding (__init__)
-            self.policy.force = self.check_family(run_dir)
+            self.policy.trusted = self.check_family(run_dir)
         if isinstance(self.source, Ahead):
             self.console.print(self.source.describe())
         for p in (self.reference, self.algorithm.critic):  # they run the policy's family
             if p is not None:
-                p.force = self.policy.force
+                p.trusted = self.policy.trusted
         log = MetricsLog(run_dir, truncate_after=self.step, console=self.console, report_to=cfg.report_to,
                          config=resolved(self.config).to_dict()) if self.rank == 0 else NoLog()
         stop: list[str] = []
@@ -295,7 +254,7 @@ class Trainer:
         return self.ranks.any(bool(stop)) if self.ranks else bool(stop)
 
     def check_family(self, run_dir: Path) -> bool:
-        """The run's check of an unregistered family (`family.check_family`): True (the engine runs it forced,
+        """The run's check of an unregistered family (`family.check_family`): True (the engine runs it trusted,
         checked here) or False (a registered family)."""
         return check_family(self.model, self.config.train.unknown_family, run_dir, self.ranks, self.console.print)
 
@@ -343,22 +302,6 @@ class Trainer:
         with self.policy.gathered(), self.policy.autocast():
             return evaluate(self.model, self.tokenizer, self.config, self.eval_data, self.rewards, progress=progress,
                             ranks=self.ranks, env=self.env)
-
-
-def connect_vllm(config: Config, tokenizer, ranks) -> VLLMClient | None:
-    """The vLLM server's client on rank 0 (it alone talks to the server); None on the others. Raises VLLMError
-    on every rank when it cannot connect."""
-    s, client, error = config.sampling, None, None
-    if ranks is None or ranks.rank == 0:
-        try:
-            client = VLLMClient.connect(s.vllm_url, model_folder(config.model.spec), tokenizer, s.vllm_timeout_s)
-        except VLLMError as e:
-            if ranks is None:
-                raise
-            error = e
-    if ranks is not None:
-        raise_together(error, "connecting to the vLLM server", kinds=(VLLMError,))
-    return client
 
 
 def load_data(config: Config, env, train_data, eval_data, reward_fn) -> tuple:
