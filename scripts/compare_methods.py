@@ -9,7 +9,7 @@ distance between the parameters: max |theta_m - theta_first| over every entry, a
 Writes OUT/metrics.jsonl (one line per step and method) and OUT/convergence.png (reward, held-out accuracy, loss,
 KL, entropy, time per step split into sampling and training, parameter distance; one line per method).
 
-    .venv/bin/python scripts/compare_methods.py --config configs/convergence.yaml --out docs/convergence/smollm2-naive \
+    .venv/bin/python scripts/compare_methods.py --config configs/convergence.yaml --out results/convergence-2026-12/smollm2-naive \
         --methods branchreplay,naive
     .venv/bin/python scripts/compare_methods.py --tiny --model.dtype float64 --train.steps 24 --out /tmp/tiny64
 

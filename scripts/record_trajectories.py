@@ -8,7 +8,7 @@ then writes one JSON object per trajectory: item (its group), ids, loss_mask (1 
 tool_calls, ended_by. Prints the trajectories' token counts and the tree's token ratio.
 
 Run:  .venv/bin/python scripts/record_trajectories.py --config configs/guess_number.yaml \
-          --out docs/results/guess-number-trajectories.jsonl
+          --out results/recorded-trajectories-2026-12/guess-number-trajectories.jsonl
 """
 
 from __future__ import annotations

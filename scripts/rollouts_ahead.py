@@ -11,8 +11,8 @@ A step's time is the trainer's critical path (time/step_s: waiting for the batch
 step of `ahead` waits for a whole draw, as a synchronous step samples. Evaluation is off. Prints and writes, per
 workload and way, the seconds of every step and the ratios (total of steps 1..N, and steady steps 2..N).
 
-    .venv/bin/python scripts/rollouts_ahead.py --steps 5 --out docs/results/rollouts-ahead.json
-    .venv/bin/python scripts/rollouts_ahead.py --curve 20 --out docs/convergence/rollouts-ahead
+    .venv/bin/python scripts/rollouts_ahead.py --steps 5 --out results/rollouts-ahead-2026-12/rollouts-ahead.json
+    .venv/bin/python scripts/rollouts_ahead.py --curve 20 --out results/rollouts-ahead-2026-12/curve
 
 --curve N trains configs/demo.yaml N steps synchronously (both cores) and one step ahead (pinned as above) from the
 same seed, and writes their metrics and reward curves (metrics.jsonl, reward.png) under --out.
@@ -141,7 +141,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--steps", type=int, default=5, help="steps per workload and way")
     ap.add_argument("--curve", type=int, default=0, help="instead: N steps of configs/demo.yaml, both ways")
-    ap.add_argument("--out", default="docs/results/rollouts-ahead.json")
+    ap.add_argument("--out", default="runs/rollouts-ahead.json",
+                    help="the JSON file of the step times; with --curve, the folder of metrics.jsonl and reward.png")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--workload", help=argparse.SUPPRESS)
     ap.add_argument("--way", help=argparse.SUPPRESS)

@@ -1,6 +1,6 @@
 """`branchreplay estimate`: the token and FLOP ratios of a run's own prompts laid out as the trainer lays them out,
 and the speed-up they predict, checked against what the CPU bench measured: on every current shared-prompt and
-low-sharing row of docs/results/ (and the demo's shape) the estimate's FLOP ratio is the bench's own, and its
+low-sharing row of results/ (and the demo's shape) the estimate's FLOP ratio is the bench's own, and its
 predicted speed-up (the FLOP ratio) is within 25% of the measured one."""
 
 import json
@@ -15,11 +15,12 @@ from branchreplay.cli import main
 from branchreplay.rl.config import Config
 from branchreplay.rl.estimate import estimate
 
-RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
-ROWS = ["sp-P1024-G8.json", "sp-P4096-G4.json", "sp-P4096-G8.json", "sp-P4096-G16.json", "sp-P4096-G64.json",
-        "sp-P16384-G8.json", "sp-P32000-G8.json", "headline.json", "issue15/stop25/low-sharing-t2.json",
-        "issue15/stop25/low-sharing-t1-rerun.json", "issue15/stop25/demo-shape-t1.json",
-        "issue15/stop25/demo-shape-t2.json"]
+RESULTS = Path(__file__).resolve().parents[1] / "results"
+SWEEPS, ROUND4 = "shared-prompt-sweeps-2026-11/", "never-slower-than-dense-2026-12/round4/"
+ROWS = [SWEEPS + name for name in ("sp-P1024-G8.json", "sp-P4096-G4.json", "sp-P4096-G8.json", "sp-P4096-G16.json",
+                                   "sp-P4096-G64.json", "sp-P16384-G8.json", "sp-P32000-G8.json", "headline.json")] + \
+       [ROUND4 + name for name in ("low-sharing-t2.json", "low-sharing-t1-rerun.json", "demo-shape-t1.json",
+                                   "demo-shape-t2.json")]
 """The bench files docs/benchmarks.md shows as current (shared-prompt sweeps, the headline, low sharing on 2
 threads and 1, the demo's shape)."""
 

@@ -31,7 +31,7 @@ from .config import Config
 
 SPEEDUP_RANGE = (0.85, 1.3)
 """The measured speed-up over the FLOP ratio on the CPU bench's current rows against naive: 0.85 to 1.27 on the
-shared-prompt, low-sharing and demo-shape rows of docs/results/ (tests/test_rl_estimate.py; the table in
+shared-prompt, low-sharing and demo-shape rows of results/ (tests/test_rl_estimate.py; the table in
 docs/benchmarks.md), the range an estimate prints around the FLOP ratio."""
 
 
