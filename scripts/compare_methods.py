@@ -9,8 +9,8 @@ distance between the parameters: max |theta_m - theta_first| over every entry, a
 Writes OUT/metrics.jsonl (one line per step and method) and OUT/convergence.png (reward, held-out accuracy, loss,
 KL, entropy, time per step split into sampling and training, parameter distance; one line per method).
 
-    .venv/bin/python scripts/compare_methods.py --config configs/convergence.yaml --out results/convergence-2026-12/smollm2-naive \
-        --methods branchreplay,naive
+    .venv/bin/python scripts/compare_methods.py --config configs/convergence.yaml \
+        --out results/convergence-2026-12/smollm2-naive --methods branchreplay,naive
     .venv/bin/python scripts/compare_methods.py --tiny --model.dtype float64 --train.steps 24 --out /tmp/tiny64
 
 --tiny: the tests' stand-ins (a random tiny Llama, a byte tokenizer, a toy task; seconds per step), for float64
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import sys
 import time
 from pathlib import Path
 
@@ -34,6 +33,36 @@ from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config, apply_overrides
 from branchreplay.rl.run.trainer import Trainer
 
+EOS = 2
+
+
+class ByteTokenizer:
+    """--tiny's tokenizer (the stand-in of tests/test_rl_run_trainer.py): bytes 3..255 are text, id 2 is EOS, no BOS;
+    template 'S:<system>|U:<user>|A:'."""
+
+    eos_token_id = EOS
+    bos_token_id = None
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        text = "|".join(f"{m['role'][0].upper()}:{m['content'][:24]}" for m in messages)
+        return text + ("|A:" if add_generation_prompt else "")
+
+    def __call__(self, text, add_special_tokens=False):
+        return type("Encoding", (), {"input_ids": [max(b, 3) for b in text.encode()]})
+
+    def decode(self, ids, skip_special_tokens=True):
+        return bytes(i for i in ids if i >= 3).decode("latin-1")
+
+
+TINY_DATA = [{"question": f"{a}+{b}=?", "answer": str(a + b), "metadata": {}} for a in range(4) for b in range(4)]
+"""--tiny's toy task: 16 sums of two digits."""
+
+
+def byte_reward(completions, **kwargs):
+    """--tiny's reward: the fraction of lower-case ASCII letters, so random completions spread over [0, 1]."""
+    return [sum(c.islower() for c in text) / max(len(text), 1) for text in completions]
+
+
 PANELS = [("reward", "reward (mean over the step's rollouts)"), ("eval/accuracy", "held-out accuracy"),
           ("loss", "loss"), ("kl", "KL to the reference (k3)"), ("entropy", "entropy (nats per token)"),
           ("time/step_s", "seconds per step (solid: sampling, dashed: training)"),
@@ -42,15 +71,13 @@ PANELS = [("reward", "reward (mean over the step's rollouts)"), ("eval/accuracy"
 
 def make_trainer(config: Config, tiny: bool, stack: contextlib.ExitStack) -> Trainer:
     """The run's Trainer. tiny: the stand-ins of tests/test_rl_run_trainer.py (tiny Llama of vocab 256, byte tokenizer,
-    toy arithmetic task). In float64 the model computes its RMSNorms in float64 too (`reference.float64.keep_float64`;
-    transformers' run in float32), before the Trainer copies it into the reference model."""
+    toy arithmetic task), as above. In float64 the model computes its RMSNorms in float64 too
+    (`reference.float64.keep_float64`; transformers' run in float32), before the Trainer copies it into the reference
+    model."""
     dtype = config.model.dtype
     if tiny:
-        sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-        from test_rl_run_trainer import DATA, ByteTokenizer, byte_reward
-
         model, tokenizer = tiny_model("llama", dtype=getattr(torch, dtype), seed=0), ByteTokenizer()
-        data = dict(train_data=DATA, eval_data=DATA[:8], reward_fn=byte_reward)
+        data = dict(train_data=TINY_DATA, eval_data=TINY_DATA[:8], reward_fn=byte_reward)
     else:
         model, tokenizer = load_policy(config.model.spec, dtype, config.model.device)
         data = {}
