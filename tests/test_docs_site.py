@@ -74,3 +74,19 @@ def test_a_missing_file_or_a_picture_from_outside_docs_is_a_warning(caplog):
     assert "results/no-such-topic/x.json is not in the repository" in said[0], said
     assert "'../../elsewhere.json'" in said[1] and "is not in the repository" in said[1], said
     assert "a picture a page shows belongs in docs/" in said[2], said
+
+
+def test_every_docs_page_the_code_names_is_there():
+    """The docstrings, comments and help of src/, scripts/, tests/ and configs/ point readers at docs pages by path
+    (`docs/notes/execution-stack.md`); a page moved or deleted must take those pointers with it."""
+    import re
+
+    named = {}
+    for folder in ("src", "scripts", "tests", "configs", "examples"):
+        for path in (ROOT / folder).rglob("*"):
+            if path.is_file() and path.suffix in {".py", ".sh", ".yaml", ".md"}:
+                for page in re.findall(r"docs/[\w./-]+\.md", path.read_text(errors="replace")):
+                    named.setdefault(page, path.relative_to(ROOT).as_posix())
+    assert len(named) > 10
+    missing = {page: where for page, where in named.items() if not (ROOT / page).is_file()}
+    assert not missing, f"pages named but not in docs/ (page: first file naming it): {missing}"

@@ -6,7 +6,7 @@ of its values on the nodes: every per-token loss summed with weights (GRPO, DAPO
 normalisation is put into the weights, `token_weights`; PPO's value loss, `ValueLoss`, on a critic). Losses of
 summed logprobs (RLOO's `rloo_loss`, DPO's `dpo_loss`) and GSPO's `gspo_loss` run in two passes, `engine.sequence`.
 `GRPOLoss` follows TRL 1.16's GRPOTrainer (trl/trainer/grpo_trainer.py); its docstring lists the departures.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes: docs/algorithms.md, docs/training.md ("The GRPO loss").
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ never moves the policy and vf_coef means what it means in TRL. The value of resp
 state that predicts it (position t - 1), as TRL's `full_value[:, context_length - 1 : -1]`: over a prefix tree every
 unique position has ONE value, shared by the rollouts through it, like its logprob. `ValueModel` wraps any decoder
 the engine runs; TRL's critic works as well (`is_value_model` recognises both).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes: docs/algorithms.md ("PPO's critic").
 """
 
 from __future__ import annotations

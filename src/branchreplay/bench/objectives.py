@@ -10,7 +10,7 @@ in one process on the bench model (`runner.BENCH_MODEL`), with their FLOP ratios
 
 FLOPs by `reference.work.Work` (the critic's head rows not counted). Times: one timed run after a warm-up of each method
 (`measure.measure`): compare ratios within one run.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes: docs/benchmarks.md ("PPO and DPO").
 """
 
 from __future__ import annotations

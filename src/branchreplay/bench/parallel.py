@@ -10,7 +10,7 @@ and the shard plan for more ranks. A method's wall time: the slowest rank's, bet
 projected past `max_seconds`, and a prompt-sharing rank whose estimated peak exceeds its share of the memory, run a
 sample of their rollouts scaled by FLOPs (`flops`), as `runner` does; such rows say estimated. Peak memory is not
 recorded per rank.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes: docs/benchmarks.md ("Distributed").
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ bytes per weight and per cached key/value element. A step takes at least max(FLO
 bandwidth) seconds (the roofline model, Williams, Waterman and Patterson, CACM 2009), so T new tokens from a prompt
 of P tokens take at least the sum over L = P .. P + T - 1, a ceiling of B * T / that sum tokens per second (on a GPU
 too, with its peaks). `peak_matmul_flops` and `memory_bandwidth` measure this machine's two peaks.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Measurements: docs/benchmarks.md ("The sampler against the roofline").
 """
 
 from __future__ import annotations

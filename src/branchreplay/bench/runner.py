@@ -10,7 +10,7 @@ against naive. Estimates: a naive run projected past `max_seconds` stops after a
 its time scaled by FLOPs(all) / FLOPs(sample) and every method's error taken on those k rollouts; padded and
 prompt-sharing are sampled likewise when projected past `max_memory_bytes` or `max_seconds` (peak by
 `reference.memory`), or "skipped" when no rollout fits. Such rows say `"estimated": true, "sample_rollouts": k`.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+How to read its figures: docs/benchmarks.md ("Reading the tables").
 """
 
 from __future__ import annotations

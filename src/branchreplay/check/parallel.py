@@ -8,7 +8,7 @@ non-random shape of `shapes.SHAPES` as its own tree (groups go to ranks whole) a
 computation is checked against the naive per-rollout one by `verify --loss` itself. Bound: float64 as
 `verify_model`'s (1e-6, 1e-4 for the families that compute in float32), float32 1e-4 (the tiny configs'
 engine-vs-naive bound).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes: docs/distributed.md.
 """
 
 from __future__ import annotations

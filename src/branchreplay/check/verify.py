@@ -10,7 +10,7 @@ whose rollouts straddle it runs the naive reference (each rollout alone, unpadde
         `VS_FLOAT64_FACTOR` x the model's rounding level, the naive computation's largest error over the check's trees
         (`judge_against_float64`; gradients: max over parameters of the relative error; logprobs: nats, plus 1e-5).
 A level, not the same tree's error: which order of the same sums rounds more varies tree by tree.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Why these bounds: docs/support.md#what-exact-means-in-each-dtype, docs/gpu.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from ..reference.shapes import SHAPES, around_length, around_window, make_rollou
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
 FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32
 VS_FLOAT64_FACTOR = 2.0  # float32 / bfloat16: the engine's error vs float64 <= this x the naive computation's
-# (CUDA orders its float32 sums differently from the CPU: docs/notes/engine-docstrings.md)
+# (CUDA orders its float32 sums differently from the CPU: docs/gpu.md)
 ENGINE = dict(max_pack_tokens=64, chunk_tokens=24, **EVERY_SHARED_NODE)  # small, so that the trees cross packs
 # and chunks; every shared node kept, so that the small trees run as trees (engine/schedule.py)
 

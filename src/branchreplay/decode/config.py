@@ -2,7 +2,7 @@
 
 Torch-free, so that the run config parses (and `--help` prints) before torch loads; `decode/loop.py`
 samples with it.
-Measurements behind its help texts: docs/notes/rl-docstrings.md.
+Measurements behind its help texts: docs/notes/sampler.md.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ def draw(logits: torch.Tensor, config: SamplingConfig, generator) -> tuple[torch
     decoding step on the CPU. The cumulative sum is taken in two levels, over blocks of DRAW_BLOCK ids and then
     inside the block u falls in, so no [rows, V] float64 tensor is made (on the CPU, that cumsum and its copy cost
     a decoding loop their fresh buffers' page faults); where the rounding of the two levels differs at the block's
-    end, the block's last id of positive probability is drawn. Figures: docs/notes/rl-docstrings.md."""
+    end, the block's last id of positive probability is drawn. Figures: docs/notes/sampler.md."""
     scaled = logits / config.temperature
     probs = filter_logits(scaled, config.top_k, config.top_p).softmax(dim=-1)
     rows, vocab = probs.shape

@@ -8,7 +8,7 @@ packed only where MKL's buffer stays within MAX_PACKED_RATIO of its own elements
 turns it off. Packing is not a global patch: `packed_linears(model)` sets an instance `forward` on each packed
 nn.Linear for the duration of a `with` block and removes it on leaving.
 
-Design notes and measurements: docs/notes/rl-docstrings.md.
+Design notes and measurements: docs/notes/sampler.md.
 """
 
 from __future__ import annotations

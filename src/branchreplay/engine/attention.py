@@ -15,7 +15,7 @@ kernels: `kernels.py`), not under autocast (half precision keeps the masked call
 with "sdpa" attention (or eager in an `EAGER_SPLIT` family: gpt-oss), full attention in every layer and no
 attention-logit softcap; per pack when it has a prefix. Everything else: the single masked call of the model's own
 attention.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/split-attention.md.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ _SPLIT_DTYPES = {("cpu", torch.float32), ("cpu", torch.float64), ("cuda", torch.
 CUDA_SPLIT = "BRANCHREPLAY_CUDA_SPLIT_ATTENTION"
 """Environment variable: "0" opts CUDA out of split prefix attention (into the masked SDPA path, exact too). On by
 default: on a GPU it ran the headline step faster and in less memory than the masked path (figures:
-docs/notes/engine-docstrings.md)."""
+docs/notes/split-attention.md)."""
 
 
 def own_keys_mask(mask: torch.Tensor | None, length: int, dtype: torch.dtype, device) -> torch.Tensor:

@@ -8,7 +8,7 @@ from typing import Literal
 from ..fields import check, choice, help_of
 
 Replay = Literal["keep", "replay", "auto"]
-# Both calibrated by scripts/pack_overhead.py (its figures: docs/notes/engine-docstrings.md).
+# Both calibrated by scripts/pack_overhead.py (its figures: docs/notes/execution-stack.md).
 PACK_OVERHEAD_TOKENS = 48  # a pack's fixed cost, in positions
 PREFIX_POSITION_OVERHEAD = 0.1  # a child position's extra cost under a root node, as a fraction of a position
 EVERY_SHARED_NODE = {"pack_overhead_tokens": 0, "prefix_position_overhead": 0}

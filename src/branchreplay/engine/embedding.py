@@ -8,7 +8,7 @@ the embedding over all the kept ids and one backward with the kept gradients add
 The hook catches the module's own output, so a model that transforms it afterwards (Gemma's scale, GPT-2's
 positions) still does so, and the final backward runs through the module itself. The kept gradients never outgrow
 one dense gradient: once they hold as many rows as the vocabulary, they are applied (`keep`).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ the user's own model (`self_check.py`; once per model class, config and dtype in
 whose attention the engine cannot carry: ALiBi biases (MPT, Bloom, Falcon with `alibi=True`), the families of
 `REFUSED` (DiffLlama's differential attention, Dory's looped layers), or K/V handed to the cache as other than
 [batch, kv_heads, tokens, head_dim] tensors agreeing with the prefix's (`cache._check_layout`).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -150,7 +150,7 @@ def head_logprobs(head, hidden: torch.Tensor, targets: torch.Tensor, temperature
 
     The logprob is the target's logit minus the row's logsumexp, as TRL's `selective_log_softmax`
     (trl/trainer/utils.py) computes it for float32: in float32 its gradient is about ten times closer to float64
-    than that of `log_softmax(...).gather(...)` (figures: docs/notes/engine-docstrings.md). The
+    than that of `log_softmax(...).gather(...)` (figures: docs/support.md). The
     entropy keeps the full log-softmax."""
     logits = scaled_logits(head, hidden, temperature, transform, float32)
     logprobs = logits.gather(-1, targets[:, None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)

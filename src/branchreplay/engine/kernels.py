@@ -9,7 +9,7 @@ additive [1, 1, S, L] bias; causal: top-left aligned; `saved`: what the forward 
 `aten._scaled_dot_product_flash_attention_for_cpu` (float32, float64, bfloat16). CUDA:
 `aten._scaled_dot_product_efficient_attention` (Rabe & Staats 2021; float32 and an additive bias), its quirks
 (no grouped heads, log-sum-exp padded to 32 queries, bias rows padded to 16) handled as PyTorch's SDPA dispatch does.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/split-attention.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ replays the internal packs with the largest activations until it fits `memory_bu
     node state (K/V handed to children)         = s * L per node of L tokens, twice (leaf and its gradient)
 plus fixed bytes: the parameters' gradients and the LM head's working chunk (under autocast one half-precision copy
 of the matrices). The prediction is an upper bound of `measure_peak_bytes` (tests/test_engine_planner.py).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ whatever the forward's length. The engine runs a rollout's positions in several 
 what its full forward uses (`regime`), the rollouts of one regime run together (`regimes`), and
 `held_at_length(model, T)` makes every rotary call see seq_len = T (one position T - 1 appended to the position ids,
 its cos / sin dropped) from a fresh dynamic state.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ layer's Mamba2 mixer, both at one layer index). A child starts from its PARENT's
 a family runs every node as a pack of one (`Family.recurrent`). transformers' mixers write cached states in place,
 and Mamba's multi-token scan ignores a cached state: `RecurrentLayer` records the past and assigns new states, and
 `EngineForwards` installs `mamba2_forward` / `mamba_forward` on the mixers while the engine runs.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ A position the tree computes once for k rollouts enters T, S and N with weight k
 is linear in each position's router probabilities once T and N are known: pass 1 (the forward without a graph) sums
 k-weighted T, S and N (`RouterLoss`; `aux`, a float64 leaf the caller's loss reads); pass 2 adds to each pack's
 backward sum_{l, p} k_p softmax(z_lp) . G, G = dL/daux * E * T / N^2 (float64, `stack._Run.pack`).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

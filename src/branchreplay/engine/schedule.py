@@ -8,7 +8,7 @@ attention's second kernel and merge; charged only where the model runs it, `atte
 whose saving is below its cost is merged into its children, bottom-up: each child gets the node's tokens in front
 of its own. When every shared node merges, the engine takes the dense packed schedule (each rollout alone, side by
 side in packs). Exact either way: the losses are sums over (rollout, position), split over the children.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ copy). The model is refused, with its error, when the max relative gradient erro
 of two orders of summation, below a structural mistake), else the error is logged. Verdicts are kept per model class,
 config and dtype (`verdict_key`; a run keeps them in `self_check.json`). `check_once` is the check of the package's
 `replay_backward(force=True)`, which then runs the engine trusted. Recurrent or hybrid layers are always refused.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -10,7 +10,7 @@ dL/dtheta = sum_i sum_t (dL/dlogp[i, t]) dlogp[i, t]/dtheta + (dL/dH[i, t]) dH[i
             is dL/dtheta (pass 2 recomputes pass 1's values to the last bit on a given device and dtype).
 
 A loss of the summed logprobs s_i (`replay_sequence_backward`) is the case g[i, t] = (dL/ds_i) loss_mask[i, t], h = 0.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

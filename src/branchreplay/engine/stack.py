@@ -8,7 +8,7 @@ its backward they hold dL/dK, dL/dV and dL/dh (a child's first token is predicte
 state), and the pack's backward runs once, `torch.autograd.backward([pack_loss, K_n, V_n, h_n, ...], [1, dK_n, dV_n,
 dh_n, ...])`: into `param.grad`, what `loss.backward()` on the per-rollout sum gives (the same terms in another
 order). The LM head runs only on the trained rows, in checkpointed chunks (`head.py`).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

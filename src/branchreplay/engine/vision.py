@@ -9,7 +9,7 @@ through the vision tower once. Gemma3 attends bidirectionally inside an image: `
 image's block id, ORed into the tree mask (`masks.tree_mask`). Qwen2-VL's multimodal rotary ("mrope"): the prompt's
 position ids are computed once and every later position p has p + delta on each axis (transformers' `rope_deltas`).
 A length-dependent rotary encoding (`positions.py`) with grid positions is refused.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

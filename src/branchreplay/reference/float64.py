@@ -14,7 +14,7 @@ a float64 check measures the engine and not those casts:
     the gated delta rule and gated norms of Qwen3-Next, Qwen3.5, OLMo Hybrid and Kimi Linear
         (`float64_delta_rule.py`; the delta rule a module function, so every such model of the process while active,
         float64 inputs only), and Qwen3-Next's and Qwen3.5's (1 + weight) RMSNorm.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/support.md ("Notes per family").
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """Estimated peak memory of the padded batch and of prompt sharing, so that a benchmark skips a run that would not
-fit (`branchreplay bench`'s `max_gib`). Design notes and measurements: docs/notes/engine-docstrings.md."""
+fit (`branchreplay bench`'s `max_gib`). Design notes and measurements: docs/notes/execution-stack.md."""
 
 from __future__ import annotations
 
@@ -12,14 +12,14 @@ from .prompt_sharing import prompt_groups
 
 PEAK_OVER_SAVED = 1.5
 """Peak over saved activations: the backward's transient buffers, the logits and the mask come on top of the bytes
-autograd saves; 1.5 covers the bench model's ratio (float32, CPU; docs/notes/engine-docstrings.md)."""
+autograd saves; 1.5 covers the bench model's ratio (float32, CPU; docs/notes/execution-stack.md)."""
 
 
 def activation_bytes_per_token(config, dtype: torch.dtype) -> int:
     """Bytes autograd saves per token position for a Llama-style decoder trained with SDPA: per layer about
     12 x hidden + 2 x kv_dim + 4 x intermediate values (norm in/out, q/k/v, rotated q/k, attention out, residuals,
     gate/up/act/product of the MLP). Checked against the bench model's saved-tensor bytes (figure:
-    docs/notes/engine-docstrings.md)."""
+    docs/notes/execution-stack.md)."""
     H, mlp = config.hidden_size, config.intermediate_size
     kv = kv_heads(config) * head_dim(config)
     return (12 * H + 2 * kv + 4 * mlp) * config.num_hidden_layers * torch.finfo(dtype).bits // 8

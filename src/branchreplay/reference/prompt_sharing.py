@@ -7,7 +7,7 @@ K/V repeated once per suffix, whose gradients sum back into the prompt's K/V thr
 runs the package itself (its attention function over our SDPA adapter, `_pg_sdpa`), impl="equivalent" our own with
 transformers' cache. A rollout's prompt: its positions before the first trained one (`padded.prompt_length`), as TRL
 splits prompt and completion; rollouts with identical prompts form a group.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes: docs/benchmarks.md ("Reading the tables").
 """
 
 from __future__ import annotations

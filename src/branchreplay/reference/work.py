@@ -10,7 +10,7 @@ recomputation, attention causal (a query at absolute position t attends t + 1 ke
 attention_keys: the sum over computed positions of their context length; d_attn = heads * head_dim; each method's
 positions: `naive_work`, `padded_work`, `prompt_sharing_work`, `tree_work`. Source: PaLM (Chowdhery et al. 2022),
 Appendix B: 6N + 12 * L * H * Q * T FLOPs per token, H * Q = d_attn, T here each query's own causal context.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes: docs/benchmarks.md ("Reading the tables").
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ row's generated keys in a preallocated store, the two merged by their log-sum-ex
 drop or fork gathers the rows kept, so no step decodes a finished stream. It applies where `llama_rows_apply` says
 (llama, qwen2, qwen3, mistral; CPU, float32 or float64). The samples equal the dynamic cache's up to the matmuls'
 floating-point order (float64 test: the same ids).
-Design notes and measurements: docs/notes/rl-docstrings.md.
+Design notes and measurements: docs/notes/sampler.md.
 """
 
 from __future__ import annotations

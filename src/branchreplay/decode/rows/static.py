@@ -8,7 +8,7 @@ read through `grouped_prefix_attention`; elsewhere every row holds its prompt un
 sees exactly the keys the dynamic path gives it. Rows and generated slots come in power-of-two buckets (`StaticRows`).
 The tokens are drawn outside the graph as the dynamic path draws them (per group, from its own generator, for its
 live streams only), so the sampled ids and logprobs are the dynamic path's (float64 test).
-Design notes: docs/notes/rl-docstrings.md.
+Design notes: docs/notes/sampler.md.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ the prefix's full K/V, the state its own branches need, and dK, dV return to eac
 no trained position. Bytes per rank and step, each way: about (W - 1) / W x P x 2 x n_layers x n_kv_heads x
 head_dim x element size. Full-attention families only (`sharding.supports_context_parallel`); every rank runs the
 same `ContextParallelTree`s in the same order, after its whole trees.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/distributed.md, docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ each backward reduce-scatters its gradient at once: ZeRO-3's memory throughout, 
 their packs in lock-step (`lockstep.py`). `fsdp_mode` picks by memory. The parameters outside the layers (embeddings,
 final norm, LM head) are replicated and all-reduced once per step. Every reduction is a SUM on every backend (the
 loss weights are computed over the whole step), so the ranks' summed gradient is the single-process gradient.
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/distributed.md, docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

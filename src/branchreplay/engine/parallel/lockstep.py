@@ -8,7 +8,7 @@ tick per event: the ranks all-gather the kind of their next event, take the kind
 tie), and the ranks without such an event run a dummy of that kind through every layer (a one-token forward without
 a graph, or a backward of zero through a one-token graph). A context-parallel event runs only when every rank waits
 for it; anything else raises. `drain` runs the generator alone (one process, or FSDP2 gathered once per step).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/distributed.md, docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations

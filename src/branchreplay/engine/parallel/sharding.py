@@ -10,7 +10,7 @@ A tree's cost: the forward FLOPs of its unique positions, 2 * N_params per posit
 attention key (`reference.work`); greedy longest-processing-time assignment is within 4/3 of the optimal makespan
 (Graham 1969). The layout with the smallest predicted step on the `CostModel` wins (on a tie, fewer bytes). Every
 layout gives the same gradient once the ranks' gradients are summed (loss weights are computed over the whole step).
-Design notes and measurements: docs/notes/engine-docstrings.md.
+Design notes and measurements: docs/distributed.md, docs/notes/execution-stack.md.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ class CostModel:
     bytes_per_s: bytes per second one rank sends or receives in an all-gather; default 0.22e9, gloo on loopback.
     latency_s: seconds of one small collective call; default 5.5e-4, gloo on loopback (256 floats).
     On a GPU with NVLink all three are orders of magnitude larger or smaller: pass the GPU's own. The fits:
-    docs/notes/engine-docstrings.md."""
+    docs/notes/execution-stack.md."""
 
     flops_per_s: float = 24e9
     bytes_per_s: float = 0.22e9

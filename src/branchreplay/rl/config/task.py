@@ -2,7 +2,7 @@
 
 Torch-free (and reasoning-gym-free), so that the run config parses (and `--help` prints) before they load;
 `rl/data/tasks.py` builds the datasets and prompts from it.
-Measurements: docs/notes/rl-docstrings.md.
+Measurements: docs/default_task.md.
 """
 
 from __future__ import annotations

@@ -1,7 +1,6 @@
 """The field names of TRL 1.16's GRPOConfig (trl/trainer/grpo_config.py), kept here so that reading a config never
 imports TRL (slow on a cold start): a TRL name the run does not map is then named as TRL's rather than as a typo.
-`tests/test_rl_config.py` checks the list against the installed TRL.
-Measurements: docs/notes/rl-docstrings.md."""
+`tests/test_rl_config.py` checks the list against the installed TRL."""
 
 TRL_GRPO_FIELDS = frozenset((
     "accelerator_config", "activation_checkpointing", "activation_checkpointing_kwargs", "adam_beta1", "adam_beta2",

@@ -7,7 +7,7 @@ own prompts in a local JSONL / JSON / Parquet file (TRL's prompt-only format, `l
 which reaches the reward functions by name, as TRL's ``GRPOTrainer`` passes dataset columns. `prompt_messages` turns
 any item into the chat messages the policy is prompted with. The default task is one on which SmolLM2-135M-Instruct
 is neither always wrong (no reward signal) nor always right (nothing to learn): ``docs/default_task.md``.
-Design notes and measurements: docs/notes/rl-docstrings.md.
+Design notes and measurements: docs/default_task.md.
 """
 
 from __future__ import annotations

@@ -6,6 +6,7 @@ Each group (item) k of step s draws from its own torch.Generator seeded by (trai
 depend on the other groups, the world size or a resume. Under torchrun each rank scores the groups it drew, and
 every rank then holds the whole batch (token ids, logprobs, rewards: small), so advantages and loss weights are
 normalised over the whole step. The back-end gets the policy's weights when their `version` moved (an update).
+History: docs/notes/sampler.md.
 """
 
 from __future__ import annotations

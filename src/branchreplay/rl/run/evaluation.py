@@ -1,6 +1,6 @@
 """Held-out evaluation: greedy answers to the task's held-out split, scored by the task's reward; for a multi-turn
 task, greedy trajectories scored by its environment (`evaluate_agent`).
-Measurements: docs/notes/rl-docstrings.md."""
+Measurements: docs/notes/sampler.md."""
 
 from __future__ import annotations
 

@@ -83,7 +83,7 @@ largest |value|). The merged model and the checkpoint's LoRA model are two float
 function, which round apart by what a deep float32 forward rounds (tenfold margin over SmolLM2's after LoRA
 training); adapters on a tied LM head, whose merge moves the embedding too, miss by far more
 (tests/test_models_lora.py).
-Figures: docs/notes/rl-docstrings.md."""
+Figures: docs/lora.md."""
 
 
 def reload_tolerance(expected: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ process, as vLLM's OpenAI-compatible server with its development endpoints on (V
 talks to it over HTTP, standard library only (`VLLMClient` lists the endpoints it calls). Prefix caching is on, so a
 group's G requests prefill their shared prompt once. A server that is not there, dies or stops answering raises
 `VLLMError` (after `timeout_s`), never hangs the run; the trainer then checkpoints and stops.
-Measurements: docs/notes/rl-docstrings.md.
+Measurements: docs/notes/sampler.md.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ dtypes and shapes; anything else, or a file that is gone, writes a new one). It 
 room (memory, not disk: one copy of the weights held for the run), unless TMPDIR is set (a folder the server reads,
 e.g. shared with its machine), in a folder named after the host and the process, removed at exit; the folder of a
 process of this host that no longer runs (killed before it could remove it) is removed when the next one is made.
-Design notes and measurements: docs/notes/rl-docstrings.md.
+Design notes and measurements: docs/notes/sampler.md.
 """
 
 from __future__ import annotations
