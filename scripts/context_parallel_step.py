@@ -1,6 +1,7 @@
 """One GRPO step of a shared-prompt tree in one process, then on N gloo processes with the prompt split over the ranks
 (context-parallel, `engine/parallel/context_parallel.py`) and with today's split by branches (each rank recomputes the
-prompt), side by side in one run; and the plans for 8 ranks. Prints one JSON object (docs/benchmarks.md).
+prompt), side by side in one run; and the plans for 8 ranks. Prints one JSON object (docs/benchmarks.md, "The
+headline step on 2 processes").
 
     .venv/bin/python scripts/context_parallel_step.py --prompt-tokens 32000 --generations 64 --response-tokens 768
 

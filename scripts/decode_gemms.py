@@ -1,5 +1,6 @@
 """The matrix products of one decoding step of SmolLM2-135M-Instruct for the demo's streams, against this machine's
-peaks (issue 31 item 1; docs/benchmarks.md, "What 50% of the roofline would take on this host").
+peaks (issue 31 item 1; docs/benchmarks.md, "The sampler against the roofline"; the full figures:
+docs/notes/2026-12-06-sampler-half-roofline.md).
 
 A decoding step multiplies --prompts x --num-generations hidden states by each of the model's 211 weight matrices
 (per layer q, k, v, o, gate, up, down; then the LM head), each read from memory once. This times those products,

@@ -1,5 +1,6 @@
-"""The family census that docs/support.md's table is made from: every decoder-only causal-LM model type of the
-installed transformers, built tiny and run through the engine against the naive per-rollout reference.
+"""The family census, the table of docs/support.md ("The family census: every causal LM of transformers"): every
+decoder-only causal-LM model type of the installed transformers, built tiny and run through the engine against
+the naive per-rollout reference.
 
     .venv/bin/python scripts/family_census.py --json /tmp/census.json --markdown /tmp/census.md [--types a,b]
 

@@ -1,8 +1,8 @@
 """One GRPO step on N gloo processes under FSDP2 in its two modes, side by side in one run: gathered once per step
 (full parameters and gradients during the step) and resharded (per layer, in lock-step): the peak parameter +
 gradient bytes per rank (`bench.fsdp_memory.HeldBytes`) against the model's, the step time (the slowest rank's,
-between barriers) and the gradient against one process. Prints one JSON object
-(docs/benchmarks.md).
+between barriers) and the gradient against one process. Prints one JSON object (docs/benchmarks.md, "FSDP2's two
+modes: parameter and gradient bytes per rank").
 
     .venv/bin/python scripts/fsdp_memory.py --nproc 2 --layers 8
 """

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Prepare .gpu/ (ignored by git), what scripts/gpu_check.sh takes to a GPU machine that reaches no package index:
+# Prepare .gpu/ (ignored by git), what scripts/gpu_check.sh takes to a GPU machine that reaches no package index
+# (docs/gpu.md, "How it ran"):
 #   .gpu/whl/      wheels for Python 3.12 of what that machine's image lacks or has too old: transformers (the image
 #                  had 5.17; branchreplay needs >= 5.24, models.MIN_TRANSFORMERS), regex (transformers' floor),
 #                  reasoning-gym and its dependencies (the default task); about 24 MB
@@ -9,6 +10,10 @@
 # load_model("smollm2")), and a Python 3.12 (PY312) to build pycosat's wheel, which PyPI has only as source.
 #
 #   bash scripts/gpu_carry.sh      # then carry .gpu (git ignores it)
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # the comment above, as usage
+    echo "usage: bash scripts/$(basename "$0")  (no arguments; settings from the environment)"
+    sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=.venv/bin/python

@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
-# The GPU checks of issue 11 in one short run: the CUDA tests, `verify` on CUDA in float32 for the families that
-# take split prefix attention (CUDA's default since the split stage measured it), in bfloat16 mixed precision for two
-# of them and for the PPO, RLOO and DPO objectives on one, then (issue 27) two GRPO steps of the demo under
-# `torchrun --nproc_per_node 1` in both FSDP2 modes (nccl for CUDA tensors, gloo for the CPU ones) and, on a machine
-# with more than one GPU, the same with 2 ranks, then the shared-prompt benchmark at GPU scale (64 rollouts sharing
-# a 32k prompt), then (issue 31) the in-process sampler's tokens/s on the demo's batch against the GPU's decoding
-# roofline, in float32 and bfloat16, and (stage split) branchreplay's step with split prefix attention against the
-# masked SDPA path, on the bench grid and at the 32k headline size, to decide CUDA's default.
+# The GPU checks of issue 11 in one short run (docs/gpu.md, "How it ran"; the figures are on that page): the CUDA
+# tests, `verify` on CUDA in float32 for the families that take split prefix attention (CUDA's default since the
+# split stage measured it), in bfloat16 mixed precision for two of them and for the PPO, RLOO and DPO objectives on
+# one, then (issue 27) two GRPO steps of the demo under `torchrun --nproc_per_node 1` in both FSDP2 modes (nccl for
+# CUDA tensors, gloo for the CPU ones) and, on a machine with more than one GPU, the same with 2 ranks, then the
+# shared-prompt benchmark at GPU scale (64 rollouts sharing a 32k prompt), then (issue 31) the in-process sampler's
+# tokens/s on the demo's batch against the GPU's decoding roofline, in float32 and bfloat16, and (stage split)
+# branchreplay's step with split prefix attention against the masked SDPA path, on the bench grid and at the 32k
+# headline size, to decide CUDA's default.
 # Every stage rewrites $OUT/gpu_check.json (OUT defaults to ./gpu_check), so a run cut short still returns what it
 # measured. Each stage has its own timeout; together at most 9 minutes, about 5 expected (STAGES picks some).
 #
@@ -20,6 +21,10 @@
 #   PYTHON=python3 bash scripts/gpu_check.sh     # a Python with CUDA torch, transformers and pytest
 #
 # It runs from the source tree (PYTHONPATH=src).
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then  # the comment above, as usage
+    echo "usage: bash scripts/$(basename "$0")  (no arguments; settings from the environment)"
+    sed -n '2,/^set /{/^#/s/^# \{0,1\}//p}' "$0"; exit 0
+fi
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -1,5 +1,5 @@
 """Build a DPO preference set from the default task: sample the policy, keep a correct and an incorrect answer per
-prompt.
+prompt. The pairs of docs/dpo.md ("On SmolLM2") and docs/training.md ("DPO on preference pairs").
 
 For each of the first --prompts questions of the train split (TaskConfig's default task), the policy samples --g
 completions at temperature 1 (the trainer's sampler, `decode.loop.sample_group`, one seed per prompt); the

@@ -12,7 +12,7 @@ Prompt styles: ``fewshot`` = ``build_messages`` (SYSTEM_PROMPT as the system mes
 
 Parts: ``candidates`` = every candidate task/config, ``fewshot`` style, greedy; ``default`` = the default
 ``TaskConfig()`` with each style (greedy) and with temperature-1 sampling (``fewshot``). docs/default_task.md
-was made with ``--part candidates`` (64 new tokens) and ``--part default --max-new-tokens 48``.
+("Measurement") was made with ``--part candidates`` (64 new tokens) and ``--part default --max-new-tokens 48``.
 
 Run:  .venv/bin/python scripts/measure_base_accuracy.py [--part candidates|default|all] [--n 32]
       [--max-new-tokens 64] [--out rows.jsonl]

@@ -1,5 +1,6 @@
 """What one pack's fixed cost, and a position's attention to a cached prefix, are worth in token positions: the
-defaults of `EngineConfig.pack_overhead_tokens` and `EngineConfig.prefix_position_overhead`.
+defaults of `EngineConfig.pack_overhead_tokens` and `EngineConfig.prefix_position_overhead`
+(docs/notes/execution-stack.md, "Which shared nodes run once").
 
 A prompt of --prompt-tokens with 8 children of S tokens each, every child a pack of its own (max_pack_tokens = S,
 and max_batch_tokens = 1: children of one length would otherwise run as the rows of one batch), forward and

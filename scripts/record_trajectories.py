@@ -1,6 +1,7 @@
 r"""Record the trajectories of one multi-turn training step, for `branchreplay bench --scenario multi-turn
 --trajectories FILE --model ...` (issue 13: the bench on real trajectories from the real environment, recorded
-once, so that the bench does not sample).
+once, so that the bench does not sample; docs/agents.md, "On SmolLM2-135M-Instruct", and the figures in
+docs/notes/2026-12-01-recorded-trajectories.md).
 
 Builds the run's trainer from the config (`branchreplay train`'s arguments: --config FILE and --section.field
 overrides) and runs its sampling for --step (`Trainer.generate`, the same seeded trajectories that step trains on),

@@ -1,4 +1,6 @@
-"""Rollouts drawn ahead (grpo.max_staleness 1) against the synchronous loop, side by side in one run.
+"""Rollouts drawn ahead (grpo.max_staleness 1) against the synchronous loop, side by side in one run
+(docs/rollouts_ahead.md, "What it buys" and "Convergence: synchronous against one step ahead";
+docs/benchmarks.md, "Rollouts one step ahead").
 
 What overlap buys where generation and training have devices of their own (verl's split pools), on this 2-core
 machine: each workload runs three ways, each in a fresh process, one after another:

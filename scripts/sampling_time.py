@@ -1,4 +1,5 @@
-"""Sampling one step's groups several ways on SmolLM2-135M-Instruct (docs/benchmarks.md, "Sampling"):
+"""Sampling one step's groups several ways on SmolLM2-135M-Instruct (docs/benchmarks.md, "The sampler against the
+roofline"):
 
   - per group: `decode.loop.sample_group` for each prompt in turn (the trainer before issue 15),
   - batched:   `decode.loop.sample_groups`, every group in one decoding loop (the trainer since), in the static cache

@@ -1,4 +1,6 @@
-"""Run TRL's own distributed tests with the tree trainers swapped in, and TRL's classes as the control, on CPU.
+"""Run TRL's own distributed tests with the tree trainers swapped in, and TRL's classes as the control, on CPU:
+the table of docs/trl_distributed_suite.md, summed up in docs/trl_results.md ("Several processes: DDP, FSDP2,
+DeepSpeed ZeRO").
 
     .venv/bin/python scripts/trl_distributed_suite.py --trl-src PATH [--configs ddp zero2 zero3 fsdp2]
         [--max-steps N] [--out docs/trl_distributed_suite.md] [-- PYTEST_ARGS]

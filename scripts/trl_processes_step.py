@@ -1,4 +1,5 @@
-"""TRL's class against the tree's on several processes: each rank's training time and peak memory per step.
+"""TRL's class against the tree's on several processes: each rank's training time and peak memory per step
+(docs/benchmarks.md, "The TRL drop-ins under torchrun, each rank against TRL's class").
 
 Run under torchrun, as a TRL user launches (nothing else running):
     .venv/bin/python -m torch.distributed.run --nproc_per_node 2 scripts/trl_processes_step.py \

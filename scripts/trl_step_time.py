@@ -1,4 +1,5 @@
-"""TRL's padded training step against the tree trainer's on the same batch (README, "From TRL").
+"""TRL's padded training step against the tree trainer's on the same batch (docs/trl_results.md, "Step time
+against TRL's class"; docs/benchmarks.md, "End to end against TRL").
 
 One tree trainer (`--trainer grpo`: TreeGRPOTrainer, `rloo`: TreeRLOOTrainer, `dpo`: TreeDPOTrainer) on
 SmolLM2-135M-Instruct makes one batch with TRL's own `_prepare_inputs` (the default task's questions as

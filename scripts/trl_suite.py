@@ -1,4 +1,6 @@
-"""Run TRL's own trainer test suites with the tree trainers swapped in, and TRL's classes as the control.
+"""Run TRL's own trainer test suites with the tree trainers swapped in, and TRL's classes as the control: the
+tables of docs/trl_suite.md and docs/trl_suite_grpo.md, summed up in docs/trl_results.md ("TRL's own test
+suites").
 
     .venv/bin/python scripts/trl_suite.py --trl-src PATH [--suites grpo rloo dpo] [--out docs/trl_suite.md]
         [--parallel]

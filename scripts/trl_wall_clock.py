@@ -1,5 +1,6 @@
 """End to end against the peer: the demo's settings trained by TRL's GRPOTrainer, by TreeGRPOTrainer (our drop-in)
-and by `branchreplay train`, one after the other on SmolLM2-135M-Instruct (docs/benchmarks.md, "End to end").
+and by `branchreplay train`, one after the other on SmolLM2-135M-Instruct (docs/benchmarks.md, "End to end against
+TRL").
 
 The demo's settings (configs/demo.yaml): the default task, 4 prompts x G=8 per step, completions of at most 48
 tokens sampled at temperature 1, loss_type dapo, learning rate 1e-5, beta 0, float32. TRL samples with

@@ -1,5 +1,5 @@
 """The hf and vllm sampling backends side by side, per step, on the demo's settings: single-turn, a branching
-schedule, multi-turn with the calculator, and LoRA.
+schedule, multi-turn with the calculator, and LoRA (docs/vllm.md, "hf against vLLM on 2 CPU cores").
 
     .venv/bin/branchreplay vllm-serve --model smollm2 --lora-rank 16 &      # once, about 2 minutes to start
     .venv/bin/python scripts/vllm_backends.py [--steps 3] [--cases single-turn branching multi-turn lora]
