@@ -4,9 +4,10 @@ once, so that the bench does not sample; docs/agents.md, "On SmolLM2-135M-Instru
 docs/notes/2026-12-01-recorded-trajectories.md).
 
 Builds the run's trainer from the config (`branchreplay train`'s arguments: --config FILE and --section.field
-overrides) and runs its sampling for --step (`Trainer.generate`, the same seeded trajectories that step trains on),
-then writes one JSON object per trajectory: item (its group), ids, loss_mask (1 on assistant tokens), reward, turns,
-tool_calls, ended_by. Prints the trajectories' token counts and the tree's token ratio.
+overrides) and runs its sampling for --step (the trainer's source, `sample` then `score`: the same seeded
+trajectories that step trains on), then writes one JSON object per trajectory: item (its group), ids, loss_mask
+(1 on assistant tokens), reward, turns, tool_calls, ended_by. Prints the trajectories' token counts and the tree's
+token ratio.
 
 Run:  .venv/bin/python scripts/record_trajectories.py --config configs/guess_number.yaml \
           --out results/recorded-trajectories-2026-12/guess-number-trajectories.jsonl
