@@ -27,11 +27,11 @@ from pathlib import Path
 
 import torch
 
-from branchreplay.reference.float64 import keep_float64
 from branchreplay.models import load_policy
-from branchreplay.tiny_models import tiny_model
+from branchreplay.reference.float64 import keep_float64
 from branchreplay.rl.config import Config, apply_overrides
 from branchreplay.rl.run.trainer import Trainer
+from branchreplay.tiny_models import tiny_model
 
 EOS = 2
 

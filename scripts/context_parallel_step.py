@@ -21,9 +21,9 @@ import torch
 import torch.multiprocessing as mp
 
 from branchreplay.bench.runner import BENCH_MODEL, MODEL_LABEL
-from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine.parallel.distributed import free_port
 from branchreplay.engine.parallel.sharding import shard
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -38,10 +38,10 @@ def _tree(P: int, G: int, R: int) -> RolloutTree:
 def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
-    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine.parallel.distributed import DataParallel, end_spawned_rank
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
+    from branchreplay.reference.naive import max_rel_grad_err
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -35,13 +35,13 @@ import torch
 import torch.nn.functional as F
 
 from branchreplay.bench.roofline import DecodeShape, Roofline, memory_bandwidth, peak_matmul_flops
-from branchreplay.models import load_policy
-from branchreplay.rl.config import Config
-from branchreplay.decode.config import SamplingConfig
-from branchreplay.rl.data.tasks import load_task, prompt_token_ids
 from branchreplay.decode import loop as sampling
 from branchreplay.decode import packed_linears
+from branchreplay.decode.config import SamplingConfig
 from branchreplay.decode.rows import llama as llama_rows
+from branchreplay.models import load_policy
+from branchreplay.rl.config import Config
+from branchreplay.rl.data.tasks import load_task, prompt_token_ids
 
 
 def step_matrices(model) -> list[torch.Tensor]:

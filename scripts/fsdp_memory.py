@@ -20,8 +20,8 @@ import torch.multiprocessing as mp
 
 from branchreplay.bench.fsdp_memory import HeldBytes
 from branchreplay.bench.runner import BENCH_MODEL
-from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine.parallel.distributed import free_port, param_bytes
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -41,10 +41,10 @@ def _trees() -> list[RolloutTree]:
 def _worker(rank, world, port, args, tmp):
     import torch.distributed as dist
 
-    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine.parallel.distributed import DataParallel, end_spawned_rank
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
+    from branchreplay.reference.naive import max_rel_grad_err
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from branchreplay.models import chat_prompt_ids, load_policy
-from branchreplay.rl.data.rewards import make_reward, score
 from branchreplay.decode.config import SamplingConfig
 from branchreplay.decode.loop import eos_token_ids, sample_group
+from branchreplay.models import chat_prompt_ids, load_policy
+from branchreplay.rl.data.rewards import make_reward, score
 from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 
 

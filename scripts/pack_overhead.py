@@ -28,11 +28,11 @@ import time
 import torch
 
 from branchreplay.bench.runner import BENCH_MODEL
-from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import load_model
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 

@@ -33,13 +33,13 @@ from unittest import mock
 import torch
 
 from branchreplay.bench.measure import measure
+from branchreplay.decode import rows as rows_module
+from branchreplay.decode.config import SamplingConfig
+from branchreplay.decode.loop import sample_group, sample_groups
 from branchreplay.engine.attention import PrefixSplit
 from branchreplay.models import load_policy
 from branchreplay.rl.config import Config
-from branchreplay.decode.config import SamplingConfig
 from branchreplay.rl.data.tasks import load_task, prompt_token_ids
-from branchreplay.decode import rows as rows_module
-from branchreplay.decode.loop import sample_group, sample_groups
 
 
 def main() -> None:

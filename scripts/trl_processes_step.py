@@ -37,13 +37,13 @@ from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 sys.path.insert(0, str(Path(__file__).parent.parent / "tests"))
-from trl_ranks import on_cpu_processes  # noqa: E402 (the CPU shim for FSDP2 and DeepSpeed)
 from trl_step_time import length_reward, train_dataset  # noqa: E402
 
 from branchreplay.bench.measure import release_freed_memory, rss_bytes  # noqa: E402
 from branchreplay.engine.parallel.distributed import end_spawned_rank  # noqa: E402
 from branchreplay.models import default_model_dir  # noqa: E402
 from branchreplay.trl import TreeDPOTrainer, TreeGRPOTrainer, TreeRLOOTrainer  # noqa: E402
+from trl_ranks import on_cpu_processes  # noqa: E402 (the CPU shim for FSDP2 and DeepSpeed)
 
 TRAINERS = {"grpo": (trl.GRPOTrainer, TreeGRPOTrainer, trl.GRPOConfig),
             "rloo": (trl.RLOOTrainer, TreeRLOOTrainer, trl.RLOOConfig),

@@ -37,8 +37,8 @@ from datasets import Dataset
 from transformers import AutoTokenizer
 
 from branchreplay.bench.measure import measure
-from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.models import default_model_dir
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.rl.data.tasks import TaskConfig, build_messages, load_task
 from branchreplay.trl import TreeDPOTrainer, TreeGRPOTrainer, TreeRLOOTrainer
 

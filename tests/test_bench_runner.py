@@ -5,16 +5,16 @@ import json
 import pytest
 import torch
 
-from branchreplay.reference import work as F
-from branchreplay.reference.prompt_sharing import prefix_grouper_version, prompt_groups, prompt_sharing_backward
 from branchreplay.bench.output import plot
 from branchreplay.bench.runner import METHODS, Bench, BenchOptions, run_bench
 from branchreplay.bench.scenarios import Scenario, agent_trajectories, scenario_grid, tree_sampled
-from branchreplay.reference.padded import padded_backward, padded_shape
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.cli import main
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference import work as F
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.padded import padded_backward, padded_shape
+from branchreplay.reference.prompt_sharing import prefix_grouper_version, prompt_groups, prompt_sharing_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 

@@ -203,11 +203,11 @@ def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypat
     doubled from 2 to 4 to 8) or the dynamic one; "auto" runs the plain Llama step (`llama_rows`, its key store
     grown from 2 slots) for Llama and Qwen2/3, each prompt held once, and the dynamic cache for GPT-2; Mistral's
     sliding window runs per group."""
-    import branchreplay.engine.attention as attention
-    import branchreplay.decode.rows.llama as llama_rows
     import branchreplay.decode.loop as sampling
     import branchreplay.decode.rows as rows
+    import branchreplay.decode.rows.llama as llama_rows
     import branchreplay.decode.rows.static as static_rows
+    import branchreplay.engine.attention as attention
 
     once = cache in ("static", "auto")
     if cache == "static-stacked":
@@ -263,10 +263,10 @@ def test_first_iteration_ratio_is_one_in_float32(cache):
 def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
     """Control: stacked caches whose empty slots are visible, or (the prompts held once: static, and the plain Llama
     step of "auto") rows that see the next group's prompt, give other logprobs than each group alone."""
-    import branchreplay.engine.attention as attention
-    import branchreplay.decode.rows.llama as llama_rows
     import branchreplay.decode.loop as sampling
     import branchreplay.decode.rows as rows
+    import branchreplay.decode.rows.llama as llama_rows
+    import branchreplay.engine.attention as attention
 
     model = make_model("llama").double()
     config = SamplingConfig(temperature=1.0, max_new_tokens=4, cache_implementation=cache.split("-")[0])
@@ -294,8 +294,8 @@ def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
     untouched deep copy), recurrent layers (LFM2's short conv, written in place) included."""
     import copy
 
-    from branchreplay.tiny_models import tiny_model
     from branchreplay.decode.forward import SHARED_LAYERS, decode_one, fork, prefill
+    from branchreplay.tiny_models import tiny_model
 
     model = tiny_model(arch).eval()
     with torch.no_grad():
@@ -322,9 +322,9 @@ def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
     1e-5). Mamba's and Jamba's forwards restart the scan when a cache is continued with several tokens (off by
     0.07-0.8), so they take the tokens one at a time (`Family.continues_cache`); a control feeding them at once
     shows the error."""
+    from branchreplay.decode.forward import fork, prefill
     from branchreplay.engine.families import FAMILIES
     from branchreplay.tiny_models import tiny_model
-    from branchreplay.decode.forward import fork, prefill
 
     model = keep64(tiny_model(arch, torch.float64)).eval()
     ids = torch.randint(3, 256, (30,), generator=torch.Generator().manual_seed(0)).tolist()
@@ -343,8 +343,8 @@ def test_a_prefill_after_a_cache_equals_one_prefill_of_the_whole(arch, keep64):
 def test_branches_sharing_a_start_prefill_it_once_and_equal_each_alone(keep64):
     """`forward.prefill_branches` (multi-turn replies forked inside a turn): per branch the logits of prefilling it
     alone (float64), the shared starts run once: 7 of the branches' 12 ids."""
-    from branchreplay.tiny_models import tiny_model
     from branchreplay.decode.forward import fork, prefill, prefill_branches
+    from branchreplay.tiny_models import tiny_model
 
     model = keep64(tiny_model("llama", torch.float64))
     branches = [[5, 6, 7, 8], [5, 6, 7, 9, 10], [5, 6], [11]]

@@ -6,9 +6,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from branchreplay.decode import packed_linears as packing
-from branchreplay.decode.packed_linears import packed_linears
 from branchreplay.decode.config import SamplingConfig
 from branchreplay.decode.loop import sample_groups
+from branchreplay.decode.packed_linears import packed_linears
 from test_decode_loop import PROMPTS, make_model, reference_logprobs
 
 pytestmark = pytest.mark.skipif(not packing.available(), reason="this torch build has no MKL packed sgemm")

@@ -18,11 +18,11 @@ def test_static_rows_forks_drops_and_halvings(prompt):
     """StaticRows: a fork gathers its parent's row (keys, values, mask, start) into the copies' rows of the next
     power of two, a drop only forgets rows, and at half the rows or fewer the live ones are gathered into fewer. Every
     row decodes the logits of its sequence alone, the prompt held once (split prefix attention) or in every row."""
+    from branchreplay.decode.forward import prefill
+    from branchreplay.decode.rows.static import StaticRows
     from branchreplay.engine.attention import PrefixSplit
     from branchreplay.engine.families import layer_windows
     from branchreplay.engine.recurrent import layer_kinds
-    from branchreplay.decode.forward import prefill
-    from branchreplay.decode.rows.static import StaticRows
 
     model = make_model("llama").double().eval()
 
@@ -156,9 +156,9 @@ def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(dtype, monkeypatch
     float32 (each prompt held once, `grouped_prefix_attention` through the memory-efficient kernel): every logprob
     within 1e-4 of the same model's uncached forward. The capture warns of no failure. The generated slots start at
     2, so the step is captured again after each doubling (2, 4, 8) too."""
-    import branchreplay.engine.attention as attention
     import branchreplay.decode.loop as sampling
     import branchreplay.decode.rows.static as static_rows
+    import branchreplay.engine.attention as attention
 
     graphs, grouped_calls = [], []
     capture, grouped = static_rows.StaticRows._capture, attention.grouped_prefix_attention

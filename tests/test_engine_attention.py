@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import branchreplay.engine.attention as attention
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import make_rollouts, prompt_completion, random_ids, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.cache import PrefixCache
 from branchreplay.engine.families import layer_windows
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import make_rollouts, prompt_completion, random_ids, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 

@@ -18,9 +18,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from branchreplay.reference.shapes import branches_of_branches, make_rollouts, shared_prompt
 from branchreplay.engine.parallel.distributed import free_port
 from branchreplay.engine.parallel.sharding import CostModel, shard, shared_prefix_length
+from branchreplay.reference.shapes import branches_of_branches, make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -53,12 +53,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
     import branchreplay.engine.parallel.context_parallel as cp
-    from branchreplay.reference.float64 import keep_float64
-    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_logprobs
     from branchreplay.engine.parallel.distributed import DataParallel, end_spawned_rank
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
+    from branchreplay.reference.float64 import keep_float64
+    from branchreplay.reference.naive import max_rel_grad_err
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
@@ -126,10 +126,10 @@ def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
     """The trainer's micro-batches of one tree in lock-step (FSDP2 resharded): the ranks hold different numbers of
     whole trees before their context-parallel part, which every rank must still run in the same call. The
     gradient's error against `single`'s naive one, the layout and each rank's number of whole trees."""
-    from branchreplay.reference.float64 import keep_float64
-    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine.parallel.context_parallel import ContextParallelTree
     from branchreplay.engine.parallel.distributed import DataParallel
+    from branchreplay.reference.float64 import keep_float64
+    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.rl.policy import Policy
 
     trees = _trees("forest", single.config.vocab_size)

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig
 from branchreplay.engine.parallel.distributed import end_spawned_rank, free_port
 from branchreplay.engine.parallel.sharding import shard
 from branchreplay.models import autocast
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 
@@ -46,12 +46,12 @@ CASES = [("llama", "four-groups", torch.float64), ("llama", "one-group-split", t
 def _worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from branchreplay.reference.float64 import keep_float64
-    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_backward
     from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
+    from branchreplay.reference.float64 import keep_float64
+    from branchreplay.reference.naive import max_rel_grad_err
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
@@ -313,11 +313,11 @@ def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
 def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
     import torch.distributed as dist
 
-    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.engine import replay_backward
-    from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.engine.head import check_head
+    from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.losses import GRPOLoss
+    from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.rl.policy import Policy, idle_tree
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))

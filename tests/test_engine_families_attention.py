@@ -16,13 +16,10 @@ import torch
 from transformers import DynamicCache, GPTNeoXConfig, GPTNeoXForCausalLM
 
 from branchreplay.bench.state import kept_state_bytes
-from branchreplay.reference.float64 import keep_float64
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import around_window, make_rollouts
 from branchreplay.cli import main
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
-from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.cache import PrefixCache
+from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.families import (
     FAMILIES,
     UnsupportedModelError,
@@ -32,6 +29,9 @@ from branchreplay.engine.families import (
 )
 from branchreplay.engine.head import decoder_and_head
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.float64 import keep_float64
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import around_window, make_rollouts
 from branchreplay.tiny_models import TINY_ARCHS, tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads

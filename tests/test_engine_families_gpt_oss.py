@@ -20,9 +20,9 @@ import zlib
 import pytest
 import torch
 
+from branchreplay.check.rounding import TREES, judge_rounding
 from branchreplay.decode.config import SamplingConfig
 from branchreplay.decode.loop import sample_groups
-from branchreplay.check.rounding import TREES, judge_rounding
 from branchreplay.engine import EngineConfig, attention
 from branchreplay.engine.attention import PrefixSplit, grouped_prefix_attention, split_attention
 from branchreplay.engine.families import family_of, layer_windows
@@ -32,7 +32,7 @@ from branchreplay.engine.router import RouterLoss
 from branchreplay.engine.sequence import replay_function_backward
 from branchreplay.losses import GRPOLoss
 from branchreplay.reference.naive import max_rel_grad_err
-from branchreplay.reference.shapes import (SHAPES, around_length, around_window, make_rollouts, shared_prompt)
+from branchreplay.reference.shapes import SHAPES, around_length, around_window, make_rollouts, shared_prompt
 from branchreplay.tiny_models import SINK_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import compare, grads

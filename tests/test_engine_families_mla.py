@@ -21,8 +21,13 @@ from branchreplay.check.rounding import judge_rounding
 from branchreplay.engine import EngineConfig, attention, replay_backward
 from branchreplay.engine.attention import PrefixSplit, split_attention
 from branchreplay.engine.cache import PrefixCache
-from branchreplay.engine.families import (UnsupportedModelError, family_of, latent_state_width, layer_windows,
-                                          state_bytes_per_token)
+from branchreplay.engine.families import (
+    UnsupportedModelError,
+    family_of,
+    latent_state_width,
+    layer_windows,
+    state_bytes_per_token,
+)
 from branchreplay.engine.head import decoder_and_head
 from branchreplay.engine.latent import LatentExpansion, is_latent_attention
 from branchreplay.engine.recurrent import layer_kinds

@@ -28,14 +28,14 @@ import pytest
 import torch
 
 from branchreplay.check.rounding import judge_rounding
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import SHAPES, make_rollouts, multi_turn, shared_prompt
 from branchreplay.engine import EngineConfig, recurrent, replay_backward
-from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.cache import PrefixCache
+from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.families import FAMILIES
 from branchreplay.engine.recurrent import EngineForwards, layer_kinds
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts, multi_turn, shared_prompt
 from branchreplay.tiny_models import RECURRENT_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads

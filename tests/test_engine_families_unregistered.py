@@ -14,15 +14,15 @@ import torch
 import transformers as hf
 
 import branchreplay.engine.self_check as self_check
-from branchreplay.reference.float64 import keep_float64
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import branches_of_branches, make_rollouts, shared_prompt
 from branchreplay import replay_backward, replay_logprobs
 from branchreplay.engine import EngineConfig, UnsupportedModelError
 from branchreplay.engine import replay_logprobs as engine_logprobs
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.families import FAMILIES
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.float64 import keep_float64
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import branches_of_branches, make_rollouts, shared_prompt
 from branchreplay.tree import RolloutTree
 from conftest import grads
 

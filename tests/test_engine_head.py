@@ -9,11 +9,11 @@ import pytest
 import torch
 from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import replay_backward, replay_logprobs
 from branchreplay.engine.head import HeadMismatchError, LogitTransform, decoder_and_head
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads

@@ -12,14 +12,13 @@ import types
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import SHAPES, make_rollouts
-from branchreplay.engine import EngineConfig, replay_backward
-from branchreplay.engine import kernels
+from branchreplay.engine import EngineConfig, kernels, replay_backward
 from branchreplay.engine.attention import CUDA_SPLIT, PrefixSplit
 from branchreplay.engine.families import layer_windows
 from branchreplay.engine.recurrent import layer_kinds
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads

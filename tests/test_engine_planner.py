@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward
 from branchreplay.engine.planner import MemoryBudgetError, measure_peak_bytes
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 

@@ -11,15 +11,15 @@ and lengths around it in one tree (two regimes, run as two sub-forests).
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import around_length, make_rollouts, shared_prompt
+from branchreplay.decode.config import SamplingConfig
+from branchreplay.decode.loop import sample_group
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.engine.positions import length_dependent_rotaries, regimes
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import around_length, make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
-from branchreplay.decode.config import SamplingConfig
-from branchreplay.decode.loop import sample_group
 from branchreplay.tree import RolloutTree
 from conftest import grads
 

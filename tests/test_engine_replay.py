@@ -13,12 +13,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from branchreplay.bench.scenarios import agent_trajectories
-from branchreplay.reference.float64 import keep_float64
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.float64 import keep_float64
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.tiny_models import TINY_ARCHS, tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads

@@ -9,11 +9,11 @@ import importlib
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.engine import EngineConfig
 from branchreplay.engine.families import FAMILIES
 from branchreplay.engine.router import RouterLoss
 from branchreplay.engine.sequence import replay_function_backward
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 

@@ -6,11 +6,11 @@ import zlib
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.schedule import schedule
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 

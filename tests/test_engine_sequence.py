@@ -6,10 +6,10 @@ logprobs summed under autograd, the same DPO loss, `.backward()`."""
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.engine import EngineConfig
 from branchreplay.engine.sequence import replay_sequence_backward
 from branchreplay.losses import DPO_LOSS_TYPES, dpo_loss
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
 from test_rl_run_trainer import generate

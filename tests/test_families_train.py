@@ -111,11 +111,10 @@ def test_multi_turn_agent_config_on_a_hybrid_and_an_mla_family(arch, tmp_path, k
     shared-turn trees equals each trajectory alone, then 2 steps train. The environment is test_rl_agent's Counter (a
     user answering "go on" until the third reply); the model's LM head leans toward the end of a turn (id 2), so
     that replies end and turns follow."""
-    from test_rl_agent import ITEMS, Counter
-    from test_rl_agent_environments import TurnTokenizerWithDecode, ending_turns
-
     from branchreplay.rl.config import Config
     from branchreplay.rl.run.trainer import Trainer
+    from test_rl_agent import ITEMS, Counter
+    from test_rl_agent_environments import TurnTokenizerWithDecode, ending_turns
 
     config = Config.from_yaml("configs/agent.yaml", [
         "--agent.environment", "tests.unused:Counter", "--sampling.max_new_tokens", "6", "--grpo.prompts_per_step",

@@ -3,10 +3,10 @@ engine and on the naive reference, and equal to token means computed here from t
 
 import torch
 
-from branchreplay.reference.naive import naive_backward
-from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.engine import replay_backward, replay_logprobs
 from branchreplay.losses import GRPOLoss, LossStats
+from branchreplay.reference.naive import naive_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 

@@ -11,10 +11,10 @@ eval mode, where it neither scales by gradient accumulation nor splits the batch
 import pytest
 import torch
 
-from branchreplay.reference.float64 import keep_float64
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.losses import GRPOLoss, token_weights
+from branchreplay.reference.float64 import keep_float64
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads

@@ -6,8 +6,6 @@ recurrent family; and the trainer trains float32 master weights with float32 Ada
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.check.verify import float64_copy
 from branchreplay.engine import replay_backward
 from branchreplay.engine.attention import PrefixSplit
@@ -15,6 +13,8 @@ from branchreplay.engine.families import layer_windows
 from branchreplay.engine.recurrent import layer_kinds
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import autocast
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads

@@ -6,10 +6,10 @@ import re
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss
 from branchreplay.models import apply_lora
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from conftest import grads
@@ -206,8 +206,8 @@ def test_the_reload_bound_follows_the_logits_scale():
 def test_a_peft_model_samples_through_its_own_forward():
     """The plain Llama decoding step (`llama_rows`, cache_implementation auto on the CPU) would skip the LoRA
     adapters: a peft model, and its base model with LoRA layers injected, decode through their own forward."""
-    from branchreplay.decode.config import SamplingConfig
     import branchreplay.decode.rows as rows
+    from branchreplay.decode.config import SamplingConfig
 
     base = tiny_model("llama", seed=0)
     assert rows.uses_plain(base, SamplingConfig())

@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from branchreplay.reference.float64 import keep_float64
-from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config
+from branchreplay.tiny_models import tiny_model
 from test_rl_run_trainer import make_config, make_trainer
 
 pytestmark = pytest.mark.usefixtures("one_thread")

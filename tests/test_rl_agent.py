@@ -9,22 +9,22 @@ import json
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.decode.config import SamplingConfig
 from branchreplay.losses import GRPOLoss
-from branchreplay.rl.agent.task import AgentConfig, trajectory_reward
-from branchreplay.rl.config import Config
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.rl.agent.conversation import Conversation
 from branchreplay.rl.agent.environments import TRUNCATED, EnvResponse, ToolEnvironment
-from branchreplay.decode.config import SamplingConfig
+from branchreplay.rl.agent.task import AgentConfig, trajectory_reward
+from branchreplay.rl.config import Config
 from branchreplay.rl.data.order import prompt_indices
 from branchreplay.rl.policy import Policy
+from branchreplay.rl.rollouts.trajectories import sample_trajectories
 from branchreplay.rl.run.log import progress_info
 from branchreplay.rl.run.trainer import Trainer
-from branchreplay.rl.rollouts.trajectories import sample_trajectories
 from branchreplay.tree import RolloutTree
 from conftest import grads, held_float64
-from test_rl_run_trainer import generate, with_advantages
 from test_rl_agent_environments import EOS, TurnTokenizerWithDecode, _chatty_model
+from test_rl_run_trainer import generate, with_advantages
 
 ITEMS = [{"question": f"q{i}", "target": i % 3} for i in range(8)]
 
@@ -334,8 +334,8 @@ def test_a_turn_of_every_item_in_one_loop_equals_each_request_alone(keep64, cach
     requests' ids). A control with the generators of two paths swapped differs."""
     from branchreplay.decode.forward import prefill
     from branchreplay.decode.loop import sample_from
-    from branchreplay.rl.rollouts.trajectories import Limits, sample_trajectories_turnwise
     from branchreplay.decode.turns import InProcessTurns
+    from branchreplay.rl.rollouts.trajectories import Limits, sample_trajectories_turnwise
 
     class Briefed(Counter):
         def reset(self, item):
@@ -390,8 +390,8 @@ def test_evaluation_runs_its_items_in_batches_with_the_runs_cache(tmp_path, monk
     batch of every item (greedy). The items may be a dataset that takes one index at a time (reasoning-gym's: no
     slices)."""
     import branchreplay.decode.rows as rows
-    from branchreplay.rl.run.evaluation import evaluate_agent
     from branchreplay.decode.rows.static import StaticRows
+    from branchreplay.rl.run.evaluation import evaluate_agent
 
     built = []
     monkeypatch.setattr(rows, "StaticRows", lambda *a, **k: built.append(1) or StaticRows(*a, **k))

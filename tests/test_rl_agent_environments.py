@@ -229,8 +229,8 @@ def test_turn_branching_shares_turns_and_logprobs_equal_naive():
     logprobs (its caches copied per prefix, only new tokens prefilled) equal each trajectory run alone."""
     import torch
 
-    from branchreplay.reference.naive import naive_backward
     from branchreplay.decode.config import SamplingConfig
+    from branchreplay.reference.naive import naive_backward
     from branchreplay.rl.rollouts.trajectories import sample_trajectories
     from branchreplay.tree import Rollout, RolloutTree
 

@@ -14,16 +14,16 @@ from collections import defaultdict
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward, naive_sequence_backward
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.sequence import replay_sequence_backward, sequence_sums
 from branchreplay.losses import GRPOLoss, ValueLoss, rloo_loss
-from branchreplay.tiny_models import tiny_model
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward, naive_sequence_backward
 from branchreplay.rl.algorithms.ppo import ppo
 from branchreplay.rl.algorithms.reinforce_pp import reinforce_pp
 from branchreplay.rl.algorithms.rloo import rloo
 from branchreplay.rl.config import Config, PPOConfig
 from branchreplay.rl.run.step import write
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from branchreplay.value import ValueModel, check_critic
 from conftest import grads
@@ -152,9 +152,9 @@ def test_reinforce_pp_per_token_advantages_equal_naive(arch, dtype, tiny64):
 def test_gspo_sequence_ratio_equals_naive(arch, tiny64):
     """GSPO (`losses.gspo_loss`: every token of a rollout takes its mean log-ratio) with the KL corrected by that
     ratio and the entropy bonus, through `engine.sequence.replay_function_backward`, against each rollout alone."""
-    from branchreplay.reference.naive import naive_function_backward
     from branchreplay.engine.sequence import replay_function_backward
     from branchreplay.losses import gspo_loss, token_weights
+    from branchreplay.reference.naive import naive_function_backward
 
     model = tiny64(arch)
     rollouts = _rollouts(model.config.vocab_size)

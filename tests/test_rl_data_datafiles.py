@@ -7,10 +7,10 @@ import json
 import pytest
 import torch
 
-from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config
 from branchreplay.rl.data.tasks import TaskConfig, load_task, prompt_messages
 from branchreplay.rl.run.trainer import Trainer
+from branchreplay.tiny_models import tiny_model
 from test_rl_run_trainer import ByteTokenizer, generate
 
 pytestmark = pytest.mark.usefixtures("one_thread")

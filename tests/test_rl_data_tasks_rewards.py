@@ -7,6 +7,7 @@ import textwrap
 import pytest
 import torch
 
+from branchreplay.rl.config.task import DEFAULT_TASK, DEFAULT_TASK_CONFIG
 from branchreplay.rl.data.rewards import (
     RewardFunctionError,
     compute_rewards,
@@ -15,7 +16,6 @@ from branchreplay.rl.data.rewards import (
     math_verify_reward,
     reasoning_gym_reward,
 )
-from branchreplay.rl.config.task import DEFAULT_TASK, DEFAULT_TASK_CONFIG
 from branchreplay.rl.data.tasks import (
     FEW_SHOT,
     SYSTEM_PROMPT,

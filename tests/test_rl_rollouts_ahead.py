@@ -26,8 +26,8 @@ from branchreplay.rl.algorithms.base import completion_tokens
 from branchreplay.rl.rollouts.ahead import Ahead, check_ahead
 from branchreplay.rl.rollouts.sampler import Sampler
 from branchreplay.rl.run.checkpoint import latest_checkpoint
-from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
 from branchreplay.rl.run.step import first_update_gradient
+from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
 from branchreplay.tree import Rollout
 from conftest import grads
 from test_rl_run_trainer import generate, make_config, make_trainer, train_on

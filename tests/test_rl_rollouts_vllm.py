@@ -24,12 +24,12 @@ import pytest
 import safetensors.torch
 import torch
 
-from branchreplay.tiny_models import tiny_model
 from branchreplay.rl.config import Config
+from branchreplay.rl.rollouts.vllm.client import VLLMClient, VLLMError
 from branchreplay.rl.run.stops import TrainingFailed
 from branchreplay.rl.run.trainer import Trainer
-from branchreplay.rl.rollouts.vllm.client import VLLMClient, VLLMError
-from test_rl_run_trainer import ByteTokenizer, DATA, byte_reward, generate, train_on
+from branchreplay.tiny_models import tiny_model
+from test_rl_run_trainer import DATA, ByteTokenizer, byte_reward, generate, train_on
 
 OFFSET = 0.05  # the stand-in's logprobs are its model's minus this
 

@@ -14,19 +14,19 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.engine import UnsupportedModelError, replay_logprobs
 from branchreplay.losses import LOSS_TYPES, GRPOLoss
-from branchreplay.tiny_models import tiny_model
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.rl.algorithms.advantages import group_advantages
-from branchreplay.rl.run.checkpoint import latest_checkpoint, save_checkpoint
 from branchreplay.rl.config import Config
 from branchreplay.rl.data.order import prompt_indices
 from branchreplay.rl.policy import Policy
 from branchreplay.rl.run import step as phases
-from branchreplay.rl.shards import Shards
+from branchreplay.rl.run.checkpoint import latest_checkpoint, save_checkpoint
 from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
 from branchreplay.rl.run.trainer import Trainer
+from branchreplay.rl.shards import Shards
+from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
 from conftest import grads, held_float64
 
@@ -288,9 +288,9 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
     exported = AutoModelForCausalLM.from_pretrained(folder)
     for (name, ours), theirs in zip(trainer.model.named_parameters(), exported.parameters()):
         assert torch.equal(ours, theirs), name
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
     import shutil
+
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
     shutil.rmtree(folder / "optimizer")  # the earlier format: no optimizer/, and no checksums.json
     (folder / "checksums.json").unlink()

@@ -6,14 +6,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.check.verify import float64_copy
+from branchreplay.decode.config import SamplingConfig
+from branchreplay.decode.loop import sample_group
 from branchreplay.engine import replay_backward
 from branchreplay.losses import GRPOLoss, token_weights
 from branchreplay.models import chat_prompt_ids, load_model
-from branchreplay.decode.config import SamplingConfig
-from branchreplay.decode.loop import sample_group
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
+from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tree import Rollout, RolloutTree
 
 pytestmark = pytest.mark.smollm2

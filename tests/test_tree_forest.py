@@ -10,10 +10,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.config import EVERY_SHARED_NODE
 from branchreplay.losses import GRPOLoss
+from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.rl.algorithms.advantages import group_advantages
 from branchreplay.rl.rollouts.batch import group_rollouts
 from branchreplay.tree import RolloutTree, forest, forests

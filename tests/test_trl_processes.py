@@ -18,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.engine.parallel.distributed import free_port
+from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.tiny_models import tiny_model
 
 pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")

@@ -14,8 +14,7 @@ from conftest import grads
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
 from branchreplay.trl import TreeRLOOTrainer  # noqa: E402
-from test_trl_grpo import (PROMPTS, G, C, _logged, cut_batch, folder, length_reward,  # noqa: E402, F401
-                              moe_folder, two_step_logs)
+from test_trl_grpo import PROMPTS, C, G, _logged, cut_batch, folder, length_reward, moe_folder, two_step_logs  # noqa: E402, F401
 
 
 def _trainer(cls, model_folder, tmp_path, **config):

@@ -14,8 +14,7 @@ from branchreplay.tiny_models import save_tiny_vision_model, tiny_vision_model
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
-from branchreplay.trl import TreeGRPOTrainer  # noqa: E402
-from branchreplay.trl import rows  # noqa: E402
+from branchreplay.trl import TreeGRPOTrainer, rows  # noqa: E402
 from test_trl_grpo import _trl_and_tree_grads  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -145,8 +144,8 @@ def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
     """Qwen2-VL's TRL batch over the tree (`rows.prompt_trees`: each row's pixel rows and grids, one tree per
     prompt and images, rotary positions on the image grid) against the padded forward TRL runs on that batch
     (the model with attention_mask, pixel_values, image_grid_thw, mm_token_type_ids), float64 logprobs."""
-    from branchreplay.reference.float64 import keep_float64
     from branchreplay.engine import replay_logprobs
+    from branchreplay.reference.float64 import keep_float64
     from branchreplay.tiny_models import tiny_qwen2_vl_model
 
     g = torch.Generator().manual_seed(0)
@@ -225,9 +224,8 @@ def test_dpo_pairs_with_images_over_the_tree_equal_dpo_trainer(vlm_folder, tmp_p
 def test_dpo_pairs_grouped_by_text_alone_would_fail(vlm_folder, tmp_path, monkeypatch):
     """The control: pairs of equal prompt text and other images in one tree (the first row's images) change the
     loss."""
-    from test_trl_dpo import _batch, _perturb
-
     import branchreplay.trl.dpo as dpo
+    from test_trl_dpo import _batch, _perturb
 
     trainer = _dpo_trainer(vlm_folder, tmp_path)
     inputs = _batch(trainer)

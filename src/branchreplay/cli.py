@@ -10,7 +10,6 @@ from .bench import cli as bench_cli
 from .check import cli as check_cli
 from .rl import cli as rl_cli
 
-
 DESCRIPTION = """\
 RL post-training of LLMs (GRPO, PPO, RLOO, REINFORCE++, DPO) whose rollouts share prefixes: each shared prefix
 runs once, as a tree, and the gradients equal the per-rollout computation's."""

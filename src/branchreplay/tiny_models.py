@@ -4,9 +4,13 @@ vision-language models the image tests run (Gemma3, Qwen2-VL)."""
 
 import torch
 import transformers
-from transformers import (MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, PretrainedConfig,
-                          PreTrainedModel)
-
+from transformers import (
+    MODEL_FOR_CAUSAL_LM_MAPPING,
+    AutoConfig,
+    AutoModelForCausalLM,
+    PretrainedConfig,
+    PreTrainedModel,
+)
 
 TINY_ARCHS: tuple[str, ...] = ("llama", "qwen2", "qwen3", "mistral", "gpt2", "gemma2", "gemma3", "qwen2-sliding",
                                "qwen3_moe", "mixtral", "phi3")

@@ -17,15 +17,15 @@ from __future__ import annotations
 
 import torch
 
-from ..reference.naive import max_rel_grad_err, naive_backward, naive_sequence_backward
-from ..reference.shapes import make_rollouts
 from ..engine import replay_backward
 from ..engine.sequence import replay_sequence_backward
 from ..losses import GRPOLoss, ValueLoss, dpo_loss, token_weights
+from ..reference import work as F
+from ..reference.naive import max_rel_grad_err, naive_backward, naive_sequence_backward
+from ..reference.shapes import make_rollouts
 from ..tiny_models import tiny_model
 from ..tree import Rollout, RolloutTree, forests
 from ..value import ValueModel
-from ..reference import work as F
 from .measure import measure
 from .scenarios import Scenario
 

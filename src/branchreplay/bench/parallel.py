@@ -24,12 +24,11 @@ import torch
 
 from ..engine.parallel.distributed import free_port
 from ..engine.parallel.sharding import shard
-from ..tree import RolloutTree
 from ..reference import work as F
 from ..reference.prompt_sharing import PROMPT_SHARING_LABELS, prefix_grouper_version
+from ..tree import RolloutTree
 from .runner import BENCH_MODEL, MODEL_LABEL
 from .scenarios import Scenario
-
 
 METHODS = ("naive", "prompt-sharing", "branchreplay")
 
@@ -148,10 +147,10 @@ def _prompt_sharing_impl() -> str:
 def _worker(rank, world, port, scenario, strategy, seed, max_seconds, out):
     import torch.distributed as dist
 
-    from ..reference.naive import naive_backward
     from ..engine.parallel.distributed import DataParallel, end_spawned_rank
     from ..engine.replay import replay_backward_sharded
     from ..losses import GRPOLoss
+    from ..reference.naive import naive_backward
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)

@@ -20,17 +20,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..reference.naive import max_rel_grad_err, naive_backward
-from ..reference.shapes import make_rollouts, shared_prompt
 from ..engine import replay_backward
 from ..engine.planner import available_memory_bytes
 from ..losses import GRPOLoss
 from ..models import load_model
-from ..tiny_models import tiny_model
-from ..tree import Rollout, RolloutTree, forests
 from ..reference import work as F
 from ..reference.methods import METHODS as REFERENCES
+from ..reference.naive import max_rel_grad_err, naive_backward
 from ..reference.prompt_sharing import PROMPT_SHARING_LABELS, prefix_grouper_version, prompt_groups
+from ..reference.shapes import make_rollouts, shared_prompt
+from ..tiny_models import tiny_model
+from ..tree import Rollout, RolloutTree, forests
 from .measure import measure, tree_build_seconds
 from .scenarios import Scenario, recorded_items
 

@@ -23,10 +23,10 @@ import torch
 
 from ..engine.families import FAMILIES
 from ..losses import GRPOLoss
-from ..tree import RolloutTree
 from ..reference.float64 import keep_float64
 from ..reference.naive import max_rel_grad_err
 from ..reference.shapes import SHAPES, make_rollouts, random_ids
+from ..tree import RolloutTree
 from .verify import FLOAT32_KERNELS_TOLERANCE, FLOAT64_TOLERANCE
 
 ALGORITHM_SETTINGS = {

@@ -29,11 +29,11 @@ from ..engine.positions import rope_thresholds
 from ..engine.sequence import replay_sequence_backward, sequence_sums
 from ..losses import DPO_LOSS_TYPES, GRPOLoss, ValueLoss, dpo_loss, rloo_loss
 from ..models import autocast, max_positions
-from ..tree import Rollout, RolloutTree
-from ..value import ValueModel
 from ..reference.float64 import keep_float64
 from ..reference.naive import max_rel_grad_err, naive_backward, naive_sequence_backward
 from ..reference.shapes import SHAPES, around_length, around_window, make_rollouts
+from ..tree import Rollout, RolloutTree
+from ..value import ValueModel
 
 FLOAT64_TOLERANCE = 1e-6  # max relative gradient error against naive, float64 model and kernels
 FLOAT32_KERNELS_TOLERANCE = 1e-4  # the same for a float64 model whose family computes parts in float32

@@ -11,7 +11,6 @@ from transformers.cache_utils import DynamicLayer, DynamicSlidingWindowLayer
 
 from ..engine.families import FAMILIES
 
-
 SHARED_LAYERS = (DynamicLayer, DynamicSlidingWindowLayer)
 """transformers' cache layers that never write into their tensors (`update` concatenates, `reorder_cache`
 index-selects: both make new tensors), so a fork may share them by reference."""

@@ -21,8 +21,8 @@ import torch
 from transformers import DynamicCache
 
 from .config import SamplingConfig
-from .packed_linears import packed_linears
 from .loop import Sample, decode_prefilled, prefill_branches
+from .packed_linears import packed_linears
 
 Key = tuple[int, tuple[int, ...]]
 """A request's (item index, branch path): the path of reply indices from the item's opening to the conversation."""

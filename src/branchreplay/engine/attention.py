@@ -30,8 +30,8 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from .cache import PREFIX_ATTR
-from .latent import LatentExpansion, same_width
 from .kernels import kernels_for
+from .latent import LatentExpansion, same_width
 
 _MARK = "_branchreplay_own_keys"  # attribute of a mask that covers only the pack's own keys
 _SPLIT_DTYPES = {("cpu", torch.float32), ("cpu", torch.float64), ("cuda", torch.float32)}  # (kernels.py)

@@ -23,8 +23,8 @@ import torch
 
 from ..models import max_positions
 from ..tree import Node
-from .parallel.lockstep import FORWARD
 from .model_view import ModelView
+from .parallel.lockstep import FORWARD
 
 
 @dataclass(frozen=True)

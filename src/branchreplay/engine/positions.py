@@ -20,6 +20,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
+
 def _types_of(module) -> dict[str | None, str]:
     """{layer type or None: rope type} of a rotary embedding module (Gemma-style modules key them by layer type)."""
     rope_type = getattr(module, "rope_type", None)

@@ -18,15 +18,15 @@ from ..losses import LossFn
 from ..models import base_of, max_positions
 from ..tree import ReplayResult, RolloutTree, TreeStats, forests
 from .config import EngineConfig
+from .families import check_no_dropout
+from .model_view import ModelView
 from .options import ReplayOptions
 from .parallel.context_parallel import ContextParallelTree
 from .parallel.distributed import DataParallel, check_same_trees
-from .families import check_no_dropout
 from .parallel.lockstep import LockStep, drain
-from .model_view import ModelView
+from .parallel.sharding import CostModel, shard
 from .positions import held_at_length, regimes
 from .router import RouterLoss
-from .parallel.sharding import CostModel, shard
 from .stack import _Run
 from .vision import language_model
 

@@ -23,8 +23,8 @@ from ..losses import LossInputs
 from ..tree import ReplayResult, Rollout, RolloutTree
 from .config import EngineConfig
 from .parallel.context_parallel import ContextParallelTree
-from .router import RouterLoss
 from .replay import replay_backward, replay_logprobs
+from .router import RouterLoss
 
 SequenceLoss = Callable[[torch.Tensor], torch.Tensor]
 """[N] float64 summed logprobs (nats) of the N rollouts of all the trees, in order -> scalar loss."""

@@ -23,8 +23,6 @@ from ..tree import Node, ReplayResult, RolloutTree
 from ..value import is_value_model
 from .attention import PrefixSplit, own_keys_mask
 from .cache import NodeState, PrefixCache
-from .parallel.context_parallel import ContextParallelTree, run_prefix
-from .parallel.lockstep import BACKWARD, FORWARD
 from .embedding import DeferredEmbeddingGrad
 from .families import check_no_dropout, family_of, layer_windows
 from .head import check_float32_head, check_head, decoder_and_head, head_statistics, token_logprobs, token_values
@@ -32,12 +30,14 @@ from .masks import own_keys_tree_mask, takes_tree_mask, tree_mask
 from .model_view import ModelView
 from .options import ReplayOptions
 from .packs import batched_packs, chunked, is_batch, packs, spans
+from .parallel.context_parallel import ContextParallelTree, run_prefix
+from .parallel.lockstep import BACKWARD, FORWARD
 from .planner import default_budget, memory_model, plan
-from .schedule import attention_per_key, schedule
-from .temperature import QueryTemperature
 from .positions import length_dependent_rotaries
 from .recurrent import EngineForwards, layer_kinds
 from .router import routed, taken
+from .schedule import attention_per_key, schedule
+from .temperature import QueryTemperature
 from .vision import ImageRun
 
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 import torch
 
+
 @dataclasses.dataclass(frozen=True)
 class VisionFamily:
     """How the engine runs one vision-language model type.

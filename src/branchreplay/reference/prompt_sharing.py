@@ -15,9 +15,9 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from .padded import prompt_length, row_losses
 from ..losses import LossFn
 from ..tree import ReplayResult, Rollout
+from .padded import prompt_length, row_losses
 
 PROMPT_SHARING_LABELS = {
     "prefix-grouper": "prompt-sharing (prefix-grouper {version}, prefix K/V repeated per suffix; SDPA adapter)",

@@ -99,8 +99,8 @@ def _eval(argv: list[str]) -> int:
     config, options = parse_args(argv, ("--config", "--checkpoint", "--threads"))  # before torch: a bad config is quick
     _set_threads(options["--threads"])
     _plain_output()
-    from .run.evaluation import evaluate_cli
     from .data.rewards import RewardFunctionError
+    from .run.evaluation import evaluate_cli
 
     checkpoint = options["--checkpoint"]
     found = run_config(checkpoint) if checkpoint is not None and options["--config"] is None else None
@@ -140,8 +140,8 @@ def _export(args) -> int:
 
 def _vllm_serve(args) -> int:
     """vllm-serve: a vLLM server for a model spec, run from the vLLM venv (`make vllm`) until it is stopped."""
-    from .rollouts.vllm.server_process import run_process_group
     from .rollouts.vllm.client import serve_command, serve_environment
+    from .rollouts.vllm.server_process import run_process_group
 
     python = Path(args.venv) / "bin" / "python"
     if not python.is_file():

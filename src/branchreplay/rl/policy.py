@@ -18,16 +18,18 @@ import warnings
 from dataclasses import dataclass, field, replace
 
 import torch
-from transformers import (get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup,
-                          get_linear_schedule_with_warmup)
+from transformers import (
+    get_constant_schedule_with_warmup,
+    get_cosine_schedule_with_warmup,
+    get_linear_schedule_with_warmup,
+)
 
-from ..reference.methods import METHODS
-from ..engine import EngineConfig, ReplayOptions, replay_with
-from ..engine import sequence
+from ..engine import EngineConfig, ReplayOptions, replay_with, sequence
 from ..engine.parallel.context_parallel import ContextParallelTree
 from ..engine.parallel.distributed import DataParallel, clip_grad_norm_
 from ..engine.parallel.lockstep import collective_device
 from ..models import autocast, tied_names
+from ..reference.methods import METHODS
 from ..tree import ReplayResult, Rollout, RolloutTree, TreeStats
 
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,

@@ -22,19 +22,20 @@ import warnings
 
 import torch
 
-from ..engine.self_check import PROCESS_VERDICTS, ensure_supported
 from ..engine import EngineConfig, UnsupportedModelError
 from ..engine.families import family_of
 from ..engine.router import RouterLoss
+from ..engine.self_check import PROCESS_VERDICTS, ensure_supported
 from ..engine.sequence import replay_function_backward
-from ..rl.data.rewards import with_timeout
 from ..engine.vision import is_vision_language, language_model
+from ..rl.data.rewards import with_timeout
 from ..tree import ReplayResult
 from .options import DropInOptions
-from .split_groups import arranged, split_groups_refusal
 from .processes import WrapperStep, launch_refusals, watching_ranks
-from .zero import GradientInjection
 from .rows import batch_rollouts, in_row_order, on_rows, prompt_trees, trained_mask
+from .split_groups import arranged, split_groups_refusal
+from .zero import GradientInjection
+
 
 class TreeTrainerMixin:
     """TRL's trainer with each training micro-batch's forward and backward run over one rollout tree per prompt.

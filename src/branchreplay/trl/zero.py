@@ -18,7 +18,6 @@ from collections.abc import Iterator
 
 import torch
 
-
 MODULE_HOOKS = ("_forward_pre_hooks", "_forward_hooks", "_backward_pre_hooks", "_backward_hooks")
 
 

@@ -20,7 +20,6 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
-
 from transformers.cache_utils import Cache
 
 from ...tree import Node, RolloutTree, TreeStats

@@ -23,8 +23,8 @@ from typing import Protocol
 
 from transformers.utils import get_json_schema
 
-from .conversation import template_renders_tools
 from ..data.rewards import import_from_cwd
+from .conversation import template_renders_tools
 
 TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
 TRUNCATED = "\n[output truncated]"

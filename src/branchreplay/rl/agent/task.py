@@ -15,12 +15,12 @@ one item, of any size. `load_agent_task` says where the items come from.
 from __future__ import annotations
 
 from ...models import max_positions
-from .environments import GuessNumber, calculator, load_environment
-from ..data.rewards import make_reward
 from ..config.agent import AgentConfig
 from ..config.task import EVAL_SEED_OFFSET, reward_specs
+from ..data.rewards import make_reward
 from ..data.tasks import load_task
 from ..rollouts.trajectories import Trajectory
+from .environments import GuessNumber, calculator, load_environment
 
 
 def load_agent_task(config) -> tuple:

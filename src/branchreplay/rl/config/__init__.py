@@ -5,8 +5,17 @@ agent.py beside it, and decode/config.py's sampling section), TRL's flat names (
 
 from .help import full_help, short_help
 from .run import ALGORITHM_DEFAULTS, Config, parse_args, run_config
-from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelConfig, PPOConfig, ReinforcePPConfig,
-                       RLOOConfig, TrainConfig)
+from .sections import (
+                       SECTIONS,
+                       DPOConfig,
+                       GRPOConfig,
+                       ModelConfig,
+                       ParallelConfig,
+                       PPOConfig,
+                       ReinforcePPConfig,
+                       RLOOConfig,
+                       TrainConfig,
+)
 from .values import apply_overrides
 
 __all__ = ["ALGORITHM_DEFAULTS", "SECTIONS", "Config", "DPOConfig", "GRPOConfig", "ModelConfig", "ParallelConfig",

@@ -20,19 +20,27 @@ from pathlib import Path
 
 import yaml
 
+from ...decode.config import SamplingConfig, turn_factor
 from ...engine.config import EngineConfig
 from ...fields import nearest
 from ..algorithms import check_algorithm
 from .agent import AgentConfig
-from ...decode.config import SamplingConfig, turn_factor
-from .sections import (SECTIONS, DPOConfig, GRPOConfig, ModelConfig, ParallelConfig, PPOConfig,
-                       ReinforcePPConfig, RLOOConfig, TrainConfig)
-from .task import TaskConfig
 from .resolve import resolved
 from .resume import check_resume, latest_config, launch_free, read
+from .sections import (
+    SECTIONS,
+    DPOConfig,
+    GRPOConfig,
+    ModelConfig,
+    ParallelConfig,
+    PPOConfig,
+    ReinforcePPConfig,
+    RLOOConfig,
+    TrainConfig,
+)
+from .task import TaskConfig
 from .trl_names import from_trl_names
 from .values import MOVED, TRL_COMMAND_LINE, apply_overrides, coerce, field_types, moved, plain
-
 
 ALGORITHM_DEFAULTS: dict[str, dict[str, dict]] = {
     "rloo": {"grpo": {"beta": 0.05, "num_generations": 2}},  # TRL 1.16 RLOOConfig (trl/trainer/rloo_config.py)

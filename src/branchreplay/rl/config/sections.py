@@ -18,11 +18,11 @@ import importlib.util
 from dataclasses import dataclass, field
 from typing import Literal
 
+from ...decode.config import SamplingConfig
 from ...engine.config import EngineConfig
 from ...fields import check, choice, help_of
 from ...loss_types import DPOLossType, LossType
 from .agent import AgentConfig
-from ...decode.config import SamplingConfig
 from .task import TaskConfig
 
 DType = Literal["float32", "bfloat16", "float16", "float64"]

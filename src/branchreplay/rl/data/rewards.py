@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 from reasoning_gym.dataset import ProceduralDataset
 
-from .tasks import TaskConfig, reward_specs, extract_answer, is_conversational, prompt_messages
+from .tasks import TaskConfig, extract_answer, is_conversational, prompt_messages, reward_specs
 
 
 class RewardFunctionError(RuntimeError):

@@ -20,11 +20,12 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+
+from ...decode.config import SamplingConfig, turn_schedule
+from ...decode.turns import InProcessTurns
 from ..agent.conversation import Conversation, TemplateNotPrefixStableError
 from ..agent.environments import TRUNCATED, Environment
 from ..data.cells import check_messages
-from ...decode.config import SamplingConfig, turn_schedule
-from ...decode.turns import InProcessTurns
 
 
 class ItemError(ValueError):

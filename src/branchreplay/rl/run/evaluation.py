@@ -11,20 +11,20 @@ from pathlib import Path
 import torch
 from rich.table import Table
 
-from ...engine.parallel.distributed import raise_together
-from ...models import apply_lora, autocast, load_policy
-from ..agent.task import bind, context_limit, load_agent_task, trajectory_metrics, trajectory_reward
-from .checkpoint import load_weights
-from .log import held_out_progress, run_console
-from ..config import Config
-from ..data.rewards import RewardFunctionError, make_rewards, score
 from ...decode.config import SamplingConfig
 from ...decode.loop import Sample, eos_token_ids
 from ...decode.packed_linears import packed_linears
 from ...decode.turns import InProcessTurns
-from ..rollouts.trajectories import Limits, sample_trajectories_turnwise
+from ...engine.parallel.distributed import raise_together
+from ...models import apply_lora, autocast, load_policy
+from ..agent.task import bind, context_limit, load_agent_task, trajectory_metrics, trajectory_reward
+from ..config import Config
 from ..config.task import reward_specs
+from ..data.rewards import RewardFunctionError, make_rewards, score
 from ..data.tasks import load_task, prompt_token_ids
+from ..rollouts.trajectories import Limits, sample_trajectories_turnwise
+from .checkpoint import load_weights
+from .log import held_out_progress, run_console
 
 EVAL_BATCH = 16  # held-out prompts decoded together
 

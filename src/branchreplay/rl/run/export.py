@@ -18,8 +18,8 @@ from pathlib import Path
 import torch
 
 from ...models import apply_lora, load_policy
-from .checkpoint import is_lora, latest_checkpoint, load_weights
 from ..config import Config, run_config
+from .checkpoint import is_lora, latest_checkpoint, load_weights
 
 
 def export(checkpoint: str | Path, out: str | Path) -> float:

@@ -6,8 +6,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from ...engine.self_check import ensure_supported
 from ...engine import UnsupportedModelError
+from ...engine.self_check import ensure_supported
 from .checkpoint import write_atomic
 
 SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families

@@ -23,8 +23,8 @@ from ...models import apply_lora, load_policy
 from ..agent.task import bind, load_agent_task
 from ..algorithms import algorithm_class
 from ..config import Config
-from ..config.resume import FIRST, check_resume, latest_config, save_run_config
 from ..config.resolve import resolved
+from ..config.resume import FIRST, check_resume, latest_config, save_run_config
 from ..config.run import saved_config
 from ..data.rewards import RewardFunctionError, RewardFunctions, make_rewards, with_timeout
 from ..data.tasks import load_task
@@ -36,13 +36,12 @@ from ..rollouts.vllm.client import VLLMError
 from .checkpoint import incomplete_latest, latest_checkpoint, load_checkpoint, save_checkpoint
 from .evaluation import evaluate, score_name
 from .family import check_family
-from .log import (MetricsLog, NoLog, held_out_progress, progress_info, run_console, step_line,
-                  summarize)
+from .log import MetricsLog, NoLog, held_out_progress, progress_info, run_console, step_line, summarize
 from .parallel import FAILED, launch
 from .skips import Skips
-from .stops import (RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died,
-                    stop_on_signals)
 from .step import train_step, trained
+from .stops import RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died, stop_on_signals
+
 
 class Trainer:
     """A run of `config`. Everything is built from `config` unless injected (tests inject a tiny model, a character
