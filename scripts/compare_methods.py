@@ -88,8 +88,8 @@ def make_trainer(config: Config, tiny: bool, stack: contextlib.ExitStack) -> Tra
 
 def distance(a: Trainer, b: Trainer) -> dict:
     pa, pb = [p.detach() for p in a.model.parameters()], [p.detach() for p in b.model.parameters()]
-    diff = max((x - y).abs().max().item() for x, y in zip(pa, pb))
-    norm = sum(((x - y).double() ** 2).sum().item() for x, y in zip(pa, pb)) ** 0.5
+    diff = max((x - y).abs().max().item() for x, y in zip(pa, pb, strict=True))
+    norm = sum(((x - y).double() ** 2).sum().item() for x, y in zip(pa, pb, strict=True)) ** 0.5
     scale = sum((x.double() ** 2).sum().item() for x in pa) ** 0.5
     return {"param/max_abs_diff": diff, "param/rel_l2_diff": norm / scale}
 
@@ -101,7 +101,7 @@ def plot(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(17, 7.5))
-    for ax, (key, label) in zip(axes.flat, PANELS):
+    for ax, (key, label) in zip(axes.flat, PANELS, strict=True):
         for k, method in enumerate(methods):
             points = [(r["step"], r[key]) for r in rows if r["method"] == method and r.get(key) is not None]
             if key == "param/max_abs_diff" and k == 0:
@@ -111,10 +111,10 @@ def plot(rows: list[dict], methods: list[str], path: Path, title: str) -> None:
             if key == "time/step_s":
                 sampling = [(r["step"], r["time/sample_s"]) for r in rows if r["method"] == method and r["step"]]
                 training = [(r["step"], r["time/train_s"]) for r in rows if r["method"] == method and r["step"]]
-                ax.plot(*zip(*sampling), color=f"C{k}", label=f"{method} sampling")
-                ax.plot(*zip(*training), color=f"C{k}", ls="--", label=f"{method} training")
+                ax.plot(*zip(*sampling, strict=True), color=f"C{k}", label=f"{method} sampling")
+                ax.plot(*zip(*training, strict=True), color=f"C{k}", ls="--", label=f"{method} training")
             elif points:
-                ax.plot(*zip(*points), **style)
+                ax.plot(*zip(*points, strict=True), **style)
         if key == "param/max_abs_diff":
             ax.set_yscale("symlog", linthresh=1e-12)
             largest = max((r[key] for r in rows if r.get(key) is not None), default=0.0)

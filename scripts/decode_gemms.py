@@ -26,6 +26,7 @@ timed by a wrapper around its calls (about a microsecond each), the median of --
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from collections import defaultdict
@@ -98,7 +99,7 @@ def sampler_split(model, batch: list[list[int]], G: int, new_tokens: int, repeat
         for patch in patches:
             patch.start()
         try:
-            call = seconds(lambda: sampling.sample_groups(model, batch, G, settings, {-1}, generators))
+            call = seconds(functools.partial(sampling.sample_groups, model, batch, G, settings, {-1}, generators))
         finally:
             for patch in patches:
                 patch.stop()

@@ -60,8 +60,8 @@ def main() -> None:
         if (k + 1) % 8 == 0:
             print(f"{k + 1} prompts, {len(rows)} pairs, {time.perf_counter() - start:.0f} s", file=sys.stderr)
         best = max(rewards)
-        chosen = next((s for s, r in zip(samples, rewards) if r == best), None)
-        rejected = next((s for s, r in zip(samples, rewards) if r < best), None)
+        chosen = next((s for s, r in zip(samples, rewards, strict=True) if r == best), None)
+        rejected = next((s for s, r in zip(samples, rewards, strict=True) if r < best), None)
         if rejected is None:
             same += 1
             continue

@@ -71,7 +71,7 @@ def main() -> None:
     c_dense, per_dense_position = _fit([a.prompt_tokens + S for S in sizes], dense)
     print(f"{a.model or 'tiny bench llama'}, float32, {a.threads} threads, load average {os.getloadavg()[0]:.2f}; "
           f"prompt {a.prompt_tokens} + 8 children, median of {a.repeats}")
-    for S, y, d in zip(sizes, ys, dense):
+    for S, y, d in zip(sizes, ys, dense, strict=True):
         print(f"  child of {S:4d} tokens: {1e3 * y:8.2f} ms per child pack; the rollout alone {1e3 * d:8.2f} ms")
     print(f"prompt alone {1e3 * t0:.1f} ms; fit: {1e3 * c:.2f} ms per pack + {1e6 * per_position:.1f} us per position "
           f"-> a pack costs {c / per_position:.0f} positions")
@@ -82,7 +82,7 @@ def main() -> None:
 def _fit(xs: list[float], ys: list[float]) -> tuple[float, float]:
     """Least squares y = c + a x: (c, a)."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+    a = sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
     return my - a * mx, a
 
 

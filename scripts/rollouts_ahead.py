@@ -130,7 +130,7 @@ def curve(steps: int, out: Path) -> None:
         held = [r for r in mine if "eval/accuracy" in r]
         axes[1].plot([r["step"] for r in held], [r["eval/accuracy"] for r in held], "o-", color=f"C{k}", label=label)
         axes[2].plot([r["step"] for r in trained], [r["time/step_s"] for r in trained], color=f"C{k}", label=label)
-    for ax, title in zip(axes, ("reward (training batch)", "held-out accuracy", "seconds per step")):
+    for ax, title in zip(axes, ("reward (training batch)", "held-out accuracy", "seconds per step"), strict=True):
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step")
         ax.legend(fontsize=7)

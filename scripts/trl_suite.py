@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import collections
 import concurrent.futures
+import functools
 import importlib.util
 import os
 import re
@@ -230,8 +231,8 @@ def main() -> int:
     summary = []
     for suite in a.suites:
         with concurrent.futures.ThreadPoolExecutor(2 if a.parallel else 1) as pool:  # the sides: subprocesses
-            control, tree = pool.map(lambda side: run_suite(work, suite, side, a.pytest_args, a.parallel),
-                                     ("trl", "tree"))
+            control, tree = pool.map(functools.partial(run_suite, work, suite, extra=a.pytest_args,
+                                                       one_thread=a.parallel), ("trl", "tree"))
         rows = {test: verdict(control[test], tree.get(test, ("missing", ""))) for test in control}
         line, table = section(suite, f"tests/test_{suite}_trainer.py", rows)
         summary.append(line)

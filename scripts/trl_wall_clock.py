@@ -81,7 +81,7 @@ def trl_run(cls, steps: int, out: str) -> dict:
     trainer.generation_s, trainer.step_s, trainer.completion_tokens = [], [], []
     trainer.train()
     sample = trainer.generation_s
-    return {"sample_s": sample, "train_s": [s - g for s, g in zip(trainer.step_s, sample)],
+    return {"sample_s": sample, "train_s": [s - g for s, g in zip(trainer.step_s, sample, strict=True)],
             "completion_tokens": trainer.completion_tokens}
 
 
@@ -112,10 +112,10 @@ def main() -> None:
     print(f"\nSmolLM2-135M-Instruct float32, {a.threads} threads, {a.steps} steps each, load average "
           f"{os.getloadavg()[0]:.2f}; median per step")
     base = statistics.median(s + t for s, t in zip(results["TRL GRPOTrainer"]["sample_s"],
-                                                   results["TRL GRPOTrainer"]["train_s"]))
+                                                   results["TRL GRPOTrainer"]["train_s"], strict=True))
     print(f"{'':22s} {'generation':>11s} {'training':>9s} {'step':>7s} {'vs TRL':>7s} {'completion tokens':>18s}")
     for name, r in results.items():
-        step = statistics.median(s + t for s, t in zip(r["sample_s"], r["train_s"]))
+        step = statistics.median(s + t for s, t in zip(r["sample_s"], r["train_s"], strict=True))
         print(f"{name:22s} {statistics.median(r['sample_s']):10.1f}s {statistics.median(r['train_s']):8.1f}s "
               f"{step:6.1f}s {base / step:6.2f}x {statistics.mean(r['completion_tokens']):18.1f}")
 

@@ -51,7 +51,7 @@ def test_padded_batch_equals_naive(model, shape):
     got, padded = _grads(model, lambda: padded_backward(model, rollouts, loss))
     err = max_rel_grad_err(got, ref)
     assert err < 1e-10, f"{shape}: padded batch gradient differs from naive by {err:.2e} (relative)"
-    lp_err = max((a - b).abs().max().item() for a, b in zip(padded.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(padded.logprobs, naive.logprobs, strict=True))
     assert lp_err < 1e-6 and abs(padded.loss - naive.loss) < 1e-12
 
 
@@ -64,7 +64,7 @@ def test_prompt_sharing_equals_naive(model, shape, impl):
     err = max_rel_grad_err(got, ref)
     # float64 model, but stock HF upcasts some ops to float32 on the cached path (DESIGN.md): about 1e-7
     assert err < 1e-6, f"{shape}/{impl}: prompt-sharing gradient differs from naive by {err:.2e} (relative)"
-    lp_err = max((a - b).abs().max().item() for a, b in zip(shared.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(shared.logprobs, naive.logprobs, strict=True))
     assert lp_err < 1e-6 and abs(shared.loss - naive.loss) < 1e-9
     assert model.config._attn_implementation == "sdpa"  # prefix-grouper's attention switched back
 

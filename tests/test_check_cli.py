@@ -279,9 +279,9 @@ def test_help_and_config_errors_come_before_torch_loads(argv):
     import subprocess
     import sys
 
-    code = ("import sys\nfrom branchreplay.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+    code = (f"import sys\nfrom branchreplay.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass\n"
             "heavy = [m for m in ('torch', 'transformers', 'reasoning_gym') if m in sys.modules]\n"
-            "print('HEAVY', heavy)" % argv)
+            "print('HEAVY', heavy)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "HEAVY []" in out.stdout, (out.stdout[-500:], out.stderr[-500:])
 

@@ -106,7 +106,8 @@ def test_eos_stops_completion_and_pad_equal_to_eos_is_harmless():
     assert {s.truncated for s in samples} == {True, False}
     assert any(0 < len(s.completion_ids) < config.max_new_tokens for s in samples)
     check_against_reference(model, samples, config, eos)
-    for a, b in zip(samples[::2], samples[1::2]):  # a stream that ended before the fork at 2 is copied as it is
+    for a, b in zip(samples[::2], samples[1::2],
+                    strict=True):  # a stream that ended before the fork at 2 is copied as it is
         if len(a.completion_ids) <= 2 and not a.truncated:
             assert (a.completion_ids, a.logprobs, a.truncated) == (b.completion_ids, b.logprobs, b.truncated)
 
@@ -234,10 +235,10 @@ def test_batched_groups_equal_each_group_alone(kind, branching, cache, monkeypat
     assert bool(grouped_calls) == (once and kind != "mistral" and not (cache == "auto" and kind == "gpt2"))
     lengths = {len(s.completion_ids) for group in alone for s in group}
     assert min(lengths) < 8 and max(lengths) == 8  # some ended early, some ran to the end
-    for a_group, b_group, prompt in zip(alone, together, PROMPTS):
+    for a_group, b_group, prompt in zip(alone, together, PROMPTS, strict=True):
         assert [(s.completion_ids, s.parent, s.truncated) for s in b_group] == \
             [(s.completion_ids, s.parent, s.truncated) for s in a_group]
-        for a, b in zip(a_group, b_group):
+        for a, b in zip(a_group, b_group, strict=True):
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
             ref = reference_logprobs(model, prompt, b.completion_ids, 0.9)
             assert b.logprobs == pytest.approx(ref.tolist(), abs=1e-10)
@@ -255,7 +256,7 @@ def test_first_iteration_ratio_is_one_in_float32(cache):
     groups = sampling.sample_groups(model, PROMPTS, 4, config, {2},
                                     [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
     worst = max((torch.exp(reference_logprobs(model, prompt, s.completion_ids, 0.7) - torch.tensor(s.logprobs)) - 1)
-                .abs().max().item() for group, prompt in zip(groups, PROMPTS) for s in group)
+                .abs().max().item() for group, prompt in zip(groups, PROMPTS, strict=True) for s in group)
     assert worst < 1e-5
 
 
@@ -281,8 +282,9 @@ def test_batched_groups_with_one_wrong_mask_are_seen(cache, monkeypatch):
         stacked = rows.stacked
         monkeypatch.setattr(rows, "stacked", lambda *a: (stacked(*a)[0], torch.ones_like(stacked(*a)[1])))
     together = sampling.sample_groups(model, PROMPTS, 2, config, {2}, [None] * len(PROMPTS))
-    worst = max(abs(x - y) for group, prompt in zip(together, PROMPTS) for s in group
-                for x, y in zip(s.logprobs, reference_logprobs(model, prompt, s.completion_ids, 1.0).tolist()))
+    worst = max(abs(x - y) for group, prompt in zip(together, PROMPTS, strict=True) for s in group
+                for x, y in zip(s.logprobs, reference_logprobs(model, prompt, s.completion_ids, 1.0).tolist(),
+                                strict=True))
     assert worst > 1e-6
 
 
@@ -302,7 +304,7 @@ def test_a_fork_shares_the_keys_and_values_and_leaves_its_parent_alone(arch):
         cache, _ = prefill(model, list(range(3, 12)))
         untouched = copy.deepcopy(cache)
         child = fork(cache)
-        shared = [(a, b) for a, b in zip(cache.layers, child.layers) if type(a) in SHARED_LAYERS]
+        shared = [(a, b) for a, b in zip(cache.layers, child.layers, strict=True) if type(a) in SHARED_LAYERS]
         assert all(a.keys is b.keys and a.values is b.values for a, b in shared)
         assert any(type(a) not in SHARED_LAYERS for a in cache.layers) == (arch == "lfm2")  # LFM2: copied
         child.reorder_cache(torch.tensor([0, 0, 0]))  # three streams, one token each, then one dropped
@@ -357,7 +359,7 @@ def test_branches_sharing_a_start_prefill_it_once_and_equal_each_alone(keep64):
         hook.remove()
         alone = [prefill(model, b, fork(cache), position=9)[1] for b in branches]
     assert sum(fed) == 7
-    for (_, ours), theirs in zip(filled, alone):
+    for (_, ours), theirs in zip(filled, alone, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 
@@ -378,9 +380,9 @@ def test_a_start_the_prompts_share_is_prefilled_once_for_the_step():
     hook.remove()
     assert sum(fed) == len(system) + 2 + 3 + 3  # the system start once; the repeated prompt not again
     alone = [sample_group(model, p, 2, config, {2}, torch.Generator().manual_seed(k)) for k, p in enumerate(prompts)]
-    for a_group, b_group in zip(alone, together):
+    for a_group, b_group in zip(alone, together, strict=True):
         assert [s.completion_ids for s in b_group] == [s.completion_ids for s in a_group]
-        for a, b in zip(a_group, b_group):
+        for a, b in zip(a_group, b_group, strict=True):
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
 
 

@@ -1,5 +1,7 @@
 """MKL-packed linear weights while the in-process sampler runs (`decode/packed_linears.py`)."""
 
+import functools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -41,9 +43,10 @@ def test_a_packed_linear_equals_nn_linear_and_is_undone(rows):
     with packed_linears(lin, rows=32):
         assert packed(lin) == [""] and packing.block(lin).rows == 32
         with torch.no_grad():
-            for x, y in zip(inputs, expected):
+            for x, y in zip(inputs, expected, strict=True):
                 n = x.numel() // 576
-                assert mkl_calls(lambda: torch.testing.assert_close(lin(x), y, rtol=1e-5, atol=1e-5)) == (16 < n <= 32)
+                close = functools.partial(torch.testing.assert_close, rtol=1e-5, atol=1e-5)
+                assert mkl_calls(lambda x=x, y=y, close=close: close(lin(x), y)) == (16 < n <= 32)
             with packed_linears(lin, rows=8):
                 assert packed(lin) == [""] and packing.block(lin).rows == 32
             with pytest.raises(RuntimeError):
@@ -101,7 +104,7 @@ def test_the_plain_step_samples_from_weights_changed_inside_the_block(monkeypatc
         inside = logprobs()
     outside = logprobs()
     torch.testing.assert_close(torch.tensor(sum(inside, [])), torch.tensor(sum(outside, [])), atol=1e-5, rtol=0)
-    assert max(abs(a - b) for a, b in zip(sum(before, []), sum(inside, []))) > 1e-3  # the change matters
+    assert max(abs(a - b) for a, b in zip(sum(before, []), sum(inside, []), strict=True)) > 1e-3  # the change matters
 
 
 def test_only_float32_cpu_linears_within_the_ratio_are_packed(monkeypatch):
@@ -136,7 +139,7 @@ def test_the_sampler_decodes_with_packed_weights_at_ratio_one(cache, monkeypatch
     calls = mkl_calls(lambda: groups.extend(sample_groups(model, PROMPTS, 4, config, {2}, generators)))
     assert calls >= 11 * (2 * 7 + 1) and packed(model) == []
     worst = max((torch.exp(reference_logprobs(model, prompt, s.completion_ids, 0.7) - torch.tensor(s.logprobs)) - 1)
-                .abs().max().item() for group, prompt in zip(groups, PROMPTS) for s in group)
+                .abs().max().item() for group, prompt in zip(groups, PROMPTS, strict=True) for s in group)
     assert worst < 1e-5
 
 

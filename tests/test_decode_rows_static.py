@@ -43,7 +43,7 @@ def test_static_rows_forks_drops_and_halvings(prompt):
         assert (rows.capacity, rows.slots) == (4, [0, 1, 2, 3])
         first = [[9], [7], [9], [8]]
         logits = rows.decode(torch.tensor(first), 0)
-        for row, ids in zip(logits, first):
+        for row, ids in zip(logits, first, strict=True):
             torch.testing.assert_close(row, alone(ids), rtol=0, atol=1e-6)
         rows.select(torch.tensor([0, 2, 3]))  # stream 1 ended: a drop, 3 of 4 rows still read
         assert (rows.capacity, rows.slots) == (4, [0, 2, 3])
@@ -54,7 +54,7 @@ def test_static_rows_forks_drops_and_halvings(prompt):
         rows.select(torch.tensor([1]))  # one of 4 rows: gathered into 1
         assert (rows.capacity, rows.slots) == (1, [0])
         last = rows.decode(torch.tensor([[6]]), 2)
-    for row, ids in zip(logits, second):
+    for row, ids in zip(logits, second, strict=True):
         torch.testing.assert_close(row, alone(ids), rtol=0, atol=1e-6)
     torch.testing.assert_close(last[0], alone([9, 5, 6]), rtol=0, atol=1e-6)
 
@@ -83,9 +83,9 @@ def assert_samples_as_each_group_alone(config: SamplingConfig) -> None:
     alone = [sample_group(model, p, 8, config, eos, torch.Generator().manual_seed(k)) for k, p in enumerate(PROMPTS)]
     together = sampling.sample_groups(model, PROMPTS, 8, config, eos,
                                       [torch.Generator().manual_seed(k) for k in range(len(PROMPTS))])
-    for a_group, b_group in zip(alone, together):
+    for a_group, b_group in zip(alone, together, strict=True):
         assert [(s.completion_ids, s.truncated) for s in b_group] == [(s.completion_ids, s.truncated) for s in a_group]
-        for a, b in zip(a_group, b_group):
+        for a, b in zip(a_group, b_group, strict=True):
             assert b.logprobs == pytest.approx(a.logprobs, abs=1e-12)
 
 
@@ -174,12 +174,12 @@ def test_static_cache_cuda_graph_samples_as_the_dynamic_cache(dtype, monkeypatch
                                             [torch.Generator("cuda").manual_seed(k) for k in range(len(PROMPTS))])
     assert graphs and bool(grouped_calls) == (dtype == torch.float32)
     if dtype == torch.float64:
-        for a_group, b_group in zip(out["dynamic"], out["static"]):
+        for a_group, b_group in zip(out["dynamic"], out["static"], strict=True):
             assert [(s.completion_ids, s.parent) for s in b_group] == [(s.completion_ids, s.parent) for s in a_group]
-            for a, b in zip(a_group, b_group):
+            for a, b in zip(a_group, b_group, strict=True):
                 assert b.logprobs == pytest.approx(a.logprobs, abs=1e-10)
     else:
-        for group, prompt in zip(out["static"], PROMPTS):
+        for group, prompt in zip(out["static"], PROMPTS, strict=True):
             for s in group:
                 ref = reference_logprobs(model, prompt, s.completion_ids, 0.9)
                 assert s.logprobs == pytest.approx(ref.tolist(), abs=1e-4)

@@ -59,7 +59,7 @@ def test_equals_one_sdpa_call_with_the_full_mask(causal):
     out = _split(q, k, v, None if causal else own, K, 0.3, pieces=(7, 13))
     grads = torch.autograd.grad(out, (q, k, v), dout)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-6)
-    for a, b in zip(grads, ref_grads):
+    for a, b in zip(grads, ref_grads, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
@@ -85,7 +85,7 @@ def test_rows_of_a_batch_share_one_prefix():
         for i, grad in enumerate(torch.autograd.grad(ref, (q, k, v, kp, vp), dout[b : b + 1], allow_unused=True)):
             ref_grads[i].append(grad)
     torch.testing.assert_close(out, torch.cat(ref_out), rtol=1e-5, atol=1e-6)
-    for name, grad, ref in zip("q k v kp vp".split(), grads, ref_grads):
+    for name, grad, ref in zip("q k v kp vp".split(), grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, sum(ref), rtol=1e-5, atol=1e-5, msg=name)
 
     with pytest.raises(RuntimeError, match="prefix pieces of one row"):  # the CPU kernel would read out of bounds
@@ -124,7 +124,7 @@ def test_queries_below_different_parents_see_their_own_prefix():
             if grad is not None:
                 ref_grads[i] += grad
     torch.testing.assert_close(out, torch.cat(ref_out), rtol=1e-5, atol=1e-6)
-    for name, grad, ref in zip("q k v kc k1 k2 vc v1 v2".split(), grads, ref_grads):
+    for name, grad, ref in zip("q k v kc k1 k2 vc v1 v2".split(), grads, ref_grads, strict=True):
         torch.testing.assert_close(grad, ref, rtol=1e-5, atol=1e-5, msg=name)
     wrong = attention.split_attention(q, k, v, None, 0.3, keys, values, ((0, 3 * S, (0, 1)),))  # all below one
     assert (wrong[2] - out[2]).abs().max() > 1e-2
@@ -248,7 +248,7 @@ def test_a_model_that_cannot_switch_keeps_the_masked_path(monkeypatch):
     rollouts = make_rollouts(shared_prompt(30, 3, 5, model.config.vocab_size, g), g)
     ours = replay_logprobs(model, RolloutTree(rollouts)).logprobs
     theirs = naive_backward(model, rollouts, None).logprobs
-    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) <= 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True)) <= 1e-6
 
 
 def test_activation_checkpointing_is_refused():

@@ -79,12 +79,14 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                 mine = [r for part in plan.parts[rank] for r in part.rollouts]
                 index = {id(r): i for i, r in enumerate(r for t in trees for r in t.rollouts)}
                 logprobs = replay_logprobs(model, plan.parts[rank], lockstep=dp.lockstep).logprobs
-                lp_err = max((float((a - naive.logprobs[index[id(r)]]).abs().max()) for a, r in zip(logprobs, mine)),
+                lp_err = max((float((a - naive.logprobs[index[id(r)]]).abs().max()) for a, r in zip(logprobs, mine,
+                                                                                                    strict=True)),
                              default=0.0)
             report[name] = {"err": max_rel_grad_err(dp.full_grads(), expected), "layout": plan.layout,
                             "context_parallel": plan.context_parallel, "logprob_err": lp_err,
                             "train_logprob_err": max((float((a - naive.logprobs[index[id(r)]]).abs().max())
-                                                      for a, r in zip(result.logprobs, mine)), default=0.0),
+                                                      for a, r in zip(result.logprobs, mine,
+                                                                      strict=True)), default=0.0),
                             "rollouts": len(mine), "physical": plan.physical_tokens}
         report["forest-resharded-micro-batches"] = _micro_batched_forest(rank, world, single, loss)
         # the control: each rank's piece keeps only its own queries' gradients (the reduce-scatter left out)
@@ -283,6 +285,6 @@ def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tm
                for run in (single, tmp_path / "two")]
     assert len(records[1]) == 2 and all(r["dist/layout"] == "context-parallel" for r in records[1])
     assert all(r["dist/bytes_moved"] > 0 and r["dist/fsdp_mode"] == "resharded" for r in records[1])
-    for theirs, ours in zip(*records):
+    for theirs, ours in zip(*records, strict=True):
         for key in ("reward", "loss", "grad_norm", "tree/physical_tokens"):
             assert abs(ours[key] - theirs[key]) <= 1e-9 * max(1.0, abs(theirs[key])), (key, ours, theirs)

@@ -204,7 +204,7 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
     mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), 2, strategy, "two", False), nprocs=2, join=True)
     two = _records(tmp_path / "two")
     assert two[-1]["dist/world_size"] == 2 and len(two) == 2
-    for ours, theirs in zip(two, expected):
+    for ours, theirs in zip(two, expected[: len(two)], strict=True):  # its first 2 of 3 steps
         for key in ("reward", "loss", "grad_norm", "tree/physical_tokens"):
             assert abs(ours[key] - theirs[key]) <= 1e-9 * max(1.0, abs(theirs[key])), (key, ours, theirs)
     import shutil

@@ -51,7 +51,7 @@ def compare(model, rollouts, temperature=0.7, trusted=False, naive=None, **engin
     model.zero_grad(set_to_none=True)
     replay = replay_backward(model, RolloutTree(rollouts), GRPOLoss(entropy_coef=0.01), temperature=temperature,
                              engine=EngineConfig(**{**EVERY_SHARED_NODE, **engine_kw}), trusted=trusted)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive_logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive_logprobs, strict=True))
     return max_rel_grad_err(grads(model), g_naive), lp_err, sum(g.abs().sum().item() for g in g_naive)
 
 
@@ -127,7 +127,7 @@ def test_transformers_mask_from_our_mask_sizes(arch, P, tiny64):
         decoder(input_ids=ids[:, :P], position_ids=torch.arange(P)[None], cache=prefix, use_cache=True)
         state = prefix.node_state(0, P)
         W = _window(model)
-        assert all(k.shape[-2] == (P if w is None else min(P, W - 1)) for (k, _), w in zip(state, windows))
+        assert all(k.shape[-2] == (P if w is None else min(P, W - 1)) for (k, _), w in zip(state, windows, strict=True))
         for q in (1, 3, 20):
             cache = PrefixCache([state], len(windows), windows=windows, prefix_length=P)
             out = decoder(input_ids=ids[:, P : P + q], position_ids=torch.arange(P, P + q)[None], cache=cache,

@@ -46,7 +46,7 @@ LOSS = GRPOLoss(entropy_coef=0.01)
 GRAD_TOL, LOGPROB_TOL = 1e-10, 1e-12
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(config: str, dtype=torch.float64):
     return tiny_model("gpt_oss", dtype=dtype, **CONFIGS[config])
 
@@ -170,7 +170,7 @@ def test_grouped_prefix_attention_with_sinks_equals_the_dense_softmax():
     bias[0, ..., 3:] = bias[2, ..., 2:] = float("-inf")
     out = grouped_prefix_attention(q, k, v, bias, 0.3, spans, [p[0] for p in prompts], [p[1] for p in prompts],
                                    sinks=sinks)
-    for (a, b), (kp, vp) in zip(spans, prompts):
+    for (a, b), (kp, vp) in zip(spans, prompts, strict=True):
         for r in range(a, b):
             keys, values = torch.cat([kp, k[r : r + 1]], dim=2), torch.cat([vp, v[r : r + 1]], dim=2)
             mask = torch.cat([torch.zeros(1, 1, 1, kp.shape[2], dtype=torch.float64), bias[r : r + 1]], dim=-1)
@@ -196,7 +196,7 @@ def test_transformers_own_calls_under_the_switch_equal_eager(keep64):
             ours = [model(ids).logits, model(ids, attention_mask=padding).logits]
             cached = model(ids[:, :11], use_cache=True)
             ours.append(model(ids[:, 11:], cache=cached.cache).logits)
-    for a, b in zip(ours, eager):
+    for a, b in zip(ours, eager, strict=True):
         valid = slice(None) if a.shape[1] == 1 else slice(4, None)  # padded row 1: its first 4 queries are junk
         assert (a[:, valid] - b[:, valid]).abs().max() < 1e-12
 
@@ -298,7 +298,7 @@ def test_sampling_equals_the_uncached_forward(config, cache, keep64):
         groups = sample_groups(model, PROMPTS, 2, sampling, {2}, [torch.Generator().manual_seed(k) for k in range(3)])
     assert any("static" in str(w.message) for w in caught) == (cache == "static")
     with torch.no_grad():
-        for group, prompt in zip(groups, PROMPTS):
+        for group, prompt in zip(groups, PROMPTS, strict=True):
             assert len(group) == 2
             for s in group:
                 logits = model(torch.tensor([prompt + s.completion_ids])).logits[0, len(prompt) - 1 : -1] / 0.9

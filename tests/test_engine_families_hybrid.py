@@ -54,7 +54,7 @@ def test_zamba2_shares_its_transformer_block():
     in the tree as in each rollout alone."""
     layers = tiny_model("zamba2").model.layers
     first, second = layers[1].shared_transformer, layers[2].shared_transformer
-    assert all(a is b for a, b in zip(first.parameters(), second.parameters()))
+    assert all(a is b for a, b in zip(first.parameters(), second.parameters(), strict=True))
 
 
 PER_TREE = {"zamba2": 6.0}

@@ -162,7 +162,7 @@ def test_split_attention_over_k_and_v_of_different_widths(widths):
     inputs = [q, k, v, *keys, *values]
     d_out = torch.randn(out.shape, dtype=torch.float64, generator=g)
     ours, theirs = torch.autograd.grad(out, inputs, d_out), torch.autograd.grad(dense, inputs, d_out)
-    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs)) <= 1e-12
+    assert max((a - b).abs().max().item() for a, b in zip(ours, theirs, strict=True)) <= 1e-12
 
 
 def test_latent_expansion_is_scoped():

@@ -29,7 +29,7 @@ from conftest import compare
 FLOAT32_ROUTERS = ("minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _model(arch, dtype):
     return tiny_model(arch, dtype=dtype)
 

@@ -50,7 +50,7 @@ F32_TOL = {"zamba2": 1e-3, "qwen3_next": 1e-3, "qwen3_5_text": 1e-3, "qwen3_5_mo
 LOSS = GRPOLoss(entropy_coef=0.01)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cached(arch, dtype=torch.float64, **overrides):
     """One model per configuration for the whole module (the engine's memory model is fitted once per model)."""
     return tiny_model(arch, dtype=dtype, **overrides)
@@ -86,7 +86,7 @@ def compare(model, rollouts, **engine_kw):
     replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
     g_replay = grads(model)
     model.zero_grad(set_to_none=True)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     return max_rel_grad_err(g_replay, g_naive), lp_err, sum(g.abs().sum().item() for g in g_naive)
 
 
@@ -309,7 +309,7 @@ def test_recurrent_state_is_constant_in_the_prefix_length(arch, keep64):
     kinds = layer_kinds(model.config)
     ids = torch.randint(0, 256, (1, 40), generator=torch.Generator().manual_seed(0))
     short, long = (_run(model, ids[:, :n], 0, [])[1].node_state(0, n) for n in (3, 40))
-    for kind, state_short, state_long in zip(kinds, short, long):
+    for kind, state_short, state_long in zip(kinds, short, long, strict=True):
         recurrent_part = {"recurrent": slice(None), "hybrid": slice(2, None)}.get(kind)
         if recurrent_part is not None:
             assert [t.shape for t in state_short[recurrent_part]] == [t.shape for t in state_long[recurrent_part]]
@@ -337,12 +337,13 @@ def test_transformers_alone_restarts_the_scan(arch, keep64):
 def test_recurrent_families_run_packs_of_one(keep64):
     """Siblings of a recurrent family never share a pack, whatever max_pack_tokens; asking a recurrent layer for
     the state inside a pack is refused."""
+    from branchreplay.engine.options import ReplayOptions
     from branchreplay.engine.stack import _Run
 
     model = _model(keep64, "lfm2", torch.float64)
     g = torch.Generator().manual_seed(15)
     tree = RolloutTree(make_rollouts(shared_prompt(8, 4, 3, 256, g), g))
-    run = _Run(model, 1.0, EngineConfig(max_pack_tokens=10_000), LOSS)
+    run = _Run(model, LOSS, ReplayOptions(engine=EngineConfig(max_pack_tokens=10_000)))
     assert [len(p) for p in run.packs_of([tree.root.children[0]])] == [1, 1, 1, 1]
     layer = recurrent.RecurrentLayer(None)
     layer.update_conv_state(torch.zeros(1, 4, 6), conv_kernel_size=3)

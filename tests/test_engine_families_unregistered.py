@@ -91,7 +91,7 @@ def test_an_unregistered_family_runs_exact_under_force(name, dtype, monkeypatch)
         engine = EngineConfig(max_pack_tokens=16, chunk_tokens=8, **EVERY_SHARED_NODE)
         ours = replay_backward(model, RolloutTree(rs), loss, temperature=0.7, engine=engine, force=True)
     err = max_rel_grad_err(grads(model), g_naive)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(ours.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(ours.logprobs, naive.logprobs, strict=True))
     print(f"{name} {dtype}: grad {err:.1e}, logprob {lp_err:.1e}")
     tol = FLOAT64_TOL.get(name, TOL[dtype]) if dtype == torch.float64 else TOL[dtype]
     assert err <= tol and lp_err <= tol

@@ -42,7 +42,7 @@ def test_logit_scaling_of_unregistered_families_is_applied(name, keep64):
     g_naive = grads(model)
     model.zero_grad(set_to_none=True)
     replay = replay_backward(model, RolloutTree(rollouts), loss, trusted=True)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     grad_err = max_rel_grad_err(grads(model), g_naive)
     assert grad_err <= 1e-6 and lp_err <= 1e-9, (grad_err, lp_err)
     assert decoder_and_head(model)[2] != LogitTransform()
@@ -83,7 +83,7 @@ def test_a_float32_head_runs_outside_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         ours = head_logprobs(head, hidden, targets, 0.7, LogitTransform(multiplier=0.5), float32=True)
         autocast = head_logprobs(head, hidden, targets, 0.7, LogitTransform(multiplier=0.5))
-    for a, b in zip(ours, exact):
+    for a, b in zip(ours, exact, strict=True):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
     assert (autocast[0] - exact[0]).abs().max() > 1e-3
@@ -155,9 +155,9 @@ def test_projection_equals_a_linear_layer_in_float64(rows, bias):
         out = project(hidden, weight, b)
         inputs = [hidden, weight] + ([b] if bias else [])
         results.append([out] + list(torch.autograd.grad(out, inputs, upstream)))
-    for theirs, ours in zip(results[0], results[2]):
+    for theirs, ours in zip(results[0], results[2], strict=True):
         assert torch.allclose(ours, theirs, rtol=1e-12, atol=1e-12)
-    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1]))
+    assert all(torch.equal(a, b) for a, b in zip(results[0], results[1], strict=True))
     frozen = _BlockedProjection.apply(hidden, weight.detach(), None)  # a frozen head: the hidden states' gradient
     assert torch.allclose(torch.autograd.grad(frozen, hidden, upstream)[0], results[0][1], rtol=1e-12, atol=1e-12)
 

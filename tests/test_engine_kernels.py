@@ -143,5 +143,5 @@ def test_cuda_kernels_against_sdpa():
     g = torch.autograd.grad(out, (q, k, v), dout)
     g_ref = torch.autograd.grad(ref, (q, k, v), dout)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-    for a, b in zip(g, g_ref):
+    for a, b in zip(g, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -52,7 +52,7 @@ def _compare(model, rollouts, **engine_kw):
     model.zero_grad(set_to_none=True)
     engine = EngineConfig(**{"chunk_tokens": 16, **EVERY_SHARED_NODE, **engine_kw})
     replay = replay_backward(model, RolloutTree(rollouts), loss, engine=engine)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     return max_rel_grad_err(grads(model), g_naive), lp_err, replay
 
 

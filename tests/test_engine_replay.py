@@ -38,7 +38,7 @@ def compare(model, rollouts, loss, temperature=1.0, **engine_kw):
     model.zero_grad(set_to_none=True)
     replay = replay_backward(model, RolloutTree(rollouts), loss, temperature=temperature, engine=engine)
     g_replay = grads(model)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     norm = sum(g.abs().sum().item() for g in g_naive)
     return max_rel_grad_err(g_replay, g_naive), lp_err, abs(replay.loss - naive.loss), norm
 
@@ -82,10 +82,11 @@ def test_clipping_is_active_and_still_exact(tiny64):
     model = tiny64("qwen2", torch.float64)
     rollouts = make_rollouts(SHAPES["branches-of-branches"](model.config.vocab_size, g), g)
     current = replay_logprobs(model, RolloutTree(rollouts)).logprobs
-    for r, lp in zip(rollouts, current):
+    for r, lp in zip(rollouts, current, strict=True):
         noise = 0.4 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
         r.old_logprobs = (lp.double() + noise) * r.loss_mask
-    ratios = torch.cat([(lp.double() - r.old_logprobs).exp()[r.loss_mask > 0] for lp, r in zip(current, rollouts)])
+    ratios = torch.cat([(lp.double() - r.old_logprobs).exp()[r.loss_mask > 0] for lp, r in zip(current, rollouts,
+                                                                                               strict=True)])
     outside = (ratios < 0.9) | (ratios > 1.1)
     assert outside.any() and not outside.all()
     grad_err, _, _, norm = compare(model, rollouts, GRPOLoss(epsilon_low=0.1, epsilon_high=0.1))
@@ -144,7 +145,7 @@ def test_replay_logprobs_equals_naive_and_builds_no_graph(tiny64):
     ref = naive_backward(model, rollouts, None, temperature=0.5)
     assert all(lp.grad_fn is None for lp in out.logprobs)
     assert all(p.grad is None for p in model.parameters())
-    err = max((a - b).abs().max().item() for a, b in zip(out.logprobs, ref.logprobs))
+    err = max((a - b).abs().max().item() for a, b in zip(out.logprobs, ref.logprobs, strict=True))
     assert err <= 1e-9
     assert out.stats.rollouts == len(rollouts)
     empty = replay_logprobs(model, [])

@@ -43,7 +43,7 @@ def switch_loss(router_logits: list[torch.Tensor], top_k: int) -> torch.Tensor:
 
 def _token_loss(logprobs: list[torch.Tensor], rollouts: list[Rollout]) -> torch.Tensor:
     """A loss coupling each rollout's tokens (the square of its mean logprob), so both passes matter."""
-    return sum(((lp * r.loss_mask).sum() / r.loss_mask.sum()) ** 2 for lp, r in zip(logprobs, rollouts))
+    return sum(((lp * r.loss_mask).sum() / r.loss_mask.sum()) ** 2 for lp, r in zip(logprobs, rollouts, strict=True))
 
 
 ROUTER_LOSS_ARCHS = ["qwen3_moe", "mixtral", "jamba", "qwen3_next", "qwen3_5_moe_text", "granitemoehybrid",
@@ -73,7 +73,7 @@ def _naive(model, rollouts: list[Rollout], top_k: int) -> float:
         lp = torch.log_softmax(out.logits[0, :-1], dim=-1).gather(-1, r.token_ids[1:, None])[:, 0]
         logprobs.append(torch.cat([lp.new_zeros(1), lp]))
         layers = [z.reshape(-1, z.shape[-1]) for z in out.router_logits]
-        per_layer = layers if per_layer is None else [torch.cat([a, b]) for a, b in zip(per_layer, layers)]
+        per_layer = layers if per_layer is None else [torch.cat([a, b]) for a, b in zip(per_layer, layers, strict=True)]
     aux = switch_loss(per_layer, top_k)
     family = importlib.import_module(type(model).__module__).load_balancing_loss_func  # counts in float32
     assert family(tuple(per_layer), per_layer[0].shape[-1], top_k).item() == pytest.approx(aux.item(), rel=1e-6)

@@ -28,7 +28,7 @@ def _compare(model, rollouts, overhead):
     engine = EngineConfig(pack_overhead_tokens=overhead, prefix_position_overhead=0.1 if overhead else 0,
                           max_pack_tokens=24, chunk_tokens=16)
     replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     return max_rel_grad_err(grads(model), g_naive), lp_err, abs(replay.loss - naive.loss), replay
 
 
@@ -148,7 +148,7 @@ def _decoder_shapes_and_errors(model, rollouts, engine):
         replay = replay_backward(model, RolloutTree(rollouts), LOSS, temperature=0.7, engine=engine)
     finally:
         hook.remove()
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     return shapes, max_rel_grad_err(grads(model), g_naive), lp_err, abs(replay.loss - naive.loss)
 
 

@@ -168,7 +168,7 @@ def test_the_check_of_force_true_leaves_the_callers_model_and_context_alone(monk
     monkeypatch.setattr(self_check, "PROCESS_VERDICTS", {})
     model = _neox()
     grads = [torch.full_like(p, 3.0) for p in model.parameters()]
-    for p, g in zip(model.parameters(), grads):
+    for p, g in zip(model.parameters(), grads, strict=True):
         p.grad = g
     model.requires_grad_(False)
     for context in (lambda: torch.autocast("cpu", dtype=torch.bfloat16), torch.inference_mode, torch.no_grad):
@@ -177,7 +177,7 @@ def test_the_check_of_force_true_leaves_the_callers_model_and_context_alone(monk
             replay_logprobs(model, _tree(), force=True)
         (verdict,) = self_check.PROCESS_VERDICTS.values()
         assert verdict["passed"] and 0 < verdict["max_rel_grad_err"] < 1e-5, verdict  # float32, every parameter
-    assert all(p.grad is g and not p.requires_grad for p, g in zip(model.parameters(), grads))
+    assert all(p.grad is g and not p.requires_grad for p, g in zip(model.parameters(), grads, strict=True))
     with pytest.raises(ValueError, match="for a critic, check its policy"):
         replay_logprobs(ValueModel.from_policy(_neox()), _tree(), force=True)
 

@@ -212,7 +212,7 @@ def test_dpo_trainer_trains_and_logs_trl_names(tmp_path, loss_type):
     assert records[0]["tree/token_ratio"] > 1  # the prompt is shared by chosen and rejected
     if loss_type != "simpo":  # before the first update the policy is the reference: zero margins
         assert records[0]["rewards/margins"] == 0.0
-    assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before))
+    assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before, strict=True))
 
 
 def test_dpo_precomputed_reference_equals_per_step_and_resumes(tmp_path):

@@ -120,18 +120,18 @@ def test_images_in_the_prompt_node_equal_the_naive_rollouts(case, engine):
     naive = case.naive(loss)
     expected = grads(case.model)
     is_vision = [name.startswith(("model.vision_tower", "model.visual")) for name, _ in case.model.named_parameters()]
-    pick = lambda gs, v: [g for g, w in zip(gs, is_vision) if w == v]  # noqa: E731
+    pick = lambda gs, v: [g for g, w in zip(gs, is_vision, strict=True) if w == v]  # noqa: E731
     assert all(float(g.abs().sum()) > 0 for g in pick(expected, True)[:4])  # the vision tower learns
     case.model.zero_grad(set_to_none=True)
     result = replay_backward(case.model, case.tree(), loss, engine=engine)
     assert result.stats.physical_tokens < result.stats.logical_tokens
-    for ours, theirs in zip(result.logprobs, naive.logprobs):
+    for ours, theirs in zip(result.logprobs, naive.logprobs, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
     ours = grads(case.model)
     assert max_rel_grad_err(pick(ours, False), pick(expected, False)) <= 1e-10
     assert max_rel_grad_err(pick(ours, True), pick(expected, True)) <= case.vision
     forward = replay_logprobs(case.model, case.tree(), engine=engine)
-    for ours, theirs in zip(forward.logprobs, naive.logprobs):
+    for ours, theirs in zip(forward.logprobs, naive.logprobs, strict=True):
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 
@@ -147,7 +147,7 @@ def test_a_wrong_image_setup_is_caught(case, wrong):
         gemma3 = case.model.config.model_type == "gemma3"
         tree = case.tree(**({"blocks": None} if gemma3 else {"rope_positions": None}))
     result = replay_logprobs(case.model, tree)
-    assert max(float((a - b).abs().max()) for a, b in zip(result.logprobs, naive.logprobs)) > 1e-4
+    assert max(float((a - b).abs().max()) for a, b in zip(result.logprobs, naive.logprobs, strict=True)) > 1e-4
 
 
 def test_chunks_that_cut_an_image_and_images_outside_the_shared_prefix_are_refused(keep64):
@@ -201,7 +201,8 @@ def test_a_lora_model_reads_its_base_model(keep64):
     lora = peft.get_peft_model(case.model, peft.LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
     images = ImagePrompt.of(lora, case.prompt, **case.images)
     result = replay_logprobs(lora, RolloutTree(case.rollouts, images=images))
-    for ours, theirs in zip(result.logprobs, naive.logprobs):  # LoRA's B starts at zero: the base model's values
+    for ours, theirs in zip(result.logprobs, naive.logprobs,
+                            strict=True):  # LoRA's B starts at zero: the base model's values
         torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-12)
 
 

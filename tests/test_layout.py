@@ -25,14 +25,20 @@ def modules(root: Path, package: str) -> dict[str, Path]:
     return out
 
 
-def imports(root: Path, package: str) -> dict[str, set[str]]:
-    """{module: the package's modules it imports}; `from x import name` counts as x.name where that is a module."""
+def imports(root: Path, package: str, typing: bool = True) -> dict[str, set[str]]:
+    """{module: the package's modules it imports}; `from x import name` counts as x.name where that is a module.
+    `typing` False leaves out the imports under `if TYPE_CHECKING:` (annotations only: they never run)."""
     known = modules(root, package)
     edges = {}
     for name, path in known.items():
         here = name.split(".") if path.name == "__init__.py" else name.split(".")[:-1]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        typed = {id(n) for block in ast.walk(tree) if isinstance(block, ast.If)
+                 and getattr(block.test, "id", None) == "TYPE_CHECKING" for n in ast.walk(block)}
+        for node in ast.walk(tree):
+            if not typing and id(node) in typed:
+                continue
             if isinstance(node, ast.ImportFrom):
                 base = ".".join(here[: len(here) - node.level + 1] + [node.module or ""]) if node.level else node.module
                 base = base.rstrip(".")
@@ -42,7 +48,8 @@ def imports(root: Path, package: str) -> dict[str, set[str]]:
             elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "_EXPORTS" for t in node.targets):
                 lazy = [v.value for v in node.value.values if isinstance(v, ast.Constant)]  # `lazy.lazy_exports`
                 levels = [len(v) - len(v.lstrip(".")) for v in lazy]
-                targets |= {".".join(here[: len(here) - n + 1] + [v.lstrip(".")]) for v, n in zip(lazy, levels)}
+                targets |= {".".join(here[: len(here) - n + 1] + [v.lstrip(".")]) for v, n in zip(lazy, levels,
+                                                                                                  strict=True)}
         edges[name] = {t for t in targets if t in known and t != name}
     return edges
 
@@ -87,26 +94,47 @@ def circles(edges: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_import_circle_and_none_up_the_floors():
-    edges = imports(Path(branchreplay.__file__).parent, "branchreplay")
+    """No floor imports from a floor above it, annotations included; no circle among the imports that run (an
+    annotation's import under TYPE_CHECKING never does: `Algorithm` names the `Config` that imports it)."""
+    root = Path(branchreplay.__file__).parent
+    edges = imports(root, "branchreplay")
     assert set(FLOORS[1:]) <= {m.split(".")[1] for m in edges if m.count(".") >= 1}  # every floor exists
-    assert circles(edges) == []
+    assert circles(imports(root, "branchreplay", typing=False)) == []
     assert upward(edges) == []
 
 
-def test_the_check_sees_a_planted_circle_and_an_upward_import(tmp_path):
-    """Control: a package whose engine imports rl, and two modules importing each other, fails both checks."""
+def planted(tmp_path: Path, files: dict[str, str]) -> Path:
+    """A package `branchreplay` with the floors engine and rl, and `files` ({path in it: text})."""
     root = tmp_path / "branchreplay"
     for folder in ("engine", "rl"):
         (root / folder).mkdir(parents=True)
         (root / folder / "__init__.py").write_text("")
     (root / "__init__.py").write_text("")
-    (root / "engine" / "stack.py").write_text("from ..rl import policy\n")
-    (root / "rl" / "policy.py").write_text("def f():\n    from ..engine.stack import run\n")
-    (root / "engine" / "__init__.py").write_text('_EXPORTS = {"Policy": "..rl.policy"}\n')
+    for name, text in files.items():
+        (root / name).write_text(text)
+    return root
+
+
+def test_the_check_sees_a_planted_circle_and_an_upward_import(tmp_path):
+    """Control: a package whose engine imports rl, and two modules importing each other, fails both checks."""
+    root = planted(tmp_path, {"engine/stack.py": "from ..rl import policy\n",
+                              "rl/policy.py": "def f():\n    from ..engine.stack import run\n",
+                              "engine/__init__.py": '_EXPORTS = {"Policy": "..rl.policy"}\n'})
     edges = imports(root, "branchreplay")
     assert upward(edges) == [("branchreplay.engine", "branchreplay.rl.policy"),
                              ("branchreplay.engine.stack", "branchreplay.rl.policy")]
     assert circles(edges) == [["branchreplay.engine.stack", "branchreplay.rl.policy"]]
+
+
+def test_an_annotation_import_counts_up_the_floors_but_not_in_a_circle(tmp_path):
+    """Control: an import under `if TYPE_CHECKING:` that runs up the floors is caught; one that closes a circle of
+    annotations is not a circle (it never runs)."""
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from {} import a\n"
+    root = planted(tmp_path, {"rl/a.py": "from . import b\n", "rl/b.py": typed.format("."),
+                              "engine/c.py": typed.format("..rl")})
+    assert circles(imports(root, "branchreplay")) == [["branchreplay.rl.a", "branchreplay.rl.b"]]
+    assert circles(imports(root, "branchreplay", typing=False)) == []
+    assert upward(imports(root, "branchreplay")) == [("branchreplay.engine.c", "branchreplay.rl.a")]
 
 
 @pytest.mark.parametrize("folder", FLOORS[1:])

@@ -17,7 +17,8 @@ def test_loss_statistics_are_token_means_of_the_tensors_the_loss_used():
     rollouts = make_rollouts(SHAPES["branches-of-branches"](256, g), g)
     tree = RolloutTree(rollouts)
     current = replay_logprobs(model, tree).logprobs
-    for i, (r, lp) in enumerate(zip(rollouts, current)):  # off-policy, both advantage signs: both clip sides
+    for i, (r, lp) in enumerate(zip(rollouts, current,
+                                    strict=True)):  # off-policy, both advantage signs: both clip sides
         r.advantages = torch.full_like(r.advantages, 0.5 if i % 2 else -0.5)
         noise = 0.6 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
         r.old_logprobs, r.ref_logprobs = (lp.double() + noise) * r.loss_mask, (lp.double() - noise) * r.loss_mask

@@ -107,7 +107,7 @@ def _rollouts(batch, loss_type: str) -> list[Rollout]:
     pad = torch.zeros(P, dtype=torch.float64)
     return [Rollout(ids, loss_mask=m, advantages=float(advantages[i]), weights=w,
                     old_logprobs=torch.cat([pad, old[i, :n]]), ref_logprobs=torch.cat([pad, ref[i, :n]]))
-            for i, ((ids, n), m, w) in enumerate(zip(rows, masks, weights))]
+            for i, ((ids, n), m, w) in enumerate(zip(rows, masks, weights, strict=True))]
 
 
 @pytest.mark.parametrize("bias_correction", [True, False])
@@ -177,7 +177,7 @@ def _dpo_examples():
     pairs = [(prompt, shared + ids(4), shared + ids(2)), (prompt, ids(5), ids(6)), (ids(4), ids(3), ids(8))]
     refs = [(-40.0, -36.0), (-30.0, -41.0), (-25.0, -52.0)]
     return [{"prompt_ids": p, "chosen_ids": c, "rejected_ids": r, "ref_chosen_logps": rc, "ref_rejected_logps": rr}
-            for (p, c, r), (rc, rr) in zip(pairs, refs)]
+            for (p, c, r), (rc, rr) in zip(pairs, refs, strict=True)]
 
 
 @pytest.fixture(scope="module")
@@ -279,7 +279,7 @@ def test_top_entropy_quantile_equals_trl(trl_trainers):
         entropy = replay_logprobs(model, tree).entropy
         masked, kept = keep_high_entropy(rollouts, entropy, [r.advantages.clone() for r in rollouts], 0.5)
         assert 0.4 <= kept <= 0.6
-        for r, advantages in zip(rollouts, masked):
+        for r, advantages in zip(rollouts, masked, strict=True):
             r.advantages = advantages
         loss = GRPOLoss(EPS_LOW, EPS_HIGH, BETA, 0.0, delta=DELTA, loss_type="dapo")
         ours = replay_backward(model, tree, loss, engine=EngineConfig(max_pack_tokens=4))

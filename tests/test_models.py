@@ -96,10 +96,10 @@ def test_tiny_model_deterministic_by_seed_and_leaves_rng_alone():
     assert torch.equal(torch.rand(3), before)
     b, c = tiny_model("llama", seed=0), tiny_model("llama", seed=1)
     d = tiny_model("llama", seed=0, dtype=torch.float64)
-    for pa, pb, pc, pd in zip(a.parameters(), b.parameters(), c.parameters(), d.parameters()):
+    for pa, pb, pd in zip(a.parameters(), b.parameters(), d.parameters(), strict=True):
         assert torch.equal(pa, pb)
         assert torch.equal(pa.double(), pd)
-    assert not all(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters()) if pa.dim() > 1)
+    assert not all(torch.equal(pa, pc) for pa, pc in zip(a.parameters(), c.parameters(), strict=True) if pa.dim() > 1)
 
 
 def test_unknown_tiny_arch():

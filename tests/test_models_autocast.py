@@ -39,7 +39,8 @@ def test_autocast_gradient_within_naive_bfloat16_error(arch):
     rollouts = make_rollouts(SHAPES["branches-of-branches"](model.config.vocab_size, g), g)
     with float64_copy(model) as model64:
         current = naive_backward(model64, rollouts, None).logprobs
-        for r, lp in zip(rollouts, current):  # off-policy, from float64: the same loss inputs for every run
+        for r, lp in zip(rollouts, current,
+                         strict=True):  # off-policy, from float64: the same loss inputs for every run
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs, r.ref_logprobs = (lp + noise) * r.loss_mask, (lp - noise) * r.loss_mask
         g64 = _grads_of(lambda: naive_backward(model64, rollouts, LOSS), model64)

@@ -36,7 +36,7 @@ def _rollouts():
     completions.append(torch.randint(3, 256, (6,), generator=g).tolist())
     return [Rollout(prompt + c, loss_mask=[0] * len(prompt) + [1] * len(c), advantages=a,
                     old_logprobs=None, ref_logprobs=[-5.0] * (len(prompt) + len(c)))
-            for c, a in zip(completions, (1.0, -0.5, 0.3, -0.8))]
+            for c, a in zip(completions, (1.0, -0.5, 0.3, -0.8), strict=True)]
 
 
 def test_engine_through_a_peft_model_equals_the_naive_reference(tiny64):
@@ -101,7 +101,7 @@ def test_a_lora_run_saves_the_adapter_only_resumes_evaluates_and_exports(model_f
     assert main(["train", "--resume", str(stopped), "--train.steps", "2"]) == 0
     rows = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
             for run in (straight, stopped)]
-    for a, b in zip(*rows):
+    for a, b in zip(*rows, strict=True):
         assert (a["step"], a.get("loss"), a.get("kl"), a.get("grad_norm")) == \
             (b["step"], b.get("loss"), b.get("kl"), b.get("grad_norm"))
     assert rows[0][-1]["kl"] > 0  # the adapter moved the policy away from its reference
@@ -159,7 +159,7 @@ def test_export_of_a_full_run_loads_with_transformers_and_respects_the_umask(mod
     assert all(f.stat().st_mode & 0o777 == 0o666 & ~umask for f in out.iterdir())
     exported = AutoModelForCausalLM.from_pretrained(out)
     saved = AutoModelForCausalLM.from_pretrained(latest_checkpoint(run))
-    for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
+    for (name, a), b in zip(exported.named_parameters(), saved.parameters(), strict=True):
         assert torch.equal(a, b), name
     assert (out / "tokenizer.json").is_file()
 

@@ -34,17 +34,17 @@ def test_reference_methods_train_the_same_model(tmp_path, method):
     tree, tree_completions, tree_losses = _run(tmp_path, "branchreplay", **sections)
     other, other_completions, other_losses = _run(tmp_path, method, **sections)
     start = [p.detach() for p in tiny_model("llama", dtype=torch.float64, seed=0).parameters()]
-    assert max((a - b).abs().max().item() for a, b in zip(tree, start)) > 1e-3
+    assert max((a - b).abs().max().item() for a, b in zip(tree, start, strict=True)) > 1e-3
     assert other_completions == tree_completions
     assert other_losses == pytest.approx(tree_losses, rel=1e-9, abs=1e-12)
-    assert max((a - b).abs().max().item() for a, b in zip(tree, other)) < 1e-10
+    assert max((a - b).abs().max().item() for a, b in zip(tree, other, strict=True)) < 1e-10
 
 
 def test_a_wrong_gradient_is_seen(tmp_path):
     """Control: a run whose loss differs (another clip range) is far from branch replay's."""
     tree, _, _ = _run(tmp_path, "branchreplay", grpo={"num_iterations": 2})
     other, _, _ = _run(tmp_path, "naive", grpo={"epsilon": 0.01, "num_iterations": 2})
-    assert max((a - b).abs().max().item() for a, b in zip(tree, other)) > 1e-6
+    assert max((a - b).abs().max().item() for a, b in zip(tree, other, strict=True)) > 1e-6
 
 
 @pytest.mark.parametrize("section, values, named", [

@@ -83,8 +83,8 @@ def test_rollouts_rewards_and_groups_of_a_multi_turn_step(tmp_path):
     trainer = make_trainer(config)
     batch = with_advantages(trainer, generate(trainer, 1))
     assert len(batch.rollouts) == 2 and all(len(g) == 4 for g in batch.rollouts)
-    for group, trajectories in zip(batch.rollouts, batch.trajectories):
-        for r, t in zip(group, trajectories):
+    for group, trajectories in zip(batch.rollouts, batch.trajectories, strict=True):
+        for r, t in zip(group, trajectories, strict=True):
             assert r.token_ids.tolist() == t.conversation.ids and t.turns == 3
             assert r.loss_mask.tolist() == t.conversation.loss_mask  # assistant tokens only
     assert [{r.group for r in group} for group in batch.rollouts] == [{0}, {1}]  # one group per item
@@ -154,7 +154,7 @@ def test_multi_turn_runs_train_and_log(tmp_path, algorithm):
     assert logged[0]["messages"][0] == {"role": "user", "content": logged[0]["messages"][0]["content"]}
     assert {"turns", "ended_by", "reward"} <= set(logged[0]) and trainer.reward_name() == "tests.unused:Counter"
     assert ("advantage" in logged[0]) == (algorithm == "grpo")  # the others set theirs per token, later
-    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters()))
+    assert any(not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters(), strict=True))
 
 
 def test_resume_equals_a_straight_run(tmp_path):
@@ -164,7 +164,7 @@ def test_resume_equals_a_straight_run(tmp_path):
     run = first.fit()
     resumed = make_trainer(make_config(tmp_path / "b"))
     resumed.fit(resume=run)
-    for a, b in zip(straight.model.parameters(), resumed.model.parameters()):
+    for a, b in zip(straight.model.parameters(), resumed.model.parameters(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -353,7 +353,7 @@ def test_a_turn_of_every_item_in_one_loop_equals_each_request_alone(keep64, cach
     def alone(swap):
         def sample_turn(requests, keys):
             out = []
-            for (ids, schedule), key in zip(requests, keys):
+            for (ids, schedule), key in zip(requests, keys, strict=True):
                 cache_, logits = prefill(model, ids)
                 out.append(sample_from(model, cache_, logits, len(ids), schedule, config, {EOS},
                                        generator(*key, swap=swap)))
@@ -373,7 +373,7 @@ def test_a_turn_of_every_item_in_one_loop_equals_each_request_alone(keep64, cach
     assert sum(len(v) for v in together.values()) > 12 and max(t.turns for v in together.values() for t in v) == 3
     for k in together:
         assert [t.conversation.ids for t in together[k]] == [t.conversation.ids for t in reference[k]]
-        for a, b in zip(together[k], reference[k]):
+        for a, b in zip(together[k], reference[k], strict=True):
             torch.testing.assert_close(torch.tensor(a.logprobs), torch.tensor(b.logprobs), rtol=0, atol=1e-12)
     assert [t.conversation.ids for t in together[0]] != [t.conversation.ids for t in together[4]]
     openings = [ids for ids in requests[:4]]
@@ -425,5 +425,5 @@ def test_items_sampled_in_waves_equal_the_whole_step(tmp_path, keep64):
         keep64(trainer.model)
         out.append(sum(generate(trainer, 1).trajectories, []))
     assert len(out[0]) > 2 and [t.conversation.ids for t in out[0]] == [t.conversation.ids for t in out[1]]
-    for a, b in zip(*out):
+    for a, b in zip(*out, strict=True):
         assert a.logprobs == pytest.approx(b.logprobs, abs=1e-12, rel=0)

@@ -42,7 +42,7 @@ def test_ids_equal_the_template_of_the_final_conversation():
     rendered = tok(tok.apply_chat_template(conv.messages, add_generation_prompt=False)).input_ids
     assert conv.ids == rendered[: len(conv.ids)] and rendered[len(conv.ids):] == tok("\n").input_ids  # the template's
     # newline after the last end-of-turn token is not part of the trajectory (TRL's _get_tool_suffix_ids cuts there)
-    trained = [t for t, m in zip(conv.ids, conv.loss_mask) if m]
+    trained = [t for t, m in zip(conv.ids, conv.loss_mask, strict=True) if m]
     assert trained == _sampled(tok, "call add") + _sampled(tok, "it is 5") + _sampled(tok, "yes")
     assert len(conv.turn_starts) == 3 and conv.loss_mask[conv.turn_starts[1] - 1] == 0.0
 
@@ -245,7 +245,7 @@ def test_turn_branching_shares_turns_and_logprobs_equal_naive():
     assert ids[0][:first_turn_end] == ids[1][:first_turn_end] and ids[0][:first_turn_end] != ids[2][:first_turn_end]
     rollouts = [Rollout(t.conversation.ids, t.conversation.loss_mask) for t in out]
     naive = naive_backward(model, rollouts, None).logprobs
-    for t, r, lp in zip(out, rollouts, naive):
+    for t, r, lp in zip(out, rollouts, naive, strict=True):
         mask = r.loss_mask > 0
         torch.testing.assert_close(torch.tensor(t.logprobs)[mask], lp[mask], rtol=0, atol=1e-4)
     stats = RolloutTree(rollouts).stats

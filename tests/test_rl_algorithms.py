@@ -35,6 +35,11 @@ TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 VALUE_TOL = {torch.float64: 1e-10, torch.float32: 1e-5}  # a critic's values, relative to the largest
 
 
+def _noise(n: int, g: torch.Generator) -> torch.Tensor:
+    """[n] float64 noise, uniform in [-0.15, 0.15), drawn with `g`."""
+    return 0.3 * (torch.rand(n, generator=g, dtype=torch.float64) - 0.5)
+
+
 def _rollouts(vocab: int, dtype=torch.float64, seed: int = 0) -> list[Rollout]:
     """Two groups of 4 (prompt 12 and 9 tokens); in each, three completions share their first 4 tokens. Off-policy
     old logprobs and reference logprobs, as after a sampling pass and an update."""
@@ -46,9 +51,8 @@ def _rollouts(vocab: int, dtype=torch.float64, seed: int = 0) -> list[Rollout]:
             tail = torch.randint(3, vocab, (3 + 2 * i,), generator=g)
             ids = torch.cat([prompt, shared, tail] if i < 3 else [prompt, tail])
             mask = torch.tensor([0.0] * P + [1.0] * (len(ids) - P))
-            noise = lambda: 0.3 * (torch.rand(len(ids), generator=g, dtype=torch.float64) - 0.5)  # noqa: E731
-            out.append(Rollout(ids, mask, old_logprobs=(-5.5 + noise()) * mask, ref_logprobs=(-5.5 + noise()) * mask,
-                               group=group))
+            old, ref = (-5.5 + _noise(len(ids), g)) * mask, (-5.5 + _noise(len(ids), g)) * mask
+            out.append(Rollout(ids, mask, old_logprobs=old, ref_logprobs=ref, group=group))
     return out
 
 
@@ -84,7 +88,8 @@ def test_ppo_critic_and_policy_equal_naive(arch, dtype, keep64):
     values = replay_logprobs(critic, _trees(rollouts), engine=PACKS).values
     naive_values = naive_backward(critic, rollouts, None).values
     scale = max(v.abs().max().item() for v in naive_values)
-    assert max((a - b).abs().max().item() for a, b in zip(values, naive_values)) <= VALUE_TOL[dtype] * scale
+    assert max((a - b).abs().max().item() for a, b in zip(values, naive_values,
+                                                          strict=True)) <= VALUE_TOL[dtype] * scale
     scores = torch.tensor([1.0, 0.0, 0.5, 0.0, 0.0, 1.0, 1.0, 0.0])
     fields, metrics = ppo(rollouts, scores, [True] * 7 + [False], values,
                           PPOConfig(kl_estimator="k3", missing_eos_penalty=0.5))
@@ -159,7 +164,7 @@ def test_gspo_sequence_ratio_equals_naive(arch, tiny64):
     model = tiny64(arch)
     rollouts = _rollouts(model.config.vocab_size)
     weights = token_weights([r.loss_mask for r in rollouts], "grpo")
-    for r, w, a in zip(rollouts, weights, [1.0, -0.5, 0.3, -0.8, 0.7, -0.2, 0.1, -0.6]):
+    for r, w, a in zip(rollouts, weights, [1.0, -0.5, 0.3, -0.8, 0.7, -0.2, 0.1, -0.6], strict=True):
         r.weights, r.advantages = w, torch.full((len(r),), a, dtype=torch.float64)
     tokens = sum(float(r.loss_mask.sum()) for r in rollouts)
 
@@ -187,7 +192,7 @@ def _padded(rollouts):
     def pad(values):  # a Rollout field's name, or per-rollout [T] tensors
         values = [getattr(r, values) for r in rollouts] if isinstance(values, str) else values
         return torch.stack([torch.cat([v[r.loss_mask > 0], torch.zeros(C - n, dtype=torch.float64)])
-                            for v, r, n in zip(values, rollouts, lengths)])
+                            for v, r, n in zip(values, rollouts, lengths, strict=True)])
 
     return mask, pad
 
@@ -332,7 +337,7 @@ def test_each_algorithm_trains_and_logs_trl_names(tmp_path, algorithm, names):
     assert len(records) == 2
     for name in names:
         assert all(torch.isfinite(torch.tensor(r[name])) for r in records), name
-    assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before))
+    assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before, strict=True))
 
 
 @pytest.mark.parametrize("grpo", [{"importance_sampling_level": "sequence", "num_iterations": 2},
@@ -362,7 +367,7 @@ def test_ppo_resume_equals_a_straight_run(tmp_path):
     resumed = make_trainer(_config(tmp_path / "b", "ppo", train={"steps": 2}))
     resumed.fit(resume=run)
     for a, b in [(straight.model, resumed.model), (straight.algorithm.critic.model, resumed.algorithm.critic.model)]:
-        for p, q in zip(a.parameters(), b.parameters()):
+        for p, q in zip(a.parameters(), b.parameters(), strict=True):
             torch.testing.assert_close(p, q, rtol=0, atol=0)
 
 
@@ -406,7 +411,7 @@ def test_sequence_losses_do_not_depend_on_micro_batching(tmp_path, algorithm, gr
                                dtype=torch.float64)
         trainer.train_step(1)
         weights.append([p.detach().clone() for p in trainer.model.parameters()])
-    for a, b in zip(*weights):
+    for a, b in zip(*weights, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-12)
 
 
@@ -435,7 +440,7 @@ def test_the_docs_own_algorithm_trains_from_the_current_folder(tmp_path, monkeyp
     before = [p.detach().clone() for p in trainer.model.parameters()]
     records = [r for r in _metrics(trainer.fit()) if r["step"] > 0]
     assert len(records) == 2 and all(r["advantages/abs_mean"] > 0 for r in records)
-    assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before))
+    assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before, strict=True))
     for spec, said in (("my_algorithms:Missing", "cannot be imported"), ("os:getcwd", "is not a subclass")):
         with pytest.raises(ValueError, match=f"algorithm='{spec}' {said}"):
             make_trainer(_config(tmp_path / "other", spec))

@@ -196,7 +196,7 @@ def test_two_ranks_log_what_one_process_logs(runs, name):
     single, two = _records(tmp / f"{name}-single"), _records(tmp / f"{name}-auto")
     assert [r["step"] for r in two] == [r["step"] for r in single] == [1, 2]
     assert two[-1]["dist/world_size"] == 2
-    for ours, theirs in zip(two, single):
+    for ours, theirs in zip(two, single, strict=True):
         for key in COMMON + RUNS[name][2]:
             if key == "reward" and name == "dpo":
                 continue

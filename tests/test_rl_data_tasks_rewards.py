@@ -183,7 +183,7 @@ def test_compute_rewards_default_weights_and_columns_are_passed():
 
     def f(prompts, completions, completion_ids, answer, **kwargs):
         seen.update(prompts=prompts, completion_ids=completion_ids, answer=answer, extra=kwargs)
-        return [float(a == c) for a, c in zip(answer, completions)]
+        return [float(a == c) for a, c in zip(answer, completions, strict=True)]
 
     out = compute_rewards([f, const([1.0] * 3)], None, **{**KW, "columns": {"answer": ["a", "x", "c"], "k": [0] * 3}})
     assert out.tolist() == [2.0, 1.0, 2.0]

@@ -69,7 +69,8 @@ def _naive_gradient(model, batch, loss, old_logprobs) -> list[torch.Tensor]:
     """The naive per-rollout gradient of `batch` (fresh rollouts: each alone through the HF forward) with
     `old_logprobs` (per rollout) as the old ones."""
     rollouts = [Rollout(r.token_ids, r.loss_mask, advantages=r.advantages, weights=r.weights, old_logprobs=old,
-                        group=r.group) for r, old in zip((r for g in batch.rollouts for r in g), old_logprobs)]
+                        group=r.group) for r, old in zip((r for g in batch.rollouts for r in g), old_logprobs,
+                                                         strict=True)]
     model.zero_grad(set_to_none=True)
     naive_backward(model, rollouts, loss, temperature=0.7)
     return grads(model)
@@ -96,7 +97,8 @@ def test_staleness_1_trains_the_synchronous_draw_of_one_version_before_with_the_
                                                                        for g in drawn.samples]
     assert torch.equal(batch.rewards, drawn.rewards)
     flat = [s for g in drawn.samples for s in g]
-    assert all(lp[len(lp) - len(s.logprobs):].tolist() == s.logprobs for lp, s in zip(batch.sampler_logprobs, flat))
+    assert all(lp[len(lp) - len(s.logprobs):].tolist() == s.logprobs for lp, s in zip(batch.sampler_logprobs, flat,
+                                                                                      strict=True))
 
     # its gradient on version 1's weights: the naive reference with the behaviour logprobs as the old ones
     loss = lambda: trainer.algorithm.make_loss(completion_tokens(batch.trees))  # noqa: E731
@@ -310,7 +312,7 @@ def test_two_ranks_receive_rank_0s_batches_and_train_as_one_process(tmp_path, st
     mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path), strategy), nprocs=2, join=True)
     ours, theirs = _metrics(tmp_path / strategy), _metrics(single)
     assert [r["sample/staleness_max"] for r in ours] == [0, 1, 1] and ours[-1]["dist/world_size"] == 2
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         assert a["reward"] == b["reward"]  # the same batches, drawn by the same weights
         for key in ("loss", "grad_norm", "sampling/importance_sampling_ratio/mean"):
             assert abs(a[key] - b[key]) <= 1e-9 * max(1.0, abs(b[key])), (key, a, b)

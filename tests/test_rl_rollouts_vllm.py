@@ -13,6 +13,7 @@ The real-server test needs a running `branchreplay vllm-serve --model smollm2` a
 """
 
 import http.server
+import itertools
 import json
 import math
 import os
@@ -191,7 +192,7 @@ def test_branching_samples_each_shared_prefix_once_then_continues_it(stand_in, t
     forks = [b for b in server.bodies if tuple(b["prompt"]) not in prompts]
     assert len(level0) == len(prompts) and all(b["n"] == 2 and b["max_tokens"] == 3 for b in level0)
     going = 0  # level-0 streams that did not end within 3 tokens: one request each, n = 2, up to 3 more tokens
-    for prompt_ids, group in zip(batch.prompt_ids, batch.samples):
+    for prompt_ids, group in zip(batch.prompt_ids, batch.samples, strict=True):
         assert len(group) == 4
         for a, b in ((group[0], group[1]), (group[2], group[3])):
             assert a.completion_ids[:3] == b.completion_ids[:3] and b.parent is not None
@@ -246,12 +247,12 @@ def test_multi_turn_asks_every_trajectorys_next_turn_together(stand_in, tmp_path
     batch = generate(trainer, 1)
     assert len(rounds[0]) == 2 and all(schedule == {0: 2} for _, schedule in rounds[0])  # one per item
     assert len(rounds[1]) >= 2 and len(rounds) >= 3  # the replies that got an answer, all together
-    for earlier, later in zip(rounds, rounds[1:]):
+    for earlier, later in itertools.pairwise(rounds):
         assert all(any(ids[:len(e)] == e for e, _ in earlier) for ids, _ in later)
     flat = [t for g in batch.trajectories for t in g]
     assert 4 <= len(flat) <= 8 and max(t.turns for t in flat) >= 2  # a first reply cut short is not continued
-    for group, trajectories in zip(batch.rollouts, batch.trajectories):
-        for r, t in zip(group, trajectories):
+    for group, trajectories in zip(batch.rollouts, batch.trajectories, strict=True):
+        for r, t in zip(group, trajectories, strict=True):
             assert r.token_ids.tolist() == t.conversation.ids
     run = trainer.fit()
     rows = [r for r in _metrics(run) if "sampling/logprob_diff_mean" in r]

@@ -163,6 +163,6 @@ def _finish_and_compare(forks, tmp: Path, straight: Path) -> None:
     assert process.exitcode == 0
     ours, theirs = _metrics(tmp / "run"), _metrics(straight / "run")
     assert [r["step"] for r in ours] == [r["step"] for r in theirs] == list(range(1, STEPS + 1))
-    for a, b in zip(ours, theirs):
+    for a, b in zip(ours, theirs, strict=True):
         for key in ("reward", "loss", "grad_norm", "learning_rate", "num_tokens"):
             assert a[key] == b[key], (a["step"], key, a[key], b[key])

@@ -167,7 +167,7 @@ def test_first_iteration_ratio_is_one(tmp_path):
     trees = [RolloutTree(group) for group in batch.rollouts]
     replayed = replay_logprobs(trainer.model, trees, temperature=0.7).logprobs
     samples = [s for group in batch.samples for s in group]
-    for lp, s in zip(replayed, samples):
+    for lp, s in zip(replayed, samples, strict=True):
         sampled = torch.tensor(s.logprobs)
         ratio = torch.exp(lp[-len(s.completion_ids):].double() - sampled.double())
         assert (ratio - 1).abs().max() < 1e-4, f"ratio {ratio}"
@@ -178,7 +178,7 @@ def test_truncated_completions_masked_in_numerator_and_denominator(tmp_path):
                          sampling={"max_new_tokens": 3})
     trainer = make_trainer(config)
     batch = generate(trainer, 1)
-    flat = [(s, r) for sg, rg in zip(batch.samples, batch.rollouts) for s, r in zip(sg, rg)]
+    flat = [(s, r) for sg, rg in zip(batch.samples, batch.rollouts, strict=True) for s, r in zip(sg, rg, strict=True)]
     assert any(s.truncated for s, _ in flat)
     kept = sum(len(s.completion_ids) for s, _ in flat if not s.truncated)
     for s, r in flat:
@@ -195,7 +195,7 @@ def test_each_loss_type_moves_the_parameters(tmp_path, loss_type):
     trainer = make_trainer(config)
     before = [p.detach().clone() for p in trainer.model.parameters()]
     metrics = trainer.train_step(1)
-    moved = [not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters())]
+    moved = [not torch.equal(a, p) for a, p in zip(before, trainer.model.parameters(), strict=True)]
     assert all(moved), f"{loss_type}: {moved.count(False)} parameters did not move"
     for key in ("reward", "reward_std", "kl", "entropy", "clip_ratio/region_mean", "loss", "grad_norm",
                 "tree/token_ratio", "memory/peak_bytes"):
@@ -227,7 +227,7 @@ def test_stop_and_resume_equals_a_straight_run(tmp_path):
     make_trainer(make_config(tmp_path / "b", train={"steps": 4, "eval_steps": 2})).fit(resume=run_b)
     a, b = _metrics(straight), _metrics(run_b)
     assert [r["step"] for r in b] == [0, 1, 2, 3, 4]
-    for ra, rb in zip(a, b):
+    for ra, rb in zip(a, b, strict=True):
         for key in ("reward", "loss", "grad_norm", "num_tokens", "eval/accuracy"):
             assert ra.get(key) == rb.get(key), (ra["step"], key, ra.get(key), rb.get(key))
     assert (run_b / "training.png").is_file() and (run_b / "config.yaml").is_file()
@@ -286,7 +286,7 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
     assert folder.stat().st_mode & 0o777 == 0o777 & ~umask  # not mkdtemp's 0700: others may read it
     assert (folder / "model.safetensors").stat().st_mode & 0o777 == 0o666 & ~umask
     exported = AutoModelForCausalLM.from_pretrained(folder)
-    for (name, ours), theirs in zip(trainer.model.named_parameters(), exported.parameters()):
+    for (name, ours), theirs in zip(trainer.model.named_parameters(), exported.parameters(), strict=True):
         assert torch.equal(ours, theirs), name
     import shutil
 
@@ -304,7 +304,7 @@ def test_checkpoint_is_a_hugging_face_model_and_old_checkpoints_still_resume(tmp
         assert latest_checkpoint(run) == folder
         fresh = make_trainer(make_config(tmp_path, train={"output_dir": str(tmp_path / "fresh")}))
         assert load_checkpoint(folder, fresh.model, fresh.policy.optimizer, fresh.policy.scheduler)[0] == 2
-        for p, q in zip(trainer.policy.params, fresh.policy.params):
+        for p, q in zip(trainer.policy.params, fresh.policy.params, strict=True):
             ours, theirs = trainer.policy.optimizer.state[p], fresh.policy.optimizer.state[q]
             assert torch.equal(ours["exp_avg"], theirs["exp_avg"])
 
@@ -458,7 +458,7 @@ def test_groups_sampled_in_waves_equal_the_whole_step(tmp_path, keep64):
     for batch in batches.values():
         assert [[s.completion_ids for s in g] for g in batch.samples] == [[s.completion_ids for s in g]
                                                                          for g in whole.samples]
-        for a, b in zip(sum(batch.samples, []), sum(whole.samples, [])):
+        for a, b in zip(sum(batch.samples, []), sum(whole.samples, []), strict=True):
             assert a.logprobs == pytest.approx(b.logprobs, abs=1e-12, rel=0)
     with pytest.raises(ValueError, match="sampling.max_num_seqs"):
         make_config(tmp_path, sampling={"max_num_seqs": 0})

@@ -35,7 +35,7 @@ def _help(name: str) -> tuple[int, str]:
 def helps() -> dict[str, tuple[int, str]]:
     """Each script's exit status and output for `--help`, run three at a time (their imports take seconds)."""
     with concurrent.futures.ThreadPoolExecutor(3) as pool:
-        return dict(zip(SCRIPTS, pool.map(_help, SCRIPTS)))
+        return dict(zip(SCRIPTS, pool.map(_help, SCRIPTS), strict=True))
 
 
 def _docstring(name: str) -> str:

@@ -31,7 +31,7 @@ def test_smollm2_short_prompt_four_branches_float32():
     replay = replay_backward(model, RolloutTree(rollouts), loss, temperature=0.8)
     g_replay = [p.grad.clone() for p in model.parameters()]
     err = max_rel_grad_err(g_replay, g_naive)
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     assert sum(g.abs().sum().item() for g in g_naive) > 0
     assert err <= 1e-4, f"max relative grad error {err:.3e}"
     assert lp_err <= 1e-4, f"max logprob error {lp_err:.3e}"
@@ -79,7 +79,7 @@ def _engine_within_twice_naive_from_float64(model, prompt: list[int], completion
     masks = [torch.tensor([0] * len(prompt) + [1] * len(ids)) for ids, _ in completions]
     weights = token_weights(masks, "grpo")
     rollouts = [Rollout(prompt + ids, m, advantages=a, weights=w, old_logprobs=[0.0] * len(prompt) + list(lp))
-                for (ids, lp), m, w, a in zip(completions, masks, weights, advantages)]
+                for (ids, lp), m, w, a in zip(completions, masks, weights, advantages, strict=True)]
     loss = GRPOLoss(entropy_coef=0.01)
 
     def grads(m, run):
@@ -93,7 +93,7 @@ def _engine_within_twice_naive_from_float64(model, prompt: list[int], completion
         _, g64 = grads(reference, lambda m: naive_backward(m, rollouts, loss))
     engine_err, naive_err = max_rel_grad_err(g_replay, g64), max_rel_grad_err(g_naive, g64)
     assert engine_err <= 2 * naive_err, f"engine {engine_err:.3e} vs float64, naive float32 {naive_err:.3e}"
-    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs))
+    lp_err = max((a - b).abs().max().item() for a, b in zip(replay.logprobs, naive.logprobs, strict=True))
     assert lp_err <= 1e-4, f"max logprob error {lp_err:.3e}"
 
 

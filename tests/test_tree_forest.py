@@ -44,7 +44,8 @@ def scored(sequences, rewards, config) -> list:
     """Per group, its Rollouts with GRPO's group advantages and the step's loss weights, as a step trains them."""
     rollouts = group_rollouts(sequences, config, max_completion_length=8)
     flat = [r for group in rollouts for r in group]
-    for r, a in zip(flat, group_advantages(rewards, [r.group for r in flat], config.scale_rewards).tolist()):
+    for r, a in zip(flat, group_advantages(rewards, [r.group for r in flat], config.scale_rewards).tolist(),
+                    strict=True):
         r.advantages = torch.full((len(r),), a, dtype=torch.float64)
     return rollouts
 
@@ -73,7 +74,7 @@ def test_one_forest_per_step_equals_per_group_trees_and_naive(loss_type, tiny64)
     # the system prompt ran once for the step, not once per group
     assert alone.stats.physical_tokens - merged.stats.physical_tokens == len(SYSTEM)
     assert merged.stats.logical_tokens == alone.stats.logical_tokens
-    for a, b in zip(merged.logprobs, alone.logprobs):  # per rollout, in the step's order
+    for a, b in zip(merged.logprobs, alone.logprobs, strict=True):  # per rollout, in the step's order
         torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
 
 
@@ -100,7 +101,7 @@ def test_forest_keeps_order_and_optional_fields_apart(tiny64):
     trees = [RolloutTree(group) for group in rollouts]
     ours = replay_logprobs(model, trees, engine=EngineConfig(**EVERY_SHARED_NODE))
     naive = naive_backward(model, [r for group in rollouts for r in group], None)
-    for a, b in zip(ours.logprobs, naive.logprobs):
+    for a, b in zip(ours.logprobs, naive.logprobs, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
     assert forest(trees[:1]) is trees[0]
     with pytest.raises(ValueError, match="images"):

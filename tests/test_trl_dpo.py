@@ -174,7 +174,7 @@ def _reward_margins(trainer) -> torch.Tensor:
     the naive reference's summed completion logprobs [pairs] (float64)."""
     rollouts, _ = pair_rollouts(_batch(trainer))
     sums = [torch.stack([(lp.double() * r.loss_mask).sum()
-                         for lp, r in zip(naive_backward(model, rollouts, None).logprobs, rollouts)])
+                         for lp, r in zip(naive_backward(model, rollouts, None).logprobs, rollouts, strict=True)])
             for model in (trainer.model, trainer.ref_model)]
     rewards = trainer.beta * (sums[0] - sums[1])
     chosen, rejected = rewards.chunk(2)

@@ -295,10 +295,10 @@ def two_step_logs(make, trl_cls, tree_cls, key: str = "reward") -> list[tuple[di
         trainer.train()
         logs[cls] = [h for h in trainer.state.log_history if key in h]
     assert len(logs[trl_cls]) == len(logs[tree_cls]) == 2
-    for theirs, ours in zip(logs[trl_cls], logs[tree_cls]):
+    for theirs, ours in zip(logs[trl_cls], logs[tree_cls], strict=True):
         assert ours["tree/token_ratio"] > 1.0
         assert set(theirs) <= set(ours)
-    return list(zip(logs[trl_cls], logs[tree_cls]))
+    return list(zip(logs[trl_cls], logs[tree_cls], strict=True))
 
 
 @pytest.mark.float32

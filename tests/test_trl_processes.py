@@ -131,21 +131,23 @@ def test_two_processes_train_as_trls_class_under_the_same_launch(reports, wrappe
     name, trainer = job["name"], job["trainer"]
     theirs, ours, control = (launched[name].get(side) for side in SIDES)
     assert len(theirs["logs"]) == len(ours["logs"]) == 2
-    for step_theirs, step_ours in zip(theirs["logs"], ours["logs"]):
+    for step_theirs, step_ours in zip(theirs["logs"], ours["logs"], strict=True):
         for key, value in step_theirs.items():
             if key not in SKIP and not signs_of_rounding(trainer, key, step_theirs):
                 scale = max(rounding_scale(trainer, key, step_theirs), 1e-2)
                 assert float32_close(step_ours[key], value, scale), (key, step_ours[key], value)
     assert max_rel_grad_err(ours["grads"], theirs["grads"]) < 1e-4
     if control is not None:  # the control fails
-        unreduced = [torch.zeros_like(t) if c is None else c for c, t in zip(control["grads"], theirs["grads"])]
+        unreduced = [torch.zeros_like(t) if c is None else c for c, t in zip(control["grads"], theirs["grads"],
+                                                                             strict=True)]
         assert max_rel_grad_err(unreduced, theirs["grads"]) > 1e-2
         assert control["logs"][0]["grad_norm"] != pytest.approx(theirs["logs"][0]["grad_norm"], rel=1e-3)
     for rank_ratios in ours["ratios"]:
         assert all(ratio > 1.0 for ratio in rank_ratios), ours["ratios"]
     if job.get("split_groups") == "context-parallel":  # each rank computes less than with the prompt recomputed
         recomputed = launched["grpo"]["tree"]["ratios"]  # (auto's choice for this tiny model: the cost model's)
-        assert all(cp > whole for cps, wholes in zip(ours["ratios"], recomputed) for cp, whole in zip(cps, wholes))
+        assert all(cp > whole for cps, wholes in zip(ours["ratios"], recomputed, strict=True) for cp,
+                   whole in zip(cps, wholes, strict=True))
     if "float64" in launched[name]:  # the ranks' mean of the naive per-rollout gradients, float64
         exact = launched[name]["float64"]
         assert max_rel_grad_err(exact["grads"], exact["naive"]) < 1e-10

@@ -82,7 +82,7 @@ def test_images_over_the_tree_equal_grpo_trainer_on_the_same_batch(vlm_folder, t
     assert len(trees) == 3 and all(t.images is not None for t in trees)  # equal text, other images: other trees
     theirs, ours = _trl_and_tree_grads(trainer, inputs)
     names = [n for n, _ in trainer.model.named_parameters()]
-    vision = [g for n, g in zip(names, theirs) if "vision_tower" in n]
+    vision = [g for n, g in zip(names, theirs, strict=True) if "vision_tower" in n]
     assert sum(float(g.abs().sum()) for g in vision) > 0
     # a key projection's bias has a zero gradient in exact arithmetic (the softmax cancels it): float32 noise of
     # 1e-9 on both sides, beneath max_rel_grad_err's floor for float64 but not for float32; left out
@@ -163,7 +163,7 @@ def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
         assert len(trees) == 2 and all(t.images.rope_positions is not None for t in trees)
         result = replay_logprobs(model, trees)
     errors = [float((lp[-lengths[row]:] - theirs[row, :lengths[row]]).abs().max()) for row, lp in
-              zip(order, result.logprobs)]
+              zip(order, result.logprobs, strict=True)]
     print(f"Qwen2-VL batch: logprobs {max(errors):.1e} from the padded forward")
     assert max(errors) <= 1e-10
     wrong = dict(batch, mm_token_type_ids=torch.zeros_like(batch["mm_token_type_ids"]))
@@ -214,7 +214,7 @@ def test_dpo_pairs_with_images_over_the_tree_equal_dpo_trainer(vlm_folder, tmp_p
     _perturb(trainer)
     theirs, ours = dpo_grads(trainer, inputs)
     names = [n for n, _ in trainer.model.named_parameters()]
-    assert sum(float(g.abs().sum()) for n, g in zip(names, theirs) if "vision_tower" in n) > 0
+    assert sum(float(g.abs().sum()) for n, g in zip(names, theirs, strict=True) if "vision_tower" in n) > 0
     kept = [k for k, n in enumerate(names) if not n.endswith("k_proj.bias")]  # as in the GRPO test above
     err = max_rel_grad_err([ours[k] for k in kept], [theirs[k] for k in kept])
     print(f"DPO {config}: gradient {err:.1e} from TRL's")

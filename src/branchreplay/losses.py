@@ -11,8 +11,8 @@ Design notes: docs/algorithms.md, docs/training.md ("The GRPO loss").
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -300,7 +300,7 @@ def gspo_loss(logprobs: list[torch.Tensor], entropy: list[torch.Tensor], rollout
     (the `engine.sequence.replay_function_backward` pass), rollouts: their `tree.Rollout`s (weights carry the
     loss_type's normalisation; loss_types cispo and sapo as TRL's on the sequence ratio). Records `loss.stats`."""
     total = 0.0
-    for lp, ent, r in zip(logprobs, entropy, rollouts):
+    for lp, ent, r in zip(logprobs, entropy, rollouts, strict=True):
         m = r.loss_mask.to(lp)
         positions = m.nonzero().squeeze(1)
         if positions.numel() == 0:

@@ -15,6 +15,8 @@ Design notes: docs/benchmarks.md ("PPO and DPO").
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ..engine import replay_backward
@@ -44,11 +46,11 @@ def run_ppo(scenarios: list[Scenario], model_config: dict, dtype: torch.dtype, s
         rollouts = _ppo_rollouts(make_rollouts(scenario.sequences(policy.config.vocab_size, g), g), g)
         tree = RolloutTree(rollouts)
 
-        def naive():
+        def naive(rollouts=rollouts):
             naive_backward(policy, rollouts, policy_loss)
             naive_backward(critic, rollouts, value_loss)
 
-        def branchreplay():
+        def branchreplay(tree=tree):
             replay_backward(policy, tree, policy_loss)
             replay_backward(critic, tree, value_loss)
 
@@ -69,7 +71,7 @@ def run_dpo(prompt_tokens: list[int], response_tokens: list[int], pairs: int, mo
     for P in prompt_tokens:
         for R in response_tokens:
             g = torch.Generator().manual_seed(seed)
-            ids = lambda n: torch.randint(3, model.config.vocab_size, (n,), generator=g)  # noqa: E731
+            ids = functools.partial(_random_ids, model.config.vocab_size, g)
             rollouts = []
             for _ in range(pairs):
                 prompt = ids(P)
@@ -78,12 +80,12 @@ def run_dpo(prompt_tokens: list[int], response_tokens: list[int], pairs: int, mo
             trees = forests([RolloutTree(rollouts[i : i + 2]) for i in range(0, len(rollouts), 2)])
             ref = -float(R) * 7.0 + torch.linspace(-3, 3, len(rollouts), dtype=torch.float64)
 
-            def loss(s):
+            def loss(s, ref=ref):
                 return dpo_loss(s[0::2], s[1::2], ref[0::2], ref[1::2], beta=0.1).mean()
 
-            methods = {"naive": lambda: naive_sequence_backward(model, rollouts, loss),
-                       "padded": lambda: _padded_dpo(model, rollouts, ref, P),
-                       "branchreplay": lambda: replay_sequence_backward(model, trees, loss)}
+            methods = {"naive": functools.partial(naive_sequence_backward, model, rollouts, loss),
+                       "padded": functools.partial(_padded_dpo, model, rollouts, ref, P),
+                       "branchreplay": functools.partial(replay_sequence_backward, model, trees, loss)}
             works = {"naive": F.naive_work(rollouts), "padded": F.padded_work(rollouts),
                      "branchreplay": sum((F.tree_work(t) for t in trees[1:]), F.tree_work(trees[0]))}
             flops = {m: w.flops(shape) for m, w in works.items()}
@@ -99,8 +101,8 @@ def _ppo_rollouts(rollouts: list[Rollout], g: torch.Generator) -> list[Rollout]:
     current ones (some ratios clip), returns and old values."""
     weights = token_weights([r.loss_mask for r in rollouts], "bnpo")
     out = []
-    for r, w in zip(rollouts, weights):
-        noise = lambda: torch.randn(len(r), generator=g, dtype=torch.float64) * r.loss_mask  # noqa: E731
+    for r, w in zip(rollouts, weights, strict=True):
+        noise = functools.partial(_noise, r.loss_mask, g)
         out.append(Rollout(r.token_ids, r.loss_mask, advantages=noise(), weights=w,
                            old_logprobs=(-6.0 + 0.2 * noise()) * r.loss_mask, returns=noise(),
                            old_values=0.1 * noise()))
@@ -162,3 +164,13 @@ def format_objective_table(loss: str, rows: list[dict], header: str) -> str:
                      f"{r['seconds']:>9.2f}{r['speedup']:>9.2f}{r['peak_bytes'] / 2**20:>10.0f}"
                      f"{r['max_rel_grad_err']:>10.1e}")
     return "\n".join(lines)
+
+
+def _random_ids(vocab: int, g: torch.Generator, n: int) -> torch.Tensor:
+    """[n] token ids drawn from [3, vocab) with `g`."""
+    return torch.randint(3, vocab, (n,), generator=g)
+
+
+def _noise(mask: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+    """[T] float64 standard normal noise drawn with `g`, 0 where `mask` is."""
+    return torch.randn(len(mask), generator=g, dtype=torch.float64) * mask

@@ -84,8 +84,8 @@ def plot(result: dict, path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    markers = dict(zip(SCENARIOS, "osD"))
-    colors = dict(zip(METHODS, ("tab:gray", "tab:orange", "tab:blue", "tab:green")))
+    markers = dict(zip(SCENARIOS, "osD", strict=True))
+    colors = dict(zip(METHODS, ("tab:gray", "tab:orange", "tab:blue", "tab:green"), strict=True))
     fig, (a, b) = plt.subplots(1, 2, figsize=(13, 5))
     rows = [r for r in result["rows"] if r["seconds"] is not None]
     for method in METHODS:

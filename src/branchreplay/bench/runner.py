@@ -15,6 +15,7 @@ How to read its figures: docs/benchmarks.md ("Reading the tables").
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -174,7 +175,7 @@ class Bench:
         full = [m for m, run in runs.items() if not run.estimated and not run.skipped]
         for _ in range(self.o.repeats - 1):
             for method in full:
-                m = measure(lambda: self.call(method, rollouts), self.device, memory=False)
+                m = measure(functools.partial(self.call, method, rollouts), self.device, memory=False)
                 runs[method].seconds = min(runs[method].seconds, m.seconds)
 
     def run_naive(self, rollouts: list[Rollout], total_flops: int) -> _Run:
@@ -254,7 +255,7 @@ class Bench:
         g = torch.Generator().manual_seed(self.o.seed)
         rollouts = make_rollouts(scenario.sequences(self.model.config.vocab_size, g), g)
         if scenario.trajectories is not None:  # one group per recorded item, as the trainer's
-            for r, item in zip(rollouts, recorded_items(scenario.trajectories)):
+            for r, item in zip(rollouts, recorded_items(scenario.trajectories), strict=True):
                 r.group = item
         trees = trees_of(rollouts)
         stats = sum((t.stats for t in trees[1:]), trees[0].stats)
@@ -331,9 +332,10 @@ def trees_of(rollouts: list[Rollout]) -> list[RolloutTree]:
     return forests([RolloutTree([rollouts[i] for i in members]) for _, members in prompt_groups(rollouts)])
 
 
-def run_bench(scenarios: list[Scenario], options: BenchOptions = BenchOptions(), log=None) -> dict:
+def run_bench(scenarios: list[Scenario], options: BenchOptions | None = None, log=None) -> dict:
     """Every method of `options` on every scenario configuration, after one warm-up. Returns one dict:
     run-wide fields and `rows`, one per (configuration, method) (keys in the module docstring and `Bench.config`)."""
+    options = BenchOptions() if options is None else options
     threads = torch.get_num_threads()
     if options.threads:
         torch.set_num_threads(options.threads)

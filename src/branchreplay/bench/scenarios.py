@@ -77,7 +77,7 @@ def tree_sampled(prompt_tokens: int, response_tokens: int, schedule: tuple[tuple
     responses: list[list[int]] = [[]]
     if depths[0] > 0:  # before the first fork, a single shared stem
         responses = [random_ids(depths[0], vocab, g)]
-    for (d, f), end in zip(schedule, depths[1:]):
+    for (d, f), end in zip(schedule, depths[1:], strict=True):
         responses = [r + random_ids(end - d, vocab, g) for r in responses for _ in range(f)]
     return [prompt_completion(prompt, r) for r in responses]
 

@@ -100,7 +100,7 @@ def _grpo_step(single, model, strategy: str, seed: int, force: bool) -> dict:
     for trees in steps:
         for tree in trees:  # off-policy, with reference logprobs: clipping and KL are exercised
             current = replay_logprobs(single, tree, trusted=force).logprobs
-            for r, lp in zip(tree.rollouts, current):
+            for r, lp in zip(tree.rollouts, current, strict=True):
                 noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
                 r.old_logprobs = (lp.double() + noise) * r.loss_mask
                 r.ref_logprobs = (lp.double() - noise) * r.loss_mask

@@ -18,6 +18,7 @@ therefore state a wider bound with its measured figures (`largest_ratio`, `tree_
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -93,10 +94,9 @@ def judge_rounding(model, trees: int = TREES, seed: int = 1, tree_ratio: float =
     with float64_copy(model) as reference:
         for t in range(trees):
             rollouts = _trained_rollouts(vocab, seed * 1000 + t, max_rollouts)
-            truth = _gradients(reference, lambda m: naive_backward(m, rollouts, loss, temperature=0.7))
-            naive = _gradients(model, lambda m: naive_backward(m, rollouts, loss, temperature=0.7))
-            ours = _gradients(model, lambda m: replay_backward(m, RolloutTree(rollouts), loss, temperature=0.7,
-                                                               engine=engine))
+            naive_of = functools.partial(_naive, rollouts=rollouts, loss=loss)
+            truth, naive = _gradients(reference, naive_of), _gradients(model, naive_of)
+            ours = _gradients(model, functools.partial(_engine, tree=RolloutTree(rollouts), loss=loss, engine=engine))
             naive_errors.append(max_rel_grad_err(naive, truth))
             engine_errors.append(max_rel_grad_err(ours, truth))
     return Rounding(engine_errors, naive_errors, tree_ratio, largest_ratio)
@@ -111,6 +111,16 @@ def _trained_rollouts(vocab: int, seed: int, max_rollouts: int) -> list:
         if any(bool(r.loss_mask.any()) for r in rollouts):
             return rollouts
         seed += 7919
+
+
+def _naive(model, rollouts, loss) -> None:
+    """The naive reference's backward of `loss` over `rollouts` (temperature 0.7)."""
+    naive_backward(model, rollouts, loss, temperature=0.7)
+
+
+def _engine(model, tree, loss, engine) -> None:
+    """The engine's backward of `loss` over `tree` (temperature 0.7)."""
+    replay_backward(model, tree, loss, temperature=0.7, engine=engine)
 
 
 def _gradients(model, backward) -> list[torch.Tensor]:

@@ -160,7 +160,7 @@ def _verify(models, seed, random_trees, temperature, force, compute, objective, 
         tree = RolloutTree(rollouts)
         with compute():
             current = replay_logprobs(model, tree, temperature=temperature, trusted=force).logprobs
-        for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
+        for r, lp in zip(rollouts, current, strict=True):  # off-policy: some ratios are clipped, and KL is non-zero
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
             r.ref_logprobs = (lp.double() - noise) * r.loss_mask
@@ -172,12 +172,12 @@ def _verify(models, seed, random_trees, temperature, force, compute, objective, 
         if objective == "ppo":  # per-token advantages (GAE's), value targets, values at sampling moved (clipping)
             with compute():
                 values = replay_logprobs(models[1][0], tree, engine=engine, trusted=force).values
-            for r, v in zip(rollouts, values):
+            for r, v in zip(rollouts, values, strict=True):
                 r.advantages = torch.randn(len(r), generator=g, dtype=torch.float64) * r.loss_mask
                 r.returns = (v.double() + torch.randn(len(r), generator=g, dtype=torch.float64)) * r.loss_mask
                 r.old_values = (v.double() + 0.3 * torch.randn(len(r), generator=g, dtype=torch.float64)) \
                     * r.loss_mask
-        for (m, m64), loss, suffix in zip(models, losses, ("", "/critic")):
+        for (m, m64), loss, suffix in zip(models, losses, ("", "/critic")[: len(models)], strict=True):
             results.append(_check(m, m64, rollouts, tree, loss, f"{name}{suffix}", threshold, temperature, engine,
                                   force, compute, tolerance))
     if results and results[0].naive_rel_grad_err_vs_f64 is not None:  # float32 / bfloat16: against float64
@@ -344,8 +344,8 @@ def _naive(model, rollouts, loss, temperature):
 def _logprob_err(a, b) -> float:
     """Largest |difference| of two results' logprobs (a critic's: values)."""
     if a.values is not None:
-        return max((x - y).abs().max().item() for x, y in zip(a.values, b.values))
-    return max((x - y).abs().max().item() for x, y in zip(a.logprobs, b.logprobs))
+        return max((x - y).abs().max().item() for x, y in zip(a.values, b.values, strict=True))
+    return max((x - y).abs().max().item() for x, y in zip(a.logprobs, b.logprobs, strict=True))
 
 
 def _grad(p: torch.Tensor) -> torch.Tensor:

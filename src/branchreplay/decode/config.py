@@ -7,6 +7,7 @@ Measurements behind its help texts: docs/notes/sampler.md.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass, field
 from typing import Literal
@@ -115,7 +116,7 @@ class SamplingConfig:
         check("sampling.max_new_tokens", self.max_new_tokens >= 1, ">= 1", self.max_new_tokens)
         self.branching = tuple((int(d), int(f)) for d, f in self.branching)
         depths = [d for d, _ in self.branching]
-        check("sampling.branching", all(b > a for a, b in zip(depths, depths[1:])), "depths strictly increasing",
+        check("sampling.branching", all(b > a for a, b in itertools.pairwise(depths)), "depths strictly increasing",
               self.branching)
         check("sampling.branching", not depths or (0 <= depths[0] and depths[-1] < self.max_new_tokens),
               f"depths in [0, max_new_tokens={self.max_new_tokens})", self.branching)
@@ -133,7 +134,7 @@ class SamplingConfig:
         check(name, ok, "a factor >= 1 or a non-empty list of [depth, factor] pairs", entry)
         pairs = tuple((int(d), int(f)) for d, f in entry)
         depths = [d for d, _ in pairs]
-        check(name, all(b > a for a, b in zip(depths, depths[1:])) and 0 <= depths[0] and
+        check(name, all(b > a for a, b in itertools.pairwise(depths)) and 0 <= depths[0] and
               depths[-1] < self.max_new_tokens and all(f >= 1 for _, f in pairs),
               f"depths strictly increasing in [0, max_new_tokens={self.max_new_tokens}), factors >= 1", entry)
         return pairs

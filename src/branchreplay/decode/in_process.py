@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
@@ -54,7 +54,7 @@ class InProcess:
                     self.status(f"step {step}: sampling {len(drawn) + len(wave)}/{len(mine)} groups")
                     drawn += sample_groups(self.policy.model, [prompts[k] for k in wave], self.G, self.sampling,
                                            self.eos_ids, [self.generator(step, k) for k in wave])
-                return dict(zip(mine, drawn)), None
+                return dict(zip(mine, drawn, strict=True)), None
             except Exception as e:  # noqa: BLE001 (re-raised on every rank)
                 if self.ranks is None:
                     raise

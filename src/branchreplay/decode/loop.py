@@ -115,7 +115,7 @@ def sample_groups(model, prompts: list[list[int]], num_generations: int, config:
     if rows == "alone":
         with packed_linears(model, config.pack_weights, rows=num_generations):  # packed once for all the prompts
             return [sample_group(model, p, num_generations, config, eos_token_ids, g)
-                    for p, g in zip(prompts, generators)]
+                    for p, g in zip(prompts, generators, strict=True)]
     was_training = model.training
     model.eval()
     try:
@@ -142,7 +142,7 @@ def decode_prefilled(model, filled: list[tuple[DynamicCache, torch.Tensor]], len
     rows = choose(model, config, len(filled), warn=True)
     if rows == "alone":
         return [sample_from(model, fork(cache), logits, n, schedule, config, eos_token_ids, g)
-                for (cache, logits), n, g in zip(filled, lengths, generators)]
+                for (cache, logits), n, g in zip(filled, lengths, generators, strict=True)]
     return _decode_rows(model, rows, filled, lengths, schedule, config, eos_token_ids, generators)
 
 
@@ -217,7 +217,7 @@ def _decode_groups(rows, logits, schedule, config, eos_token_ids, generators):
         if not sum(counts):
             continue
         drawn, kept, offset = [], [], 0
-        for group, n, generator in zip(groups, counts, generators):
+        for group, n, generator in zip(groups, counts, generators, strict=True):
             if n:
                 tokens, logprobs = draw(logits[offset : offset + n], config, generator)
                 drawn.append(tokens)
@@ -242,7 +242,7 @@ def _rows(local: list[torch.Tensor], counts: list[int], device) -> torch.Tensor:
     """The stacked cache's row index (on `device`) from each group's index into its own `counts[k]` rows (the
     groups' rows are consecutive, in group order)."""
     offsets = [sum(counts[:k]) for k in range(len(counts))]
-    return torch.cat([rows.cpu() + o for rows, o in zip(local, offsets)]).to(device)
+    return torch.cat([rows.cpu() + o for rows, o in zip(local, offsets, strict=True)]).to(device)
 
 
 @dataclass
@@ -269,7 +269,8 @@ class _Streams:
     def append(self, tokens: torch.Tensor, logprobs: torch.Tensor, eos: torch.Tensor) -> torch.Tensor:
         """Add each live stream's drawn token ([rows, 1]) and logprob ([rows]); returns [rows] bool, ended on EOS."""
         ended = torch.isin(tokens[:, 0], eos)
-        for i, token, logprob, end in zip(self.live, tokens[:, 0].tolist(), logprobs.tolist(), ended.tolist()):
+        for i, token, logprob, end in zip(self.live, tokens[:, 0].tolist(), logprobs.tolist(), ended.tolist(),
+                                          strict=True):
             self.samples[i].completion_ids.append(token)
             self.samples[i].logprobs.append(logprob)
             self.samples[i].truncated = not end

@@ -15,7 +15,7 @@ they are prefilled.
 from __future__ import annotations
 
 import math
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from transformers import DynamicCache
@@ -65,7 +65,7 @@ class InProcessTurns:
             drawn = decode_prefilled(self.model, [prefixes[keys[i]][:2] for i in members],
                                      [prefixes[keys[i]][2] for i in members], dict(schedule), self.config,
                                      self.eos_token_ids, [self.generator(*keys[i]) for i in members])
-            for i, samples in zip(members, drawn):
+            for i, samples in zip(members, drawn, strict=True):
                 out[i] = samples
         return out
 
@@ -87,6 +87,6 @@ class InProcessTurns:
             cache, _, length = self.prefixes[parent] if parent is not None else (
                 DynamicCache(config=self.model.config), None, 0)
             filled = prefill_branches(self.model, cache, length, [ids[i][length:] for i in members])
-            for i, (child_cache, logits) in zip(members, filled):
+            for i, (child_cache, logits) in zip(members, filled, strict=True):
                 out[keys[i]] = (child_cache, logits, len(ids[i]))
         return out

@@ -104,13 +104,13 @@ class _SplitAttention(torch.autograd.Function):
         n, groups, dout, (saved_p, saved_s) = ctx.n, ctx.groups, dout.contiguous(), ctx.saved
         folded = [_fold_rows(x) for x in (dout, q, out, lse)] if n else []
         dq_parts, dk, dv = [], [None] * n, [None] * n
-        for (a, b, used), saved_g in zip(groups if n else (), saved_p):
+        for (a, b, used), saved_g in zip(groups if n else (), saved_p, strict=True):
             kp, vp = torch.cat([pieces[i] for i in used], dim=2), torch.cat([pieces[n + i] for i in used], dim=2)
             dout_g, q_g, out_g, lse_g = (_queries(x, a, b, groups) for x in folded)
             dq_g, dk_g, dv_g = kernels.backward(dout_g, q_g, kp, vp, None, out_g, lse_g, False, ctx.scale, saved_g)
             dq_parts.append(dq_g)
             sizes = [pieces[i].shape[2] for i in used]
-            for i, dk_i, dv_i in zip(used, dk_g.split(sizes, dim=2), dv_g.split(sizes, dim=2)):
+            for i, dk_i, dv_i in zip(used, dk_g.split(sizes, dim=2), dv_g.split(sizes, dim=2), strict=True):
                 dk[i] = dk_i if dk[i] is None else dk[i] + dk_i
                 dv[i] = dv_i if dv[i] is None else dv[i] + dv_i
             del kp, vp
@@ -169,7 +169,7 @@ def grouped_prefix_attention(q, k, v, bias, scale, spans, prompt_keys, prompt_va
     kernels = kernels_for(q.device)
     out_s, lse_s, _ = kernels.forward(q, k, v, bias, False, scale)
     out_p, lse_p = torch.zeros_like(out_s), torch.full_like(lse_s, float("-inf"))
-    for (a, b), kp, vp in zip(spans, prompt_keys, prompt_values):
+    for (a, b), kp, vp in zip(spans, prompt_keys, prompt_values, strict=True):
         if a < b:
             out, lse, _ = kernels.forward(_fold_rows(q[a:b]), kp, vp, None, False, scale)
             out_p[a:b], lse_p[a:b] = _unfold_rows(out, b - a), _unfold_rows(lse, b - a)

@@ -198,7 +198,7 @@ class PrefixCache(Cache):
             observe(ancestors)
         super().__init__(layers=[_layer(kind, [state[i] for state in ancestors], window, prefix_length, split,
                                         indices)
-                                 for i, (kind, window) in enumerate(zip(kinds, windows))])
+                                 for i, (kind, window) in enumerate(zip(kinds, windows, strict=True))])
 
     def node_state(self, a: int, b: int) -> NodeState:
         return [layer.node_state(a, b) for layer in self.layers]

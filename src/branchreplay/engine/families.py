@@ -368,8 +368,8 @@ def state_bytes_per_token(config, dtype) -> tuple[int, int]:
     if latent_state_width(config) is not None:  # MLA: the compressed latent and the rotary key, not K and V
         per_position = [latent_state_width(config) * size if a else 0 for a in attention]
     windows = layer_windows(config)
-    full = sum(b for w, b in zip(windows[:n], per_position) if w is None)
-    sliding = sum(b * (w - 1) for w, b in zip(windows[:n], per_position) if w is not None)
+    full = sum(b for w, b in zip(windows[:n], per_position, strict=True) if w is None)
+    sliding = sum(b * (w - 1) for w, b in zip(windows[:n], per_position, strict=True) if w is not None)
     return full, sliding
 
 

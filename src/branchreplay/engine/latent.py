@@ -45,7 +45,7 @@ def _expand_kv(self, kv_nope: torch.Tensor, k_rot: torch.Tensor) -> tuple[torch.
     keys, values = expand(self, kv_nope, k_rot)
     prefix = getattr(kv_nope, PREFIX_ATTR, None)
     if prefix is not None:
-        pieces = [expand(self, latent, rot) for latent, rot in zip(prefix.keys, prefix.values)]
+        pieces = [expand(self, latent, rot) for latent, rot in zip(prefix.keys, prefix.values, strict=True)]
         setattr(keys, PREFIX_ATTR, Prefix([k for k, _ in pieces], [v for _, v in pieces], prefix.groups))
     return keys, values
 
@@ -66,7 +66,7 @@ class LatentExpansion:
         return self
 
     def __exit__(self, *exc) -> None:
-        for m, saved in zip(self.modules, self.saved):
+        for m, saved in zip(self.modules, self.saved, strict=True):
             if saved is None:
                 del m.expand_kv
             else:

@@ -142,6 +142,6 @@ def held_at_length(model, length: int, rotaries: Sequence[torch.nn.Module] | Non
             module.forward = _forced_forward(module, length)
         yield
     finally:
-        for module, snapshot in zip(rotaries, snapshots):
+        for module, snapshot in zip(rotaries, snapshots, strict=True):
             vars(module).pop("forward", None)
             _restore(module, snapshot)

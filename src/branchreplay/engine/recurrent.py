@@ -37,7 +37,7 @@ def layer_kinds(config) -> list[str]:
     layer_types = getattr(config, "layer_types", None) or ["full_attention"] * n
     kinds = [LAYER_KINDS.get(t, "attention") for t in layer_types[:n]]
     if getattr(config, "num_kv_shared_layers", 0) and hasattr(type(config), "kv_sharing_modes"):
-        kinds = ["stateless" if mode == "reuse" else k for k, mode in zip(kinds, config.kv_sharing_modes)]
+        kinds = ["stateless" if mode == "reuse" else k for k, mode in zip(kinds, config.kv_sharing_modes, strict=True)]
     return kinds
 
 
@@ -271,7 +271,7 @@ class EngineForwards:
         return self
 
     def __exit__(self, *exc) -> None:
-        for m, saved in zip(self.mixers, self.saved):
+        for m, saved in zip(self.mixers, self.saved, strict=True):
             if saved is None:
                 del m.forward
             else:

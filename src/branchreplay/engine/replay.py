@@ -37,7 +37,7 @@ def replay_backward(
     loss: LossFn,
     *,
     temperature: float = 1.0,
-    engine: EngineConfig = EngineConfig(),
+    engine: EngineConfig | None = None,
     trusted: bool = False,
     final_backward: contextlib.AbstractContextManager | None = None,
     lockstep: bool = False,
@@ -57,7 +57,7 @@ def replay_backward(
             call; results stay per rollout, in order.
         loss: maps a node's `LossInputs` to a scalar; e.g. `GRPOLoss()`.
         temperature: logprobs are of softmax(logits / temperature), as the sampler's.
-        engine: packing, chunking and replay options (`EngineConfig`).
+        engine: packing, chunking and replay options (`EngineConfig`; None: its defaults).
         trusted: run a family that is not in the registry, as `families.generic_family` guesses it, unchecked:
             the caller checked it (the package's `branchreplay.replay_backward(force=True)` runs the self-check first;
             `branchreplay verify --force` and the trainer check it themselves).
@@ -80,8 +80,9 @@ def replay_backward(
         ValueError: token ids outside the vocabulary, a rollout longer than the model's maximum positions, active
             dropout, or inconsistent old/ref logprobs.
     """
+    engine = EngineConfig() if engine is None else engine
     return replay_with(model, trees, loss, ReplayOptions(temperature, engine, trusted, lockstep, final_backward,
-                                                 router=router))
+                                                         router=router))
 
 
 def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float = 1.0, engine=None,
@@ -98,7 +99,7 @@ def replay_backward_sharded(dp: DataParallel, trees, loss, *, temperature: float
     check_same_trees(list(trees), plan.layout)
     with dp.accumulate():
         result = replay_backward(dp.model, plan.parts[dp.rank], loss, temperature=temperature,
-                                 engine=engine or EngineConfig(), trusted=trusted, final_backward=dp.final_sync(),
+                                 engine=engine, trusted=trusted, final_backward=dp.final_sync(),
                                  lockstep=dp.lockstep)
     dp.reduce_replicated()
     return result, plan
@@ -110,7 +111,7 @@ def replay_logprobs(
     trees: RolloutTree | list[RolloutTree],
     *,
     temperature: float = 1.0,
-    engine: EngineConfig = EngineConfig(),
+    engine: EngineConfig | None = None,
     trusted: bool = False,
     lockstep: bool = False,
     head_stats: tuple[str, ...] = (),
@@ -120,6 +121,7 @@ def replay_logprobs(
     rollout alone. Same arguments and errors as `replay_backward`; `head_stats`: names of `head.HEAD_STATS` to
     return too (`ReplayResult.head_stats`; TRL's DPO metrics read them); `router`: a fresh `router.RouterLoss`
     that sums the MoE router load-balancing loss's statistics over the trees (its pass 1)."""
+    engine = EngineConfig() if engine is None else engine
     return replay_with(model, trees, None, ReplayOptions(temperature, engine, trusted, lockstep,
                                                     head_stats=tuple(head_stats), router=router))
 

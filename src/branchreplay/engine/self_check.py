@@ -137,7 +137,7 @@ def self_check(model, seed: int = 0, temperature: float = 1.0) -> float:
                 p.requires_grad_(True)
             return _measure(model, dtype, seed, temperature)
     finally:
-        for p, (grad, requires_grad) in zip(params, kept):
+        for p, (grad, requires_grad) in zip(params, kept, strict=True):
             p.grad = grad
             p.requires_grad_(requires_grad)
 
@@ -154,7 +154,7 @@ def _measure(model, dtype, seed: int, temperature: float) -> float:
     with numerics:
         tree = RolloutTree(rollouts)
         current = replay_logprobs(model, tree, temperature=temperature, engine=engine, trusted=True).logprobs
-        for r, lp in zip(rollouts, current):  # off-policy: some ratios are clipped, and KL is non-zero
+        for r, lp in zip(rollouts, current, strict=True):  # off-policy: some ratios are clipped, and KL is non-zero
             noise = 0.3 * (torch.rand(len(r), generator=g, dtype=torch.float64) - 0.5)
             r.old_logprobs = (lp.double() + noise) * r.loss_mask
             r.ref_logprobs = (lp.double() - noise) * r.loss_mask

@@ -35,7 +35,7 @@ must not depend on them there) of the N rollouts of all the trees, in order -> s
 
 
 def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss: TokenFunctionLoss, *,
-                             temperature: float = 1.0, engine: EngineConfig = EngineConfig(), trusted: bool = False,
+                             temperature: float = 1.0, engine: EngineConfig | None = None, trusted: bool = False,
                              first: ReplayResult | None = None, final_backward=None,
                              router: RouterLoss | None = None) -> tuple[float, ReplayResult, ReplayResult]:
     """Gradients of `loss`(logprobs, entropies) into `param.grad`, as its `.backward()` on the naive per-rollout
@@ -63,7 +63,7 @@ def replay_function_backward(model, trees: RolloutTree | list[RolloutTree], loss
 
 
 def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss: SequenceLoss, *,
-                             temperature: float = 1.0, engine: EngineConfig = EngineConfig(),
+                             temperature: float = 1.0, engine: EngineConfig | None = None,
                              trusted: bool = False, sums: torch.Tensor | None = None,
                              final_backward=None) -> tuple[float, torch.Tensor, ReplayResult]:
     """Gradients of `loss`(s) into `param.grad`, where s [N] are the rollouts' summed logprobs over their
@@ -91,7 +91,7 @@ def replay_sequence_backward(model, trees: RolloutTree | list[RolloutTree], loss
 
 def sequence_sums(logprobs: list[torch.Tensor], rollouts: list[Rollout]) -> torch.Tensor:
     """[N] float64: each rollout's logprobs [T] (a `ReplayResult`'s) summed over its loss_mask (differentiable)."""
-    return torch.stack([(lp.double() * r.loss_mask).sum() for lp, r in zip(logprobs, rollouts)])
+    return torch.stack([(lp.double() * r.loss_mask).sum() for lp, r in zip(logprobs, rollouts, strict=True)])
 
 
 def function_coefficients(loss: TokenFunctionLoss, logprobs: list[torch.Tensor], entropy: list[torch.Tensor],
@@ -111,8 +111,8 @@ def function_coefficients(loss: TokenFunctionLoss, logprobs: list[torch.Tensor],
         router.set_gradient(0.0 if grads[-1] is None else float(grads[-1]))
         grads = grads[:-1]
     n = len(logprobs)
-    g = [torch.zeros_like(lp) if d is None else d for lp, d in zip(logprobs, grads[:n])]
-    h = [torch.zeros_like(e) if d is None else d for e, d in zip(entropy, grads[n:])]
+    g = [torch.zeros_like(lp) if d is None else d for lp, d in zip(logprobs, grads[:n], strict=True)]
+    h = [torch.zeros_like(e) if d is None else d for e, d in zip(entropy, grads[n:], strict=True)]
     return float(value.detach()), g, h
 
 

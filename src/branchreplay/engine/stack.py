@@ -251,7 +251,8 @@ class _Run:
     def pack_loss(self, nodes: list[Node], hidden: torch.Tensor, parent_hs: list) -> torch.Tensor | None:
         """Sum of the nodes' losses (None when no node has a trainable position, or in forward-only mode);
         parent_hs: each node's parent's last hidden state (None at the root)."""
-        pieces = [self.trained_rows(node, hidden[a:b], h) for (node, a, b), h in zip(spans(nodes), parent_hs)]
+        pieces = [self.trained_rows(node, hidden[a:b], h) for (node, a, b), h in zip(spans(nodes), parent_hs,
+                                                                                     strict=True)]
         pieces = [p for p in pieces if p]
         leaves = not any(node.children for node in nodes)  # the pack's backward follows its forward at once
         return self.node_losses(pieces, backward_next=leaves) if pieces else None
@@ -320,7 +321,7 @@ class _Run:
                                     engine.head_chunk_tokens, engine.head_float32)
             stats = {name: values.cpu().split(sizes) for name, values in stats.items()}
         losses = []
-        for k, ((node, positions, _), lp, ent) in enumerate(zip(pieces, logprobs, entropy)):
+        for k, ((node, positions, _), lp, ent) in enumerate(zip(pieces, logprobs, entropy, strict=True)):
             at = node.start + positions
             self.results.record(node, at, lp, ent, {name: values[k] for name, values in stats.items()})
             if self.loss is not None:
@@ -372,7 +373,7 @@ def _hand_down(nodes: list[Node], ancestors: list[list[NodeState]], fwd: _PackFo
     whose gradients the subtrees fill (`_carried`); otherwise no leaves."""
     parents, chains, hs = [], [], []  # the nodes with children, their descendants' ancestors and parent state
     leaves = []  # (span, state leaves, last hidden leaf) of the nodes with children
-    for (node, a, b), chain in zip(spans(nodes), ancestors):
+    for (node, a, b), chain in zip(spans(nodes), ancestors, strict=True):
         if not node.children:
             continue
         state, h = fwd.cache.node_state(a, b), fwd.hidden[b - 1]
@@ -391,8 +392,8 @@ def _carried(leaves: list, cache: PrefixCache, hidden: torch.Tensor) -> tuple[li
     `hidden` [S, H] against its leaf's gradient."""
     outputs, grads = [], []
     for (a, b), state_leaves, h_leaf in leaves:
-        pairs = [(out, leaf) for layer, leaf_layer in zip(cache.node_state(a, b), state_leaves)
-                 for out, leaf in zip(layer, leaf_layer)]
+        pairs = [(out, leaf) for layer, leaf_layer in zip(cache.node_state(a, b), state_leaves, strict=True)
+                 for out, leaf in zip(layer, leaf_layer, strict=True)]
         pairs.append((hidden[b - 1], h_leaf))
         for out, leaf in pairs:  # a state no trainable parameter reaches (frozen layers under LoRA) has none
             if leaf.grad is not None and out.requires_grad:
@@ -405,7 +406,7 @@ def _prefix_cache(view: ModelView, nodes: list[Node], ancestors: list[list[NodeS
     """The `PrefixCache` of a pack: one prefix for all its nodes, or under split attention one per run of nodes
     below the same parent (their positions in the pack's rows, one after the other)."""
     runs = []  # [a, b, ancestors] per run of nodes with the same ancestors
-    for (_, a, b), chain in zip(spans(nodes), ancestors):
+    for (_, a, b), chain in zip(spans(nodes), ancestors, strict=True):
         if runs and _same(runs[-1][2], chain):
             runs[-1][1] = b
         else:
@@ -486,7 +487,7 @@ def _chain(root: Node) -> list[Node]:
 
 def _same(a: list[NodeState], b: list[NodeState]) -> bool:
     """Whether two ancestor lists hold the same states (the same tensors, not equal values)."""
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b, strict=True))
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

@@ -188,7 +188,8 @@ class ImageRun:
                              f"{images.positions.numel()} placeholder tokens in the prompt")
         self.leaf = self.features.detach().requires_grad_(train)
         self.row = {int(p): k for k, p in enumerate(images.positions)}  # absolute position -> feature row
-        self.block = {} if images.blocks is None else {int(p): int(b) for p, b in zip(images.positions, images.blocks)}
+        self.block = {} if images.blocks is None else {int(p): int(b) for p, b in zip(images.positions,
+                                                                                      images.blocks, strict=True)}
         self.rope = None if images.rope_positions is None else images.rope_positions.to(device)
         self.rope_delta = images.rope_delta
 

@@ -125,7 +125,7 @@ def max_rel_grad_err(grads: list[torch.Tensor], reference: list[torch.Tensor]) -
     errs = [
         ((g - r).abs().max() / max(peak.item(), scale)).item() if max(peak.item(), scale) > 0
         else g.abs().max().item()
-        for g, r, peak in zip(grads, reference, peaks)
+        for g, r, peak in zip(grads, reference, peaks, strict=True)
     ]
     return math.inf if any(math.isnan(e) for e in errs) else max(errs, default=0.0)
 

@@ -32,7 +32,7 @@ def prompt_length(r: Rollout) -> int:
 def padded_shape(rollouts: list[Rollout]) -> tuple[int, int, int]:
     """(B, P_max, C_max) of the padded batch: rollouts, longest prompt, longest completion (tokens)."""
     prompts = [prompt_length(r) for r in rollouts]
-    return len(rollouts), max(prompts), max(len(r) - P for r, P in zip(rollouts, prompts))
+    return len(rollouts), max(prompts), max(len(r) - P for r, P in zip(rollouts, prompts, strict=True))
 
 
 def padded_backward(model, rollouts: list[Rollout], loss: LossFn, *, temperature: float = 1.0,
@@ -46,7 +46,7 @@ def padded_backward(model, rollouts: list[Rollout], loss: LossFn, *, temperature
     ids = torch.full((B, T), pad_token_id, dtype=torch.long)
     mask = torch.zeros((B, T), dtype=torch.long)
     prompts = [prompt_length(r) for r in rollouts]
-    for i, (r, P) in enumerate(zip(rollouts, prompts)):
+    for i, (r, P) in enumerate(zip(rollouts, prompts, strict=True)):
         C = len(r) - P
         ids[i, P_max - P : P_max + C] = r.token_ids
         mask[i, P_max - P : P_max + C] = 1
@@ -55,7 +55,8 @@ def padded_backward(model, rollouts: list[Rollout], loss: LossFn, *, temperature
     logits = model(input_ids=ids, attention_mask=mask, position_ids=position_ids, logits_to_keep=C_max + 1,
                    use_cache=False).logits[:, :-1]  # [B, C_max, V]: column c predicts completion token c
     completion = ids[:, P_max:]  # [B, C_max]
-    rows = [(i, torch.arange(len(r) - P, device=device)) for i, (r, P) in enumerate(zip(rollouts, prompts))]
+    rows = [(i, torch.arange(len(r) - P, device=device)) for i, (r, P) in enumerate(zip(rollouts, prompts,
+                                                                                        strict=True))]
     return row_losses(logits, completion, rollouts, prompts, rows, loss, temperature)
 
 
@@ -75,7 +76,7 @@ def row_losses(x: torch.Tensor, targets: torch.Tensor, rollouts: list[Rollout], 
     else:
         logits = [x[b, cols] for b, cols in rows]
     logprobs, entropy, losses = [], [], []
-    for (b, cols), lg, r, s in zip(rows, logits, rollouts, starts):
+    for (b, cols), lg, r, s in zip(rows, logits, rollouts, starts, strict=True):
         positions = (r.loss_mask > 0).nonzero().squeeze(1)  # absolute, all >= s
         local = (positions - s).to(lg.device)
         lp, ent = rows_logprobs(lg, local, targets[b, cols][local], temperature)

@@ -60,7 +60,7 @@ def prompt_sharing_backward(model, rollouts: list[Rollout], loss: LossFn, *, tem
         # the LM head runs on the valid rows only (the rows predicting suffix tokens), inside row_losses
         result = row_losses(predictors, targets, group, [P] * len(group), rows, loss, temperature,
                              head=model.get_output_embeddings())
-        for i, lp, ent in zip(members, result.logprobs, result.entropy):
+        for i, lp, ent in zip(members, result.logprobs, result.entropy, strict=True):
             logprobs[i], entropy[i] = lp, ent
         total += result.loss
     return ReplayResult(logprobs, entropy, total, None)

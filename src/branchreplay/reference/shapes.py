@@ -27,7 +27,7 @@ def make_rollouts(sequences: list[Sequence], g: torch.Generator, old_logprobs: b
     weights = token_weights(masks, "grpo")
     out = [
         Rollout(ids, m, advantages=float(torch.rand((), generator=g) * 2 - 1), weights=w)
-        for (ids, _), m, w in zip(sequences, masks, weights)
+        for (ids, _), m, w in zip(sequences, masks, weights, strict=True)
     ]
     if old_logprobs:
         _add_shared_old_logprobs(out, g)

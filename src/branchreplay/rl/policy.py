@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 from transformers import (
@@ -24,13 +25,20 @@ from transformers import (
     get_linear_schedule_with_warmup,
 )
 
-from ..engine import EngineConfig, ReplayOptions, replay_with, sequence
+from ..engine import sequence
+from ..engine.config import EngineConfig
+from ..engine.options import ReplayOptions
 from ..engine.parallel.context_parallel import ContextParallelTree
 from ..engine.parallel.distributed import DataParallel, clip_grad_norm_
 from ..engine.parallel.lockstep import collective_device
+from ..engine.replay import replay_with
 from ..models import autocast, tied_names
 from ..reference.methods import METHODS
 from ..tree import ReplayResult, Rollout, RolloutTree, TreeStats
+
+if TYPE_CHECKING:
+    from .run.parallel import Ranks
+    from .shards import Shards
 
 SCHEDULES = {"cosine": get_cosine_schedule_with_warmup, "linear": get_linear_schedule_with_warmup,
              "constant": get_constant_schedule_with_warmup}
@@ -59,7 +67,7 @@ class Policy:
     micro_batch: int = 0
     dtype: str = "float32"
     dp: DataParallel | None = None
-    ranks: object | None = None
+    ranks: Ranks | None = None
     scope: object = contextlib.nullcontext
     optimizer: torch.optim.Optimizer | None = None
     scheduler: object | None = None
@@ -169,7 +177,7 @@ class Policy:
             stats.set_totals(totals[1:])
         return result
 
-    def function_backward(self, shards, loss, first: tuple[list, list] | None = None
+    def function_backward(self, shards: Shards, loss, first: tuple[list, list] | None = None
                           ) -> tuple[float, list[torch.Tensor], list[torch.Tensor], ReplayResult]:
         """The exact gradient of `loss`(logprobs, entropies) of every rollout of the step (`shards.rollouts`: a loss
         that couples a rollout's tokens, or the rollouts: GSPO, RLOO, DPO) in two passes (`engine.sequence`): pass 1

@@ -13,11 +13,15 @@ layout; each rank trains its own parts.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from ..engine.parallel.sharding import ShardPlan, shard
 from ..tree import Rollout, RolloutTree
+
+if TYPE_CHECKING:
+    from .run.parallel import Ranks
 
 
 @dataclass
@@ -36,12 +40,12 @@ class Shards:
     local: list
     sources: list[int]
     plan: ShardPlan | None = None
-    ranks: object | None = None
+    ranks: Ranks | None = None
     model_config: object | None = None
     layout: str = "auto"
 
     @classmethod
-    def of(cls, trees: list[RolloutTree], ranks, model_config, layout: str = "auto") -> Shards:
+    def of(cls, trees: list[RolloutTree], ranks: Ranks | None, model_config, layout: str = "auto") -> Shards:
         """The step's `trees` over `ranks` (None: one process, every tree local); `layout` as
         `engine.parallel.sharding.shard`. Every rank must call it with the same trees."""
         if ranks is None or not trees:
@@ -68,7 +72,7 @@ class Shards:
         so that context-parallel parts stay in step)."""
         kept = [i for i, t in enumerate(self.trees) if trains(t)]
         index = {old: new for new, old in enumerate(kept)}
-        mine = [(part, index[s]) for part, s in zip(self.local, self.sources) if s in index]
+        mine = [(part, index[s]) for part, s in zip(self.local, self.sources, strict=True) if s in index]
         return Shards([self.trees[i] for i in kept], [p for p, _ in mine], [s for _, s in mine], self.plan, self.ranks,
                       self.model_config, self.layout)
 
@@ -80,7 +84,7 @@ class Shards:
         if self.ranks is None:
             return list(values)
         position = {id(r): k for k, r in enumerate(self.rollouts)}
-        mine = [(position[id(r)], v.detach().cpu()) for r, v in zip(self.local_rollouts, values)]
+        mine = [(position[id(r)], v.detach().cpu()) for r, v in zip(self.local_rollouts, values, strict=True)]
         out: list[torch.Tensor | None] = [None] * len(position)
         for part in self.ranks.gather(mine):
             for k, v in part:

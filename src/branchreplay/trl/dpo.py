@@ -60,8 +60,8 @@ class TreeDPOTrainer(TreeTrainerMixin, trl.DPOTrainer):
 
         def trees_of(m) -> list[RolloutTree]:
             """The trees, their images run by `m` (the policy, or the reference model)."""
-            return [RolloutTree([rollouts[i] for i in group], images=None if not images or images[group[0]] is None
-                                else ImagePrompt.of(m, torch.tensor(prompts[group[0]]), **images[group[0]]))
+            return [RolloutTree([rollouts[i] for i in group],
+                                images=image_prompt(m, prompts[group[0]], images, group[0]))
                     for group in groups.values()]
 
         trees = trees_of(model)
@@ -157,3 +157,9 @@ def pair_images(inputs: dict, model) -> list[dict | None] | None:
     types = inputs.get("mm_token_type_ids")
     check_images_in_prompts(ids, prompt, completion.bool(), None if types is None else types.cpu(), image)
     return row_images(inputs, image_counts(ids, prompt, image))
+
+
+def image_prompt(model, prompt: list[int], images: list[dict | None] | None, row: int) -> ImagePrompt | None:
+    """The `ImagePrompt` of row `row`'s prompt, its images run by `model`; None for a row without images."""
+    image = images[row] if images else None
+    return None if image is None else ImagePrompt.of(model, torch.tensor(prompt), **image)

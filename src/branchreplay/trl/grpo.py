@@ -68,7 +68,7 @@ class TreeGRPOTrainer(TreeTrainerMixin, trl.GRPOTrainer):
             weights = token_weights([r.loss_mask for r in rollouts], self.loss_type,
                                     max_completion_length=self.max_completion_length)
             weights = [w / accumulation for w in weights]
-        rollouts = [dataclasses.replace(r, weights=w) for r, w in zip(rollouts, weights)]
+        rollouts = [dataclasses.replace(r, weights=w) for r, w in zip(rollouts, weights, strict=True)]
         loss_fn = GRPOLoss(self.epsilon_low, self.epsilon_high, self.beta, self.entropy_coef,
                            use_bias_correction_kl=self.args.use_bias_correction_kl, delta=self.args.delta,
                            entropy_tokens=float(mask.sum()) * accumulation, loss_type=self.loss_type,

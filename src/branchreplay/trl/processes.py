@@ -90,7 +90,7 @@ def average_gradients(model: torch.nn.Module) -> None:
         dist.all_reduce(flat)
         flat /= dist.get_world_size()
         offset = 0
-        for p, had in zip(group, flat[-len(group):].tolist()):
+        for p, had in zip(group, flat[-len(group):].tolist(), strict=True):
             p.grad = flat[offset : offset + p.numel()].view_as(p).clone() if had else None
             offset += p.numel()
 

@@ -7,6 +7,8 @@ prompt followed by its completion, and the rows of one prompt make one tree.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..engine.vision import ImagePrompt
@@ -19,8 +21,9 @@ def prompt_groups(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     equal placeholder tokens with other pixels or grids are another prompt), in order of first appearance: one
     rollout tree per group."""
     groups: dict[tuple, list[int]] = {}
-    for i, (ids, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist())):
-        key = (tuple(t for t, k in zip(ids, keep) if k), image_key(images[i] if images is not None else None))
+    for i, (ids, keep) in enumerate(zip(prompt_ids.tolist(), prompt_mask.tolist(), strict=True)):
+        key = (tuple(t for t, k in zip(ids, keep, strict=True) if k),
+               image_key(images[i] if images is not None else None))
         groups.setdefault(key, []).append(i)
     return list(groups.values())
 
@@ -61,7 +64,7 @@ def row_images(inputs: dict, counts: list[int] | None = None) -> list[dict | Non
         raise ValueError(f"pixel_values has {pixels.shape[0]} rows for {sum(counts)} images (num_images"
                          f"{', image_grid_thw' if grids is not None else ''}): {row_starts[-1]} expected")
     out = []
-    for a, b in zip(image_starts, image_starts[1:]):
+    for a, b in itertools.pairwise(image_starts):
         row = None if b == a else {"pixel_values": pixels[row_starts[a]:row_starts[b]]}
         if row is not None and grids is not None:
             row["image_grid_thw"] = grids[a:b]
@@ -117,9 +120,9 @@ def prompt_trees(inputs: dict, rollouts: list[Rollout], model=None) -> tuple[lis
     trees = []
     for group in groups:
         first = group[0]
-        prompt = None if images is None or images[first] is None else \
-            ImagePrompt.of(model, inputs["prompt_ids"][first][inputs["prompt_mask"][first].bool()].cpu(),
-                           **images[first])
+        image = images[first] if images is not None else None
+        prompt = None if image is None else \
+            ImagePrompt.of(model, inputs["prompt_ids"][first][inputs["prompt_mask"][first].bool()].cpu(), **image)
         trees.append(RolloutTree([rollouts[i] for i in group], images=prompt))
     return trees, [i for group in groups for i in group]
 
@@ -181,5 +184,5 @@ def on_rows(values: list[torch.Tensor], rollouts: list[Rollout], lengths: list[i
     (padding, and positions the loss does not read)."""
     C = keep.shape[1]
     padded = torch.stack([torch.cat([v[len(r) - n:].double(), v.new_zeros(C - n, dtype=torch.float64)])
-                          for v, r, n in zip(values, rollouts, lengths)])
+                          for v, r, n in zip(values, rollouts, lengths, strict=True)])
     return torch.where(keep.to(padded.device), padded, fill.to(padded))

@@ -14,6 +14,7 @@ what the ranks' branches send back to the prompt's K/V is summed over the ranks 
 
 from __future__ import annotations
 
+import itertools
 import typing
 
 import torch
@@ -66,9 +67,9 @@ def arranged(trees: list, order: list[int], choice: str, config, element_bytes: 
     prompts = [tuple(t.rollouts[0].token_ids[:shared_prefix_length(t)].tolist()) if t.images is None else None
                for t in trees]
     owns = [None if p is None else max(len(p) - (shared_start(t, trees) if forest else 0), 0)
-            for p, t in zip(prompts, trees)]
+            for p, t in zip(prompts, trees, strict=True)]
     everyone: list = [None] * world
-    dist.all_gather_object(everyone, list(zip(prompts, owns)))
+    dist.all_gather_object(everyone, list(zip(prompts, owns, strict=True)))
     holders: dict[tuple, list[int]] = {}  # a prompt -> what each rank holding it computes for it alone
     for theirs in everyone:
         for prompt, own in theirs:
@@ -81,7 +82,7 @@ def arranged(trees: list, order: list[int], choice: str, config, element_bytes: 
     starts = [0]
     for tree in trees:
         starts.append(starts[-1] + len(tree.rollouts))
-    rows = [order[a:b] for a, b in zip(starts, starts[1:])]
+    rows = [order[a:b] for a, b in itertools.pairwise(starts)]
     mine = {prompts[i]: i for i in range(len(trees)) if prompts[i] in set(across)}
     whole = [i for i in range(len(trees)) if prompts[i] not in mine]
     out, out_order = [trees[i] for i in whole], [row for i in whole for row in rows[i]]

@@ -34,9 +34,10 @@ def stacked(caches: list[DynamicCache], lengths: list[int], config) -> tuple[Dyn
     width = max(lengths)
     stacked = DynamicCache(config=config)
     for layer in range(len(caches[0].layers)):
-        keys = [torch.nn.functional.pad(c.layers[layer].keys, (0, 0, width - n, 0)) for c, n in zip(caches, lengths)]
+        keys = [torch.nn.functional.pad(c.layers[layer].keys, (0, 0, width - n, 0)) for c, n in zip(caches, lengths,
+                                                                                                    strict=True)]
         values = [torch.nn.functional.pad(c.layers[layer].values, (0, 0, width - n, 0))
-                  for c, n in zip(caches, lengths)]
+                  for c, n in zip(caches, lengths, strict=True)]
         stacked.update(torch.cat(keys), torch.cat(values), layer)
     device = caches[0].layers[0].keys.device
     visible = torch.tensor([[0] * (width - n) + [1] * n for n in lengths], dtype=torch.long, device=device)

@@ -172,7 +172,7 @@ class LlamaRows:
         h = self.embed(tokens[:, 0])  # [rows, hidden]
         cos, sin = self.rotary(h, (self.start + depth)[:, None])  # [rows, 1, head_dim]
         for layer, keys, values, prompt_keys, prompt_values in zip(self.layers, self.keys, self.values,
-                                                                   self.prompt_keys, self.prompt_values):
+                                                                   self.prompt_keys, self.prompt_values, strict=True):
             x = layer.norm_in(h)
             q, k, v = (f(x).view(rows, 1, -1, layer.head_dim) for f in (layer.q, layer.k, layer.v))
             if layer.q_norm is not None:

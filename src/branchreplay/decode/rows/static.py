@@ -68,13 +68,13 @@ class StaticRows:
         if self.shared:
             self.prompt_keys = [[c.layers[i].keys for c in prompts] for i in range(len(self.cache.layers))]
             self.prompt_values = [[c.layers[i].values for c in prompts] for i in range(len(self.cache.layers))]
-            for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values):
+            for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values, strict=True):
                 empty = keys[0][:, :, :0].expand(n, -1, -1, -1), values[0][:, :, :0].expand(n, -1, -1, -1)
                 layer.lazy_initialization(*empty)  # allocates n rows of `slots` slots
             self.mask = torch.full((n, 1, 1, slots), float("-inf"), dtype=model.dtype, device=self.device)
             self.group = list(range(n))
         else:
-            for static, dynamic in zip(self.cache.layers, stacked.layers):
+            for static, dynamic in zip(self.cache.layers, stacked.layers, strict=True):
                 static.update(dynamic.keys, dynamic.values)  # allocates prompts rows, writes slots [0, width)
             self.mask = torch.zeros(n, 1, 1, self.width + slots, dtype=torch.bool, device=self.device)
             self.mask[:, 0, 0, : self.width] = visible.bool()
@@ -107,7 +107,7 @@ class StaticRows:
         written = [layer.cumulative_length.clone() for layer in self.cache.layers]
 
         def rewind():
-            for layer, n in zip(self.cache.layers, written):
+            for layer, n in zip(self.cache.layers, written, strict=True):
                 layer.cumulative_length.copy_(n)
 
         stream = torch.cuda.Stream(self.device)
@@ -148,7 +148,7 @@ class StaticRows:
         mask: after every gather or doubling, whose tensors are new."""
         spans = [(self.group.index(g), len(self.group) - self.group[::-1].index(g)) if g in self.group else (0, 0)
                  for g in range(len(self.prompt_keys[0]))]
-        for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values):
+        for layer, keys, values in zip(self.cache.layers, self.prompt_keys, self.prompt_values, strict=True):
             setattr(layer.keys, GROUPS_ATTR, (spans, keys, values))
         groups_mask(self.mask)
 
@@ -199,7 +199,8 @@ class StaticRows:
                 self._capture()
             except Exception as e:
                 warnings.warn(f"capturing {type(self.model).__name__}'s decoding step as a CUDA graph failed ({e}); "
-                              f"it runs op by op (sampling.enforce_eager=true skips the attempt)", RuntimeWarning)
+                              f"it runs op by op (sampling.enforce_eager=true skips the attempt)", RuntimeWarning,
+                              stacklevel=2)
                 self.graphs = False
         if not self.graphs:
             return self._step().index_select(0, self.slot_index).float()

@@ -135,7 +135,8 @@ def _round(run, part: ContextParallelTree, k: int, ancestors: list, below, final
     h_leaf = _leaf(h) if h is not None else None
     yield from _next(run, part, k, ancestors + [leaves], h_leaf, below, final)
     outputs, grads = [], []
-    pairs = [(out, leaf) for layer, leaf_layer in zip(state, leaves) for out, leaf in zip(layer, leaf_layer)]
+    pairs = [(out, leaf) for layer, leaf_layer in zip(state, leaves, strict=True)
+             for out, leaf in zip(layer, leaf_layer, strict=True)]
     if h is not None:
         pairs.append((h, h_leaf))
     for out, leaf in pairs:  # every rank passes every gathered output, with zeros where its branches gave none,
@@ -220,7 +221,7 @@ def _gather(x: torch.Tensor, lengths: list[int], dim: int = 0) -> list[torch.Ten
     with warnings.catch_warnings():  # "deprecated for _functional_collectives", whose all_gather has no autograd
         warnings.filterwarnings("ignore", message=".*all_gather is deprecated", category=FutureWarning)
         out = all_gather(F.pad(x, pad))
-    return [o.narrow(dim, 0, n) for o, n in zip(out, lengths)]
+    return [o.narrow(dim, 0, n) for o, n in zip(out, lengths, strict=True)]
 
 
 def _leaf(x: torch.Tensor) -> torch.Tensor:

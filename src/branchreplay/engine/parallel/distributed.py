@@ -14,6 +14,7 @@ Design notes and measurements: docs/distributed.md, docs/notes/execution-stack.m
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 import sys
 from collections.abc import Iterator
@@ -131,7 +132,7 @@ class DataParallel:
         exists only after its first forward: one forward of one token, on every rank, makes it."""
         with torch.no_grad():
             self.model(input_ids=torch.zeros(1, 1, dtype=torch.long, device=self.replicated[0].device))
-        for before, after in zip(self.layers, self.layers[1:]):
+        for before, after in itertools.pairwise(self.layers):
             before.set_modules_to_forward_prefetch([after])
             after.set_modules_to_backward_prefetch([before])
 

@@ -124,7 +124,7 @@ def shard(trees: list[RolloutTree], world_size: int, config, allow_empty: bool =
 def _whole_or_split(trees, costs, world_size: int, config, cost: CostModel) -> ShardPlan:
     """Whole trees, the costliest split in halves while there are fewer parts than ranks (and rollouts)."""
     rollouts = sum(len(t.rollouts) for t in trees)
-    items = list(zip(costs, trees, range(len(trees))))
+    items = list(zip(costs, trees, range(len(trees)), strict=True))
     recomputed = 0
     while len(items) < min(world_size, rollouts):  # split the most costly tree that has more than one rollout
         k = max((j for j, (_, t, _) in enumerate(items) if len(t.rollouts) > 1), key=lambda j: items[j][0])

@@ -14,6 +14,8 @@ one item, of any size. `load_agent_task` says where the items come from.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ...models import max_positions
 from ..config.agent import AgentConfig
 from ..config.task import EVAL_SEED_OFFSET, reward_specs
@@ -22,8 +24,11 @@ from ..data.tasks import load_task
 from ..rollouts.trajectories import Trajectory
 from .environments import GuessNumber, calculator, load_environment
 
+if TYPE_CHECKING:
+    from ..config import Config
 
-def load_agent_task(config) -> tuple:
+
+def load_agent_task(config: Config) -> tuple:
     """(environment, train items, held-out items) of a run `config` (`rl.config.Config`) whose agent.environment
     is set. Raises ValueError for an environment that does not import or lacks a method (`load_environment`).
 
@@ -63,7 +68,7 @@ def trajectory_reward(trajectory: Trajectory, config: AgentConfig) -> float:
     return trajectory.reward + config.turn_reward_weight * combined
 
 
-def turn_branching(config) -> tuple:
+def turn_branching(config: Config) -> tuple:
     """sampling.turn_branching of a run, or (grpo.num_generations,) when it is empty."""
     return config.sampling.turn_branching or (config.grpo.num_generations,)
 

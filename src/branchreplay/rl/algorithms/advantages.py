@@ -90,12 +90,12 @@ def masked_whiten(values: list[torch.Tensor], masks: list[torch.Tensor], shift_m
     (trl/core.py, 0.24) and verl's: (v - mean) / sqrt(var + 1e-8), var unbiased (Bessel); shift_mean=False adds
     the mean back. values, masks: per rollout, [T] float64 and [T] 0/1. Returns per rollout [T], 0 where the mask
     is 0. Raises ValueError with fewer than 2 masked tokens (the unbiased variance needs 2)."""
-    flat = torch.cat([v[m > 0] for v, m in zip(values, masks)])
+    flat = torch.cat([v[m > 0] for v, m in zip(values, masks, strict=True)])
     if flat.numel() < 2:
         raise ValueError(f"whitening needs at least 2 completion tokens in the step, got {flat.numel()}")
     mean, var = flat.mean(), flat.var(unbiased=True)
     out = []
-    for v, m in zip(values, masks):
+    for v, m in zip(values, masks, strict=True):
         w = (v - mean) * torch.rsqrt(var + 1e-8)
         if not shift_mean:
             w = w + mean

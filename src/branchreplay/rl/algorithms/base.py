@@ -3,9 +3,9 @@ values a step hands from one phase to the next (`Passes`, `Estimate`).
 
 The step samples and scores the batch (or, for a part that brings its own, asks it: DPO's pairs), builds the trees,
 asks the part which trees train, shares them out over the ranks (`Shards`), runs the passes without a graph
-(`passes`: old policy, reference, critic), asks the part for its advantages (`estimate`) and for what its updates
-need (`prepare`), then for each update's gradients (`backward`); it writes every field a rollout carries, clips,
-steps the optimizers and logs. The passes run on this rank's trees and their values are gathered to every rank
+(`run.step.passes`: old policy, reference, critic), asks the part for its advantages (`estimate`) and for what its
+updates need (`prepare`), then for each update's gradients (`backward`); it writes every field a rollout carries,
+clips, steps the optimizers and logs. The passes run on this rank's trees and their values are gathered to every rank
 (`Shards.everywhere`), so the estimators and the losses of whole sequences see every rollout of the step on every
 rank, as in one process. A part holds no state of a step: `prepare` returns it and `backward` receives it.
 """
@@ -13,12 +13,18 @@ rank, as in one process. A part holds no state of a step: `prepare` returns it a
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from ...tree import ReplayResult, Rollout, RolloutTree
-from .mismatch import sampler_mismatch
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..data.preferences import PairBatch
+    from ..policy import Policy
+    from ..rollouts.batch import Batch
+    from ..shards import Shards
 
 
 class Algorithm:
@@ -41,21 +47,21 @@ class Algorithm:
     name: ClassVar[str] = ""
     samples: ClassVar[bool] = True
 
-    def __init__(self, config, policy, reference=None):
+    def __init__(self, config: Config, policy: Policy, reference: Policy | None = None):
         self.config, self.policy, self.reference = config, policy, reference
         self.critic = None
         self.num_updates = 1
 
     @classmethod
-    def needs_reference(cls, config) -> bool:
+    def needs_reference(cls, config: Config) -> bool:
         """Whether the part needs the frozen reference policy (a KL term, or DPO's reference)."""
         return config.grpo.beta > 0
 
     @classmethod
-    def check(cls, config) -> None:
+    def check(cls, config: Config) -> None:
         """Raise ValueError naming the setting for what this part does not run (before the model loads)."""
 
-    def trained(self, batch) -> list[RolloutTree]:
+    def trained(self, batch: Batch | PairBatch) -> list[RolloutTree]:
         """The step's trees that have a gradient (every one by default)."""
         return batch.trees
 
@@ -67,12 +73,12 @@ class Algorithm:
         """Whether the passes run the reference policy (its logprobs per token: a KL term)."""
         return self.reference is not None
 
-    def estimate(self, batch, shards, passes: Passes) -> Estimate:
+    def estimate(self, batch: Batch | PairBatch, shards: Shards, passes: Passes) -> Estimate:
         """The advantages (and any other per-rollout field the loss reads), after the passes; the step writes
         `Estimate.fields` on `Estimate.rollouts`."""
         raise NotImplementedError
 
-    def prepare(self, batch, shards, passes: Passes):
+    def prepare(self, batch: Batch | PairBatch, shards: Shards, passes: Passes):
         """What the updates need (the trained shards, the loss, the pass values), handed to `backward`; called
         after the estimate's fields are written."""
         raise NotImplementedError
@@ -122,35 +128,6 @@ class Estimate:
     logged: torch.Tensor | None = None
 
 
-def passes(part: Algorithm, batch, shards) -> Passes:
-    """The passes of `part` without a graph, on this rank's trees, gathered to every rank: the old policy (when
-    `part.needs_old_logprobs()`), the reference (`part.needs_ref_logprobs()`), the critic (with one), in that order.
-    With a sampler's logprobs (vLLM, or a batch drawn ahead by older weights, `batch.versions`) the old pass is
-    compared with them (`sampler_mismatch`); drawn ahead without sampling.vllm_importance_sampling_cap the sampler's
-    (behaviour) logprobs become the old logprobs, so the clipped ratio is against the policy that drew the tokens
-    (TRL's AsyncGRPOTrainer); with the cap the old logprobs stay this policy's and min(exp(old - behaviour), cap)
-    weighs each token (`Passes.ratios`: TRL's truncated importance sampling; the decoupled objective of verl's and
-    AReaL's asynchronous modes)."""
-    out = Passes()
-    if part.needs_old_logprobs():
-        result = part.policy.logprobs(shards.local)
-        out.old = StepValues(shards.rollouts, shards.everywhere(result.logprobs), shards.everywhere(result.entropy))
-        out.old_logprobs = out.old.logprobs
-    if part.needs_ref_logprobs():
-        out.ref_logprobs = shards.everywhere(part.reference.logprobs(shards.local).logprobs)
-    if part.critic is not None:
-        out.values = shards.everywhere(part.critic.logprobs(shards.local).values)
-    if batch.sampler_logprobs is None:
-        return out
-    cap, ahead = part.config.sampling.vllm_importance_sampling_cap, batch.versions is not None
-    if out.old is not None:
-        out.metrics, out.ratios = sampler_mismatch(batch, shards.rollouts, out.old.logprobs, cap, ratios=ahead)
-    if ahead and cap is None:
-        behaviour = {id(r): lp for r, lp in zip(batch.flat, batch.sampler_logprobs)}
-        out.old_logprobs = [behaviour[id(r)] for r in shards.rollouts]
-    return out
-
-
 class StepValues:
     """A pass over the step: per rollout of `rollouts` (the step's, on every rank) its [T] logprobs and entropies."""
 
@@ -174,7 +151,7 @@ def completion_tokens(trees: list[RolloutTree]) -> float:
     return sum(float(r.loss_mask.sum()) for t in trees for r in t.rollouts)
 
 
-def step_rollouts(batch, shards) -> list[Rollout]:
+def step_rollouts(batch: Batch | PairBatch, shards: Shards) -> list[Rollout]:
     """Every rollout of the step, which an estimator indexes like `batch.rewards` (its part trains every tree).
     Raises RuntimeError when they do not match."""
     rollouts = shards.rollouts

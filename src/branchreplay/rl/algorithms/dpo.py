@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,13 @@ from ...engine.sequence import sequence_sums
 from ...losses import dpo_loss, dpo_metrics
 from ..data.preferences import PairBatches, load_preferences
 from .base import Algorithm, Estimate
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..data.preferences import PairBatch
+    from ..policy import Policy
+    from ..shards import Shards
+    from .base import Passes
 
 
 @dataclass
@@ -36,13 +44,13 @@ class DPO(Algorithm):
     name = "dpo"
     samples = False
 
-    def __init__(self, config, policy, reference=None):
+    def __init__(self, config: Config, policy: Policy, reference: Policy | None = None):
         super().__init__(config, policy, reference)
         self.ref_sums: dict[int, tuple[float, float]] = {}  # by row, when precomputed
         self.status = lambda text: None
 
     @classmethod
-    def needs_reference(cls, config) -> bool:
+    def needs_reference(cls, config: Config) -> bool:
         return config.dpo.loss_type != "simpo"  # simpo is reference-free
 
     def batches(self, tokenizer) -> PairBatches:
@@ -61,19 +69,19 @@ class DPO(Algorithm):
     def needs_ref_logprobs(self) -> bool:
         return False  # the reference's summed logprobs are the estimate's (`reference_sums`)
 
-    def estimate(self, batch, shards, passes) -> Estimate:
+    def estimate(self, batch: PairBatch, shards: Shards, passes: Passes) -> Estimate:
         """Nothing per rollout: a pair's preference is its signal."""
         return Estimate([], {})
 
-    def prepare(self, batch, shards, passes) -> Prepared:
+    def prepare(self, batch: PairBatch, shards: Shards, passes: Passes) -> Prepared:
         lengths = torch.tensor([float(r.loss_mask.sum()) for r in shards.rollouts], dtype=torch.float64)
         return Prepared(shards, self.reference_sums(batch, shards) if self.reference is not None else None, lengths)
 
-    def reference_sums(self, batch, shards) -> torch.Tensor:
+    def reference_sums(self, batch: PairBatch, shards: Shards) -> torch.Tensor:
         """[2 x pairs] float64 summed completion logprobs of the frozen reference, chosen and rejected interleaved
         as the trees' rollouts. dpo.precompute_ref_log_probs: every pair's once, on the first call, sharded over the
         ranks as a step is, then looked up by row."""
-        def compute(shards):
+        def compute(shards: Shards):
             return sequence_sums(shards.everywhere(self.reference.logprobs(shards.local).logprobs), shards.rollouts)
 
         if not self.config.dpo.precompute_ref_log_probs:
@@ -81,7 +89,7 @@ class DPO(Algorithm):
         if not self.ref_sums:
             self.status("precomputing the reference logprobs of every preference pair")
             every = batch.everything()
-            for p, c, r in zip(every.pairs, *compute(shards.of_trees(every.trees)).view(-1, 2).unbind(1)):
+            for p, c, r in zip(every.pairs, *compute(shards.of_trees(every.trees)).view(-1, 2).unbind(1), strict=True):
                 self.ref_sums[p.row] = (float(c), float(r))
         return torch.tensor([v for p in batch.pairs for v in self.ref_sums[p.row]], dtype=torch.float64)
 

@@ -13,6 +13,7 @@ num_iterations 1 the ratio is against the detached current logprobs (on-policy),
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -21,6 +22,12 @@ from ...tree import Rollout
 from .advantages import group_advantages
 from .base import Algorithm, Estimate, Passes, StepValues, completion_tokens
 from .mismatch import sampler_mismatch
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..policy import Policy
+    from ..rollouts.batch import Batch
+    from ..shards import Shards
 
 
 @dataclass
@@ -41,23 +48,23 @@ class GRPO(Algorithm):
 
     name = "grpo"
 
-    def __init__(self, config, policy, reference=None):
+    def __init__(self, config: Config, policy: Policy, reference: Policy | None = None):
         super().__init__(config, policy, reference)
         g = config.grpo
         self.num_updates = g.num_iterations
         self.quantile = g.top_entropy_quantile < 1
         self.sequence = g.importance_sampling_level == "sequence"
 
-    def advantages(self, batch) -> torch.Tensor:
+    def advantages(self, batch: Batch) -> torch.Tensor:
         """[B] one advantage per rollout of the batch, from its rewards (`advantages.group_advantages` with
         grpo.scale_rewards). A part on GRPO's loss with another baseline overrides this alone."""
         return group_advantages(batch.rewards, [r.group for r in batch.flat], self.config.grpo.scale_rewards)
 
-    def trained(self, batch):
+    def trained(self, batch: Batch):
         g = self.config.grpo
         if self.quantile or g.beta > 0 or g.entropy_coef > 0:  # every group counts in the entropy quantile (TRL's)
             return batch.trees
-        signal = {id(r): a != 0 for r, a in zip(batch.flat, self.advantages(batch).tolist())}
+        signal = {id(r): a != 0 for r, a in zip(batch.flat, self.advantages(batch).tolist(), strict=True)}
         return [t for t in batch.trees if any(signal[id(r)] and r.weights.any() for r in t.rollouts)]
 
     def needs_old_logprobs(self) -> bool:
@@ -65,23 +72,23 @@ class GRPO(Algorithm):
         truncated importance sampling."""
         return self.num_updates > 1 or self.config.sampling.vllm_importance_sampling_cap is not None
 
-    def estimate(self, batch, shards, passes: Passes) -> Estimate:
+    def estimate(self, batch: Batch, shards: Shards, passes: Passes) -> Estimate:
         """The group advantages, each [T] float64, times the truncated importance sampling weights where the passes
         gave them."""
         advantages = self.advantages(batch)
         ratios = passes.ratios or {}
         fields = []
-        for r, a in zip(batch.flat, advantages.tolist()):
+        for r, a in zip(batch.flat, advantages.tolist(), strict=True):
             full = torch.full((len(r),), a, dtype=torch.float64)
             fields.append(full * ratios[id(r)] if id(r) in ratios else full)
         return Estimate(batch.flat, {"advantages": fields}, logged=advantages)
 
-    def prepare(self, batch, shards, passes: Passes) -> Prepared:
+    def prepare(self, batch: Batch, shards: Shards, passes: Passes) -> Prepared:
         shards = shards if self.quantile else self.with_a_gradient(shards)
         advantages = [r.advantages.clone() for r in shards.rollouts] if self.quantile else None
         return Prepared(shards, self.make_loss(completion_tokens(batch.trees)), passes.old, batch, advantages)
 
-    def with_a_gradient(self, shards):
+    def with_a_gradient(self, shards: Shards):
         """The trees that train after `estimate` (GRPO's were chosen by `trained`)."""
         return shards
 
@@ -138,13 +145,13 @@ def keep_high_entropy(rollouts, entropy: list[torch.Tensor], advantages: list[to
     per-token policy loss but not the KL term nor the normaliser. Departure: TRL's entropy bonus also averages over
     the kept tokens only; ours over every completion token. Returns (the masked advantages per rollout, the fraction
     of the completion tokens kept)."""
-    pooled = [e[r.loss_mask > 0].double() for e, r in zip(entropy, rollouts)]
+    pooled = [e[r.loss_mask > 0].double() for e, r in zip(entropy, rollouts, strict=True)]
     pooled = torch.cat(pooled) if pooled else torch.zeros(0, dtype=torch.float64)
     if pooled.numel() == 0:
         return list(advantages), 0.0
     threshold = torch.quantile(pooled, 1 - quantile)
     masked, kept = [], 0.0
-    for r, e, a in zip(rollouts, entropy, advantages):
+    for r, e, a in zip(rollouts, entropy, advantages, strict=True):
         keep = (e.double() >= threshold) & (r.loss_mask > 0)
         masked.append(a * keep)
         kept += float(keep.sum())

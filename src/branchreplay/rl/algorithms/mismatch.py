@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...tree import Rollout
 
+if TYPE_CHECKING:
+    from ..rollouts.batch import Batch
 
-def sampler_mismatch(batch, rollouts: list[Rollout], logprobs: list[torch.Tensor], cap: float | None,
+
+def sampler_mismatch(batch: Batch, rollouts: list[Rollout], logprobs: list[torch.Tensor], cap: float | None,
                      ratios: bool = False) -> tuple[dict, dict[int, torch.Tensor] | None]:
     """The vLLM sampler's logprobs s (`batch.sampler_logprobs`, per rollout of `batch.rollouts`) against the run's
     own old-policy logprobs t (`logprobs`, per rollout of `rollouts` [T]: an old-policy pass's, or on-policy the
@@ -20,9 +25,9 @@ def sampler_mismatch(batch, rollouts: list[Rollout], logprobs: list[torch.Tensor
     uncapped exp(t - s), weighing nothing (a batch drawn ahead: the importance ratio its staleness makes).
     Returns (the metrics, {id(rollout): its [T] float64 factor, 1 off the trained tokens} with `cap`, else None).
     Writes nothing."""
-    sampler = {id(r): lp for r, lp in zip(batch.flat, batch.sampler_logprobs)}
+    sampler = {id(r): lp for r, lp in zip(batch.flat, batch.sampler_logprobs, strict=True)}
     diffs, kept, factors = [], [], {} if cap is not None else None
-    for r, t in zip(rollouts, logprobs):
+    for r, t in zip(rollouts, logprobs, strict=True):
         mask = r.loss_mask.bool()
         d = (t.double() - sampler[id(r)])[mask]
         diffs.append(d)

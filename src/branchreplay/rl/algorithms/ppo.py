@@ -11,6 +11,8 @@ schedule and one gradient-norm clip over both (TRL's one optimizer over policy a
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...losses import GRPOLoss, ValueLoss, token_weights
@@ -22,13 +24,20 @@ from .base import Estimate, step_rollouts
 from .grpo import GRPO, Prepared
 from .reinforce_pp import whitened
 
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..policy import Policy
+    from ..rollouts.batch import Batch
+    from ..shards import Shards
+    from .base import Passes
+
 
 class PPO(GRPO):
     """PPO as a part of the loop (module docstring): `critic` is the value model's `Policy`."""
 
     name = "ppo"
 
-    def __init__(self, config, policy, reference=None):
+    def __init__(self, config: Config, policy: Policy, reference: Policy | None = None):
         super().__init__(config, policy, reference)
         p = config.ppo
         self.num_updates, self.quantile, self.sequence = p.num_ppo_epochs, False, False
@@ -39,22 +48,22 @@ class PPO(GRPO):
         self.critic = policy.sibling(critic, temperature=1.0)
 
     @classmethod
-    def needs_reference(cls, config) -> bool:
+    def needs_reference(cls, config: Config) -> bool:
         return config.ppo.kl_coef > 0
 
     @classmethod
-    def check(cls, config) -> None:
+    def check(cls, config: Config) -> None:
         if config.model.lora_r:
             raise ValueError("model.lora_r (LoRA) does not run with PPO's critic yet: train every parameter "
                              "(model.lora_r 0), or use algorithm grpo, rloo, reinforce_pp or dpo")
 
-    def trained(self, batch):
+    def trained(self, batch: Batch):
         return batch.trees
 
     def needs_old_logprobs(self) -> bool:
         return True
 
-    def estimate(self, batch, shards, passes) -> Estimate:
+    def estimate(self, batch: Batch, shards: Shards, passes: Passes) -> Estimate:
         rollouts = step_rollouts(batch, shards)
         ended = [not cut for cut in batch.truncated]
         fields, metrics = ppo(rollouts, batch.rewards, ended, passes.values, self.config.ppo)
@@ -79,7 +88,7 @@ class PPO(GRPO):
         loss/value_avg and val/clipfrac_avg come from its `ValueLoss`."""
         rollouts = prepared.shards.rollouts
         logprobs = prepared.shards.everywhere(result.logprobs)
-        diffs = [(lp.double() - r.old_logprobs)[r.loss_mask > 0] for lp, r in zip(logprobs, rollouts)]
+        diffs = [(lp.double() - r.old_logprobs)[r.loss_mask > 0] for lp, r in zip(logprobs, rollouts, strict=True)]
         diffs = torch.cat(diffs) if diffs else torch.zeros(0, dtype=torch.float64)
         stats = prepared.loss.stats.metrics()
         return {"policy/approxkl_avg": float(0.5 * (diffs ** 2).mean()) if diffs.numel() else 0.0,
@@ -106,13 +115,15 @@ def ppo(rollouts: list[Rollout], scores: torch.Tensor, ended: list[bool], values
     masks = [r.loss_mask for r in rollouts]
     kls = [kl_per_token(r.old_logprobs, r.ref_logprobs, cfg.kl_estimator) * r.loss_mask
            if r.ref_logprobs is not None else torch.zeros(len(r), dtype=torch.float64) for r in rollouts]
-    rewards = [token_rewards(float(s), m, kl, cfg.kl_coef) for s, m, kl in zip(scores.tolist(), masks, kls)]
+    rewards = [token_rewards(float(s), m, kl, cfg.kl_coef) for s, m, kl in zip(scores.tolist(), masks, kls,
+                                                                               strict=True)]
     if cfg.whiten_rewards and sum(float(m.sum()) for m in masks) >= 2:
         rewards = masked_whiten(rewards, masks, shift_mean=False)
-    estimates = [gae(rw, v.double(), m, cfg.gamma, cfg.lam) for rw, v, m in zip(rewards, values, masks)]
+    estimates = [gae(rw, v.double(), m, cfg.gamma, cfg.lam) for rw, v, m in zip(rewards, values, masks, strict=True)]
     weights = token_weights(masks, "bnpo")
     fields = {"advantages": whitened([e[0] for e in estimates], masks), "returns": [ret for _, ret in estimates],
-              "old_values": [v.double() * r.loss_mask for r, v in zip(rollouts, values)], "weights": weights}
+              "old_values": [v.double() * r.loss_mask for r, v in zip(rollouts, values,
+                                                                      strict=True)], "weights": weights}
     B = max(len(rollouts), 1)
     non_score = -cfg.kl_coef * sum(float(k.sum()) for k in kls) / B
     return fields, {

@@ -7,6 +7,8 @@ importance_sampling_level) without a KL term in the loss, since the KL is in the
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from ...tree import Rollout
@@ -14,25 +16,30 @@ from .advantages import discounted_returns, kl_per_token, masked_whiten, token_r
 from .base import Estimate, step_rollouts, trains
 from .grpo import GRPO
 
+if TYPE_CHECKING:
+    from ..rollouts.batch import Batch
+    from ..shards import Shards
+    from .base import Passes
+
 
 class ReinforcePP(GRPO):
     """REINFORCE++ as a part of the loop (module docstring)."""
 
     name = "reinforce_pp"
 
-    def trained(self, batch):
+    def trained(self, batch: Batch):
         return batch.trees  # the advantages come after the passes: groups are skipped then (`with_a_gradient`)
 
     def needs_old_logprobs(self) -> bool:
         return True  # the KL in the reward is of the sampling policy
 
-    def estimate(self, batch, shards, passes) -> Estimate:
+    def estimate(self, batch: Batch, shards: Shards, passes: Passes) -> Estimate:
         rollouts = step_rollouts(batch, shards)
         advantages, metrics = reinforce_pp(rollouts, batch.rewards, self.config.grpo.beta,
                                            self.config.reinforce_pp.gamma)
         return Estimate(rollouts, {"advantages": advantages}, metrics)
 
-    def with_a_gradient(self, shards):
+    def with_a_gradient(self, shards: Shards):
         """All-zero advantages and no entropy bonus: no gradient, the tree is skipped."""
         return shards.keep(lambda t: trains(t, 0.0, self.config.grpo.entropy_coef))
 
@@ -50,7 +57,7 @@ def reinforce_pp(rollouts: list[Rollout], rewards: torch.Tensor, beta: float, ga
     masks = [r.loss_mask for r in rollouts]
     kls = [kl_per_token(r.old_logprobs, r.ref_logprobs, "k1") * r.loss_mask if beta > 0 else None for r in rollouts]
     returns = [discounted_returns(token_rewards(float(score), m, kl, beta), m, gamma)
-               for score, m, kl in zip(rewards.tolist(), masks, kls)]
+               for score, m, kl in zip(rewards.tolist(), masks, kls, strict=True)]
     metrics = {}
     if beta > 0:
         metrics["kl"] = float(sum(k.sum() for k in kls) / max(sum(float(m.sum()) for m in masks), 1.0))

@@ -10,6 +10,7 @@ RLOO has none of them).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,6 +19,13 @@ from ...losses import rloo_clip_metrics, rloo_loss
 from ...tree import Rollout
 from .advantages import kl_per_token, normalize, rloo_advantages
 from .base import Algorithm, Estimate, StepValues, step_rollouts, trains
+
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..policy import Policy
+    from ..rollouts.batch import Batch
+    from ..shards import Shards
+    from .base import Passes
 
 
 @dataclass
@@ -37,16 +45,16 @@ class RLOO(Algorithm):
 
     name = "rloo"
 
-    def __init__(self, config, policy, reference=None):
+    def __init__(self, config: Config, policy: Policy, reference: Policy | None = None):
         super().__init__(config, policy, reference)
         self.num_updates = config.grpo.num_iterations
 
-    def estimate(self, batch, shards, passes) -> Estimate:
+    def estimate(self, batch: Batch, shards: Shards, passes: Passes) -> Estimate:
         rollouts, g = step_rollouts(batch, shards), self.config.grpo
         advantages, metrics = rloo(rollouts, batch.rewards, g.beta, self.config.rloo.normalize_advantages)
         return Estimate(rollouts, {"advantages": advantages}, metrics)
 
-    def prepare(self, batch, shards, passes) -> Prepared:
+    def prepare(self, batch: Batch, shards: Shards, passes: Passes) -> Prepared:
         kept = shards.keep(lambda t: trains(t, 0.0, self.config.grpo.entropy_coef))  # all-zero advantages: no gradient
         rollouts = kept.rollouts
         old_sums = sequence_sums([r.old_logprobs for r in rollouts], rollouts) if rollouts else None
@@ -68,7 +76,7 @@ class RLOO(Algorithm):
         first = p.old.take(rollouts) if update == 0 else None
         _, logprobs, entropy, result = self.policy.function_backward(shards, loss, first)
         masks = [r.loss_mask for r in rollouts]
-        tokens = sum(float((e.double() * m).sum()) for e, m in zip(entropy, masks))
+        tokens = sum(float((e.double() * m).sum()) for e, m in zip(entropy, masks, strict=True))
         return result, {"entropy": tokens / max(sum(float(m.sum()) for m in masks), 1.0),
                         **rloo_clip_metrics(sequence_sums(logprobs, rollouts), p.old_sums, p.advantages,
                                             epsilon_low=g.epsilon, epsilon_high=g.epsilon_high)}
@@ -89,4 +97,5 @@ def rloo(rollouts: list[Rollout], rewards: torch.Tensor, beta: float, normalize_
     advantages = rloo_advantages(rewards, [r.group for r in rollouts])
     if normalize_advantages:
         advantages = normalize(advantages)
-    return [torch.full((len(r),), a, dtype=torch.float64) for r, a in zip(rollouts, advantages.tolist())], metrics
+    return [torch.full((len(r),), a, dtype=torch.float64) for r, a in zip(rollouts, advantages.tolist(),
+                                                                          strict=True)], metrics

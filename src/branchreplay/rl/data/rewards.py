@@ -351,13 +351,13 @@ def score_columns(rewards, tokenizer, items: list[dict], samples: list[list], ta
     messages); completions are strings, or [{"role": "assistant", "content": text}] for a conversational prompt."""
     rewards = rewards if isinstance(rewards, RewardFunctions) else RewardFunctions([rewards], [1.0])
     task = task or TaskConfig()
-    expanded = [(item, s) for item, group in zip(items, samples) for s in group]
+    expanded = [(item, s) for item, group in zip(items, samples, strict=True) for s in group]
     texts = [tokenizer.decode(s.completion_ids, skip_special_tokens=True) for _, s in expanded]
     per_func = reward_columns(
         rewards.funcs, rewards.weights,
         prompts=[item["question"] if task.dataset is not None else prompt_messages(item, task) for item, _ in expanded],
         completions=[[{"role": "assistant", "content": t}] if is_conversational(item) else t
-                     for (item, _), t in zip(expanded, texts)],
+                     for (item, _), t in zip(expanded, texts, strict=True)],
         completion_ids=[s.completion_ids for _, s in expanded],
         columns={key: [item[key] for item, _ in expanded] for key in items[0]},
     )

@@ -19,6 +19,7 @@ import pickle
 import signal
 import time
 import warnings
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -27,6 +28,11 @@ from .batch import Batch
 from .trajectories import ItemError
 from .vllm.client import VLLMError
 
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..policy import Policy
+    from ..run.parallel import Ranks
+
 RAISED = {e.__name__: e for e in (RewardFunctionError, ItemError, VLLMError)}  # a step's own errors, re-raised
 
 
@@ -34,7 +40,7 @@ class SamplerFailed(RuntimeError):
     """The sampler process died, or failed on something other than a step's own error."""
 
 
-def check_ahead(config, samples: bool, device: torch.device) -> None:
+def check_ahead(config: Config, samples: bool, device: torch.device) -> None:
     """Raise ValueError naming grpo.max_staleness where rollouts cannot be drawn ahead: an algorithm that does not
     sample (DPO), no fork on this platform, a model on an accelerator with the in-process sampler."""
     k = config.grpo.max_staleness
@@ -162,7 +168,7 @@ def _draw(sampler, step: int, version: int) -> tuple:
     return reply, time.perf_counter() - start, [str(w.message) for w in caught]
 
 
-def start_sampler(config, policy, sampler_of, ranks) -> SamplerProcess | None:
+def start_sampler(config: Config, policy: Policy, sampler_of, ranks: Ranks | None) -> SamplerProcess | None:
     """The sampler process of a run with grpo.max_staleness >= 1, on rank 0 (None on the others): forked now, with
     a `Sampler` built by `sampler_of(policy)` over a one-process copy of `policy` and one shared slot of weights
     per batch in flight."""
@@ -193,11 +199,12 @@ class Ahead:
     is dropped, counted (sample/dropped_stale_total, groups) and drawn again by the trainer's own `Sampler` with its
     current weights, never trained. The process draws a batch exactly as the synchronous loop would with those
     weights (`Sampler.batch`: group k of step s from a generator seeded by (train.seed, s, k)); its logprobs travel
-    with the batch, the behaviour logprobs the update's ratio takes (`algorithms.base.passes`). Under
+    with the batch, the behaviour logprobs the update's ratio takes (`run.step.passes`). Under
     torchrun rank 0 owns the process and every rank receives the batch. A resume asks again for the batches that
     were in flight, drawn by the checkpoint's weights: nothing is lost and nothing trains twice."""
 
-    def __init__(self, process: SamplerProcess | None, local, policy, bound: int, last: int, ranks=None,
+    def __init__(self, process: SamplerProcess | None, local, policy: Policy, bound: int, last: int,
+                 ranks: Ranks | None = None,
                  status=lambda text: None):
         self.process, self.local, self.policy, self.bound, self.ranks = process, local, policy, bound, ranks
         self.last = last

@@ -90,9 +90,10 @@ class Batch:
         the conversation's messages, turns, how it ended), its reward, and its advantage from `advantages` [B]
         (GRPO's group advantages; the other algorithms' are per token, and not logged)."""
         rows = []
-        flat = [(item, s) for item, group in zip(self.items, self.samples or self.trajectories) for s in group]
+        flat = [(item, s) for item, group in zip(self.items, self.samples or self.trajectories,
+                                                 strict=True) for s in group]
         logged = advantages.tolist() if advantages is not None else [None] * len(flat)
-        for (item, s), reward, advantage in zip(flat, self.rewards.tolist(), logged):
+        for (item, s), reward, advantage in zip(flat, self.rewards.tolist(), logged, strict=True):
             if self.trajectories:
                 row = {"messages": s.conversation.messages, "turns": s.turns, "ended_by": s.ended_by}
             else:
@@ -111,7 +112,7 @@ def group_rollouts(sequences: list[list[tuple]], grpo, max_completion_length: in
     weights = token_weights([mask for _, mask, _ in flat], grpo.loss_type,
                             max_completion_length=max_completion_length)
     rollouts = [[] for _ in sequences]
-    for (ids, mask, gi), w in zip(flat, weights):
+    for (ids, mask, gi), w in zip(flat, weights, strict=True):
         rollouts[gi].append(Rollout(ids, mask, weights=w, group=gi))
     return rollouts
 

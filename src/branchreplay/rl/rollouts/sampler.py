@@ -12,6 +12,7 @@ History: docs/notes/sampler.md.
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +27,11 @@ from .trajectories import ItemError, Limits, sample_trajectories_turnwise
 from .vllm.backend import VLLM
 from .vllm.client import VLLMError
 
+if TYPE_CHECKING:
+    from ..config import Config
+    from ..policy import Policy
+    from ..run.parallel import Ranks
+
 
 class Sampler:
     """The step's rollouts of a run (module docstring): `sample(step)`, then `score(drawn)`. `policy`: the `Policy`
@@ -33,7 +39,8 @@ class Sampler:
     the multi-turn environment or None; `client`: the connected `VLLMClient` on rank 0 with sampling.backend vllm;
     `status`: called with the progress bar's phase text."""
 
-    def __init__(self, config, policy, tokenizer, train_data, rewards, env=None, client=None, ranks=None,
+    def __init__(self, config: Config, policy: Policy, tokenizer, train_data, rewards, env=None, client=None,
+                 ranks: Ranks | None = None,
                  status=lambda text: None):
         self.config, self.policy, self.tokenizer, self.train_data = config, policy, tokenizer, train_data
         self.rewards, self.env, self.ranks, self.status = rewards, env, ranks, status
@@ -81,7 +88,7 @@ class Sampler:
                 self.status(f"step {drawn.step}: scoring {len(samples) * G} completions")
                 total, columns = score_columns(self.rewards, self.tokenizer, [drawn.items[k] for k in samples],
                                                list(samples.values()), self.config.task)
-                rewards = dict(zip(samples, zip(total.split(G), columns.split(G))))
+                rewards = dict(zip(samples, zip(total.split(G), columns.split(G), strict=True), strict=True))
         except RewardFunctionError as e:
             error = (str(e), e.traceback)
         if self.ranks is not None:  # every rank gets the whole batch (token ids, logprobs and rewards: small)
@@ -101,16 +108,16 @@ class Sampler:
         cfg, n = self.config, len(drawn.items)
         total, columns = torch.cat([rewards[k][0] for k in range(n)]), torch.cat([rewards[k][1] for k in range(n)])
         sequences = [[(ids + s.completion_ids, [0.0] * len(ids) + [1.0] * len(s.completion_ids), s.truncated)
-                      for s in group] for ids, group in zip(drawn.prompt_ids, samples)]
+                      for s in group] for ids, group in zip(drawn.prompt_ids, samples, strict=True)]
         metrics = {}  # TRL's rewards/<name>/mean and std, over the samples the function scored
-        for name, column in zip(self.rewards.names, columns.unbind(1)):
+        for name, column in zip(self.rewards.names, columns.unbind(1), strict=True):
             kept = column[~column.isnan()]
             metrics[f"rewards/{name}/mean"] = kept.mean().item() if kept.numel() else float("nan")
             metrics[f"rewards/{name}/std"] = kept.std().item() if kept.numel() > 1 else 0.0
         sampler = None
         if self.backend.keeps_logprobs:  # the sampler's logprobs of each rollout's positions (0 on the prompt)
             sampler = [torch.tensor([0.0] * len(ids) + s.logprobs, dtype=torch.float64)
-                       for ids, group in zip(drawn.prompt_ids, samples) for s in group]
+                       for ids, group in zip(drawn.prompt_ids, samples, strict=True) for s in group]
         flat = [s for group in samples for s in group]
         return self.batch_of(sequences, total, cfg.sampling.max_new_tokens, drawn,
                              [len(s.completion_ids) for s in flat], [s.truncated for s in flat],

@@ -121,7 +121,7 @@ def sample_trajectories_turnwise(sample_turn, tokenizer, env: Environment, items
         replies = sample_turn([(t.conversation.ids, turn_schedule(turn_branching, t.turns)) for _, _, t in live],
                               [(k, path) for k, path, _ in live])
         going = []
-        for (k, path, parent), samples in zip(live, replies):
+        for (k, path, parent), samples in zip(live, replies, strict=True):
             if k in errors:
                 continue
             try:

@@ -48,8 +48,8 @@ def dry_run(config: Config, console) -> int:
     table = Table(title=f"{len(items)} prompts x {per_prompt} completions, nothing trained")
     for column in ("prompt", "completion", *rewards.names, "reward"):
         table.add_column(column, overflow="fold")
-    flat = [(item, s) for item, group in zip(items, samples) for s in group]
-    for (item, s), row, value in zip(flat, columns.tolist(), total.tolist()):
+    flat = [(item, s) for item, group in zip(items, samples, strict=True) for s in group]
+    for (item, s), row, value in zip(flat, columns.tolist(), total.tolist(), strict=True):
         text = tokenizer.decode(s.completion_ids, skip_special_tokens=True)
         table.add_row(_short(item["question"]), _short(text), *(f"{v:.3f}" for v in row), f"{value:.3f}")
     console.print(table)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.table import Table
@@ -26,11 +27,15 @@ from ..rollouts.trajectories import Limits, sample_trajectories_turnwise
 from .checkpoint import load_weights
 from .log import held_out_progress, run_console
 
+if TYPE_CHECKING:
+    from .parallel import Ranks
+
 EVAL_BATCH = 16  # held-out prompts decoded together
 
 
 @torch.no_grad()
-def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None, ranks=None, env=None
+def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progress=None, ranks: Ranks | None = None,
+             env=None
              ) -> dict:
     """Held-out score with greedy decoding, up to sampling.max_new_tokens tokens per answer.
 
@@ -78,7 +83,7 @@ def evaluate(model, tokenizer, config: Config, data=None, reward_fn=None, progre
 
 @torch.no_grad()
 @torch.no_grad()
-def evaluate_agent(model, tokenizer, config, env, items, eos, progress=None, batch_size: int = 16) -> dict:
+def evaluate_agent(model, tokenizer, config: Config, env, items, eos, progress=None, batch_size: int = 16) -> dict:
     """Greedy multi-turn held-out evaluation: one trajectory per item (top-1 token at every step), up to
     agent.max_turns replies of sampling.max_new_tokens, in the run's sampling.cache_implementation. Returns
     eval/accuracy (mean final reward: the task's success), eval/frac_correct (final reward 1), eval/reward (the

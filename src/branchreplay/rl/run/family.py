@@ -5,15 +5,19 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ...engine import UnsupportedModelError
 from ...engine.self_check import ensure_supported
 from .checkpoint import write_atomic
 
+if TYPE_CHECKING:
+    from .parallel import Ranks
+
 SELF_CHECK = "self_check.json"  # the run folder's verdicts on unregistered families
 
 
-def check_family(model, unknown_family: str, run_dir: Path, ranks=None, log=print) -> bool:
+def check_family(model, unknown_family: str, run_dir: Path, ranks: Ranks | None = None, log=print) -> bool:
     """`engine.self_check.ensure_supported` on `model` with train.unknown_family `unknown_family`, its verdicts kept
     in run_dir/self_check.json (written atomically, by rank 0): True when the family is unregistered and passed
     (the engine then runs it trusted). Under torchrun (`ranks`) rank 0 checks, before sharding, and gathers its

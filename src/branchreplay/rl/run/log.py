@@ -198,7 +198,7 @@ def summarize(console: Console, run_dir: Path, records: list[dict], reward_name:
                               (held_out_key(records), f"held-out ({reward_name})", "o-")):
         points = [(r["step"], r[key]) for r in records if key in r]
         if points:
-            ax.plot(*zip(*points), style, label=label)
+            ax.plot(*zip(*points, strict=True), style, label=label)
             plotted = True
     ax.set_xlabel("step")
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers

@@ -205,7 +205,7 @@ class Heartbeat:
             before = [self.store.add(self._key(r), 0) for r in others]
             time.sleep(self.wait_s)
             after = [self.store.add(self._key(r), 0) for r in others]
-            stopped = [r for r, a, b in zip(others, before, after) if a == b]
+            stopped = [r for r, a, b in zip(others, before, after, strict=True) if a == b]
             return [r for r in stopped if not self.store.check([self._key(r, "leaving")])]
         except Exception:  # noqa: BLE001 (the store cannot be reached: its host is gone)
             return [0] if self.rank != 0 else []

@@ -5,7 +5,7 @@
     score       their rewards, gathered on every rank                  rollouts/sampler.py -> data/rewards.py
     trees       one prefix tree per group                              tree.py (`Batch.trees`)
     shard       the trees with a gradient, over the ranks              algorithms/<part>.trained, shards.py
-    passes      old, reference and value logprobs, no graph            algorithms/base.passes -> policy.py -> engine
+    passes      old, reference and value logprobs, no graph            here -> policy.py -> engine
     advantages  the part's estimate, then what its updates need        algorithms/<part>.estimate, .prepare
     update      each update's gradients                                algorithms/<part>.backward -> policy.py -> engine
     optimizer   clip over the policy (and critic), AdamW and schedule  policy.py
@@ -23,16 +23,24 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from ...tree import ReplayResult, Rollout, forests
-from ..algorithms.base import passes as no_grad_passes
+from ..algorithms.base import Passes, StepValues
+from ..algorithms.mismatch import sampler_mismatch
 from ..data.rewards import RewardFunctionError
 from ..policy import clip_grad_norm
 from ..rollouts.trajectories import ItemError
 from ..shards import Shards
 from .log import peak_memory_bytes
+
+if TYPE_CHECKING:
+    from ..algorithms.base import Algorithm
+    from ..data.preferences import PairBatch
+    from ..rollouts.batch import Batch
+    from .parallel import Ranks
 
 
 def train_step(run, step: int) -> dict | None:
@@ -73,21 +81,51 @@ def train_step(run, step: int) -> dict | None:
     return {**record, **phases.metrics(batch.metrics), "memory/peak_bytes": peak_memory_bytes(part.policy.model.device)}
 
 
-def passes(part, batch, shards: Shards):
-    """The passes without a graph (`algorithms.base.passes`), their logprobs written on the step's rollouts."""
-    values = no_grad_passes(part, batch, shards)
-    write(shards.rollouts, values.fields())
-    return values
+def passes(part: Algorithm, batch: Batch | PairBatch, shards: Shards) -> Passes:
+    """The passes of `part` without a graph, on this rank's trees, gathered to every rank: the old policy (when
+    `part.needs_old_logprobs()`), the reference (`part.needs_ref_logprobs()`), the critic (with one), in that order.
+    With a sampler's logprobs (vLLM, or a batch drawn ahead by older weights, `batch.versions`) the old pass is
+    compared with them (`sampler_mismatch`); drawn ahead without sampling.vllm_importance_sampling_cap the sampler's
+    (behaviour) logprobs become the old logprobs, so the clipped ratio is against the policy that drew the tokens
+    (TRL's AsyncGRPOTrainer); with the cap the old logprobs stay this policy's and min(exp(old - behaviour), cap)
+    weighs each token (`Passes.ratios`: TRL's truncated importance sampling; the decoupled objective of verl's and
+    AReaL's asynchronous modes). The logprobs are written on the step's rollouts (`write`)."""
+    out = Passes()
+    if part.needs_old_logprobs():
+        result = part.policy.logprobs(shards.local)
+        out.old = StepValues(shards.rollouts, shards.everywhere(result.logprobs), shards.everywhere(result.entropy))
+        out.old_logprobs = out.old.logprobs
+    if part.needs_ref_logprobs():
+        out.ref_logprobs = shards.everywhere(part.reference.logprobs(shards.local).logprobs)
+    if part.critic is not None:
+        out.values = shards.everywhere(part.critic.logprobs(shards.local).values)
+    if batch.sampler_logprobs is not None:
+        out.metrics, out.ratios, out.old_logprobs = compared(part, batch, shards, out)
+    write(shards.rollouts, out.fields())
+    return out
 
 
-def advantages(part, batch, shards: Shards, values) -> tuple:
+def compared(part: Algorithm, batch: Batch, shards: Shards, out: Passes) -> tuple:
+    """With a sampler's logprobs: (`sampler_mismatch`'s metrics, TRL's truncated importance sampling weights, the
+    old logprobs the ratio takes: the sampler's behaviour logprobs when drawn ahead without the cap)."""
+    metrics, ratios, old = {}, None, out.old_logprobs
+    cap, ahead = part.config.sampling.vllm_importance_sampling_cap, batch.versions is not None
+    if out.old is not None:
+        metrics, ratios = sampler_mismatch(batch, shards.rollouts, out.old.logprobs, cap, ratios=ahead)
+    if ahead and cap is None:
+        behaviour = {id(r): lp for r, lp in zip(batch.flat, batch.sampler_logprobs, strict=True)}
+        old = [behaviour[id(r)] for r in shards.rollouts]
+    return metrics, ratios, old
+
+
+def advantages(part: Algorithm, batch: Batch | PairBatch, shards: Shards, values: Passes) -> tuple:
     """The part's estimate, written on the rollouts, and what its updates need (`prepare`): (estimate, prepared)."""
     estimate = part.estimate(batch, shards, values)
     write(estimate.rollouts, estimate.fields)
     return estimate, part.prepare(batch, shards, values)
 
 
-def update(part, k: int, prepared) -> tuple[ReplayResult | None, dict]:
+def update(part: Algorithm, k: int, prepared) -> tuple[ReplayResult | None, dict]:
     """Update k's gradients, from zero, into `param.grad` of the policy (and the critic): the fields the part
     changes before it (GRPO's entropy mask) written, then its engine calls. Returns (result, metrics)."""
     for model in trained(part):
@@ -98,7 +136,7 @@ def update(part, k: int, prepared) -> tuple[ReplayResult | None, dict]:
     return result, {**metrics, **more}
 
 
-def optimizer_step(part, max_grad_norm: float, result) -> dict:
+def optimizer_step(part: Algorithm, max_grad_norm: float, result) -> dict:
     """Clip the gradient norm over the policy and the critic together, step their AdamW and schedules; returns the
     update's loss, grad_norm (before clipping) and learning_rate."""
     models = trained(part)
@@ -109,7 +147,7 @@ def optimizer_step(part, max_grad_norm: float, result) -> dict:
     return {"loss": result.loss if result else 0.0, "grad_norm": grad_norm, "learning_rate": lr}
 
 
-def first_update_gradient(part, batch, ranks, layout: str = "auto") -> list:
+def first_update_gradient(part: Algorithm, batch: Batch | PairBatch, ranks: Ranks | None, layout: str = "auto") -> list:
     """The gradient of `part`'s first update on `batch`, before clipping (what `train_step` steps with): every
     parameter of the policy, then of the critic, as a full (unsharded) tensor, zeros where none. Under torchrun
     every rank calls it and gets the reduced gradient. For checks: `branchreplay verify --nproc`, the tests."""
@@ -126,11 +164,11 @@ def write(rollouts: list[Rollout], fields: dict[str, list]) -> None:
     for name, values in fields.items():
         if len(values) != len(rollouts):
             raise RuntimeError(f"{len(values)} values of {name} for {len(rollouts)} rollouts")
-        for r, value in zip(rollouts, values):
+        for r, value in zip(rollouts, values, strict=True):
             setattr(r, name, value)
 
 
-def trained(part) -> list:
+def trained(part: Algorithm) -> list:
     """The policies the updates move: the policy, and PPO's critic."""
     return [part.policy] + ([part.critic] if part.critic is not None else [])
 
@@ -140,7 +178,7 @@ def averaged(history: list[dict]) -> dict:
     return {k: sum(h.get(k, 0.0) for h in history) / len(history) for k in history[-1]} if history else {}
 
 
-def step_sizes(part, shards: Shards, trees: list, result, ranks) -> dict:
+def step_sizes(part: Algorithm, shards: Shards, trees: list, result, ranks: Ranks | None) -> dict:
     """The shard plan's metrics (`dist/*`), the engine's schedule of the last update, and the sizes of the step's
     trie (`tree/*`: every group's rollouts as one engine call in one process would run them, a start that groups
     share counted once with engine.forest; micro-batches and ranks each run their own forest, recomputing the start:

@@ -9,6 +9,10 @@ import signal
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .parallel import Ranks
 
 
 class StepSkipped(RuntimeWarning):
@@ -58,7 +62,7 @@ class RankStuck(RankDied):
     message names it and its phase (`parallel.Heartbeat.stuck_ranks`)."""
 
 
-def raise_if_a_rank_died(ranks, during: str, run_dir: Path, error: Exception) -> None:
+def raise_if_a_rank_died(ranks: Ranks | None, during: str, run_dir: Path, error: Exception) -> None:
     """Raise `RankDied` when `error` (a failed collective, or a checkpoint write that failed with it) came from
     another rank that stopped beating (`parallel.Heartbeat`), saying what the ranks were `during` ("step 3", "the
     checkpoint of step 3") and what the dead rank last said it was doing (its error, when it raised); `RankStuck`

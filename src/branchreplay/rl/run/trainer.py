@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from rich.console import Console
@@ -42,6 +43,9 @@ from .skips import Skips
 from .step import train_step, trained
 from .stops import RankDied, TrainingAborted, TrainingFailed, TrainingInterrupted, raise_if_a_rank_died, stop_on_signals
 
+if TYPE_CHECKING:
+    from ..algorithms.base import Algorithm
+    from .parallel import Ranks
 
 class Trainer:
     """A run of `config`. Everything is built from `config` unless injected (tests inject a tiny model, a character
@@ -336,7 +340,7 @@ def load_model(config: Config, model=None, tokenizer=None) -> tuple:
     return model, tokenizer
 
 
-def check_parallel(config: Config, ranks, part) -> None:
+def check_parallel(config: Config, ranks: Ranks | None, part: type[Algorithm]) -> None:
     """What a data-parallel run refuses, by name: a reference train.method (its padded or naive computation runs
     whole trees in one process), LoRA with FSDP2 (its adapters are replicated: parallel.strategy ddp), and fewer
     rollouts a step than ranks."""

@@ -11,6 +11,7 @@ take one each), and every rank receives what it drew. A server that fails raises
 from __future__ import annotations
 
 import warnings
+from typing import TYPE_CHECKING
 
 from ....decode.config import SamplingConfig
 from ....decode.loop import branching_schedule
@@ -19,6 +20,11 @@ from ....models import model_folder
 from .client import VLLMClient, VLLMError
 from .sampling import sample_trees
 
+if TYPE_CHECKING:
+    from ...config import Config
+    from ...policy import Policy
+    from ...run.parallel import Ranks
+
 
 class VLLM:
     """The vLLM server samples (module docstring). `client`: the connected `VLLMClient` on rank 0, None on the
@@ -26,8 +32,9 @@ class VLLM:
     timings=)`: the multi-turn driver, None for a single-turn run; `lora`: whether the policy is a LoRA model (its
     adapter alone is sent after the frozen base once)."""
 
-    def __init__(self, client: VLLMClient | None, sampling: SamplingConfig, num_generations: int, policy,
-                 eos_ids: set[int], trajectories=None, ranks=None, lora: bool = False, status=lambda text: None):
+    def __init__(self, client: VLLMClient | None, sampling: SamplingConfig, num_generations: int, policy: Policy,
+                 eos_ids: set[int], trajectories=None, ranks: Ranks | None = None, lora: bool = False,
+                 status=lambda text: None):
         self.client, self.sampling, self.G, self.policy = client, sampling, num_generations, policy
         self.eos_ids, self.trajectories, self.ranks, self.lora, self.status = eos_ids, trajectories, ranks, lora, status
         self.keeps_logprobs = True
@@ -94,7 +101,7 @@ class VLLM:
         return groups, timings, errors
 
 
-def connect(config, tokenizer, ranks) -> VLLMClient | None:
+def connect(config: Config, tokenizer, ranks: Ranks | None) -> VLLMClient | None:
     """The vLLM server's client on rank 0 (it alone talks to the server); None on the others. Raises VLLMError
     on every rank when it cannot connect."""
     s, client, error = config.sampling, None, None

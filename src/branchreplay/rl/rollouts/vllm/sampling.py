@@ -27,7 +27,7 @@ def sample_trees(client: VLLMClient, requests: list[tuple[list[int], dict[int, i
     schedules = [sorted({0: 1, **schedule}.items()) for _, schedule in requests]  # one stream up to a first fork
     for level in range(max(len(s) for s in schedules)):
         asks, where = [], []  # the level's server requests, and (request, stream) of each
-        for r, ((prompt, _), schedule) in enumerate(zip(requests, schedules)):
+        for r, ((prompt, _), schedule) in enumerate(zip(requests, schedules, strict=True)):
             if level >= len(schedule):
                 continue
             depth, fan = schedule[level]
@@ -36,7 +36,8 @@ def sample_trees(client: VLLMClient, requests: list[tuple[list[int], dict[int, i
                 if not ended:
                     asks.append((prompt + ids, fan, end - depth))
                     where.append((r, i))
-        answers = dict(zip(where, client.complete(asks, config.temperature, config.top_p, config.top_k, eos_ids)))
+        answers = dict(zip(where, client.complete(asks, config.temperature, config.top_p, config.top_k, eos_ids),
+                           strict=True))
         for r, schedule in enumerate(schedules):
             if level < len(schedule):
                 streams[r] = _forked(streams[r], schedule[level], {i: a for (q, i), a in answers.items() if q == r},
