@@ -24,7 +24,7 @@ from branchreplay.engine.temperature import QueryTemperature
 from branchreplay.models import head_dim, kv_heads
 from branchreplay.reference.shapes import SHAPES, around_length, around_window, make_rollouts, prompt_completion
 from branchreplay.tiny_models import MIXED_LAYER_ARCHS, tiny_config, tiny_model
-from conftest import compare
+from helpers import compare
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

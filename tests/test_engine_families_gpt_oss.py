@@ -35,7 +35,7 @@ from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.reference.shapes import SHAPES, around_length, around_window, make_rollouts, shared_prompt
 from branchreplay.tiny_models import SINK_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import compare, grads
+from helpers import compare, grads
 from test_engine_router import COEF, _naive, _rollouts, _token_loss
 
 pytestmark = pytest.mark.usefixtures("one_thread")

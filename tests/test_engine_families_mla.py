@@ -36,7 +36,7 @@ from branchreplay.losses import GRPOLoss
 from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.tiny_models import MLA_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import compare
+from helpers import compare
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

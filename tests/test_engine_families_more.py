@@ -24,7 +24,7 @@ from branchreplay.check.rounding import LARGEST_RATIO, TREE_RATIO, judge_roundin
 from branchreplay.engine.families import FAMILIES, family_of
 from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.tiny_models import MORE_ATTENTION_ARCHS, tiny_model
-from conftest import compare
+from helpers import compare
 
 FLOAT32_ROUTERS = ("minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe")
 

@@ -38,7 +38,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import SHAPES, make_rollouts, multi_turn, shared_prompt
 from branchreplay.tiny_models import RECURRENT_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import grads
+from helpers import grads
 
 FLOAT32_KERNELS = [a for a in RECURRENT_ARCHS if FAMILIES[a].float32_kernels]
 # float32-level bounds. Qwen3-Next's is wider: the gradients of its decay parameters (A_log, dt_bias) sum

@@ -24,7 +24,7 @@ from branchreplay.reference.float64 import keep_float64
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import branches_of_branches, make_rollouts, shared_prompt
 from branchreplay.tree import RolloutTree
-from conftest import grads
+from helpers import grads
 
 VOCAB = 128
 NO_DROPOUT = dict(resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)

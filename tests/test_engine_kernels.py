@@ -21,7 +21,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import grads
+from helpers import grads
 
 
 def _scores(q, k, bias, is_causal, scale):

@@ -21,7 +21,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import around_length, make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import grads
+from helpers import grads
 
 THRESHOLD = 32  # original_max_position_embeddings (longrope) / max_position_embeddings (dynamic)
 ROPE = {

@@ -21,7 +21,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.tiny_models import TINY_ARCHS, tiny_model
 from branchreplay.tree import Rollout, RolloutTree
-from conftest import grads
+from helpers import grads
 
 TOL = {torch.float64: 1e-6, torch.float32: 1e-4}
 LOGPROB_TOL = {torch.float64: 1e-9, torch.float32: 1e-4}

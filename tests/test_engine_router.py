@@ -15,7 +15,7 @@ from branchreplay.engine.router import RouterLoss
 from branchreplay.engine.sequence import replay_function_backward
 from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.tree import Rollout, RolloutTree
-from conftest import grads
+from helpers import grads
 
 COEF = 0.5  # large enough that the router term moves the gradient well past the tolerance
 

@@ -12,7 +12,7 @@ from branchreplay.losses import GRPOLoss
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import SHAPES, make_rollouts, shared_prompt
 from branchreplay.tree import Rollout, RolloutTree
-from conftest import grads
+from helpers import grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 LOSS = GRPOLoss(beta=0.04, entropy_coef=0.01)

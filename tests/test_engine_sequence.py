@@ -11,7 +11,7 @@ from branchreplay.engine.sequence import replay_sequence_backward
 from branchreplay.losses import DPO_LOSS_TYPES, dpo_loss
 from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.tree import Rollout, RolloutTree
-from conftest import grads
+from helpers import grads
 from test_rl_run_trainer import generate
 
 EOS = 2  # the byte tokenizer's (test_rl_run_trainer.ByteTokenizer)

@@ -15,7 +15,7 @@ from branchreplay.losses import GRPOLoss
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.tiny_models import tiny_qwen2_vl_model, tiny_vision_model
 from branchreplay.tree import Rollout, RolloutTree
-from conftest import grads
+from helpers import grads
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

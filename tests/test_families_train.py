@@ -17,7 +17,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.rl.policy import Policy
 from branchreplay.tiny_models import ALL_TINY_ARCHS, tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import grads, held_float64
+from helpers import grads, held_float64
 from test_engine_families_recurrent import F32_TOL
 from test_rl_run_trainer import generate, make_config, make_trainer, with_advantages
 

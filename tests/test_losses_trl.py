@@ -17,7 +17,7 @@ from branchreplay.reference.float64 import keep_float64
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
-from conftest import grads
+from helpers import grads
 
 trl = pytest.importorskip("trl", reason="TRL is a dev dependency (pip install -e '.[dev]')")
 

@@ -17,7 +17,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import SHAPES, make_rollouts
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import grads
+from helpers import grads
 from test_rl_run_trainer import generate, train_on
 
 LOSS = GRPOLoss(epsilon_low=0.2, epsilon_high=0.28, beta=0.05, entropy_coef=0.01)

@@ -12,7 +12,7 @@ from branchreplay.models import apply_lora
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
-from conftest import grads
+from helpers import grads
 
 pytest.importorskip("peft", reason="LoRA needs the peft extra (pip install -e '.[peft]')")
 

@@ -22,7 +22,7 @@ from branchreplay.rl.rollouts.trajectories import sample_trajectories
 from branchreplay.rl.run.log import progress_info
 from branchreplay.rl.run.trainer import Trainer
 from branchreplay.tree import RolloutTree
-from conftest import grads, held_float64
+from helpers import grads, held_float64
 from test_rl_agent_environments import EOS, TurnTokenizerWithDecode, _chatty_model
 from test_rl_run_trainer import generate, with_advantages
 

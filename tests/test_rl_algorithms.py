@@ -26,7 +26,7 @@ from branchreplay.rl.run.step import write
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import Rollout, RolloutTree
 from branchreplay.value import ValueModel, check_critic
-from conftest import grads
+from helpers import grads
 from test_rl_run_trainer import generate
 
 ARCHS = ["llama", "qwen2-sliding", "lfm2"]  # attention, sliding window, recurrent (conv + attention hybrid)

@@ -29,7 +29,7 @@ from branchreplay.rl.run.checkpoint import latest_checkpoint
 from branchreplay.rl.run.step import first_update_gradient
 from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
 from branchreplay.tree import Rollout
-from conftest import grads
+from helpers import grads
 from test_rl_run_trainer import generate, make_config, make_trainer, train_on
 
 pytestmark = pytest.mark.usefixtures("one_thread")

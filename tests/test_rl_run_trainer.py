@@ -28,7 +28,7 @@ from branchreplay.rl.run.trainer import Trainer
 from branchreplay.rl.shards import Shards
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
-from conftest import grads, held_float64
+from helpers import grads, held_float64
 
 EOS = 2
 

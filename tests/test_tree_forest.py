@@ -17,7 +17,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.rl.algorithms.advantages import group_advantages
 from branchreplay.rl.rollouts.batch import group_rollouts
 from branchreplay.tree import RolloutTree, forest, forests
-from conftest import grads
+from helpers import grads
 
 SYSTEM = [1, 7, 7, 3, 9, 12, 30, 31, 32, 33, 34, 35]  # every group's prompt opens with it
 PROMPTS = [SYSTEM + [40, 41], SYSTEM + [50, 51, 52], [60, 61, 62]]  # the third shares nothing

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from conftest import grads
+from helpers import grads
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 

@@ -15,7 +15,7 @@ import torch
 
 from branchreplay.reference.naive import max_rel_grad_err
 from branchreplay.tiny_models import tiny_model
-from conftest import FLOAT32_REL, float32_close, grads
+from helpers import FLOAT32_REL, float32_close, grads
 
 trl = pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 

@@ -24,7 +24,7 @@ from branchreplay.tiny_models import tiny_model
 
 pytest.importorskip("trl", reason="TRL is the trl extra (pip install -e '.[trl]')")
 
-from conftest import float32_close  # noqa: E402
+from helpers import float32_close  # noqa: E402
 from test_trl_grpo import folder  # noqa: E402, F401 (fixture)
 
 RANKS = Path(__file__).with_name("trl_ranks.py")

@@ -101,7 +101,7 @@ def test_prompts_grouped_by_text_alone_would_fail(vlm_folder, tmp_path, monkeypa
     monkeypatch.setattr(rows, "row_images", lambda batch: [real(batch)[0]] * batch["prompt_ids"].shape[0])
     trainer.model.zero_grad(set_to_none=True)
     trainer.compute_loss(trainer.model, inputs)
-    from conftest import grads
+    from helpers import grads
     assert max_rel_grad_err(grads(trainer.model), theirs) > 1e-3
 
 
