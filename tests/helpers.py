@@ -1,9 +1,12 @@
 """Helpers that test modules import (`from helpers import grads`); the fixtures stay in conftest.py.
 
 The gradients of a model and the engine against the naive reference on it (`compare`), how close two float32 sums
-of one value may be (`float32_close`), and a model held in float64 for as long as it lives (`held_float64`).
+of one value may be (`float32_close`), a model held in float64 for as long as it lives (`held_float64`), and
+`spawn_ranks`, which starts a worker function on local gloo processes as torchrun would.
 """
 
+import datetime
+import os
 import weakref
 
 import torch
@@ -65,3 +68,34 @@ _HELD: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 
+
+RANK_TIMEOUT = datetime.timedelta(seconds=120)  # a collective that one rank skips fails the test instead of hanging CI
+
+
+def spawn_ranks(fn, world: int, *args, group: bool = True) -> None:
+    """`fn(rank, world, *args)` on `world` processes started by `torch.multiprocessing.spawn`, over gloo on
+    127.0.0.1 at a free port, torch on one thread in each. `group`: the process group is started before `fn`
+    (collectives time out after RANK_TIMEOUT); else only torchrun's environment is set (RANK, WORLD_SIZE,
+    LOCAL_RANK), for code that starts the group itself (`rl.run.parallel.launch`, the trainer). A rank whose `fn`
+    returns ends with `end_spawned_rank`; `fn` must be a module-level function (spawn pickles it). Returns when
+    every rank has ended; raises `ProcessRaisedException` or `ProcessExitedException` when one failed."""
+    import torch.multiprocessing as mp
+
+    from branchreplay.engine.parallel.distributed import free_port
+
+    mp.spawn(_rank, args=(fn, world, free_port(), args, group), nprocs=world, join=True)
+
+
+def _rank(rank: int, fn, world: int, port: int, args: tuple, group: bool) -> None:
+    import torch.distributed as dist
+
+    from branchreplay.engine.parallel.distributed import end_spawned_rank
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    if group:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=RANK_TIMEOUT)
+    else:
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    fn(rank, world, *args)
+    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)

@@ -10,21 +10,18 @@ only its own queries' dK, dV) is far off. The processes start once per world siz
 runs inside them.
 """
 
-import datetime
 import json
 import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from branchreplay.engine.parallel.distributed import free_port
 from branchreplay.engine.parallel.sharding import CostModel, shard, shared_prefix_length
 from branchreplay.reference.shapes import branches_of_branches, make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
+from helpers import spawn_ranks
 
-TIMEOUT = datetime.timedelta(seconds=120)  # a collective that one rank skips fails the test instead of hanging CI
 RESHARDED = {"strategy": "fsdp2", "mode": "resharded"}  # FSDP2 per layer, the ranks' packs in lock-step
 FREE_COMMUNICATION = CostModel(bytes_per_s=1e18, latency_s=0.0)  # so that the plan takes a context-parallel prefix
 
@@ -49,20 +46,15 @@ def _naive(model, trees, loss):
     return [p.grad.clone() for p in model.parameters()], result
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _worker(rank: int, world: int, out: str) -> None:
     import branchreplay.engine.parallel.context_parallel as cp
     from branchreplay.engine import replay_logprobs
-    from branchreplay.engine.parallel.distributed import DataParallel, end_spawned_rank
+    from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.reference.naive import max_rel_grad_err
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    torch.set_num_threads(1)
     loss, report = GRPOLoss(entropy_coef=0.01), {}
     single = tiny_model("llama", dtype=torch.float64, seed=0)
     with keep_float64(single):
@@ -121,7 +113,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
                                                      "layout": plan.layout}
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def _micro_batched_forest(rank: int, world: int, single, loss) -> dict:
@@ -152,7 +143,7 @@ def reports(request, tmp_path_factory):
     """Every rank's report of one run of `_worker` on 2, then 3 processes."""
     world = request.param
     out = tmp_path_factory.mktemp(f"cp{world}")
-    mp.spawn(_worker, args=(world, free_port(), str(out)), nprocs=world, join=True)
+    spawn_ranks(_worker, world, str(out))
     return world, [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -260,17 +251,12 @@ def _train_config(tmp_path, run: str, layout: str = "auto"):
                        parallel={"layout": layout, "timeout_s": 120, "fsdp_mode": "resharded"})
 
 
-def _train_worker(rank: int, world: int, port: int, tmp: str) -> None:
+def _train_worker(rank: int, world: int, tmp: str) -> None:
     from pathlib import Path
 
-    from branchreplay.engine.parallel.distributed import end_spawned_rank
     from test_rl_run_trainer import make_trainer
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     make_trainer(_train_config(Path(tmp), "two", "context-parallel"), dtype=torch.float64).fit()
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tmp_path):
@@ -280,7 +266,7 @@ def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tm
     from test_rl_run_trainer import make_trainer
 
     single = make_trainer(_train_config(tmp_path, "single"), dtype=torch.float64).fit()
-    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_train_worker, 2, str(tmp_path), group=False)
     records = [[json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
                for run in (single, tmp_path / "two")]
     assert len(records[1]) == 2 and all(r["dist/layout"] == "context-parallel" for r in records[1])

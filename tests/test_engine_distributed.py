@@ -3,24 +3,22 @@ under FSDP2 and DDP semantics the reduced gradient of a step equals the single-p
 whole groups, uneven groups, one group split over both ranks, and a recurrent family; parameters after 3 AdamW steps
 too."""
 
-import datetime
 import json
 import os
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from branchreplay.engine import EngineConfig
-from branchreplay.engine.parallel.distributed import end_spawned_rank, free_port
+from branchreplay.engine.parallel.distributed import free_port
 from branchreplay.engine.parallel.sharding import shard
 from branchreplay.models import autocast
 from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tiny_models import tiny_model
 from branchreplay.tree import RolloutTree
+from helpers import RANK_TIMEOUT, spawn_ranks
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
-TIMEOUT = datetime.timedelta(seconds=120)  # a collective that one rank skips fails the test instead of hanging CI
 
 
 STRATEGIES = ["fsdp2", "fsdp2-resharded", "ddp"]
@@ -43,9 +41,7 @@ CASES = [("llama", "four-groups", torch.float64), ("llama", "one-group-split", t
          ("llama", "uneven-groups", torch.float32), ("lfm2", "recurrent", torch.float64)]
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _worker(rank: int, world: int, out: str) -> None:
     from branchreplay.engine import replay_backward
     from branchreplay.engine.parallel.distributed import DataParallel
     from branchreplay.engine.replay import replay_backward_sharded
@@ -53,9 +49,6 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.reference.naive import max_rel_grad_err
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    torch.set_num_threads(1)
     reports = {}
     for strategy in STRATEGIES:  # one spawn for the three: the processes' start-up is most of a run
         report = reports[strategy] = {}
@@ -110,14 +103,11 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         reports["other-trees-on-rank-1"] = str(e)
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(reports, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
-
-
 
 
 def _two_ranks(worker, out) -> list[dict]:
-    """`worker(rank, world, port, out)` on 2 gloo processes; each rank's JSON report (out/rank{r}.json)."""
-    mp.spawn(worker, args=(2, free_port(), str(out)), nprocs=2, join=True)
+    """`worker(rank, world, out)` on 2 gloo processes; each rank's JSON report (out/rank{r}.json)."""
+    spawn_ranks(worker, 2, str(out))
     return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
 
 
@@ -169,22 +159,16 @@ def _train_config(tmp_path, steps: int, strategy: str = "auto", run: str = "run"
                        train={"steps": steps, "output_dir": str(tmp_path / run), "save_steps": 2})
 
 
-def _train_worker(rank: int, world: int, port: int, tmp: str, steps: int, strategy: str, run: str,
-                  resume: bool) -> None:
+def _train_worker(rank: int, world: int, tmp: str, steps: int, strategy: str, run: str, resume: bool) -> None:
     from pathlib import Path
 
     from test_rl_run_trainer import make_trainer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
 
     trainer = make_trainer(_train_config(Path(tmp), steps, strategy, run), dtype=torch.float64)
     trainer.fit(resume=Path(tmp) / run if resume else None)
     metrics = trainer.evaluate()  # sharded: each rank decodes half of the held-out items
     if rank == 0:
         (Path(tmp) / f"{run}-eval.json").write_text(json.dumps(metrics))
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def _records(run_dir) -> list[dict]:
@@ -201,7 +185,7 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
     single_trainer = make_trainer(_train_config(tmp_path, 3, run="single"), dtype=torch.float64)
     single = single_trainer.fit()
     expected = _records(single)
-    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), 2, strategy, "two", False), nprocs=2, join=True)
+    spawn_ranks(_train_worker, 2, str(tmp_path), 2, strategy, "two", False, group=False)
     two = _records(tmp_path / "two")
     assert two[-1]["dist/world_size"] == 2 and len(two) == 2
     for ours, theirs in zip(two, expected[: len(two)], strict=True):  # its first 2 of 3 steps
@@ -217,9 +201,8 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
     shutil.rmtree(tmp_path / "from-one" / "checkpoints" / "step-000003")
     (tmp_path / "from-one" / "checkpoints" / "latest").write_text("step-000002")
     make_trainer(_train_config(tmp_path, 3, run="two"), dtype=torch.float64).fit(resume=tmp_path / "two")  # on 1
-    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), 3, strategy, "again", True), nprocs=2, join=True)
-    mp.spawn(_train_worker, args=(2, free_port(), str(tmp_path), 3, strategy, "from-one", True), nprocs=2,
-             join=True)
+    spawn_ranks(_train_worker, 2, str(tmp_path), 3, strategy, "again", True, group=False)
+    spawn_ranks(_train_worker, 2, str(tmp_path), 3, strategy, "from-one", True, group=False)
     held_out = json.loads((tmp_path / "again-eval.json").read_text())
     for key in ("eval/accuracy", "eval/frac_correct", "eval/mean_length"):
         assert held_out[key] == single_trainer.evaluate()[key], key  # the sharded eval of the same weights
@@ -230,17 +213,14 @@ def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, t
             assert abs(last[key] - expected[-1][key]) <= 1e-9 * max(1.0, abs(expected[-1][key])), (run, key)
 
 
-def _config_worker(rank: int, world: int, port: int, tmp: str) -> None:
+def _config_worker(rank: int, world: int, tmp: str) -> None:
     from branchreplay.rl.run.parallel import launch
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
 
     try:
         launch("auto", {"train": {"seed": rank}})  # rank 1 was started with another seed
     except ValueError as e:  # on every rank alike: both may close the group
         with open(os.path.join(tmp, f"rank{rank}.txt"), "w") as f:
-            f.write(str(e))
-    end_spawned_rank()  # after its results are written, the expected error caught (engine.parallel.distributed)
+            f.write(str(e))  # then ended as a rank that succeeded: the expected error caught
 
 
 def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
@@ -252,7 +232,7 @@ def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
     assert launch("auto", {}) is None
     with pytest.raises(ValueError, match="parallel.strategy='fsdp2' needs torchrun"):
         launch("fsdp2", {})
-    mp.spawn(_config_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_config_worker, 2, str(tmp_path), group=False)
     for rank in range(2):
         assert "ranks [1] were started with a configuration different" in (tmp_path / f"rank{rank}.txt").read_text()
 
@@ -282,15 +262,12 @@ def test_cli_bench_on_two_processes(capsys):
     assert out["plan"]["2"]["recomputed_positions"] == 64  # one tree, split: the prompt once more
 
 
-def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
+def _neox_worker(rank: int, world: int, tmp: str) -> None:
     from pathlib import Path
 
     from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
 
     from test_rl_run_trainer import EOS, make_trainer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
 
     cfg = GPTNeoXConfig(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=512, hidden_dropout=0.0, attention_dropout=0.0)
@@ -298,21 +275,18 @@ def _neox_worker(rank: int, world: int, port: int, tmp: str) -> None:
     model = GPTNeoXForCausalLM(cfg)
     model.generation_config.eos_token_id = EOS
     make_trainer(_train_config(Path(tmp), 1, "fsdp2", "neox"), model=model).fit()
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
     """GPT-NeoX under torchrun: every rank runs the self-check before fully_shard, rank 0 keeps the verdict, and the
     run trains it trusted."""
-    mp.spawn(_neox_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_neox_worker, 2, str(tmp_path), group=False)
     (verdict,) = json.loads((tmp_path / "neox" / "self_check.json").read_text()).values()
     assert verdict["passed"] and verdict["model_class"] == "GPTNeoXForCausalLM"
     assert _records(tmp_path / "neox")[-1]["dist/world_size"] == 2
 
 
-def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _idle_worker(rank: int, world: int, out: str) -> None:
     from branchreplay.engine import replay_backward
     from branchreplay.engine.head import check_head
     from branchreplay.engine.parallel.distributed import DataParallel
@@ -320,9 +294,6 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
     from branchreplay.reference.naive import max_rel_grad_err
     from branchreplay.rl.policy import Policy, idle_tree
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    torch.set_num_threads(1)
     single = tiny_model("llama", dtype=torch.float64, seed=0)
     tree = _trees("four-groups", 256)[0]
     loss = GRPOLoss(beta=0.04)  # the idle tree carries reference logprobs too
@@ -342,7 +313,6 @@ def _idle_worker(rank: int, world: int, port: int, out: str) -> None:
         errs[strategy] = max_rel_grad_err(dp.full_grads(), [p.grad for p in single.parameters()])
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(errs, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 @pytest.fixture(scope="module")
@@ -362,17 +332,12 @@ def test_an_idle_rank_joins_the_reduction_with_zeros(strategy, idle_errors):
         assert err <= 1e-10, f"{strategy} rank {rank}: {err:.2e}"
 
 
-def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
-    import torch.distributed as dist
-
+def _memory_worker(rank: int, world: int, out: str) -> None:
     from branchreplay.bench.fsdp_memory import HeldBytes
     from branchreplay.engine.parallel.distributed import DataParallel, fsdp_mode
     from branchreplay.engine.replay import replay_backward_sharded
     from branchreplay.losses import GRPOLoss
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=TIMEOUT)
-    torch.set_num_threads(1)
     # "auto" on ranks of different memory: rank 0's would hold the model 10 times over, rank 1's not: both resharded
     need = 2 * sum(p.numel() * p.element_size() for p in tiny_model("llama", seed=0).parameters())
     report = {"auto": fsdp_mode(tiny_model("llama", seed=0), "auto", memory_bytes=need * (40 if rank == 0 else 2))}
@@ -387,7 +352,6 @@ def _memory_worker(rank: int, world: int, port: int, out: str) -> None:
     report["layer_bytes"], report["model_bytes"] = layers[0], sum(p.numel() * 4 for p in single.parameters())
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(report, f)
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_resharded_fsdp2_holds_a_layer_at_a_time_and_gather_once_the_whole_model(tmp_path):
@@ -395,7 +359,7 @@ def test_resharded_fsdp2_holds_a_layer_at_a_time_and_gather_once_the_whole_model
     packs), 6 layers on 2 ranks: gather-once holds every layer's full parameters and gradients; resharded holds
     its shards and gradient shards, the replicated parameters, and at most three layers in full (the running one,
     the prefetched one, the gradient of one)."""
-    mp.spawn(_memory_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_memory_worker, 2, str(tmp_path))
     for rank in range(2):
         r = json.loads((tmp_path / f"rank{rank}.json").read_text())
         layer, model = r["layer_bytes"], r["model_bytes"]
@@ -416,7 +380,7 @@ def test_fsdp2_of_experts_needs_unused_parameter_reduction(monkeypatch):
     monkeypatch.delattr(FSDPModule, "set_reduce_scatter_unused_params")
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", str(free_port()))
-    dist.init_process_group("gloo", rank=0, world_size=1, timeout=TIMEOUT)
+    dist.init_process_group("gloo", rank=0, world_size=1, timeout=RANK_TIMEOUT)
     try:
         DataParallel(tiny_model("llama"), "fsdp2")
         with pytest.raises(RuntimeError, match="mixture-of-experts.*upgrade torch, or use --parallel.strategy ddp"):

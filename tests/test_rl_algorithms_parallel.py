@@ -16,9 +16,8 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from branchreplay.engine.parallel.distributed import end_spawned_rank, free_port
+from helpers import spawn_ranks
 
 GRADIENT_CASES = [("grpo", None), ("grpo-gspo", {"grpo": {"importance_sampling_level": "sequence", "beta": 0.05,
                                                          "num_iterations": 2}}),
@@ -122,14 +121,11 @@ def _one_rank_fails(tmp: Path, rank: int) -> None:
     (tmp / f"rank{rank}-fails.txt").write_text("\n".join(outcomes))
 
 
-def _worker(rank: int, world: int, port: int, tmp: str, url: str, failing_url: str) -> None:
+def _worker(rank: int, world: int, tmp: str, url: str, failing_url: str) -> None:
     from branchreplay.check.parallel import algorithm_gradients
     from branchreplay.reference.float64 import keep_float64
     from branchreplay.tiny_models import tiny_model
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     for name in RUNS:  # the first one initialises the process group (rl.run.parallel.launch)
         _trainer(_config(Path(tmp), name, "auto", url), name).fit()
     _failed_sync(Path(tmp), rank, failing_url)
@@ -151,7 +147,6 @@ def _worker(rank: int, world: int, port: int, tmp: str, url: str, failing_url: s
             errors[f"{name}/{shape}"] = report["max_rel_grad_err"]
             errors[f"{name}/{shape}/layout"] = report["layout"]
     (Path(tmp) / f"rank{rank}.json").write_text(json.dumps(errors))
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def _records(run_dir: Path) -> list[dict]:
@@ -171,7 +166,7 @@ def runs(tmp_path_factory):
         for name in RUNS:
             _trainer(_config(tmp, name, "auto", servers[0].url), name).fit()
             os.rename(tmp / f"{name}-auto", tmp / f"{name}-single")
-        mp.spawn(_worker, args=(2, free_port(), str(tmp), servers[1].url, servers[2].url), nprocs=2, join=True)
+        spawn_ranks(_worker, 2, str(tmp), servers[1].url, servers[2].url, group=False)
     finally:
         for s in servers:
             s.close()

@@ -29,7 +29,7 @@ from branchreplay.rl.run.checkpoint import latest_checkpoint
 from branchreplay.rl.run.step import first_update_gradient
 from branchreplay.rl.run.stops import TrainingFailed, TrainingInterrupted
 from branchreplay.tree import Rollout
-from helpers import grads
+from helpers import grads, spawn_ranks
 from test_rl_run_trainer import generate, make_config, make_trainer, train_on
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -287,29 +287,19 @@ def test_bad_settings_get_one_line_naming_the_field(tmp_path):
     check_ahead(config, samples=True, device=torch.device("cpu"))
 
 
-def _two_rank_worker(rank: int, world: int, port: int, tmp: str, strategy: str) -> None:
-    from branchreplay.engine.parallel.distributed import end_spawned_rank
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
+def _two_rank_worker(rank: int, world: int, tmp: str, strategy: str) -> None:
     config = make_config(Path(tmp), grpo={"prompts_per_step": 3, "max_staleness": 1},
                          parallel={"strategy": strategy, "timeout_s": 120}, train={"output_dir": f"{tmp}/{strategy}"})
     trainer = make_trainer(config, dtype=torch.float64)
     assert (trainer.source.process is not None) == (rank == 0)  # rank 0 feeds the sampler process
     trainer.fit()
-    end_spawned_rank()
 
 
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_receive_rank_0s_batches_and_train_as_one_process(tmp_path, strategy):
-    import torch.multiprocessing as mp
-
-    from branchreplay.engine.parallel.distributed import free_port
-
     single = make_trainer(make_config(tmp_path, grpo={"prompts_per_step": 3, "max_staleness": 1},
                                       train={"output_dir": str(tmp_path / "single")}), dtype=torch.float64).fit()
-    mp.spawn(_two_rank_worker, args=(2, free_port(), str(tmp_path), strategy), nprocs=2, join=True)
+    spawn_ranks(_two_rank_worker, 2, str(tmp_path), strategy, group=False)
     ours, theirs = _metrics(tmp_path / strategy), _metrics(single)
     assert [r["sample/staleness_max"] for r in ours] == [0, 1, 1] and ours[-1]["dist/world_size"] == 2
     for a, b in zip(ours, theirs, strict=True):

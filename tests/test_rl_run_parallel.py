@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from branchreplay.engine.parallel.distributed import end_spawned_rank, free_port
+from branchreplay.engine.parallel.distributed import free_port
+from helpers import spawn_ranks
 from test_engine_distributed import _records, _train_config
 
 
@@ -142,13 +143,10 @@ def test_a_rank_that_raises_or_hangs_is_named_in_one_line(tmp_path, fault):
     assert (tmp_path / "run" / "checkpoints" / "latest").read_text().strip() == "step-000001"
 
 
-def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
+def _eval_error_worker(rank: int, world: int, tmp: str) -> None:
     from pathlib import Path
 
     from test_rl_run_trainer import byte_reward, make_trainer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
 
     def reward(completions, **kwargs):
         if rank == 1:
@@ -156,14 +154,13 @@ def _eval_error_worker(rank: int, world: int, port: int, tmp: str) -> None:
         return byte_reward(completions, **kwargs)
 
     trainer = make_trainer(_train_config(Path(tmp), 1), reward_fn=reward)
-    _record_outcome(Path(tmp) / f"rank{rank}.txt", trainer.evaluate)
-    end_spawned_rank()  # after its results are written, the expected error caught (engine.parallel.distributed)
+    _record_outcome(Path(tmp) / f"rank{rank}.txt", trainer.evaluate)  # the expected error caught
 
 
 def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
     """Rank 1's reward raises during the sharded eval: rank 1 raises it, and rank 0 a RewardFunctionError naming
     rank 1, both at once (they used to wait for each other until the collective timeout)."""
-    mp.spawn(_eval_error_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_eval_error_worker, 2, str(tmp_path), group=False)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes  # the timeout is 120 s
     assert "grader crashed" in outcomes[1][1]
@@ -176,14 +173,11 @@ WRITE_ERRORS = {"disk full": (OSError, 28, "No space left on device"), "permissi
                                                                                      "Permission denied")}
 
 
-def _save_error_worker(rank: int, world: int, port: int, tmp: str, error: str) -> None:
+def _save_error_worker(rank: int, world: int, tmp: str, error: str) -> None:
     from pathlib import Path
 
     import branchreplay.rl.run.checkpoint as checkpoint
     from test_rl_run_trainer import make_trainer
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
 
     def fails(*args, **kwargs):
         kind, number, text = WRITE_ERRORS[error]
@@ -191,8 +185,7 @@ def _save_error_worker(rank: int, world: int, port: int, tmp: str, error: str) -
 
     trainer = make_trainer(_train_config(Path(tmp), 1))
     checkpoint._write_rank0 = fails  # rank 0's files fail, after every rank wrote its optimizer shards
-    _record_outcome(Path(tmp) / f"rank{rank}.txt", lambda: trainer.save(Path(tmp) / "run"))
-    end_spawned_rank()  # after its results are written, the expected error caught (engine.parallel.distributed)
+    _record_outcome(Path(tmp) / f"rank{rank}.txt", lambda: trainer.save(Path(tmp) / "run"))  # the error caught
 
 
 @pytest.mark.parametrize("error", WRITE_ERRORS)
@@ -200,7 +193,7 @@ def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path, e
     """No half-written checkpoint, and no rank waits for the collective timeout (120 s) to learn of it. The other
     rank takes the same path whatever OSError it was (a PermissionError is one: the type is gathered, not read from
     its name)."""
-    mp.spawn(_save_error_worker, args=(2, free_port(), str(tmp_path), error), nprocs=2, join=True)
+    spawn_ranks(_save_error_worker, 2, str(tmp_path), error, group=False)
     outcomes = [(tmp_path / f"rank{r}.txt").read_text().split("\n", 1) for r in range(2)]
     assert all(float(seconds) < 60 for seconds, _ in outcomes), outcomes
     for rank in range(2):  # the run's one-line error on every rank (a TrainingFailed, issue 29 item 7)
@@ -285,7 +278,7 @@ def test_a_rank_died_error_skips_the_teardown_of_the_broken_group(monkeypatch, t
     assert not torn_down
 
 
-def _blocked_worker(rank: int, world: int, port: int, tmp: str) -> None:
+def _blocked_worker(rank: int, world: int, tmp: str) -> None:
     import signal
     import threading
     from pathlib import Path
@@ -295,28 +288,25 @@ def _blocked_worker(rank: int, world: int, port: int, tmp: str) -> None:
 
     from branchreplay.rl.run.stops import stop_on_signals
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
     if rank == 1:  # the other rank is still sampling: rank 0 waits for it in a collective
         time.sleep(6)
         said = (Path(tmp) / "rank0.log").read_text()  # what the user saw before the collective returned
         (Path(tmp) / "seen-while-waiting.txt").write_text(said)
         dist.barrier()
-        end_spawned_rank()
+        return
     with open(Path(tmp) / "rank0.log", "w") as log:
         console, stop = Console(file=log, force_terminal=False), []
         with stop_on_signals(stop, console):
             threading.Timer(1.0, os.kill, (os.getpid(), signal.SIGINT)).start()  # Ctrl-C while in the collective
             dist.barrier()
             console.print(f"barrier returned, stop={stop}")
-    end_spawned_rank()  # on success only, after its results are written (engine.parallel.distributed)
 
 
 def test_ctrl_c_is_answered_at_once_while_a_collective_waits(tmp_path):
     """Ctrl-C on rank 0 while it waits in a collective for a rank still sampling (minutes on a loaded machine):
     Python runs the handler only when the collective returns, so the user saw nothing until the step ended; the
     watcher thread says at once that the run stops after this step."""
-    mp.spawn(_blocked_worker, args=(2, free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_blocked_worker, 2, str(tmp_path))
     assert "SIGINT: finishing this step" in (tmp_path / "seen-while-waiting.txt").read_text()
     assert (tmp_path / "rank0.log").read_text().splitlines()[-1] == "barrier returned, stop=['SIGINT']"
 
