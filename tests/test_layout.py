@@ -2,7 +2,8 @@
 function): no import circle, and no import that runs up the floors. Bottom to top: the vocabulary at the root
 (tree, losses, models, ...), `reference` (the other ways to compute the gradient), `engine`, `decode` (in-process
 generation), `rl`, `trl`, `check` (verify and its parallel run, above what they check), `bench`; the package's face
-(`__init__`, `cli`, `__main__`) above them all. docs/architecture.md draws the same map."""
+(`__init__`, `cli`, `__main__`) above them all. docs/architecture.md draws the same map. And every module's tests
+are found by its name, or by its entry in COVERED_BY."""
 
 import ast
 import re
@@ -174,3 +175,177 @@ def test_rollouts_import_no_algorithm_and_no_back_end_is_compared_by_name():
     compared = sorted(str(p.relative_to(root)) for p in root.rglob("*.py")
                       if p not in configs and re.search(r"backend\s*[!=]=", p.read_text()))
     assert compared == []
+
+
+# -- every module's test, findable by name ------------------------------------------------------------------------
+
+TESTS = Path(__file__).parent
+
+COVERED_BY = {  # a module without a test file of its own name: the test files that exercise it
+    "__init__.py": ("test_engine_self_check.py", "test_engine_families_unregistered.py"),  # replay_* under `force`
+    "__main__.py": "test_rl_rollouts_vllm_server_process.py",  # `python -m branchreplay vllm-serve`
+    "cli.py": "test_check_cli.py",
+    "fields.py": "test_rl_config.py",
+    "lazy.py": ("test_check_cli.py", "test_rl_config.py"),  # the command line and a config parse without torch
+    "loss_types.py": ("test_losses_trl.py", "test_engine_sequence.py"),
+    "tiny_models.py": ("test_models.py", "test_engine_families_unregistered.py"),
+    "value.py": "test_rl_algorithms.py",
+    "reference/float64_delta_rule.py": "test_engine_families_recurrent.py",
+    "reference/float64_formulas.py": "test_engine_families_gemma4_llama4.py",
+    "reference/memory.py": "test_bench_runner.py",
+    "reference/naive.py": ("test_engine_replay.py", "test_rl_algorithms.py"),  # the reference of every exactness test
+    "reference/padded.py": ("test_reference_methods.py", "test_bench_runner.py"),
+    "reference/prompt_sharing.py": "test_bench_runner.py",
+    "reference/shapes.py": "test_engine_replay.py",
+    "reference/work.py": "test_bench_runner.py",
+    "engine/cache.py": ("test_engine_replay.py", "test_engine_attention.py"),
+    "engine/config.py": ("test_engine_replay.py", "test_rl_config.py"),
+    "engine/options.py": ("test_engine_families_recurrent.py", "test_rl_run_trainer.py"),
+    "engine/embedding.py": "test_engine_replay.py",
+    "engine/latent.py": "test_engine_families_mla.py",
+    "engine/masks.py": ("test_engine_replay.py", "test_engine_attention.py"),
+    "engine/model_view.py": "test_engine_replay.py",
+    "engine/packs.py": ("test_engine_replay.py", "test_engine_schedule.py"),
+    "engine/parallel/lockstep.py": ("test_engine_distributed.py", "test_engine_context_parallel.py"),
+    "engine/parallel/sharding.py": ("test_engine_distributed.py", "test_engine_context_parallel.py"),
+    "engine/recurrent.py": ("test_engine_families_recurrent.py", "test_engine_families_hybrid.py"),
+    "engine/stack.py": "test_engine_replay.py",
+    "engine/temperature.py": "test_engine_families_gemma4_llama4.py",
+    "decode/config.py": "test_decode_loop.py",
+    "decode/forward.py": "test_decode_loop.py",
+    "decode/rows/dynamic.py": ("test_decode_loop.py", "test_decode_rows_static.py"),
+    "decode/rows/llama.py": "test_decode_loop.py",
+    "decode/turns.py": "test_rl_agent.py",
+    "decode/in_process.py": ("test_rl_run_trainer.py", "test_rl_agent.py"),  # the in-process sampler back-end
+    "rl/cli.py": ("test_rl_data_datafiles.py", "test_models_lora.py"),  # train, eval; export
+    "rl/policy.py": ("test_rl_run_trainer.py", "test_engine_distributed.py"),
+    "rl/shards.py": "test_rl_algorithms.py",
+    "rl/agent/conversation.py": "test_rl_agent_environments.py",
+    "rl/agent/task.py": "test_rl_agent.py",
+    "rl/algorithms/advantages.py": ("test_rl_algorithms.py", "test_rl_run_trainer.py"),
+    "rl/algorithms/base.py": "test_rl_algorithms.py",
+    "rl/algorithms/dpo.py": ("test_engine_sequence.py", "test_rl_algorithms_parallel.py"),
+    "rl/algorithms/grpo.py": ("test_rl_run_trainer.py", "test_losses_trl.py"),
+    "rl/algorithms/mismatch.py": "test_rl_rollouts_vllm.py",  # truncated importance sampling
+    "rl/algorithms/ppo.py": "test_rl_algorithms.py",
+    "rl/algorithms/reinforce_pp.py": "test_rl_algorithms.py",
+    "rl/algorithms/rloo.py": "test_rl_algorithms.py",
+    "rl/config/help.py": "test_rl_config.py",
+    "rl/config/reference.py": "test_rl_config.py",
+    "rl/config/resolve.py": "test_rl_data_datafiles.py",  # eval of a run from another folder
+    "rl/config/resume.py": ("test_rl_run_trainer_faults.py", "test_rl_config.py"),
+    "rl/config/run.py": "test_rl_config.py",
+    "rl/config/sections.py": "test_rl_config.py",
+    "rl/config/task.py": "test_rl_data_tasks_rewards.py",
+    "rl/config/trl_fields.py": "test_rl_config.py",
+    "rl/config/trl_names.py": "test_rl_config.py",
+    "rl/config/values.py": "test_rl_config.py",
+    "rl/data/cells.py": "test_rl_data_datafiles.py",
+    "rl/data/order.py": "test_rl_run_trainer.py",
+    "rl/data/preferences.py": "test_engine_sequence.py",
+    "rl/data/rewards.py": "test_rl_data_tasks_rewards.py",
+    "rl/rollouts/batch.py": "test_tree_forest.py",
+    "rl/rollouts/sampler.py": ("test_rl_rollouts_ahead.py", "test_rl_run_trainer.py"),
+    "rl/rollouts/trajectories.py": "test_rl_agent.py",
+    "rl/rollouts/vllm/backend.py": "test_rl_rollouts_vllm.py",
+    "rl/rollouts/vllm/client.py": "test_rl_rollouts_vllm.py",
+    "rl/rollouts/vllm/sampling.py": "test_rl_rollouts_vllm.py",
+    "rl/rollouts/vllm/weights_file.py": "test_rl_rollouts_vllm.py",
+    "rl/run/checkpoint.py": ("test_rl_run_trainer_faults.py", "test_rl_run_crashes.py"),
+    "rl/run/dry_run.py": "test_rl_data_datafiles.py",
+    "rl/run/evaluation.py": ("test_rl_run_log.py", "test_rl_agent.py"),
+    "rl/run/export.py": "test_models_lora.py",
+    "rl/run/family.py": "test_rl_run_trainer.py",  # self_check.json in the run folder
+    "rl/run/skips.py": "test_rl_run_trainer_faults.py",
+    "rl/run/stops.py": ("test_rl_run_parallel.py", "test_rl_run_trainer_faults.py"),
+    "rl/run/step.py": ("test_rl_run_trainer.py", "test_rl_algorithms_parallel.py"),  # train_step, its phases
+    "trl/base.py": "test_trl_grpo.py",
+    "trl/fsdp2.py": "test_trl_processes.py",
+    "trl/options.py": ("test_trl_grpo.py", "test_rl_config.py"),
+    "trl/rows.py": ("test_trl_grpo.py", "test_trl_vision.py"),
+    "trl/split_groups.py": "test_trl_processes.py",
+    "trl/zero.py": "test_trl_processes.py",
+    "check/parallel.py": ("test_engine_distributed.py", "test_rl_algorithms_parallel.py"),  # verify --nproc 2
+    "check/rounding.py": ("test_engine_families_recurrent.py", "test_engine_families_more.py"),
+    "check/verify.py": "test_check_cli.py",
+    "bench/cli.py": "test_bench_runner.py",
+    "bench/fsdp_memory.py": "test_engine_distributed.py",
+    "bench/measure.py": "test_bench_runner.py",
+    "bench/objectives.py": "test_bench_runner.py",
+    "bench/output.py": "test_bench_runner.py",
+    "bench/parallel.py": "test_engine_distributed.py",  # bench --nproc 2
+    "bench/scenarios.py": "test_bench_runner.py",
+    "bench/state.py": ("test_engine_families_attention.py", "test_engine_families_mla.py"),
+}
+"""The rule (CONTRIBUTING.md): a module's tests are in tests/test_<floor>_<module>.py, its path below the package
+with `_` for `/` (rl/run/trainer.py: test_rl_run_trainer.py; tree.py at the root: test_tree.py), or its floor and
+its own name (engine/parallel/sharding.py: test_engine_sharding.py); more files add a word
+(test_engine_families_mla.py). A module tested elsewhere, through the modules that use it, is listed here."""
+
+
+def modules_to_test(root: Path) -> list[str]:
+    """The package's modules that need a test, as paths below `root`: every module, and a package's `__init__.py`
+    that defines a function or class (not one that only imports and re-exports)."""
+    out = []
+    for path in sorted(root.rglob("*.py")):
+        body = ast.parse(path.read_text()).body
+        if path.name != "__init__.py" or any(isinstance(n, (ast.FunctionDef, ast.ClassDef)) for n in body):
+            out.append(path.relative_to(root).as_posix())
+    return out
+
+
+def named_tests(module: str, tests: set[str]) -> set[str]:
+    """The files of `tests` that `module` (a path below the package) has by name: test_<path>.py or
+    test_<path>_<more>.py, or test_<floor>_<name>.py."""
+    parts = Path(module).with_suffix("").parts
+    parts = parts[:-1] if parts[-1] == "__init__" else parts
+    if not parts:  # the package's own __init__.py: every test's prefix
+        return set()
+    full = "test_" + "_".join(parts)
+    found = {t for t in tests if t == f"{full}.py" or t.startswith(f"{full}_")}
+    return found | ({f"test_{parts[0]}_{parts[-1]}.py"} & tests if len(parts) > 2 else set())
+
+
+def layout_faults(root: Path, tests: set[str], covered_by: dict) -> list[str]:
+    """What breaks the rule: a module without a test by name or an entry, an entry for a module that is not there
+    or that has a test by name, an entry naming a test file that is not there."""
+    modules = modules_to_test(root)
+    faults = [f"{m}: no tests/{'test_' + '_'.join(Path(m).with_suffix('').parts)}.py and no COVERED_BY entry"
+              for m in modules if not named_tests(m, tests) and m not in covered_by]
+    for module, files in covered_by.items():
+        if module not in modules:
+            faults.append(f"COVERED_BY[{module!r}]: no such module")
+        elif named_tests(module, tests):
+            faults.append(f"COVERED_BY[{module!r}]: it has {sorted(named_tests(module, tests))} by name")
+        faults += [f"COVERED_BY[{module!r}]: no tests/{f}" for f in ((files,) if isinstance(files, str) else files)
+                   if f not in tests]
+    return faults
+
+
+def test_every_module_has_a_test_by_name_or_a_covered_by_entry():
+    root = Path(branchreplay.__file__).parent
+    assert layout_faults(root, {p.name for p in TESTS.glob("test_*.py")}, COVERED_BY) == []
+
+
+def test_the_layout_check_sees_a_module_without_a_test_and_a_stale_entry(tmp_path):
+    """Control: a module with no test, an entry for a removed module, an entry for a module that has its own test
+    now, and an entry naming a removed test file are each a fault; a module of a sub-package tested by its floor and
+    name, and a package that only re-exports, are not."""
+    root = tmp_path / "branchreplay"
+    (root / "engine" / "parallel").mkdir(parents=True)
+    for name, text in [("__init__.py", "def f():\n    pass\n"), ("tree.py", ""), ("engine/__init__.py", "X = 1\n"),
+                       ("engine/stack.py", ""), ("engine/parallel/__init__.py", ""),
+                       ("engine/parallel/sharding.py", ""), ("engine/parallel/lockstep.py", "")]:
+        (root / name).write_text(text)
+    tests = {"test_tree_forest.py", "test_engine_sharding.py", "test_engine_stack.py"}
+    covered = {"__init__.py": "test_tree_forest.py", "engine/parallel/lockstep.py": "test_engine_stack.py"}
+    assert layout_faults(root, tests, covered) == []
+    del covered["engine/parallel/lockstep.py"]
+    covered |= {"engine/gone.py": "test_tree_forest.py", "engine/stack.py": "test_engine_stack.py",
+                "tree.py": ("test_tree_forest.py", "test_gone.py")}
+    assert layout_faults(root, tests, covered) == [
+        "engine/parallel/lockstep.py: no tests/test_engine_parallel_lockstep.py and no COVERED_BY entry",
+        "COVERED_BY['engine/gone.py']: no such module",
+        "COVERED_BY['engine/stack.py']: it has ['test_engine_stack.py'] by name",
+        "COVERED_BY['tree.py']: it has ['test_tree_forest.py'] by name",
+        "COVERED_BY['tree.py']: no tests/test_gone.py"]
