@@ -64,7 +64,7 @@ def _attempt(tmp: str, site: str | None, step: int) -> None:
 
     if site is not None:
         owner, name, when, saving = {
-            "sampling": (Sampler, "completions", "before", False),
+            "sampling": (Sampler, "sample", "before", False),
             "update": (Policy, "backward", "after", False),  # gradients computed, the optimizer not stepped
             "optimizer shards": (checkpoint.dcp, "save", "after", True),
             "weights": (safetensors.torch, "save_file", "after", True),
