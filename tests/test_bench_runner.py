@@ -55,6 +55,7 @@ def test_padded_batch_equals_naive(model, shape):
     assert lp_err < 1e-6 and abs(padded.loss - naive.loss) < 1e-12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("impl", PS_IMPLS)
 @pytest.mark.parametrize("shape", list(SHAPES_UNDER_TEST))
 def test_prompt_sharing_equals_naive(model, shape, impl):
@@ -123,6 +124,7 @@ ROW_KEYS = {"scenario", "config", "label", "method", "method_label", "rollouts",
             "estimated", "peak_estimated", "sample_rollouts", "skipped", "notes", "engine"}
 
 
+@pytest.mark.slow
 def test_estimation_paths_are_labelled():
     """A time budget too small for anything: naive stops after a sample and is scaled; padded / prompt-sharing run
     a one-rollout sample; every gradient error is taken on naive's sample. A memory budget of 1 byte: padded and
@@ -148,6 +150,7 @@ def test_estimation_paths_are_labelled():
         assert r["peak_estimated"] and r["peak_bytes"] > 1 and r["max_rel_grad_err"] is None
 
 
+@pytest.mark.slow
 def test_bench_json_schema_all_scenarios(capsys, tmp_path):
     png = tmp_path / "bench.png"
     argv = ["bench", "--scenario", "all", "--prompt-tokens", "24,32", "--generations", "2", "--response-tokens", "12",
@@ -211,6 +214,7 @@ SMALL = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key
              intermediate_size=128, vocab_size=256, max_position_embeddings=4096)
 
 
+@pytest.mark.slow
 def test_bench_ppo_and_dpo_rows_exact_and_cheaper():
     """bench --loss ppo | dpo on a small model: every method's gradient equals naive's within float32's 1e-4
     (policy and critic for PPO; the float64 exactness of both paths is test_rl_algorithms' and
@@ -237,6 +241,7 @@ def test_bench_loss_cli_refuses_what_it_would_ignore(capsys):
     assert "drop --nproc" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_recorded_trajectories_bench_items_as_the_trainer_runs_them(capsys, tmp_path):
     """bench --scenario multi-turn --trajectories: the recorded file's trajectories, one tree per item and the items
     that open alike as one forest (as the trainer's engine calls run them), every method exact; ids past the model's

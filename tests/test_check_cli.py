@@ -6,6 +6,7 @@ from branchreplay.check.verify import VS_FLOAT64_FACTOR
 from branchreplay.cli import main
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral", "gpt2"])
 def test_verify_json_passes_for_each_tiny_arch(arch, capsys):
     assert main(["verify", "--arch", arch, "--json", "--random-trees", "1"]) == 0
@@ -47,6 +48,7 @@ def test_bench_json_keys(capsys):
     assert replay["max_rel_grad_err"] <= 1e-4
 
 
+@pytest.mark.slow
 def test_bench_from_json_merges_runs_into_one_table_and_plot(tmp_path, capsys):
     paths = []
     for g in ("2", "3"):
@@ -203,6 +205,7 @@ def test_verify_loss_dpo_passes_and_fails_a_wrong_gradient(capsys, monkeypatch):
     assert out["max_rel_grad_err"] <= 1e-10
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss", ["ppo", "rloo"])
 def test_verify_loss_ppo_and_rloo_pass_and_catch_a_wrong_critic_or_ratio(loss, capsys, monkeypatch):
     """`verify --loss ppo` checks the policy and a critic made from the model (rows <shape>/critic), `--loss rloo`

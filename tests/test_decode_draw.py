@@ -22,6 +22,7 @@ def test_filter_logits_top_k_then_top_p():
     assert kept(top_k=0, top_p=0.4) == [True, False, False, False]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("block", [1024, 16])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("filters", [{}, dict(top_k=5), dict(top_p=0.5)])

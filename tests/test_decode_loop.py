@@ -193,6 +193,7 @@ def test_empty_prompt_and_bad_group_size_raise():
 PROMPTS = [[5, 17, 42], [9, 8, 7, 6, 5, 4, 3, 250, 11], PROMPT, [33]]  # four lengths: the stacked caches differ
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["llama", "gpt2", "qwen3", "qwen2", "mistral"])
 @pytest.mark.parametrize("branching", [(), ((0, 2), (3, 2))])
 @pytest.mark.parametrize("cache", ["static", "static-stacked", "dynamic", "auto"])

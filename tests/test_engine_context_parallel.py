@@ -147,6 +147,7 @@ def reports(request, tmp_path_factory):
     return world, [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
 
 
+@pytest.mark.slow
 def test_a_context_parallel_prefix_gives_the_naive_gradient(reports):
     world, ranks = reports
     for rank, report in enumerate(ranks):
@@ -163,6 +164,7 @@ def test_a_context_parallel_prefix_gives_the_naive_gradient(reports):
             assert r["err"] <= 1e-10 and r["layout"] == "context-parallel", (mode, r)
 
 
+@pytest.mark.slow
 def test_the_forest_runs_one_prefix_across_the_ranks_and_the_other_trees_whole(reports):
     world, ranks = reports
     for report in ranks:
@@ -170,12 +172,14 @@ def test_the_forest_runs_one_prefix_across_the_ranks_and_the_other_trees_whole(r
     assert sum(report["forest"]["rollouts"] for report in ranks) == 4 + 2 + 2 + 3  # every rollout once
 
 
+@pytest.mark.slow
 def test_a_rank_without_branches_still_runs_its_pieces(reports):
     world, ranks = reports
     assert sorted(report["one-rollout"]["rollouts"] for report in ranks) == [0] * (world - 1) + [1]
     assert all(min(report["one-rollout"]["physical"]) > 0 for report in ranks)  # every rank computes pieces
 
 
+@pytest.mark.slow
 def test_the_control_without_the_gradient_reduce_fails(reports):
     world, ranks = reports
     for report in ranks:
@@ -259,6 +263,7 @@ def _train_worker(rank: int, world: int, tmp: str) -> None:
     make_trainer(_train_config(Path(tmp), "two", "context-parallel"), dtype=torch.float64).fit()
 
 
+@pytest.mark.slow
 def test_two_ranks_train_one_group_with_its_prompt_across_them_as_one_process(tmp_path):
     """`--parallel.layout context-parallel --parallel.fsdp_mode resharded`, one prompt group per step on 2 ranks: each
     rank runs half of the prompt and half of the group, FSDP2 gathering each layer per pack; every step's reward,

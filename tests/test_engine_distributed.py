@@ -117,6 +117,7 @@ def sharded_reports(tmp_path_factory):
     return _two_ranks(_worker, tmp_path_factory.mktemp("sharded"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_sharded_step_equals_single_process(strategy, sharded_reports):
     for rank in range(2):
@@ -128,6 +129,7 @@ def test_sharded_step_equals_single_process(strategy, sharded_reports):
         assert report["one-group-split"]["recomputed"] > 0  # both ranks ran the shared prompt
 
 
+@pytest.mark.slow
 def test_ranks_that_pass_other_trees_are_refused_naming_the_rank(sharded_reports):
     """The documented requirement, the same trees on every rank, is checked: each rank would otherwise run its share
     of another plan (a far-off gradient without an error)."""
@@ -175,6 +177,7 @@ def _records(run_dir) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_train_as_one_process_and_resume_on_any_world_size(strategy, tmp_path):
     """3 groups on 2 ranks (uneven: one rank runs two): every step's reward, loss and grad norm equal the
@@ -223,6 +226,7 @@ def _config_worker(rank: int, world: int, tmp: str) -> None:
             f.write(str(e))  # then ended as a rank that succeeded: the expected error caught
 
 
+@pytest.mark.slow
 def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
     """--parallel.strategy fsdp2 without torchrun, and ranks started with different configurations."""
     from branchreplay.rl.run.parallel import launch
@@ -237,6 +241,7 @@ def test_bad_launches_are_refused_by_name(tmp_path, monkeypatch):
         assert "ranks [1] were started with a configuration different" in (tmp_path / f"rank{rank}.txt").read_text()
 
 
+@pytest.mark.slow
 def test_cli_verify_on_two_processes(capsys):
     """`branchreplay verify --nproc 2 --parallel fsdp2 --arch llama --json`: one JSON object, passed, exit 0."""
     from branchreplay.cli import main
@@ -247,6 +252,7 @@ def test_cli_verify_on_two_processes(capsys):
     assert out["recomputed_positions"] > 0  # the second step split one tree over both ranks
 
 
+@pytest.mark.slow
 def test_cli_bench_on_two_processes(capsys):
     """`branchreplay bench --nproc 2`: naive data parallelism, prompt sharing and branchreplay on 2 processes, with
     the plans."""
@@ -277,6 +283,7 @@ def _neox_worker(rank: int, world: int, tmp: str) -> None:
     make_trainer(_train_config(Path(tmp), 1, "fsdp2", "neox"), model=model).fit()
 
 
+@pytest.mark.slow
 def test_an_unregistered_family_is_self_checked_before_sharding(tmp_path):
     """GPT-NeoX under torchrun: every rank runs the self-check before fully_shard, rank 0 keeps the verdict, and the
     run trains it trusted."""
@@ -321,6 +328,7 @@ def idle_errors(tmp_path_factory):
     return _two_ranks(_idle_worker, tmp_path_factory.mktemp("idle"))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_an_idle_rank_joins_the_reduction_with_zeros(strategy, idle_errors):
     """A rank without trained rollouts in a step (fewer than ranks) runs the trainer's zero-weight idle tree, or in
@@ -354,6 +362,7 @@ def _memory_worker(rank: int, world: int, out: str) -> None:
         json.dump(report, f)
 
 
+@pytest.mark.slow
 def test_resharded_fsdp2_holds_a_layer_at_a_time_and_gather_once_the_whole_model(tmp_path):
     """Peak parameter + gradient bytes per rank during a step of uneven groups (the ranks run different numbers of
     packs), 6 layers on 2 ranks: gather-once holds every layer's full parameters and gradients; resharded holds

@@ -101,6 +101,7 @@ def test_transformers_chunked_mask_from_our_mask_sizes(P, tiny64):
             assert (out - full[:, P : P + q]).abs().max() <= 1e-12, (P, q)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", sorted(CASES))
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float64_equals_naive(arch, shape, tiny64):
@@ -126,6 +127,7 @@ def test_llama4_temperature_needs_the_pack_positions(tiny64, monkeypatch):
     assert grad_err > 1e-6, grad_err
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_against_float64_on_random_trees(arch):
     """20 random trees in float32, the engine and naive both against a float64 copy: the engine's largest error at

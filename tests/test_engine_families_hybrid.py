@@ -65,6 +65,7 @@ on which naive's error, 1.5e-5, lay below its usual 4e-5 to 8e-4 while the engin
 5, under 3x at the others. With float64 kernels the engine agrees to ~1e-14 (test_engine_families_recurrent.py)."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", HYBRID_ARCHS)
 def test_float32_against_float64_on_random_trees(arch):
     """20 random trees in float32, the engine and naive (each rollout alone, unpadded) both against a float64 copy

@@ -177,6 +177,7 @@ def test_latent_expansion_is_scoped():
     assert model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_float32_against_float64_on_random_trees(arch):
     """60 random trees in float32, the engine and naive both against a float64 copy: the engine's largest error at

@@ -40,6 +40,7 @@ def test_registered():
         assert FAMILIES[model.config.model_type] is family_of(model), arch
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["branches-of-branches", "multi-turn"])
 @pytest.mark.parametrize("arch", MORE_ATTENTION_ARCHS)
 def test_float64_equals_naive(arch, shape, keep64):
@@ -66,6 +67,7 @@ leans toward naive on single trees. Measured at seed 1 over 20 trees: largest ra
 and 3.63; Beam, whose float32 parts are its MLP and router: 0.54 and 1.60."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", MORE_ATTENTION_ARCHS)
 def test_float32_against_float64(arch):
     rounding = judge_rounding(_model(arch, torch.float32), largest_ratio=WIDER.get(arch, LARGEST_RATIO),

@@ -107,6 +107,7 @@ SHAPE_BUILDERS = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", sorted(SHAPE_BUILDERS))
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
 def test_tree_shapes(arch, shape, keep64):
@@ -118,6 +119,7 @@ def _pc(prompt, completion):
     return prompt + completion, [0] * len(prompt) + [1] * len(completion)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
 def test_single_token_children(arch, keep64):
     """Children of one token (where transformers takes its in-place single-token decode path), a chain of
@@ -131,6 +133,7 @@ def test_single_token_children(arch, keep64):
     check(keep64, arch, torch.float64, make_rollouts(sequences, g))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_tokens, replay", [(5, "keep"), (11, "replay")])
 @pytest.mark.parametrize("arch", RECURRENT_ARCHS)
 def test_chunks_and_replay_float32(arch, chunk_tokens, replay, keep64):
@@ -141,6 +144,7 @@ def test_chunks_and_replay_float32(arch, chunk_tokens, replay, keep64):
     check(keep64, arch, torch.float32, rollouts, chunk_tokens=chunk_tokens, replay=replay)
 
 
+@pytest.mark.slow
 def test_falcon_h1_with_mamba_rms_norm():
     """FalconH1's other gating branch (`mamba_rms_norm=True`: gated RMSNorm instead of y * silu(z))."""
     g = torch.Generator().manual_seed(13)
@@ -255,6 +259,7 @@ def _use_float64_kernels(monkeypatch, arch):
                 monkeypatch.setitem(recurrent.ENGINE_FORWARDS, kind, patched)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", FLOAT32_KERNELS)
 def test_exact_with_float64_kernels(arch, monkeypatch, keep64):
     """With transformers' float32-only computations made float64 (test only), the engine equals the reference to
@@ -280,6 +285,7 @@ experts nearly tie may route differently in float32 in the engine, in naive or i
 rounding, on whichever tree draws one. The bounds here are those figures, rounded up."""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ROUNDING)
 def test_float32_against_float64_on_random_trees(arch):
     """20 random trees (`check.rounding.judge_rounding`): the engine's largest error against float64 at most 1.25x

@@ -75,6 +75,7 @@ def test_the_cases_are_outside_the_registry():
     assert not {build(name, torch.float32).config.model_type for name in CASES} & set(FAMILIES)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("name", EXACT)
 def test_an_unregistered_family_runs_exact_under_force(name, dtype, monkeypatch):

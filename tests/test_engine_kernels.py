@@ -71,6 +71,7 @@ def test_cuda_wrapper_matches_the_operators_meta_kernels():
         assert dq.shape == q.shape and dk.shape == dv.shape == k.shape
 
 
+@pytest.mark.slow
 def test_cuda_wrapper_through_the_engine_equals_naive(monkeypatch, keep64):
     """The CUDA wrapper (grouped heads expanded and summed, bias aligned, log-sum-exp sliced and re-padded) with an
     emulated kernel, in place of the CPU kernels: the engine's float64 gradient equals naive's. A wrapper that

@@ -31,6 +31,7 @@ def _run(model, tree, **engine):
     return out[0], peak
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", ["keep", "replay"])
 def test_prediction_is_an_upper_bound_within_1_6x(replay):
     model, tree = _setup()
@@ -39,6 +40,7 @@ def test_prediction_is_an_upper_bound_within_1_6x(replay):
     assert measured <= predicted <= 1.6 * measured, (predicted / 2**20, measured / 2**20)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("replay", ["keep", "replay"])
 def test_prediction_under_bfloat16_autocast_is_an_upper_bound(replay):
     """Under autocast (cast at each use: models.autocast) every pack saves its own bfloat16 copy of the weights,

@@ -49,6 +49,7 @@ CASES = [(arch, shape, torch.float64) for arch in TINY_ARCHS for shape in sorted
 CASES += [(arch, shape, torch.float32) for arch in TINY_ARCHS for shape in ("branches-of-branches", "multi-turn")]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, shape, dtype", CASES, ids=[f"{a}-{s}-{str(d)[-7:]}" for a, s, d in CASES])
 def test_replay_equals_naive(arch, shape, dtype, tiny64):
     g = torch.Generator().manual_seed(zlib.crc32(f"{arch}/{shape}".encode()))  # not hash(): salted per process

@@ -85,6 +85,7 @@ ENGINES = {"packs": EngineConfig(max_pack_tokens=8),  # packs of several nodes, 
            "replayed-chunks": EngineConfig(replay="replay", chunk_tokens=4)}  # every pack run twice, in chunks
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("engine", ENGINES)
 @pytest.mark.parametrize("arch", ROUTER_LOSS_ARCHS[:-1])
 def test_router_loss_over_trees_equals_the_naive_rollouts(arch, engine, tiny64):

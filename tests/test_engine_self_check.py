@@ -20,6 +20,7 @@ def _neox(dtype=torch.float32, seed=0):
     return GPTNeoXForCausalLM(cfg).eval().to(dtype)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
 def test_an_unregistered_attention_family_passes_well_inside_its_bound(dtype):
     """GPT-NeoX is not in the registry but the generic path is exact for it: the measured error sits far below the
@@ -35,6 +36,7 @@ def test_an_unregistered_attention_family_passes_well_inside_its_bound(dtype):
     assert verdict["passed"] and verdict["model_class"] == "GPTNeoXForCausalLM"
 
 
+@pytest.mark.slow
 def test_a_wrong_guess_is_refused_with_the_measured_error(monkeypatch):
     """The check can fail: an engine that computes the logits wrongly (its head scaled by 1.5, as a logit transform
     it did not know would be) makes an error of order 1, and the model is refused with the figure and the bound."""
@@ -84,6 +86,7 @@ def _tree():
     return RolloutTree(make_rollouts(shared_prompt(8, 2, 4, 256, g), g))
 
 
+@pytest.mark.slow
 def test_force_true_checks_each_model_once_per_process_and_the_engine_trusts_it(monkeypatch):
     """A call of the package's `replay_logprobs` with force=True runs the trainer's self-check before the engine
     (once per model class, config and dtype in the process); the engine's own trusted=True is the explicit opt-out."""
@@ -109,6 +112,7 @@ def test_force_true_checks_each_model_once_per_process_and_the_engine_trusts_it(
         trusted(model, tree, trusted="unchecked")
 
 
+@pytest.mark.slow
 def test_force_true_refuses_a_model_whose_self_check_fails(monkeypatch):
     """The engine of `test_a_wrong_guess_is_refused_with_the_measured_error` (its head scaled by 1.5): with
     force=True the library call is refused with the measured error, as the trainer would refuse it; unchecked, it
@@ -158,6 +162,7 @@ def test_a_cache_of_another_layout_is_refused_by_name():
     assert keys.shape == values.shape == (1, 2, 8, 8)
 
 
+@pytest.mark.slow
 def test_the_check_of_force_true_leaves_the_callers_model_and_context_alone(monkeypatch):
     """force=True from inside autocast, inference_mode or no_grad, on a frozen model with gradients already
     accumulated: the check compares every parameter in the model's dtype (an exact model passes), and each

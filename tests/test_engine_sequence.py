@@ -52,6 +52,7 @@ def _naive(model, rollouts, loss):
     return value.item()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", DPO_LOSS_TYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "lfm2"])
 def test_dpo_over_pair_trees_equals_naive_per_pair(arch, loss_type, tiny64):

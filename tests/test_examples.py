@@ -40,6 +40,7 @@ def run_offline(path: str, folder: Path) -> subprocess.CompletedProcess:
     return done
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_the_library_quick_start_runs_offline(tmp_path):
     loss, token_ratio, logprob = run_offline("examples/quickstart.py", tmp_path).stdout.split()[-3:]
@@ -48,6 +49,7 @@ def test_the_library_quick_start_runs_offline(tmp_path):
     assert logprob.startswith("tensor(")
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_the_trl_quick_start_trains_a_tree_step_offline(tmp_path):
     done = run_offline("examples/trl_quickstart.py", tmp_path)

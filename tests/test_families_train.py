@@ -21,6 +21,8 @@ from helpers import grads, held_float64
 from test_engine_families_recurrent import F32_TOL
 from test_rl_run_trainer import generate, make_config, make_trainer, with_advantages
 
+pytestmark = pytest.mark.slow  # every family, trained: `make test` runs it, `make test-fast` does not
+
 ARCHS = ALL_TINY_ARCHS
 FLOAT32_IN_FLOAT64 = {"minimax_m2", "ernie4_5_moe", "hunyuan_v1_moe"}
 """Families whose transformers forward computes a part in float32 whatever the model's dtype, which `keep_float64`

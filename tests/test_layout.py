@@ -349,3 +349,45 @@ def test_the_layout_check_sees_a_module_without_a_test_and_a_stale_entry(tmp_pat
         "COVERED_BY['engine/stack.py']: it has ['test_engine_stack.py'] by name",
         "COVERED_BY['tree.py']: it has ['test_tree_forest.py'] by name",
         "COVERED_BY['tree.py']: no tests/test_gone.py"]
+
+
+# -- the fast suite -----------------------------------------------------------------------------------------------
+
+FAST_EXACTNESS = {  # floor: a test that proves it exact and that `make test-fast` (`pytest -m "not slow"`) runs
+    "": "test_tree_forest.py::test_one_forest_per_step_equals_per_group_trees_and_naive",
+    "reference": "test_reference_methods.py::test_reference_methods_train_the_same_model",
+    "engine": "test_engine_replay.py::test_packs_below_different_parents_equal_naive",
+    "decode": "test_decode_loop.py::test_logprobs_match_uncached_reference",
+    "rl": "test_rl_algorithms.py::test_rloo_sequence_loss_equals_naive",
+    "trl": "test_trl_rloo.py::test_tree_gradient_equals_rloo_trainer_on_the_same_batch",
+    "check": "test_check_cli.py::test_verify_loss_dpo_passes_and_fails_a_wrong_gradient",
+    "bench": "test_check_cli.py::test_bench_json_keys",  # the bench's own max_rel_grad_err
+}
+
+
+def marked_slow(path: Path, name: str) -> bool | None:
+    """Whether test function `name` of the file `path` is marked slow (`@pytest.mark.slow`, or the module's
+    `pytestmark`), read from its source; None when the file has no such function."""
+    body = ast.parse(path.read_text()).body
+    slow = {"pytest.mark.slow"}
+    module = [n.value for n in body if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", None) == "pytestmark"]
+    marks = [ast.unparse(e) for v in module for e in (v.elts if isinstance(v, (ast.List, ast.Tuple)) else [v])]
+    function = next((n for n in body if isinstance(n, ast.FunctionDef) and n.name == name), None)
+    return None if function is None else bool(slow & {*marks, *(ast.unparse(d) for d in function.decorator_list)})
+
+
+def test_the_fast_suite_keeps_an_exactness_test_of_each_floor():
+    assert set(FAST_EXACTNESS) == set(FLOORS)
+    said = {test: marked_slow(TESTS / test.split("::")[0], test.split("::")[1]) for test in FAST_EXACTNESS.values()}
+    assert [test for test, slow in said.items() if slow is not False] == []  # missing (None) or slow (True)
+
+
+def test_the_slow_mark_is_seen_on_a_function_and_on_a_module(tmp_path):
+    """Control of `marked_slow`: a decorated function, a module's mark in a list, and a function that is not there."""
+    (tmp_path / "test_a.py").write_text("import pytest\n\n\n@pytest.mark.slow\n@pytest.mark.parametrize('x', [1])\n"
+                                        "def test_one(x):\n    pass\n\n\ndef test_two():\n    pass\n")
+    (tmp_path / "test_b.py").write_text("import pytest\n\npytestmark = [pytest.mark.smollm2, pytest.mark.slow]\n\n\n"
+                                        "def test_three():\n    pass\n")
+    assert [marked_slow(tmp_path / "test_a.py", name) for name in ("test_one", "test_two", "test_gone")] == \
+        [True, False, None]
+    assert marked_slow(tmp_path / "test_b.py", "test_three") is True

@@ -110,6 +110,7 @@ def _rollouts(batch, loss_type: str) -> list[Rollout]:
             for i, ((ids, n), m, w) in enumerate(zip(rows, masks, weights, strict=True))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bias_correction", [True, False])
 @pytest.mark.parametrize("loss_type", GRPO_LOSS_TYPES)
 def test_grpo_loss_and_gradient_equal_trl(trl_trainers, loss_type, bias_correction):
@@ -199,6 +200,7 @@ def trl_dpo(tmp_path_factory):
     return trainers
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loss_type", ["sigmoid", "hinge", "ipo", "robust"])
 def test_dpo_loss_and_gradient_equal_trl(trl_dpo, loss_type):
     """TRL's `DPOTrainer._compute_loss` on its own padded batch (its collator, chosen rows then rejected rows) and

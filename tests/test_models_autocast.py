@@ -31,6 +31,7 @@ def _grads_of(run, model) -> list[torch.Tensor]:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen2-sliding", "gemma2", "lfm2"])
 def test_autocast_gradient_within_naive_bfloat16_error(arch):
     torch.manual_seed(0)

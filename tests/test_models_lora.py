@@ -84,6 +84,7 @@ def _train_args(folder, run, steps=2):
             "--train.steps", str(steps), "--train.eval_steps", "0", "--train.output_dir", str(run)]
 
 
+@pytest.mark.slow
 def test_a_lora_run_saves_the_adapter_only_resumes_evaluates_and_exports(model_folder, tmp_path, capsys):
     """The CLI path of a user: train with LoRA (beta > 0: the reference is the model with its adapter off), stop
     after 1 step and resume to 2 (equal to a straight run), eval --checkpoint the run, export it, and load the
@@ -164,6 +165,7 @@ def test_export_of_a_full_run_loads_with_transformers_and_respects_the_umask(mod
     assert (out / "tokenizer.json").is_file()
 
 
+@pytest.mark.slow
 def test_export_refuses_a_merge_that_changes_the_model_and_eval_refuses_another_alpha(model_folder, tmp_path, capsys):
     """Adapters on the LM head of a model with tied embeddings cannot be merged (the merge moves the embedding
     too): export compares the reloaded folder with the adapter model itself, refuses, and writes nothing. An

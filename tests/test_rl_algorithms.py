@@ -77,6 +77,7 @@ def _engine_vs_naive(model, rollouts, make_loss):
 
 # -- exactness over trees -----------------------------------------------------------------------------------------
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch, dtype", [(arch, torch.float64) for arch in ARCHS] + [("llama", torch.float32)])
 def test_ppo_critic_and_policy_equal_naive(arch, dtype, keep64):
     """The whole PPO update: the critic's values over the tree (one per unique position), ppo()'s GAE
@@ -319,6 +320,7 @@ def _config(tmp_path, algorithm, **sections):
     return Config.from_dict(data)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("algorithm, names", [
     ("ppo", ["objective/kl", "objective/entropy", "objective/non_score_reward", "objective/rlhf_reward",
              "policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
@@ -340,6 +342,7 @@ def test_each_algorithm_trains_and_logs_trl_names(tmp_path, algorithm, names):
     assert any((p - b).abs().max() > 0 for p, b in zip(trainer.model.parameters(), before, strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("grpo", [{"importance_sampling_level": "sequence", "num_iterations": 2},
                                   {"top_entropy_quantile": 0.2, "num_iterations": 2},
                                   {"loss_type": "cispo", "epsilon_high": 2.0}, {"loss_type": "sapo"},
@@ -355,6 +358,7 @@ def test_grpo_options_train(tmp_path, grpo):
         assert all(0.1 <= r["entropy_mask/kept"] <= 0.4 for r in records)
 
 
+@pytest.mark.slow
 def test_ppo_resume_equals_a_straight_run(tmp_path):
     """The critic, its AdamW state and schedule are in the checkpoint (critic/): 1 step + resume = 2 steps."""
     from test_rl_run_trainer import make_trainer

@@ -19,6 +19,8 @@ import torch
 
 from helpers import spawn_ranks
 
+pytestmark = pytest.mark.slow  # 2 processes, every algorithm: `make test` runs it, `make test-fast` does not
+
 GRADIENT_CASES = [("grpo", None), ("grpo-gspo", {"grpo": {"importance_sampling_level": "sequence", "beta": 0.05,
                                                          "num_iterations": 2}}),
                   ("rloo", None), ("reinforce_pp", {"grpo": {"beta": 0.05, "num_iterations": 2}}), ("ppo", None),

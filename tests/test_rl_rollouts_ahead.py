@@ -234,6 +234,7 @@ def _gone(pid: int, within_s: float = 10.0) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_run_killed_at_random_moments_resumes_with_every_step_trained_once(tmp_path):
     context = multiprocessing.get_context("forkserver")
     context.set_forkserver_preload(["branchreplay.rl.run.trainer", "branchreplay.models", "rich.console"])
@@ -295,6 +296,7 @@ def _two_rank_worker(rank: int, world: int, tmp: str, strategy: str) -> None:
     trainer.fit()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["fsdp2", "ddp"])
 def test_two_ranks_receive_rank_0s_batches_and_train_as_one_process(tmp_path, strategy):
     single = make_trainer(make_config(tmp_path, grpo={"prompts_per_step": 3, "max_staleness": 1},

@@ -259,6 +259,7 @@ def test_multi_turn_asks_every_trajectorys_next_turn_together(stand_in, tmp_path
     assert rows and all(r["sampling/logprob_diff_mean"] == pytest.approx(OFFSET, abs=1e-5) for r in rows)
 
 
+@pytest.mark.slow
 def test_truncated_importance_sampling_scales_the_policy_term(stand_in, tmp_path):
     """TRL's token_truncate: min(exp(t - s), cap) per token, here exp(OFFSET) = 1.051 capped at 1.02 on every token:
     the first step's loss and gradient norm (before clipping) are 1.02 x the uncorrected ones."""
@@ -272,6 +273,7 @@ def test_truncated_importance_sampling_scales_the_policy_term(stand_in, tmp_path
         assert metrics[1.02][key] == pytest.approx(1.02 * metrics[None][key], rel=1e-5), key
 
 
+@pytest.mark.slow
 def test_a_server_that_dies_stops_answering_or_fails_a_sync_ends_the_run_with_a_checkpoint(stand_in, tmp_path):
     for name, kwargs in (("dies", {"fail_on": 3}), ("hangs", {"hang_on": 3}),  # step 2's first group
                          ("sync-fails", {"fail_sync_on": 2})):  # the sync after step 1

@@ -90,6 +90,7 @@ def forks():
     return context
 
 
+@pytest.mark.slow
 def test_runs_killed_29_times_stay_usable_and_end_as_an_uninterrupted_one(tmp_path, forks):
     whole_run_s = 0.0
     for straight in (tmp_path / "warm-up", tmp_path / "straight"):  # the first starts the fork server

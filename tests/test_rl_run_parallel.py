@@ -56,6 +56,7 @@ def _killed_worker(rank: int, world: int, port: int, tmp: str, killed: int, phas
     os._exit(0)  # as the CLI after RankDied: the broken process group is not torn down
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("killed, phase", [(1, "backward"), (0, "backward"), (1, "checkpoint")],
                          ids=["rank-1", "rank-0-the-store", "rank-1-in-the-checkpoint"])
 def test_a_rank_killed_mid_step_stops_the_other_with_its_name_and_the_checkpoint_resumes(killed, phase, tmp_path):
@@ -115,6 +116,7 @@ def _fault_worker(rank: int, world: int, port: int, tmp: str, fault: str) -> Non
     os._exit(1)  # as the CLI after an error under torchrun: no teardown of the group another rank may still use
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("fault", ["raises", "hangs"])
 def test_a_rank_that_raises_or_hangs_is_named_in_one_line(tmp_path, fault):
     """Rank 1 raises an out-of-memory error inside the lock-step backward: rank 0 used to wait until
@@ -157,6 +159,7 @@ def _eval_error_worker(rank: int, world: int, tmp: str) -> None:
     _record_outcome(Path(tmp) / f"rank{rank}.txt", trainer.evaluate)  # the expected error caught
 
 
+@pytest.mark.slow
 def test_a_reward_error_in_the_held_out_eval_stops_every_rank_at_once(tmp_path):
     """Rank 1's reward raises during the sharded eval: rank 1 raises it, and rank 0 a RewardFunctionError naming
     rank 1, both at once (they used to wait for each other until the collective timeout)."""
@@ -188,6 +191,7 @@ def _save_error_worker(rank: int, world: int, tmp: str, error: str) -> None:
     _record_outcome(Path(tmp) / f"rank{rank}.txt", lambda: trainer.save(Path(tmp) / "run"))  # the error caught
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("error", WRITE_ERRORS)
 def test_a_checkpoint_write_error_on_rank_0_stops_every_rank_at_once(tmp_path, error):
     """No half-written checkpoint, and no rank waits for the collective timeout (120 s) to learn of it. The other
@@ -302,6 +306,7 @@ def _blocked_worker(rank: int, world: int, tmp: str) -> None:
             console.print(f"barrier returned, stop={stop}")
 
 
+@pytest.mark.slow
 def test_ctrl_c_is_answered_at_once_while_a_collective_waits(tmp_path):
     """Ctrl-C on rank 0 while it waits in a collective for a rank still sampling (minutes on a loaded machine):
     Python runs the handler only when the collective returns, so the user saw nothing until the step ended; the

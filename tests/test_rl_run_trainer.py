@@ -422,6 +422,7 @@ def test_unregistered_family_is_self_checked_once_per_run_folder(tmp_path, monke
         make_trainer(refused, model=model).fit()
 
 
+@pytest.mark.slow
 @pytest.mark.smollm2
 def test_smollm2_one_step(tmp_path):
     """The real default model and task, one tiny step: chat template, EOS handling, rewards, a checkpoint."""

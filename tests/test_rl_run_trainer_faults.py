@@ -12,6 +12,7 @@ from branchreplay.rl.run.stops import TrainingFailed
 from test_rl_run_trainer import _metrics, byte_reward, make_config, make_trainer
 
 
+@pytest.mark.slow
 def test_a_resume_may_lengthen_the_run_and_keeps_every_config(tmp_path):
     """A finished 2-step cosine run resumed to 4 steps: steps 3 and 4 train at the 4-step schedule's rates for steps
     3 and 4 (before: 0.0 at step 3, the 2-step schedule's end, which the optimizer's saved state carried);
@@ -52,6 +53,7 @@ def test_a_resume_that_changes_the_run_is_refused_by_name(tmp_path):
     assert config.train.steps == 3 and config.engine.max_pack_tokens == 8  # what a resume may change
 
 
+@pytest.mark.slow
 def test_a_reward_that_fails_on_the_held_out_answers_skips_that_evaluation(tmp_path):
     """One rule with the training steps: a reward that raises (or returns the wrong number of values) while scoring
     the held-out answers skips that evaluation with a warning and the run goes on; it used to end the run with a
@@ -76,6 +78,7 @@ def test_a_reward_that_fails_on_the_held_out_answers_skips_that_evaluation(tmp_p
         assert "step 0/2  held-out evaluation skipped (reward function" in trainer.console.export_text()
 
 
+@pytest.mark.slow
 def test_an_incomplete_latest_checkpoint_is_named_on_resume(tmp_path):
     """A latest checkpoint with a file missing used to make --resume fall back to the previous one without a word:
     it says which one was incomplete, what it lacks, and which one it resumes from."""
@@ -87,6 +90,7 @@ def test_an_incomplete_latest_checkpoint_is_named_on_resume(tmp_path):
     assert latest_checkpoint(run).name == "step-000002"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, cut", [("model.safetensors", 0.5), ("model.safetensors", 100),
                                        ("trainer_state.pt", 64), ("model.safetensors", "flip")])
 def test_a_damaged_latest_checkpoint_is_named_and_the_previous_one_resumes(tmp_path, name, cut):
@@ -133,6 +137,7 @@ def _hanging_on_step(step: int, before=lambda: None):
     return hanging
 
 
+@pytest.mark.slow
 def test_a_reward_that_never_returns_skips_its_step_after_task_reward_timeout_s(tmp_path):
     """A reward function that never returns used to hold the run forever, printing nothing: past
     task.reward_timeout_s the call counts as a reward that raised (the step skipped with a warning naming the
@@ -144,6 +149,7 @@ def test_a_reward_that_never_returns_skips_its_step_after_task_reward_timeout_s(
     assert [("skipped" in r, r["step"]) for r in _metrics(run)] == [(False, 1), (True, 2), (False, 3)]
 
 
+@pytest.mark.slow
 def test_a_reward_under_its_timeout_may_use_signals_itself(tmp_path):
     """The timeout runs the reward in the main thread (a SIGUSR1 at the limit), so a reward function that uses
     signals itself, as math-verify's default timeouts do, still runs: in a thread of its own it raised
@@ -164,6 +170,7 @@ def test_a_reward_under_its_timeout_may_use_signals_itself(tmp_path):
     assert signal.getsignal(signal.SIGUSR1) is previous  # the timeout's handler is gone after each call
 
 
+@pytest.mark.slow
 def test_a_second_signal_ends_the_run_with_one_line_and_the_last_checkpoint_intact(tmp_path):
     """SIGINT twice while a reward function hangs in step 2: the first asks for a stop after the step, which does
     not end; the second used to end in a KeyboardInterrupt traceback. Now `TrainingAborted`, one line naming what
@@ -234,6 +241,7 @@ def small_disk(tmp_path):
         subprocess.run(["umount", "-l", str(folder)], check=False)
 
 
+@pytest.mark.slow
 def test_a_full_disk_ends_the_run_with_one_line_and_the_last_checkpoint_intact(small_disk):
     """The step-2 checkpoint does not fit on the disk: the run ends with one line naming the step, the disk's
     error and the checkpoint that is intact; that checkpoint resumes, and no half-written folder is left."""
@@ -251,6 +259,7 @@ def test_a_full_disk_ends_the_run_with_one_line_and_the_last_checkpoint_intact(s
                            trainer.policy.scheduler)[0] == 1
 
 
+@pytest.mark.slow
 def test_a_read_only_folder_ends_the_run_with_one_line_and_the_last_checkpoint_intact(tmp_path, monkeypatch):
     """The step-2 checkpoint cannot be put in place (a folder that turned read-only: EROFS, injected where the
     rename happens): one line, and the step-1 checkpoint stays the latest and complete."""

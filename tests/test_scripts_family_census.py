@@ -48,6 +48,7 @@ def flagship_rows(tmp_path_factory):
     return code, rows, (out / "census.md").read_text(), module
 
 
+@pytest.mark.slow
 def test_the_flagship_families_are_exact_or_refused(flagship_rows):
     code, rows, _, module = flagship_rows
     assert [r["family"] for r in rows] == list(module.FLAGSHIP)
@@ -59,6 +60,7 @@ def test_the_flagship_families_are_exact_or_refused(flagship_rows):
             assert r["float64_error"] <= 1e-4 and r["float32_ratio"] <= 2.0, r
 
 
+@pytest.mark.slow
 def test_the_table_has_a_line_per_type_and_the_counts(flagship_rows):
     _, rows, table, module = flagship_rows
     lines = table.splitlines()

@@ -16,7 +16,7 @@ from branchreplay.reference.naive import max_rel_grad_err, naive_backward
 from branchreplay.reference.shapes import make_rollouts, shared_prompt
 from branchreplay.tree import Rollout, RolloutTree
 
-pytestmark = pytest.mark.smollm2
+pytestmark = [pytest.mark.smollm2, pytest.mark.slow]
 
 
 def test_smollm2_short_prompt_four_branches_float32():

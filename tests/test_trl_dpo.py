@@ -84,6 +84,7 @@ CASES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.float32
 def test_tree_gradient_equals_dpo_trainer_on_the_same_batch(folder, tmp_path, case):  # noqa: F811
@@ -96,6 +97,7 @@ def test_tree_gradient_equals_dpo_trainer_on_the_same_batch(folder, tmp_path, ca
     assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
 
 
+@pytest.mark.slow
 def test_moe_router_aux_loss_over_the_tree_equals_dpo_trainer(moe_folder, tmp_path):  # noqa: F811
     """TRL's router load-balancing loss of an MoE model over the pairs' one forward (every real token of the chosen
     and rejected rows counted): equal over the tree."""
@@ -149,6 +151,7 @@ def test_the_dpo_batch_trips_on_a_swapped_pair(folder, tmp_path):  # noqa: F811
         assert metrics[key] != pytest.approx(trl_metrics[key], rel=1e-4, abs=1e-6), key
 
 
+@pytest.mark.slow
 @pytest.mark.float32
 def test_two_dpo_steps_log_the_same_metrics(folder, tmp_path):  # noqa: F811
     """From one seed, with the policy moved off the reference (`_perturb`), both trainers log the same metrics over

@@ -154,6 +154,7 @@ SETTING_OFF = {  # the two-pass cases' setting, turned off: the gradient must ch
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES)
 @pytest.mark.float32
 def test_tree_gradient_equals_grpo_trainer_on_the_same_batch(folder, tmp_path, case):
@@ -174,6 +175,7 @@ def test_tree_gradient_equals_grpo_trainer_on_the_same_batch(folder, tmp_path, c
         assert max_rel_grad_err(grads(trainer.model), theirs) > 1e-3, f"{name} changed nothing on the test batch"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["dapo", "grpo-kl-off-policy"])
 def test_the_test_batch_trips_on_a_wrong_mask(folder, tmp_path, case):
     """The comparison can fail: the same batch without its tool mask on the tree's side differs from TRL's, in the
@@ -191,6 +193,7 @@ def test_the_test_batch_trips_on_a_wrong_mask(folder, tmp_path, case):
     assert not float32_close(loss.item(), trl_loss.item(), inputs["advantages"].abs().mean().item())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["token", "sequence"])
 def test_vllm_importance_sampling_correction_equals_trl(folder, tmp_path, shape):
     """TRL's importance-sampling weights of vLLM rollouts, given on the batch as TRL's modes make them: per token
@@ -301,6 +304,7 @@ def two_step_logs(make, trl_cls, tree_cls, key: str = "reward") -> list[tuple[di
     return list(zip(logs[trl_cls], logs[tree_cls], strict=True))
 
 
+@pytest.mark.slow
 @pytest.mark.float32
 def test_two_steps_log_the_same_metrics(folder, tmp_path):
     """Same seed, same config (TRL's defaults: dapo, gradient checkpointing on): after 2 steps the logged loss,
@@ -358,6 +362,7 @@ def _family_folder(folder, tmp_path, model_type, **config):
     return path
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model_type, config", [
     ("cohere2", dict(sliding_window=4, layer_types=["sliding_attention", "full_attention"])),
     ("qwen2_moe", dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,

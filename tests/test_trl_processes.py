@@ -121,6 +121,7 @@ def reports(folder, tmp_path_factory):  # noqa: F811
     return report
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wrapper, job", [(w, job) for w in LAUNCHES for job in jobs_of(w)],
                          ids=lambda x: x if isinstance(x, str) else x["name"])
 def test_two_processes_train_as_trls_class_under_the_same_launch(reports, wrapper, job):
@@ -153,6 +154,7 @@ def test_two_processes_train_as_trls_class_under_the_same_launch(reports, wrappe
         assert max_rel_grad_err(exact["grads"], exact["naive"]) < 1e-10
 
 
+@pytest.mark.slow
 def test_processes_that_would_train_apart_are_refused(folder, tmp_path):  # noqa: F811
     """torchrun's 2 processes without use_cpu=True on a machine without an accelerator: transformers gives each a
     one-process state (TRL's class then trains two copies); the tree's refuses when built, naming the setting."""
@@ -228,6 +230,7 @@ def test_zero3_gradient_injection_names_a_parameter_the_token_did_not_reach():
         injection.check()
 
 
+@pytest.mark.slow
 def test_a_rank_that_dies_stops_the_other_with_one_line_naming_it(folder, tmp_path):  # noqa: F811
     """Two processes started as srun or mpirun start them (no torchrun agent to stop the survivor): rank 1 is
     SIGKILLed after step 1; rank 0's next collective fails at once (gloo) and it stops with `RankDied` naming rank 1
@@ -311,6 +314,7 @@ def _accelerate_launch(options: list[str], model, tmp_path) -> str:
     return done.stdout
 
 
+@pytest.mark.slow
 def test_the_cpu_recipe_starts_two_processes_and_accelerates_cpu_flag_is_refused(folder, tmp_path):  # noqa: F811
     """`accelerate launch --cpu --num_processes 2` silently ran one process (accelerate's --cpu launcher starts one):
     the drop-in now refuses that launch by name, and configs/accelerate/cpu.yaml really starts 2 processes that the
@@ -356,6 +360,7 @@ TreeGRPOTrainer(model=sys.argv[1], reward_funcs=patient_grader, args=args, rewar
 """
 
 
+@pytest.mark.slow
 def test_a_reward_hung_on_one_rank_ends_the_job_naming_the_rank_and_the_reward(folder, tmp_path):  # noqa: F811
     """A reward that hung on one of torchrun's 2 processes hung the whole job until the process group's 30-minute
     timeout, with no message (TRL's class and ours alike). With reward_timeout_s=5 the job ends within a minute:

@@ -87,6 +87,7 @@ def test_tree_gradient_equals_rloo_trainer_on_the_same_batch(folder, tmp_path, c
     assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
 
 
+@pytest.mark.slow
 def test_moe_router_aux_loss_over_the_tree_equals_rloo_trainer(moe_folder, tmp_path):  # noqa: F811
     """TRL's router load-balancing loss of an MoE model (test_trl_grpo.py's GRPO case): equal over the tree."""
     trainer = _trainer(TreeRLOOTrainer, moe_folder, tmp_path, router_aux_loss_coef=0.5)
@@ -110,6 +111,7 @@ def test_the_rloo_batch_trips_on_a_wrong_mask(folder, tmp_path):  # noqa: F811
     assert max_rel_grad_err(grads(model), theirs) > 1e-3
 
 
+@pytest.mark.slow
 @pytest.mark.float32
 def test_two_rloo_steps_log_the_same_metrics(folder, tmp_path):  # noqa: F811
     steps = two_step_logs(lambda cls: _trainer(cls, folder, tmp_path, beta=0.05), trl.RLOOTrainer, TreeRLOOTrainer)
