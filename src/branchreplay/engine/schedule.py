@@ -83,5 +83,3 @@ def _scheduled(node: Node, pack: float, per_child_position: float, per_key: floa
     if ending:
         merged.append(Node(node.tokens, node.start, ending))
     return merged
-
-

@@ -69,4 +69,3 @@ def whitened(values: list[torch.Tensor], masks: list[torch.Tensor]) -> list[torc
     if sum(float(m.sum()) for m in masks) < 2:
         return [torch.zeros_like(v) for v in values]
     return masked_whiten(values, masks)
-

@@ -379,4 +379,3 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "train": TrainConfig,
 }
-
