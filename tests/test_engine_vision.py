@@ -13,9 +13,9 @@ from branchreplay.engine import EngineConfig, replay_backward, replay_logprobs
 from branchreplay.engine.vision import ImagePrompt
 from branchreplay.losses import GRPOLoss
 from branchreplay.reference.naive import max_rel_grad_err, naive_backward
-from branchreplay.tiny_models import tiny_qwen2_vl_model, tiny_vision_model
+from branchreplay.tiny_models import tiny_vision_model
 from branchreplay.tree import Rollout, RolloutTree
-from helpers import grads
+from helpers import grads, tiny_qwen2_vl_model
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

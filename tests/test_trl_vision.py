@@ -146,7 +146,7 @@ def test_qwen2_vl_rows_over_the_tree_equal_the_padded_batch_forward():
     (the model with attention_mask, pixel_values, image_grid_thw, mm_token_type_ids), float64 logprobs."""
     from branchreplay.engine import replay_logprobs
     from branchreplay.reference.float64 import keep_float64
-    from branchreplay.tiny_models import tiny_qwen2_vl_model
+    from helpers import tiny_qwen2_vl_model
 
     g = torch.Generator().manual_seed(0)
     batch = _qwen2_vl_batch(g)

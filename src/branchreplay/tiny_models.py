@@ -286,31 +286,6 @@ def tiny_vision_model(dtype: torch.dtype = torch.float32, seed: int = 0, vocab_s
     return model.to(dtype).eval()
 
 
-def tiny_qwen2_vl_model(dtype: torch.dtype = torch.float32, seed: int = 0, vocab_size: int = 256,
-                        image_token_id: int = 250, vision_start_token_id: int = 251, video_token_id: int = 253,
-                        **text_overrides) -> PreTrainedModel:
-    """Randomly initialised tiny Qwen2VLForConditionalGeneration (vision-language, rotary positions on the image
-    grid), in eval mode, parameters in `dtype`, drawn as `tiny_model`'s. Its text model has `tiny_config("qwen2")`'s
-    sizes (head_dim 16: multimodal rotary sections [4, 2, 2] over temporal, height, width) with `text_overrides`;
-    its vision tower 2 blocks of width 16 on patches of 2 x 2 pixels x 2 frames, merged 2 x 2: an image of grid
-    (1, h, w) patches gives h * w / 4 placeholder tokens (pixel_values [h * w, 24] per image). The placeholder,
-    vision-start and video ids are inside the vocabulary."""
-    text = {k: v for k, v in tiny_config("qwen2", vocab_size=vocab_size, **text_overrides).to_dict().items()
-            if k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-                     "num_key_value_heads", "max_position_embeddings", "rms_norm_eps", *text_overrides)}
-    text.update(rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
-                bos_token_id=1, eos_token_id=2)
-    vision = dict(depth=2, embed_dim=16, hidden_size=text["hidden_size"], num_heads=2, mlp_ratio=2, patch_size=2,
-                  temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
-    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, image_token_id=image_token_id,
-                                        vision_start_token_id=vision_start_token_id, video_token_id=video_token_id)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = transformers.Qwen2VLForConditionalGeneration._from_config(config, attn_implementation="sdpa",
-                                                                          dtype=torch.float32)
-    return model.to(dtype).eval()
-
-
 IMAGE_TOKENS = {"image_token": "<img>", "boi_token": "<boi>", "eoi_token": "<eoi>"}
 """Gemma3's image placeholder, begin- and end-of-image tokens, as `save_tiny_vision_model` adds them."""
 IMAGE_CHAT_TEMPLATE = (
