@@ -15,22 +15,6 @@ from branchreplay.reference.float64 import keep_float64
 from branchreplay.tiny_models import tiny_model
 
 
-def pytest_configure(config):
-    """torch on one thread for the whole run: the tests' tiny matrices run fastest so, and far faster beside other
-    processes on the cores (two threads took twice the CPU and wall time of one for test_check_cli's verify tests on
-    2 busy cores). The suite used to run so by accident, from test_bench_runner's first `bench --threads 1` on, and
-    `pytest -m "not slow"`, which leaves that test out, on two threads."""
-    torch.set_num_threads(1)
-
-
-@pytest.fixture(autouse=True)
-def _threads_kept():
-    """A test that sets torch's threads (`bench --threads N`, `train --threads N`) sets them for itself alone."""
-    yield
-    if torch.get_num_threads() != 1:
-        torch.set_num_threads(1)
-
-
 @pytest.fixture
 def keep64():
     """keep64(model) -> model: `keep_float64` on `model` until the test ends, then restored."""
