@@ -372,7 +372,7 @@ def test_unregistered_families_are_self_checked_when_built_and_then_exact(folder
     """Families outside the engine's registry that TRL's tests use: the self-check runs in the constructor, and
     the gradient then equals TRL's on its batch."""
     trainer = _trainer(TreeGRPOTrainer, _family_folder(folder, tmp_path, model_type, **config), tmp_path)
-    assert trainer._force is True
+    assert trainer._trusted is True
     theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
     assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
     with pytest.raises(ValueError, match=f"TreeGRPOTrainer: model family '{model_type}' is not supported"):
@@ -385,7 +385,7 @@ def test_nemotron_h_runs_and_equals_trl(folder, tmp_path):
     path = _family_folder(folder, tmp_path, "nemotron_h", hybrid_override_pattern="M*-", mamba_num_heads=4,
                           mamba_head_dim=16, ssm_state_size=8, n_groups=1, chunk_size=8)
     trainer = _trainer(TreeGRPOTrainer, path, tmp_path)
-    assert trainer._force is False
+    assert trainer._trusted is False
     theirs, ours = _trl_and_tree_grads(trainer, _batch(trainer))
     assert max_rel_grad_err(ours, theirs) <= 1e-4, max_rel_grad_err(ours, theirs)
 
